@@ -1,0 +1,66 @@
+"""Every ``ADP_*`` environment variable the library reads, in one place.
+
+Explicit arguments always beat these: each accessor returns ``None`` (or the documented default)
+when the variable is unset, and callers use the value only when the caller passed nothing.
+
+=========================  =====================================================================
+variable                   meaning
+=========================  =====================================================================
+``ADP_BACKEND``            default backend for ``get_backend("auto")``: ``npu``, ``cuda``, ``emulator``
+``ADP_EMU_PRODUCT``        emulated product profile: ``A2`` (default) or ``A3``
+``ADP_TIMEOUT_S``          default bound, in seconds, for every wait (default 30)
+``ADP_FAST_DEBUG``         ``1`` shortens every default wait to 2 s, to fail fast while debugging
+``ADP_WITH_NPU``           build flag read by ``setup.py``: ``0`` skips the NPU part, ``1`` requires it
+``ADP_WITH_CUDA``          build flag read by ``setup.py``: ``0`` skips CUDA sources, ``1`` requires them
+``ADP_DEBUG``              build flag read by ``setup.py``: ``1`` builds with ``-O0 -g``
+=========================  =====================================================================
+
+HCCL's own variables (``HCCL_BUFFSIZE``, ``HCCL_RDMA_TC``, ``HCCL_RDMA_SL``,
+``HCCL_OP_EXPANSION_MODE``) are not ours: the emulated communicator reads them exactly where HCCL
+does, as the fallback for ``HcclCommConfig`` fields left "not set".
+"""
+
+from __future__ import annotations
+
+import os
+
+DEFAULT_TIMEOUT_S = 30.0
+FAST_DEBUG_TIMEOUT_S = 2.0
+
+
+def _get(name: str) -> str | None:
+    value = os.environ.get(name)
+    return value if value not in (None, "") else None
+
+
+def backend() -> str | None:
+    return _get("ADP_BACKEND")
+
+
+def emu_product() -> str | None:
+    return _get("ADP_EMU_PRODUCT")
+
+
+def fast_debug() -> bool:
+    return _get("ADP_FAST_DEBUG") == "1"
+
+
+def timeout_s() -> float:
+    """Default bound for waits; ``ADP_TIMEOUT_S`` if set, else 2 s under ``ADP_FAST_DEBUG``, else 30 s."""
+    raw = _get("ADP_TIMEOUT_S")
+    if raw is not None:
+        value = float(raw)
+        if value <= 0:
+            raise ValueError(f"ADP_TIMEOUT_S must be > 0 seconds, got {raw!r}")
+        return value
+    return FAST_DEBUG_TIMEOUT_S if fast_debug() else DEFAULT_TIMEOUT_S
+
+
+def build_flag(name: str) -> bool | None:
+    """Tri-state build flag ``ADP_<name>``: True for 1, False for 0, None when unset."""
+    raw = _get(f"ADP_{name}")
+    if raw is None:
+        return None
+    if raw not in ("0", "1"):
+        raise ValueError(f"ADP_{name} must be 0 or 1, got {raw!r}")
+    return raw == "1"

@@ -1,0 +1,39 @@
+"""Command line: ``python -m ascend_dualpath {info, demo, bench, ...}``.
+
+Each command lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``; only
+the chosen command's module is imported, so ``info`` never pays for the simulator's imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = {
+    "info": ("ascend_dualpath.cli.info", "version, backends and the emulated device profile"),
+    "demo": ("ascend_dualpath.cli.demo", "the main job, on the emulator by default"),
+    "bench": ("ascend_dualpath.cli.bench", "microbenchmarks (emulated NIC, transfers, MoE)"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: python -m ascend_dualpath <command> [options]", "", "commands:"]
+    lines += [f"  {name:<10} {help_text}" for name, (_, help_text) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module_name, help_text = COMMANDS[name]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=f"python -m ascend_dualpath {name}", description=help_text)
+    module.add_arguments(parser)
+    return int(module.run(parser.parse_args(rest)) or 0)

@@ -1,0 +1,170 @@
+"""Build of ascend_dualpath and its extension ``ascend_dualpath._C``.
+
+Always built: the emulated Ascend device runtime (``csrc/emulator``) and the bindings, as a C++17
+torch extension, on any machine with a C++ compiler. Built when CANN and torch_npu are found: the NPU
+host code (``csrc/npu``, through torch_npu's ``NpuExtension``) and the AscendC kernels
+(``op_kernels/``, through CANN's ``ascendc_library`` CMake function, for ``SOC_VERSION``).
+
+Flags (environment): ``ADP_WITH_NPU=0|1`` (0 skips the NPU part, 1 makes a missing CANN an error),
+``ADP_WITH_CUDA=0|1`` (reserved for CUDA sources), ``ADP_DEBUG=1`` (``-O0 -g``), ``SOC_VERSION``
+(else read from ``npu-smi``). CANN is looked for in ``ASCEND_HOME_PATH``, ``ASCEND_TOOLKIT_HOME``,
+``ASCEND_CANN_PACKAGE_PATH``, then ``/usr/local/Ascend/ascend-toolkit/latest`` and
+``/usr/local/Ascend/cann``. Install with ``pip install --no-build-isolation -e .`` so the build uses
+the torch already installed (never an isolated, CUDA-sized one).
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT / "ascend_dualpath"))
+import _env  # noqa: E402  (the one module that reads ADP_* variables; importable without the package)
+
+sys.path.pop(0)
+
+CANN_ENV_VARS = ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME", "ASCEND_CANN_PACKAGE_PATH")
+CANN_DEFAULT_DIRS = ("/usr/local/Ascend/ascend-toolkit/latest", "/usr/local/Ascend/cann")
+
+summary: list[tuple[str, str]] = []
+
+
+def find_cann() -> tuple[Path | None, str]:
+    for var in CANN_ENV_VARS:
+        value = os.environ.get(var)
+        if value and Path(value).is_dir():
+            return Path(value), f"${var}"
+    for candidate in CANN_DEFAULT_DIRS:
+        if Path(candidate).is_dir():
+            return Path(candidate), candidate
+    return None, "not found (set ASCEND_HOME_PATH, or `source <cann>/set_env.sh`)"
+
+
+def find_soc_version() -> tuple[str | None, str]:
+    soc = os.environ.get("SOC_VERSION")
+    if soc:
+        return soc, "$SOC_VERSION"
+    if shutil.which("npu-smi"):
+        try:
+            out = subprocess.run(["npu-smi", "info", "-t", "board", "-i", "0", "-c", "0"],
+                                 capture_output=True, text=True, timeout=20).stdout
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return None, f"npu-smi failed: {exc}"
+        for line in out.splitlines():
+            if "Chip Name" in line or "Chip Type" in line:
+                return "ascend" + line.split(":", 1)[1].strip().lower(), "npu-smi"
+        return None, "npu-smi printed no chip name"
+    return None, "SOC_VERSION is unset and npu-smi is absent"
+
+
+def ascendc_cmake_dir(cann: Path) -> Path | None:
+    for sub in ("tools/tikcpp/ascendc_kernel_cmake", "compiler/tikcpp/ascendc_kernel_cmake",
+                "ascendc_devkit/tikcpp/samples/cmake"):
+        if (cann / sub).is_dir():
+            return cann / sub
+    return None
+
+
+def build_ascendc_kernels(cann: Path, soc: str) -> Path:
+    """Compile op_kernels/ with CANN's ascendc_library; returns the directory of the built library."""
+    build_dir = ROOT / "build" / "op_kernels"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    subprocess.check_call(["cmake", str(ROOT / "op_kernels"), f"-DASCEND_HOME_PATH={cann}", f"-DSOC_VERSION={soc}",
+                           f"-DASCENDC_CMAKE_DIR={ascendc_cmake_dir(cann)}", "-DCMAKE_BUILD_TYPE=Release"],
+                          cwd=build_dir)
+    subprocess.check_call(["cmake", "--build", ".", "-j", str(os.cpu_count() or 2)], cwd=build_dir)
+    return build_dir
+
+
+def extensions():
+    if importlib.util.find_spec("torch") is None:
+        raise SystemExit("ascend_dualpath builds against an installed torch: run `pip install torch==2.13.0` "
+                         "(CPU build) first, then `pip install --no-build-isolation -e .`")
+    from torch.utils.cpp_extension import CppExtension
+
+    debug = _env.build_flag("DEBUG") is True
+    cxx_flags = ["-std=c++17", "-O0", "-g"] if debug else ["-std=c++17", "-O2"]
+    include_dirs = [str(ROOT / "csrc"), str(ROOT / "op_kernels" / "include")]
+    sources = sorted(glob.glob("csrc/emulator/*.cpp") + glob.glob("csrc/bindings/*.cpp"))
+    summary.append(("emulator", f"built ({len(sources)} C++ sources, {'debug' if debug else 'release'})"))
+
+    with_npu = _env.build_flag("WITH_NPU")
+    cann, cann_origin = find_cann()
+    torch_npu_found = importlib.util.find_spec("torch_npu") is not None
+    define_macros = []
+    libraries, library_dirs = [], []
+    ext_cls = CppExtension
+    if with_npu is False:
+        summary.append(("npu", "skipped: ADP_WITH_NPU=0"))
+    elif cann is None or not torch_npu_found:
+        why = f"CANN {cann_origin}" if cann is None else "torch_npu is not installed"
+        if with_npu:
+            raise SystemExit(f"ADP_WITH_NPU=1 but the NPU part cannot be built: {why}")
+        summary.append(("npu", f"skipped: {why}"))
+    else:
+        soc, soc_origin = find_soc_version()
+        if soc is None:
+            raise SystemExit(f"CANN found at {cann} but SOC_VERSION is unknown ({soc_origin}); "
+                             "export SOC_VERSION, e.g. Ascend910B1 (A2) or Ascend910_9391 (A3)")
+        from torch_npu.utils.cpp_extension import NpuExtension
+
+        ext_cls = NpuExtension
+        sources += sorted(glob.glob("csrc/npu/*.cpp"))
+        define_macros.append(("ADP_WITH_NPU", "1"))
+        include_dirs += [str(cann / "include")]
+        if glob.glob(str(ROOT / "op_kernels" / "*" / "op_kernel" / "*.cpp")):
+            kernel_dir = build_ascendc_kernels(cann, soc)
+            libraries.append("adp_kernels")
+            library_dirs.append(str(kernel_dir))
+            define_macros.append(("ADP_WITH_ASCENDC_KERNELS", "1"))
+            summary.append(("npu", f"built for {soc} ({soc_origin}), CANN at {cann} ({cann_origin}), kernels included"))
+        else:
+            summary.append(("npu", f"built for {soc} ({soc_origin}), CANN at {cann}; no AscendC kernel sources yet"))
+
+    with_cuda = _env.build_flag("WITH_CUDA")
+    summary.append(("cuda", "skipped: ADP_WITH_CUDA=0" if with_cuda is False else
+                    "no compiled CUDA sources; the cuda backend uses Triton/torch kernels at run time"))
+
+    return [ext_cls(name="ascend_dualpath._C", sources=sources, include_dirs=include_dirs,
+                    define_macros=define_macros, libraries=libraries, library_dirs=library_dirs,
+                    extra_compile_args={"cxx": cxx_flags + ["-Wall", "-Wno-unused-function"]},
+                    extra_link_args=["-lrt", "-lpthread"])]
+
+
+def cmdclass():
+    from torch.utils.cpp_extension import BuildExtension
+
+    class BuildWithSummary(BuildExtension):
+        def run(self):
+            super().run()
+            print("\nascend_dualpath build summary:")
+            for part, status in summary:
+                print(f"  {part:<9} {status}")
+            print()
+
+    return {"build_ext": BuildWithSummary.with_options(use_ninja=shutil.which("ninja") is not None)}
+
+
+setup(
+    name="ascend_dualpath",
+    version=(ROOT / "ascend_dualpath" / "version.py").read_text().split('"')[1],
+    description="DualPath KV loading, AIV-direct RDMA and DeepEP-style MoE for Ascend NPUs, with a CPU emulator",
+    packages=find_packages(include=["ascend_dualpath", "ascend_dualpath.*"]),
+    python_requires=">=3.10",
+    # torch is not pinned here: a range that admits a newer release would pull a CUDA build on a
+    # CPU machine. Install torch first (README); any torch >= 2.4 works.
+    install_requires=["numpy", "rich", "matplotlib"],
+    extras_require={"test": ["pytest", "hypothesis"]},
+    ext_modules=extensions(),
+    cmdclass=cmdclass(),
+    entry_points={"console_scripts": ["ascend-dualpath=ascend_dualpath.__main__:main"]},
+    zip_safe=False,
+)
