@@ -40,6 +40,10 @@ class PayloadTooLarge(AdpError, ValueError):
     """A payload exceeds a hardware or buffer limit."""
 
 
+class EmptyTransfer(AdpError, ValueError):
+    """A transfer of zero bytes was requested."""
+
+
 class CapacityError(AdpError, MemoryError):
     """A buffer, queue or core budget is too small for the request (UB overflow, SQ depth, ...)."""
 

@@ -1,0 +1,261 @@
+"""The emulated Ascend device, for tests and development without hardware.
+
+The runtime itself is C++ (``csrc/emulator``) exposed through ``ascend_dualpath._C``; this module is
+its Python face: the real wire formats (48-byte WQE+SGE, 64-bit SQ doorbell, 32-byte CQE), status
+codes, and helpers that create fabrics, devices and communicators with explicit lifetimes.
+
+People debugging real hardware can use the encoders directly; they are the ones the emulator uses::
+
+    >>> from ascend_dualpath.backends import emulator as emu
+    >>> wqe = emu.encode_rdma_wqe(emu.Opcode.WRITE, owner=0, signaled=True, length=4096,
+    ...                           rkey=0x80000101, remote_addr=0x1000, lkey=0x101, local_addr=0x2000)
+    >>> len(wqe), emu.decode_rdma_wqe(wqe)["length"]
+    (48, 4096)
+    >>> hex(emu.encode_sq_doorbell(qpn=7, pi=1, sl=4))
+    '0x4000100000007'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import itertools
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from ascend_dualpath import _env, _ext
+from ascend_dualpath import errors as E
+
+WQE_BYTES = 48
+CQE_BYTES = 32
+
+
+class Opcode(enum.IntEnum):
+    WRITE = 3
+    WRITE_WITH_IMM = 4
+    READ = 5
+    RECV_WRITE_IMM = 0x10  # receive-side completion of WRITE_WITH_IMM (CQE only)
+
+
+class CqeStatus(enum.IntEnum):
+    """hns RoCE v2 CQE status codes."""
+
+    SUCCESS = 0x00
+    LOCAL_LENGTH_ERROR = 0x01
+    LOCAL_QP_OPERATION_ERROR = 0x02
+    LOCAL_PROTECTION_ERROR = 0x04
+    WR_FLUSH_ERROR = 0x05
+    MW_BIND_ERROR = 0x06
+    BAD_RESPONSE_ERROR = 0x10
+    LOCAL_ACCESS_ERROR = 0x11
+    REMOTE_INVALID_REQUEST_ERROR = 0x12
+    REMOTE_ACCESS_ERROR = 0x13
+    REMOTE_OPERATION_ERROR = 0x14
+    TRANSPORT_RETRY_EXCEEDED = 0x15
+    RNR_RETRY_EXCEEDED = 0x16
+    REMOTE_ABORTED_ERROR = 0x22
+
+
+class Syndrome(enum.IntEnum):
+    """Emulator-only: which check a failed WQE broke (real CQEs do not carry this)."""
+
+    NONE = 0
+    BAD_LKEY = 1
+    LOCAL_OUT_OF_BOUNDS = 2
+    LOCAL_PERMISSION = 3
+    BAD_RKEY = 4
+    REMOTE_OUT_OF_BOUNDS = 5
+    REMOTE_PERMISSION = 6
+    ZERO_LENGTH = 7
+    SL_MISMATCH = 8
+    BAD_OPCODE = 9
+    BAD_NUM_SGE = 10
+    OWNER_MISMATCH = 11
+    UNFLUSHED_WQE = 12
+    LENGTH_MISMATCH = 13
+    NO_REMOTE_QP = 14
+    REMOTE_CQ_OVERRUN = 15
+    FLUSHED = 16
+    MESSAGE_TOO_LARGE = 17
+    BAD_DOORBELL = 18
+
+
+class Access(enum.IntFlag):
+    LOCAL_WRITE = 1
+    REMOTE_WRITE = 2
+    REMOTE_READ = 4
+    ALL = 7
+
+
+_SYNDROME_ERRORS: dict[Syndrome, type[E.AdpError]] = {
+    Syndrome.BAD_LKEY: E.NotRegistered,
+    Syndrome.LOCAL_OUT_OF_BOUNDS: E.BoundsError,
+    Syndrome.LOCAL_PERMISSION: E.AccessDenied,
+    Syndrome.BAD_RKEY: E.InvalidKey,
+    Syndrome.REMOTE_OUT_OF_BOUNDS: E.BoundsError,
+    Syndrome.REMOTE_PERMISSION: E.AccessDenied,
+    Syndrome.ZERO_LENGTH: E.EmptyTransfer,
+    Syndrome.MESSAGE_TOO_LARGE: E.PayloadTooLarge,
+    Syndrome.SL_MISMATCH: E.ConfigError,
+    Syndrome.UNFLUSHED_WQE: E.ProtocolError,
+    Syndrome.OWNER_MISMATCH: E.ProtocolError,
+}
+
+
+def completion_error(completion: Any) -> E.AdpError | None:
+    """The exception a failed completion stands for (None on success); its message is the NIC's detail."""
+    if completion.status == CqeStatus.SUCCESS:
+        return None
+    syndrome = Syndrome(completion.syndrome)
+    cls = _SYNDROME_ERRORS.get(syndrome, E.QueueError)
+    status = CqeStatus(completion.status)
+    return cls(f"{status.name} ({syndrome.name}) on qpn {completion.qpn} WQE {completion.wqe_index}: {completion.detail}")
+
+
+# ---- wire formats ------------------------------------------------------------------------------
+
+
+def encode_rdma_wqe(opcode: int, owner: int, signaled: bool, length: int, rkey: int, remote_addr: int, lkey: int,
+                    local_addr: int, imm: int = 0) -> bytes:
+    """48-byte RoCE v2 RC WQE with one SGE, little-endian, as the AIV-direct kernels write it.
+
+    ``owner`` is ``(head >> shift) & 1`` for producer index ``head``; bit 7 of the first word holds
+    its inverse. ``signaled`` sets bit 8 (request a CQE on success).
+    """
+    return _ext.load().encode_rdma_wqe(int(opcode), owner, signaled, length, rkey, remote_addr, lkey, local_addr, imm)
+
+
+def decode_rdma_wqe(data: bytes) -> dict:
+    """Fields of a 48-byte WQE: opcode, owner, owner_bit, signaled, length, imm, num_sge, rkey,
+    remote_addr, sge_length, lkey, local_addr."""
+    return _ext.load().decode_rdma_wqe(bytes(data))
+
+
+def encode_sq_doorbell(qpn: int, pi: int, sl: int) -> int:
+    """64-bit SQ doorbell: ``qpn[0:23] | cmd 0 [24:27] | (pi mod 65536)[32:47] | sl[48:50]``.
+
+    ``pi`` is the producer index after the increment, i.e. the count of WQEs posted so far.
+    """
+    return _ext.load().encode_sq_doorbell(qpn, pi, sl)
+
+
+def decode_sq_doorbell(value: int) -> dict:
+    return _ext.load().decode_sq_doorbell(value)
+
+
+# ---- devices -------------------------------------------------------------------------------------
+
+_fabric_counter = itertools.count()
+
+
+def new_fabric_name(prefix: str = "fab") -> str:
+    """A fabric name unique on this machine (pid + counter)."""
+    return f"{prefix}{os.getpid()}x{next(_fabric_counter)}"
+
+
+def product_profile(product: str | None = None, **overrides: Any):
+    """The emulated product profile (``A2`` default, or ``ADP_EMU_PRODUCT``), with field overrides."""
+    name = (product or _env.emu_product() or "A2").upper()
+    if name not in ("A2", "A3"):
+        raise E.ConfigError(f"unknown emulated product {name!r}; choose A2 or A3")
+    profile = _ext.load().ProductProfile(name)
+    for key, value in overrides.items():
+        if not hasattr(profile, key):
+            raise E.ConfigError(f"ProductProfile has no field {key!r}")
+        setattr(profile, key, value)
+    return profile
+
+
+def cost_model(**overrides: Any):
+    """The virtual-clock cost model (docs/cost_model.md), with field overrides."""
+    cost = _ext.load().CostModel()
+    for key, value in overrides.items():
+        if not hasattr(cost, key):
+            raise E.ConfigError(f"CostModel has no field {key!r}")
+        setattr(cost, key, value)
+    return cost
+
+
+def create_fabric(name: str | None = None, max_regions: int = 4096, max_qps: int = 4096):
+    """A new fabric (registry of regions and QPs in shared memory); other processes ``attach_fabric`` it."""
+    return _ext.load().Fabric.create(name or new_fabric_name(), max_regions, max_qps)
+
+
+def attach_fabric(name: str, timeout_s: float | None = None):
+    return _ext.load().Fabric.attach(name, _env.timeout_s() if timeout_s is None else timeout_s)
+
+
+def open_device(fabric, device_id: int = 0, product: str | None = None, cost=None, **profile_overrides: Any):
+    """An emulated NPU on ``fabric``: protection domain, registered memory, queues and a NIC thread.
+
+    Close it (or use it as a context manager) to stop its NIC.
+    """
+    return _ext.load().Device(fabric, device_id, product_profile(product, **profile_overrides), cost or cost_model())
+
+
+def device_profile_summary(product: str | None = None) -> dict:
+    """The fields ``python -m ascend_dualpath info`` prints for the emulated device."""
+    p = product_profile(product)
+    return {
+        "product": p.name,
+        "soc_version": p.soc_version,
+        "vector_cores": p.vector_cores,
+        "cube_cores": p.cube_cores,
+        "ub_bytes": p.ub_bytes,
+        "hccl_buffer_mb": p.hccl_buffsize_mb,
+        "aiv_dataplane_bit": f"0x04 {'set' if p.capability_bitmap & 0x04 else 'clear'} (bitmap {p.capability_bitmap:#x})",
+        "rdma_tc": p.rdma_tc,
+        "rdma_sl": p.rdma_sl,
+        "sq_depth": p.sq_depth,
+    }
+
+
+@contextlib.contextmanager
+def emulated_devices(num_devices: int = 1, product: str | None = None, **profile_overrides: Any) -> Iterator[list]:
+    """A private fabric with ``num_devices`` emulated NPUs, all closed on exit."""
+    fabric = create_fabric()
+    devices = [open_device(fabric, i, product, **profile_overrides) for i in range(num_devices)]
+    try:
+        yield devices
+    finally:
+        for device in devices:
+            device.close()
+
+
+# ---- HCCL communicator ---------------------------------------------------------------------------
+
+
+def comm_config(**fields: Any):
+    """An ``HcclCommConfig`` with every field "not set" (0xffffffff) except those given."""
+    config = _ext.load().HcclCommConfig()
+    for key, value in fields.items():
+        if not hasattr(config, key):
+            raise E.ConfigError(f"HcclCommConfig has no field {key!r}")
+        setattr(config, key, value)
+    return config
+
+
+def init_comm(device, group=None, config=None):
+    """An emulated HCCL communicator over ``device`` for every rank of ``group`` (torch.distributed).
+
+    Ranks exchange their windows, notify area and queue-pair numbers through the process group
+    (``all_gather_object``), the way HCCL exchanges them at communicator init. With ``group=None``
+    and no initialized default group, a single-rank communicator is returned.
+    """
+    C = _ext.load()
+    import torch.distributed as dist
+
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        rank, world = 0, 1
+    else:
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+    comm = C.HcclComm(device, rank, world, config or comm_config())
+    mine = comm.local_info().serialize()
+    if world == 1:
+        infos = [mine]
+    else:
+        infos = [None] * world
+        dist.all_gather_object(infos, mine, group=group)
+    comm.connect([C.RankInfo.deserialize(b) for b in infos])
+    return comm
