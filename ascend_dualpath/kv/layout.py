@@ -257,6 +257,34 @@ class KVLayout:
             self.field_view(rows, field.name).copy_(fields[field.name])
         return rows
 
+    def full_blocks_from_layers(self, layer_rows: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Pack per-layer token rows into fresh Full Blocks.
+
+        Parameters
+        ----------
+        layer_rows : sequence of torch.Tensor
+            L tensors ``uint8 [n * T, C]``: layer ``l``'s rows for ``n`` whole blocks of tokens.
+
+        Returns
+        -------
+        torch.Tensor
+            ``uint8 [n, L, T, C]``; block ``b`` holds tokens ``[b*T, (b+1)*T)`` of every layer.
+        """
+        if len(layer_rows) != self.num_layers:
+            raise ValueError(f"need rows for {self.num_layers} layers, got {len(layer_rows)}")
+        num_tokens = layer_rows[0].shape[0]
+        if num_tokens % self.block_tokens:
+            raise BoundsError(f"{num_tokens} tokens is not a whole number of {self.block_tokens}-token blocks")
+        stacked = torch.stack(list(layer_rows))  # [L, n*T, C]
+        if tuple(stacked.shape[1:]) != (num_tokens, self.token_bytes) or stacked.dtype != torch.uint8:
+            raise ValueError(f"layer rows must be uint8 [{num_tokens}, {self.token_bytes}], got {list(stacked.shape)}")
+        num_blocks = num_tokens // self.block_tokens
+        return stacked.view(self.num_layers, num_blocks, self.block_tokens, self.token_bytes).transpose(0, 1).contiguous()
+
+    def layer_rows(self, full_blocks: torch.Tensor, layer: int) -> torch.Tensor:
+        """Layer ``layer`` of ``[n, L, T, C]`` Full Blocks as ``[n * T, C]`` token rows (a copy when n > 1)."""
+        return self.layer_block(full_blocks, layer).reshape(-1, self.token_bytes)
+
     def gqa_kv(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V views of GQA token rows: ``uint8 [..., C] -> 2 x dtype [..., kv_heads, head_dim]``."""
         if self.kind != "gqa":

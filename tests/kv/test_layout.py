@@ -145,3 +145,21 @@ def test_block_hashes_form_a_prefix_chain(tokens, block_tokens, cut, flip):
         assert all(a != b for a, b in zip(other[first_changed_block:], ids[first_changed_block:]))
     if ids:
         assert block_hashes(tokens, block_tokens, namespace=b"other model")[0] != ids[0]
+
+
+@settings(max_examples=30, deadline=None)
+@given(layout=layouts(), num_blocks=st.integers(1, 3), seed=st.integers(0, 2**31))
+def test_full_blocks_from_layers_inverts_layer_rows(layout, num_blocks, seed):
+    tokens = num_blocks * layout.block_tokens
+    rows = [random_bytes(tokens * layout.token_bytes, seed + layer).view(tokens, layout.token_bytes)
+            for layer in range(layout.num_layers)]
+    blocks = layout.full_blocks_from_layers(rows)
+    assert blocks.shape == (num_blocks, layout.num_layers, layout.block_tokens, layout.token_bytes)
+    for layer in range(layout.num_layers):
+        assert torch.equal(layout.layer_rows(blocks, layer), rows[layer])
+        for block in range(num_blocks):  # block b, layer l = tokens [b*T, (b+1)*T) of layer l
+            span = slice(block * layout.block_tokens, (block + 1) * layout.block_tokens)
+            assert torch.equal(blocks[block, layer], rows[layer][span])
+    if layout.block_tokens > 1:
+        with pytest.raises(BoundsError, match="whole number"):
+            layout.full_blocks_from_layers([r[:-1] for r in rows])
