@@ -164,7 +164,8 @@ class HostBuffer:
             else:  # a registered region: its own address space and key
                 registration = Registration(int(backing.addr), int(backing.size), getattr(backing, "lkey", None))
         if registration.size < self.memory.nbytes:
-            raise ConfigError(f"{role}: registration covers {registration.size} bytes, backing has {self.memory.nbytes}")
+            raise ConfigError(f"{role}: registration covers {registration.size} bytes, "
+                              f"backing has {self.memory.nbytes}")
         self.registration = registration
         # Leases are aligned in the registration's address space, which is what a NIC or O_DIRECT sees.
         self._start = -registration.addr % alignment
@@ -312,7 +313,8 @@ class HostBuffer:
         """Raise AssertionError unless free extents and live leases tile the buffer exactly, with no overlap."""
         with self._cond:
             pieces = [(start, end, "free") for start, end in self._free]
-            pieces += [(lease.offset, lease.offset + self._extent_bytes[i], "lease") for i, lease in self._leases.items()]
+            pieces += [(lease.offset, lease.offset + self._extent_bytes[i], "lease")
+                       for i, lease in self._leases.items()]
             pieces.sort()
             cursor = self._start
             for start, end, _ in pieces:

@@ -83,7 +83,8 @@ class KVLayout:
         cursor = 0
         for field in self.fields:
             if field.offset != cursor:
-                raise ConfigError(f"field {field.name!r} starts at byte {field.offset}, expected {cursor} (packed rows)")
+                raise ConfigError(f"field {field.name!r} starts at byte {field.offset}, "
+                                  f"expected {cursor} (packed rows)")
             if field.offset % field.dtype.itemsize:
                 raise ConfigError(
                     f"field {field.name!r} at byte {field.offset} is not aligned to its {field.dtype} "
@@ -239,7 +240,8 @@ class KVLayout:
         """
         missing = {f.name for f in self.fields} ^ set(fields)
         if missing:
-            raise KeyError(f"encode_rows needs exactly the fields {[f.name for f in self.fields]}, got {sorted(fields)}")
+            raise KeyError(f"encode_rows needs exactly the fields {[f.name for f in self.fields]}, "
+                           f"got {sorted(fields)}")
         leading: tuple[int, ...] | None = None
         for field in self.fields:
             value = fields[field.name]
@@ -279,7 +281,8 @@ class KVLayout:
         if tuple(stacked.shape[1:]) != (num_tokens, self.token_bytes) or stacked.dtype != torch.uint8:
             raise ValueError(f"layer rows must be uint8 [{num_tokens}, {self.token_bytes}], got {list(stacked.shape)}")
         num_blocks = num_tokens // self.block_tokens
-        return stacked.view(self.num_layers, num_blocks, self.block_tokens, self.token_bytes).transpose(0, 1).contiguous()
+        per_layer = stacked.view(self.num_layers, num_blocks, self.block_tokens, self.token_bytes)
+        return per_layer.transpose(0, 1).contiguous()
 
     def layer_rows(self, full_blocks: torch.Tensor, layer: int) -> torch.Tensor:
         """Layer ``layer`` of ``[n, L, T, C]`` Full Blocks as ``[n * T, C]`` token rows (a copy when n > 1)."""

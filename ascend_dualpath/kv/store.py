@@ -103,7 +103,8 @@ def _pread_exact(fd: int, view: memoryview, offset: int, what: str) -> None:
     while done < view.nbytes:
         count = os.preadv(fd, [view[done:]], offset + done)
         if count == 0:
-            raise StorageReadError(errno.EIO, f"{what}: file ended after {done} of {view.nbytes} bytes at offset {offset}")
+            raise StorageReadError(errno.EIO, f"{what}: file ended after {done} of {view.nbytes} bytes "
+                                              f"at offset {offset}")
         done += count
 
 
@@ -127,7 +128,8 @@ class BlockHeader:
         fixed = bytes(raw[: _HEADER.size])
         (stored_crc,) = _HEADER_CRC.unpack_from(raw, _HEADER.size)
         if zlib.crc32(fixed) != stored_crc:
-            raise ChecksumMismatch(errno.EIO, f"{where}: header CRC {zlib.crc32(fixed):#010x} != stored {stored_crc:#010x}")
+            raise ChecksumMismatch(errno.EIO, f"{where}: header CRC {zlib.crc32(fixed):#010x} "
+                                              f"!= stored {stored_crc:#010x}")
         magic, version, header_bytes, payload_bytes, checksum, fingerprint, block_id, parent_id, has_parent = (
             _HEADER.unpack(fixed)
         )
