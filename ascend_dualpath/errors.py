@@ -66,3 +66,18 @@ class WaitTimeout(AdpError, TimeoutError):
 
 class BackendUnavailable(AdpError):
     """The requested backend cannot run here; the message says why."""
+
+
+class StorageReadError(OSError, AdpError):
+    """A KV block could not be read from the block store (missing block, I/O error, short or malformed file).
+
+    OSError comes first so that ``StorageReadError(errno, message)`` fills ``.errno`` like any OSError.
+    """
+
+
+class ChecksumMismatch(StorageReadError):
+    """A block's bytes do not match the checksum written with it; the destination buffer was left as it was."""
+
+
+class AdmissionDeferred(WaitTimeout):
+    """A host buffer could not admit an allocation before its deadline (back-pressure: retry later or elsewhere)."""

@@ -1,0 +1,335 @@
+"""KV block layouts: Full Blocks ``[L, T, C]`` in storage, Layer Blocks ``[T, C]`` in flight.
+
+A layout describes the bytes one token contributes to one layer's KV cache (``C``, the *token row*),
+split into typed fields. Blocks are plain ``uint8`` tensors; typed tensors are views of their rows, so
+nothing here copies data:
+
+- GQA/MHA: one field ``kv`` of shape ``(2, kv_heads, head_dim)`` (index 0 = K, 1 = V); MHA is GQA with
+  ``kv_heads == heads``.
+- MLA: one field ``latent`` of shape ``(latent_dim,)`` (576 = 512 compressed KV + 64 RoPE key in
+  DeepSeek-V2/V3), BF16 or FP16.
+- MLA FP8: ``nope`` (512 x float8_e4m3fn), ``scale`` (512/128 = 4 x float32, one per 128-wide tile) and
+  ``rope`` (64 x bfloat16): 656 bytes per token, the FP8 cache format FlashMLA uses for DeepSeek-V3.2.
+
+A Full Block is ``[L, T, C]`` with the layer as its outermost axis, so layer ``l``'s Layer Block is the
+contiguous slice ``full[l]`` and concatenating the L Layer Blocks gives the Full Block byte for byte.
+Block ids come from a hash chain over token ids (:func:`block_hashes`): a block's id covers its own
+tokens *and* every token before it, so equal ids mean equal prefixes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ascend_dualpath.errors import BoundsError, ConfigError
+
+DEFAULT_BLOCK_TOKENS = 64
+BLOCK_ID_BYTES = 16
+
+
+@dataclass(frozen=True)
+class KVField:
+    """One typed field of a token row: ``shape`` elements of ``dtype`` at byte ``offset`` of the row."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        count = 1
+        for dim in self.shape:
+            count *= dim
+        return count
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Byte layout of a model's KV cache blocks.
+
+    Parameters
+    ----------
+    kind : str
+        ``"gqa"`` or ``"mla"`` (``"mla_fp8"`` for the FP8 + scales format).
+    num_layers : int
+        L, the number of attention layers whose KV a Full Block carries.
+    fields : tuple of KVField
+        The typed fields of one token row, in byte order, each aligned to its element size.
+    block_tokens : int
+        T, tokens per block (64 by default, the paper's figure).
+    """
+
+    kind: str
+    num_layers: int
+    fields: tuple[KVField, ...]
+    block_tokens: int = DEFAULT_BLOCK_TOKENS
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 1:
+            raise ConfigError(f"num_layers must be >= 1, got {self.num_layers}")
+        if self.block_tokens < 1:
+            raise ConfigError(f"block_tokens must be >= 1, got {self.block_tokens}")
+        if not self.fields:
+            raise ConfigError("a KV layout needs at least one field")
+        cursor = 0
+        for field in self.fields:
+            if field.offset != cursor:
+                raise ConfigError(f"field {field.name!r} starts at byte {field.offset}, "
+                                  f"expected {cursor} (packed rows)")
+            if field.offset % field.dtype.itemsize:
+                raise ConfigError(
+                    f"field {field.name!r} at byte {field.offset} is not aligned to its {field.dtype} "
+                    f"element size {field.dtype.itemsize}"
+                )
+            if field.numel < 1:
+                raise ConfigError(f"field {field.name!r} has shape {field.shape}: needs >= 1 element")
+            cursor += field.nbytes
+        widest = max(field.dtype.itemsize for field in self.fields)
+        if cursor % widest:
+            raise ConfigError(f"token row of {cursor} bytes is not a multiple of the widest element ({widest} bytes)")
+
+    # -- constructors -------------------------------------------------------------------------------------------
+    @classmethod
+    def gqa(
+        cls,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.bfloat16,
+        block_tokens: int = DEFAULT_BLOCK_TOKENS,
+    ) -> KVLayout:
+        """GQA/MHA layout: token row = K and V of every KV head, ``(2, num_kv_heads, head_dim)`` of ``dtype``."""
+        if num_kv_heads < 1 or head_dim < 1:
+            raise ConfigError(f"num_kv_heads and head_dim must be >= 1, got {num_kv_heads} and {head_dim}")
+        return cls("gqa", num_layers, (KVField("kv", dtype, (2, num_kv_heads, head_dim), 0),), block_tokens)
+
+    @classmethod
+    def mla(
+        cls,
+        num_layers: int,
+        latent_dim: int = 576,
+        dtype: torch.dtype = torch.bfloat16,
+        block_tokens: int = DEFAULT_BLOCK_TOKENS,
+    ) -> KVLayout:
+        """MLA layout: token row = one compressed latent of ``latent_dim`` elements (K and V share it)."""
+        return cls("mla", num_layers, (KVField("latent", dtype, (latent_dim,), 0),), block_tokens)
+
+    @classmethod
+    def mla_fp8(
+        cls,
+        num_layers: int,
+        nope_dim: int = 512,
+        rope_dim: int = 64,
+        scale_group: int = 128,
+        block_tokens: int = DEFAULT_BLOCK_TOKENS,
+    ) -> KVLayout:
+        """MLA FP8 layout: ``nope`` in float8_e4m3fn, one float32 ``scale`` per ``scale_group``, ``rope`` in bf16."""
+        if nope_dim % scale_group:
+            raise ConfigError(f"nope_dim {nope_dim} must be a multiple of scale_group {scale_group}")
+        nope = KVField("nope", torch.float8_e4m3fn, (nope_dim,), 0)
+        scale = KVField("scale", torch.float32, (nope_dim // scale_group,), nope.nbytes)
+        rope = KVField("rope", torch.bfloat16, (rope_dim,), scale.offset + scale.nbytes)
+        return cls("mla_fp8", num_layers, (nope, scale, rope), block_tokens)
+
+    # -- sizes --------------------------------------------------------------------------------------------------
+    @property
+    def token_bytes(self) -> int:
+        """C: bytes one token contributes to one layer."""
+        last = self.fields[-1]
+        return last.offset + last.nbytes
+
+    @property
+    def layer_block_bytes(self) -> int:
+        """Bytes of one Layer Block ``[T, C]``."""
+        return self.block_tokens * self.token_bytes
+
+    @property
+    def full_block_bytes(self) -> int:
+        """Bytes of one Full Block ``[L, T, C]``."""
+        return self.num_layers * self.layer_block_bytes
+
+    def kv_bytes(self, num_tokens: int) -> int:
+        """Bytes of the KV of ``num_tokens`` tokens across all layers."""
+        return num_tokens * self.num_layers * self.token_bytes
+
+    def field(self, name: str) -> KVField:
+        for field in self.fields:
+            if field.name == name:
+                return field
+        raise KeyError(f"layout {self.kind!r} has no field {name!r}; fields: {[f.name for f in self.fields]}")
+
+    def fingerprint(self) -> bytes:
+        """Stable 16-byte digest of the layout; stored with every block so a store never mixes layouts."""
+        text = f"{self.kind}|L={self.num_layers}|T={self.block_tokens}|" + "|".join(
+            f"{f.name}:{f.dtype}:{f.shape}:{f.offset}" for f in self.fields
+        )
+        return hashlib.blake2b(text.encode(), digest_size=BLOCK_ID_BYTES).digest()
+
+    # -- block tensors and views ----------------------------------------------------------------------------------
+    def empty_full_blocks(self, num_blocks: int) -> torch.Tensor:
+        """Fresh ``uint8 [num_blocks, L, T, C]`` storage for Full Blocks (contents undefined)."""
+        return torch.empty((num_blocks, self.num_layers, self.block_tokens, self.token_bytes), dtype=torch.uint8)
+
+    def as_full_blocks(self, raw: torch.Tensor, num_blocks: int | None = None) -> torch.Tensor:
+        """View flat or shaped ``uint8`` bytes as Full Blocks ``[n, L, T, C]`` without copying.
+
+        Parameters
+        ----------
+        raw : torch.Tensor
+            Contiguous ``uint8`` tensor of ``n * full_block_bytes`` bytes (any shape).
+        num_blocks : int, optional
+            n; inferred from ``raw.numel()`` when omitted.
+        """
+        if raw.dtype != torch.uint8:
+            raise TypeError(f"block bytes must be torch.uint8, got {raw.dtype}")
+        if not raw.is_contiguous():
+            raise ValueError("block bytes must be contiguous to be viewed as Full Blocks")
+        if num_blocks is None:
+            num_blocks, remainder = divmod(raw.numel(), self.full_block_bytes)
+            if remainder:
+                raise BoundsError(
+                    f"{raw.numel()} bytes is not a whole number of Full Blocks of {self.full_block_bytes} bytes"
+                )
+        needed = num_blocks * self.full_block_bytes
+        if raw.numel() != needed:
+            raise BoundsError(f"{num_blocks} Full Blocks need {needed} bytes, got {raw.numel()}")
+        return raw.view(num_blocks, self.num_layers, self.block_tokens, self.token_bytes)
+
+    def layer_block(self, full_blocks: torch.Tensor, layer: int) -> torch.Tensor:
+        """Layer ``layer`` of Full Blocks, as a view: ``[L, T, C] -> [T, C]`` or ``[n, L, T, C] -> [n, T, C]``."""
+        if not 0 <= layer < self.num_layers:
+            raise BoundsError(f"layer {layer} out of range [0, {self.num_layers})")
+        expected_tail = (self.num_layers, self.block_tokens, self.token_bytes)
+        if full_blocks.dim() not in (3, 4) or tuple(full_blocks.shape[-3:]) != expected_tail:
+            raise ValueError(f"Full Blocks must be [L, T, C] or [n, L, T, C] with [L, T, C] = {list(expected_tail)}, "
+                             f"got {list(full_blocks.shape)}")
+        return full_blocks.select(-3, layer)
+
+    def field_view(self, rows: torch.Tensor, name: str) -> torch.Tensor:
+        """Typed view of field ``name`` in token rows: ``uint8 [..., C] -> dtype [..., *field.shape]``, no copy."""
+        field = self.field(name)
+        if rows.dtype != torch.uint8 or rows.shape[-1] != self.token_bytes:
+            raise ValueError(f"token rows must be uint8 [..., {self.token_bytes}], got {rows.dtype} {list(rows.shape)}")
+        if rows.stride(-1) != 1:
+            raise ValueError("token rows must be contiguous in their last (byte) dimension")
+        window = rows.narrow(-1, field.offset, field.nbytes)
+        typed = window.view(field.dtype)
+        return typed.unflatten(-1, field.shape)
+
+    def encode_rows(self, **fields: torch.Tensor) -> torch.Tensor:
+        """Pack typed fields into fresh token rows.
+
+        Parameters
+        ----------
+        **fields : torch.Tensor
+            One tensor per layout field, ``field.dtype [..., *field.shape]``, all with the same leading shape.
+
+        Returns
+        -------
+        torch.Tensor
+            ``uint8 [..., C]`` rows such that ``field_view(rows, name)`` equals ``fields[name]`` bit for bit.
+        """
+        missing = {f.name for f in self.fields} ^ set(fields)
+        if missing:
+            raise KeyError(f"encode_rows needs exactly the fields {[f.name for f in self.fields]}, "
+                           f"got {sorted(fields)}")
+        leading: tuple[int, ...] | None = None
+        for field in self.fields:
+            value = fields[field.name]
+            if value.dtype != field.dtype:
+                raise TypeError(f"field {field.name!r} must be {field.dtype}, got {value.dtype}")
+            if tuple(value.shape[value.dim() - len(field.shape):]) != field.shape:
+                raise ValueError(f"field {field.name!r} must end in shape {field.shape}, got {list(value.shape)}")
+            lead = tuple(value.shape[: value.dim() - len(field.shape)])
+            if leading is not None and lead != leading:
+                raise ValueError(f"field {field.name!r} has leading shape {lead}, other fields have {leading}")
+            leading = lead
+        assert leading is not None
+        rows = torch.empty((*leading, self.token_bytes), dtype=torch.uint8)
+        for field in self.fields:
+            self.field_view(rows, field.name).copy_(fields[field.name])
+        return rows
+
+    def full_blocks_from_layers(self, layer_rows: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Pack per-layer token rows into fresh Full Blocks.
+
+        Parameters
+        ----------
+        layer_rows : sequence of torch.Tensor
+            L tensors ``uint8 [n * T, C]``: layer ``l``'s rows for ``n`` whole blocks of tokens.
+
+        Returns
+        -------
+        torch.Tensor
+            ``uint8 [n, L, T, C]``; block ``b`` holds tokens ``[b*T, (b+1)*T)`` of every layer.
+        """
+        if len(layer_rows) != self.num_layers:
+            raise ValueError(f"need rows for {self.num_layers} layers, got {len(layer_rows)}")
+        num_tokens = layer_rows[0].shape[0]
+        if num_tokens % self.block_tokens:
+            raise BoundsError(f"{num_tokens} tokens is not a whole number of {self.block_tokens}-token blocks")
+        stacked = torch.stack(list(layer_rows))  # [L, n*T, C]
+        if tuple(stacked.shape[1:]) != (num_tokens, self.token_bytes) or stacked.dtype != torch.uint8:
+            raise ValueError(f"layer rows must be uint8 [{num_tokens}, {self.token_bytes}], got {list(stacked.shape)}")
+        num_blocks = num_tokens // self.block_tokens
+        per_layer = stacked.view(self.num_layers, num_blocks, self.block_tokens, self.token_bytes)
+        return per_layer.transpose(0, 1).contiguous()
+
+    def layer_rows(self, full_blocks: torch.Tensor, layer: int) -> torch.Tensor:
+        """Layer ``layer`` of ``[n, L, T, C]`` Full Blocks as ``[n * T, C]`` token rows (a copy when n > 1)."""
+        return self.layer_block(full_blocks, layer).reshape(-1, self.token_bytes)
+
+    def gqa_kv(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V views of GQA token rows: ``uint8 [..., C] -> 2 x dtype [..., kv_heads, head_dim]``."""
+        if self.kind != "gqa":
+            raise ConfigError(f"gqa_kv needs a gqa layout, this one is {self.kind!r}")
+        kv = self.field_view(rows, "kv")
+        return kv.select(-3, 0), kv.select(-3, 1)
+
+
+def block_hashes(
+    token_ids: Sequence[int] | torch.Tensor,
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
+    namespace: bytes = b"",
+) -> list[bytes]:
+    """Hash chain of the full blocks of a token sequence.
+
+    ``id_i = blake2b_128(id_{i-1} || tokens[i*T:(i+1)*T] as little-endian int64)`` with
+    ``id_{-1} = blake2b_128(namespace)``. Only whole blocks are hashed; a trailing partial block has no id.
+    Pass the layout's :meth:`KVLayout.fingerprint` (plus a model identity) as ``namespace`` so that two
+    models never share block ids.
+
+    Parameters
+    ----------
+    token_ids : sequence of int or torch.Tensor
+        Token ids ``[N]``.
+    block_tokens : int
+        T, tokens per block.
+    namespace : bytes
+        Salt of the chain's root.
+
+    Returns
+    -------
+    list of bytes
+        ``N // T`` ids of 16 bytes each, id ``i`` covering tokens ``[0, (i+1)*T)``.
+    """
+    if block_tokens < 1:
+        raise ConfigError(f"block_tokens must be >= 1, got {block_tokens}")
+    tokens = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1).contiguous()
+    raw = tokens.numpy().astype("<i8", copy=False).tobytes()
+    stride = block_tokens * 8
+    parent = hashlib.blake2b(namespace, digest_size=BLOCK_ID_BYTES).digest()
+    ids = []
+    for start in range(0, (len(tokens) // block_tokens) * stride, stride):
+        parent = hashlib.blake2b(parent + raw[start : start + stride], digest_size=BLOCK_ID_BYTES).digest()
+        ids.append(parent)
+    return ids
