@@ -176,10 +176,14 @@ class ClusterSim:
             raise ConfigError("no agents to simulate")
         self.config, self.mode = config, mode
         self.model, self.hw = config.model, config.hardware
-        self.profile = engine_profile(self.model, self.hw)
         self.agents = [list(rounds) for rounds in agents]
         if any(not rounds for rounds in self.agents):
             raise ConfigError("every agent needs at least one round")
+        # alpha/beta are "profiled in advance" (§A.4): here on the workload's mean request
+        requests = [r for rounds in self.agents for r in rounds]
+        mean_cached = sum(r.cached_tokens for r in requests) // len(requests)
+        mean_new = max(1, sum(r.prompt_tokens - r.cached_tokens for r in requests) // len(requests))
+        self.profile = engine_profile(self.model, self.hw, profiled_context=mean_cached, profiled_append=mean_new)
         self.agent_start = list(agent_start_s) if agent_start_s is not None else [0.0] * len(self.agents)
         if len(self.agent_start) != len(self.agents):
             raise ConfigError(f"{len(self.agent_start)} start times for {len(self.agents)} agents")
@@ -275,17 +279,28 @@ class ClusterSim:
         return GroupReport(node.node_id, engines, {node.node_id: node.read_queue_tokens})
 
     def _tick(self) -> None:
-        if self.scheduler is not None:
-            for n in self.de_nodes:
-                for request, de in self.scheduler.pull_decode(self._report(self.nodes[n])):
-                    self._admit_decode(self._by_id[request.request_id], de)
-            for n in self.pe_nodes:
-                for assignment in self.scheduler.pull_prefill(self._report(self.nodes[n])):
-                    self._place(assignment)
-        else:
+        """Round-robin placement runs once per tick; under the adaptive scheduler each group pulls on its
+        own period, phase-shifted so that pulls are spread evenly over the tick (as independent group
+        leaders would), never letting one group always pull first."""
+        if self.scheduler is None:
             self._round_robin()
+            if self._remaining_agents:
+                self._at(self.now + self.config.tick_s, self._tick)
+            return
+        groups = self.de_nodes + self.pe_nodes
+        for index, node in enumerate(groups):
+            self._at(self.now + index * self.config.tick_s / len(groups), self._pull, node)
+
+    def _pull(self, node_id: int) -> None:
+        node = self.nodes[node_id]
+        if node_id in self.de_nodes:
+            for request, de in self.scheduler.pull_decode(self._report(node)):
+                self._admit_decode(self._by_id[request.request_id], de)
+        else:
+            for assignment in self.scheduler.pull_prefill(self._report(node)):
+                self._place(assignment)
         if self._remaining_agents:
-            self._at(self.now + self.config.tick_s, self._tick)
+            self._at(self.now + self.config.tick_s, self._pull, node_id)
 
     def _round_robin(self) -> None:
         """Baseline placement: next DE in a fixed cycle (waits while it lacks HBM), next PE in a cycle,
