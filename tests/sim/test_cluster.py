@@ -66,17 +66,17 @@ def test_simulation_is_deterministic():
 
 
 def test_single_request_timeline_matches_hand_computation():
-    """One uncached request in oracle mode: TTFT = one prefill pass, then gen-1 decode steps."""
+    """One uncached request in oracle mode: TTFT = placement + one prefill pass, then gen-1 decode steps."""
     config = ClusterConfig(QWEN_32B, prefill_nodes=1, decode_nodes=1)
     sim = ClusterSim(config, Mode.ORACLE, [[Round(prompt_tokens=1000, cached_tokens=0, gen_tokens=3)]])
     result = sim.run()
     flops = QWEN_32B.gemm_flops(1000) + QWEN_32B.attention_flops(0, 1000)
     prefill = flops / config.hardware.prefill_flops_per_s
-    assert result.ttft_s[0] == pytest.approx(prefill, rel=1e-12)
+    pe_pull = config.tick_s / 2  # groups pull staggered: the DE group at t=0, the PE group half a tick later
+    assert result.ttft_s[0] == pytest.approx(pe_pull + prefill, rel=1e-12)
     step = QWEN_32B.decode_step_fixed_s + 1001 * QWEN_32B.decode_read_bytes_per_attended / config.hardware.hbm_bytes_per_s
     step2 = QWEN_32B.decode_step_fixed_s + 1002 * QWEN_32B.decode_read_bytes_per_attended / config.hardware.hbm_bytes_per_s
-    tick_delay = result.ttft_s[0]  # request arrives at t=0 and is placed at the first tick (t=0)
-    assert result.jct_s == pytest.approx(tick_delay + step + step2, rel=1e-9)
+    assert result.jct_s == pytest.approx(pe_pull + prefill + step + step2, rel=1e-9)
     assert result.tpot_s == [pytest.approx((step + step2) / 2, rel=1e-9)]
 
 
