@@ -21,7 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="replay a window of this many rounds per agent (default: whole trajectories)")
     parser.add_argument("--sweep", default="256,512,1024,2048", help="agent counts for the JCT sweep ('' skips)")
     parser.add_argument("--mooncake", action="store_true", help="also replay the Mooncake conversation trace")
-    parser.add_argument("--trace", type=Path, default=None, help="Mooncake JSONL(.gz) (default <repo>/../shared/traces)")
+    parser.add_argument("--trace", type=Path, default=None,
+                        help="Mooncake JSONL(.gz) (default $ADP_TRACE_DIR or <repo>/../shared/traces)")
     parser.add_argument("--online", action="store_true", help="also search the online APS capacity (slow)")
     parser.add_argument("--online-duration", type=float, default=900.0, help="seconds simulated per online point")
     parser.add_argument("--seed", type=int, default=0)

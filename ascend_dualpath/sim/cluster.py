@@ -26,7 +26,6 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
-import random
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -171,7 +170,7 @@ class ClusterSim:
     """
 
     def __init__(self, config: ClusterConfig, mode: Mode, agents: Sequence[Sequence[Round]],
-                 agent_start_s: Sequence[float] | None = None, seed: int = 0):
+                 agent_start_s: Sequence[float] | None = None):
         if not agents:
             raise ConfigError("no agents to simulate")
         self.config, self.mode = config, mode
@@ -187,9 +186,9 @@ class ClusterSim:
         self.agent_start = list(agent_start_s) if agent_start_s is not None else [0.0] * len(self.agents)
         if len(self.agent_start) != len(self.agents):
             raise ConfigError(f"{len(self.agent_start)} start times for {len(self.agents)} agents")
-        self.rng = random.Random(seed)
         g = self.hw.gpus_per_node
-        self.nodes = [_Node(n, list(range(n * g, (n + 1) * g))) for n in range(config.prefill_nodes + config.decode_nodes)]
+        node_count = config.prefill_nodes + config.decode_nodes
+        self.nodes = [_Node(n, list(range(n * g, (n + 1) * g))) for n in range(node_count)]
         self.pe_nodes = list(range(config.prefill_nodes))
         self.de_nodes = list(range(config.prefill_nodes, len(self.nodes)))
         self.engines = [_Engine(e, e // g) for e in range(len(self.nodes) * g)]

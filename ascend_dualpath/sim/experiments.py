@@ -67,7 +67,8 @@ def snic_utilisation(result: SimResult, window_s: float = 5.0) -> tuple[list[flo
                 boundary = min(stop, (index + 1) * window_s)
                 busy[node][index] += boundary - start
                 start, index = boundary, index + 1
-    return [i * window_s for i in range(windows)], {node: [b / window_s for b in series] for node, series in busy.items()}
+    utilisation = {node: [b / window_s for b in series] for node, series in busy.items()}
+    return [i * window_s for i in range(windows)], utilisation
 
 
 def snic_max_over_avg(result: SimResult, window_s: float = 5.0, middle_bytes: float = 0.8) -> float:
@@ -116,7 +117,7 @@ def run_online(config: ClusterConfig, mode: Mode, aps: float, duration_s: float,
     if not starts:
         raise ConfigError(f"no agent arrives in {duration_s} s at {aps} APS")
     agents = agentic_agents(len(starts), max_len, seed=seed)
-    sim = ClusterSim(config, mode, agents, agent_start_s=starts, seed=seed)
+    sim = ClusterSim(config, mode, agents, agent_start_s=starts)
     result = sim.run(max_sim_s=duration_s)
     ttft = [t for t, arrival in zip(result.ttft_s, sim.ttft_arrivals) if arrival >= duration_s / 2]
     tpot = result.tpot_s[len(result.tpot_s) // 2:]
@@ -183,7 +184,8 @@ def plot_figures(out_dir, sweep: dict[Mode, list[tuple[int, float]]], ablation: 
             role = "P" if node in ablation[mode].prefill_nodes else "D"
             ax.plot(starts, series, linewidth=0.8, label=f"node {node} ({role})")
         ax.set_ylabel("SNIC util.")
-        ax.set_title(f"{mode.value}: storage-NIC utilisation, max/avg {snic_max_over_avg(ablation[mode], window_s):.2f}")
+        balance = snic_max_over_avg(ablation[mode], window_s)
+        ax.set_title(f"{mode.value}: storage-NIC utilisation, max/avg {balance:.2f}")
         ax.legend(fontsize=6, ncol=3)
     axes[-1, 0].set_xlabel("time (s)")
     fig.tight_layout()

@@ -74,8 +74,9 @@ def test_single_request_timeline_matches_hand_computation():
     prefill = flops / config.hardware.prefill_flops_per_s
     pe_pull = config.tick_s / 2  # groups pull staggered: the DE group at t=0, the PE group half a tick later
     assert result.ttft_s[0] == pytest.approx(pe_pull + prefill, rel=1e-12)
-    step = QWEN_32B.decode_step_fixed_s + 1001 * QWEN_32B.decode_read_bytes_per_attended / config.hardware.hbm_bytes_per_s
-    step2 = QWEN_32B.decode_step_fixed_s + 1002 * QWEN_32B.decode_read_bytes_per_attended / config.hardware.hbm_bytes_per_s
+    per_token_s = QWEN_32B.decode_read_bytes_per_attended / config.hardware.hbm_bytes_per_s
+    step = QWEN_32B.decode_step_fixed_s + 1001 * per_token_s  # context 1000 prompt + 1 first token
+    step2 = QWEN_32B.decode_step_fixed_s + 1002 * per_token_s
     assert result.jct_s == pytest.approx(pe_pull + prefill + step + step2, rel=1e-9)
     assert result.tpot_s == [pytest.approx((step + step2) / 2, rel=1e-9)]
 
