@@ -10,6 +10,7 @@ variable                   meaning
 ``ADP_EMU_PRODUCT``        emulated product profile: ``A2`` (default) or ``A3``
 ``ADP_TIMEOUT_S``          default bound, in seconds, for every wait (default 30)
 ``ADP_FAST_DEBUG``         ``1`` shortens every default wait to 2 s, to fail fast while debugging
+``ADP_TRACE_DIR``          where the simulator finds shared traces (default ``<repo>/../shared/traces``)
 ``ADP_WITH_NPU``           build flag read by ``setup.py``: ``0`` skips the NPU part, ``1`` requires it
 ``ADP_WITH_CUDA``          build flag read by ``setup.py``: ``0`` skips CUDA sources, ``1`` requires them
 ``ADP_DEBUG``              build flag read by ``setup.py``: ``1`` builds with ``-O0 -g``
@@ -39,6 +40,10 @@ def backend() -> str | None:
 
 def emu_product() -> str | None:
     return _get("ADP_EMU_PRODUCT")
+
+
+def trace_dir() -> str | None:
+    return _get("ADP_TRACE_DIR")
 
 
 def fast_debug() -> bool:

@@ -14,6 +14,7 @@ COMMANDS = {
     "info": ("ascend_dualpath.cli.info", "version, backends and the emulated device profile"),
     "demo": ("ascend_dualpath.cli.demo", "the main job, on the emulator by default"),
     "bench": ("ascend_dualpath.cli.bench", "microbenchmarks (emulated NIC, transfers, MoE)"),
+    "simulate": ("ascend_dualpath.cli.simulate", "DualPath cluster simulator: ablation, sweeps, figures"),
 }
 
 

@@ -1,0 +1,524 @@
+"""A discrete-event simulator of a P/D-disaggregated cluster with DualPath KV loading.
+
+What is modelled (each figure physically motivated, see docs/simulator.md):
+
+* nodes of ``g`` engines; a prefill (PE) or decode (DE) role per node; one storage NIC per node that
+  serves its read queue FIFO at full rate (3FS saturates it); a compute NIC per engine (bandwidth
+  ``B``) that carries H2D, PE<->DE layer blocks and PE->DE KV;
+* PE forward passes in lock-step per node (DP attention + EP MoE: ranks wait for the slowest at every
+  layer's all-to-all); pass time per engine from FLOPs (GEMMs at 2 x activated params per token,
+  attention from the pair counts of :class:`~ascend_dualpath.dualpath.scheduler.EngineProfile`);
+* DE decode steps in lock-step per node: a fixed part (weights, EP latency) plus the HBM bytes the
+  batch's attention reads; HBM admission per DE;
+* modes: ``basic`` (PE read path only, the whole hit KV read into PE HBM before the pass, HBM-gated,
+  KV shipped to the DE after prefill), ``layerwise`` (PE read path into the PE buffer, layer blocks
+  streamed to HBM during the pass), ``dualpath`` (both read paths, round-robin placement, alternating
+  path), ``scheduler`` (the adaptive scheduler of :mod:`ascend_dualpath.dualpath.scheduler`),
+  ``oracle`` (the scheduler with every storage read, H2D and P->D transfer free).
+
+What is not: storage writes (they use the SNIC's other direction), CNIC contention between
+engines (the bandwidth model keeps 2P4D-like ratios bottleneck-free), DRAM buffer capacity, tool
+latency (zero, as in the paper's evaluation), failures.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from ascend_dualpath.dualpath.scheduler import (
+    DEFAULT_COMPUTE_QUOTA_S, Assignment, EngineState, GroupReport, PrefillWork, ReadPath, Request, Scheduler,
+    plan_prefill_batch,
+)
+from ascend_dualpath.errors import CapacityError, ConfigError
+from ascend_dualpath.sim.models import GB, HardwareConfig, ModelConfig, engine_profile
+from ascend_dualpath.sim.traces import Round
+
+
+class Mode(enum.Enum):
+    BASIC = "basic"
+    LAYERWISE = "layerwise"
+    DUALPATH = "dualpath"
+    SCHEDULER = "scheduler"
+    ORACLE = "oracle"
+
+    @property
+    def layerwise(self) -> bool:
+        return self is not Mode.BASIC
+
+    @property
+    def adaptive(self) -> bool:
+        return self in (Mode.SCHEDULER, Mode.ORACLE)
+
+    @property
+    def io_free(self) -> bool:
+        return self is Mode.ORACLE
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Cluster shape and the few runtime knobs. ``workspace_bytes`` is HBM kept for activations and
+    communication buffers on every engine; ``max_batch_tokens`` is the chunked-prefill token budget of
+    the non-adaptive modes (the adaptive one uses the compute quota)."""
+
+    model: ModelConfig
+    hardware: HardwareConfig = HardwareConfig()
+    prefill_nodes: int = 2
+    decode_nodes: int = 4
+    block_tokens: int = 64
+    tick_s: float = 0.02
+    compute_quota_s: float = DEFAULT_COMPUTE_QUOTA_S
+    max_batch_tokens: int = 16384
+    workspace_bytes: float = 8 * GB
+
+    def __post_init__(self) -> None:
+        if self.prefill_nodes < 1 or self.decode_nodes < 1:
+            raise ConfigError(f"need >= 1 prefill and decode node, got {self.prefill_nodes}P{self.decode_nodes}D")
+        for role, nodes in (("PE", self.prefill_nodes), ("DE", self.decode_nodes)):
+            if self.kv_hbm_bytes(nodes) <= 0:
+                raise CapacityError(f"{role}: weights of {self.model.name} leave no HBM for KV on {nodes} nodes")
+
+    def kv_hbm_bytes(self, nodes: int) -> float:
+        """HBM per engine left for KV when the weights are sharded over ``nodes`` nodes (EP/DP)."""
+        engines = nodes * self.hardware.gpus_per_node
+        weights = self.model.weight_bytes / engines if self.model.weight_bytes > self.hardware.hbm_bytes else (
+            self.model.weight_bytes)  # a model that fits one GPU is replicated (DP)
+        return self.hardware.hbm_bytes - weights - self.workspace_bytes
+
+
+@dataclass
+class _Req:
+    """Runtime state of one request."""
+
+    agent: int
+    round: Round
+    request: Request
+    arrival: float
+    pe: int = -1
+    de: int = -1
+    path: ReadPath = ReadPath.PE
+    first_token: float = 0.0
+    decode_start: float = 0.0
+    finish_step: int = 0
+    ctx: int = 0
+    attended: int = 0
+
+
+@dataclass
+class _Engine:
+    engine_id: int
+    node: int
+    seqs: int = 0
+    tokens: int = 0
+    free_hbm: float = 0.0
+    # PE side
+    ready: deque = field(default_factory=deque)  # of (PrefillWork, _Req, first_pass: bool)
+    awaiting_hbm: deque = field(default_factory=deque)
+    # DE side
+    active: int = 0
+    sum_ctx: int = 0
+    sum_attended: int = 0
+    finishing: list = field(default_factory=list)  # heap of (finish_step, seq, _Req)
+    joining: list = field(default_factory=list)
+
+
+@dataclass
+class _Node:
+    node_id: int
+    engines: list[int]
+    read_fifo: deque = field(default_factory=deque)  # of (_Req, tokens)
+    read_queue_tokens: int = 0
+    read_busy: bool = False
+    step_busy: bool = False
+    completed_steps: int = 0
+    reads: list = field(default_factory=list)  # (start, end, bytes): storage-NIC activity
+
+
+@dataclass
+class SimResult:
+    """What one run measured. Times in seconds; ``snic_reads[node]`` lists (start, end, bytes)."""
+
+    mode: Mode
+    jct_s: float
+    completed_requests: int
+    ttft_s: list[float]
+    tpot_s: list[float]
+    agent_finish_s: list[float]
+    snic_reads: dict[int, list[tuple[float, float, float]]]
+    prefill_nodes: list[int]
+    decode_nodes: list[int]
+    read_bytes_by_path: dict[str, float]
+
+    @property
+    def mean_ttft_s(self) -> float:
+        return sum(self.ttft_s) / max(1, len(self.ttft_s))
+
+    @property
+    def mean_tpot_s(self) -> float:
+        return sum(self.tpot_s) / max(1, len(self.tpot_s))
+
+
+class ClusterSim:
+    """One simulated cluster running a set of agents (each a list of :class:`Round`).
+
+    ``agent_start_s[i]`` is when agent ``i`` issues its first round (0 for offline runs); every later
+    round is issued when the previous one finishes decoding (zero tool latency).
+    """
+
+    def __init__(self, config: ClusterConfig, mode: Mode, agents: Sequence[Sequence[Round]],
+                 agent_start_s: Sequence[float] | None = None):
+        if not agents:
+            raise ConfigError("no agents to simulate")
+        self.config, self.mode = config, mode
+        self.model, self.hw = config.model, config.hardware
+        self.agents = [list(rounds) for rounds in agents]
+        if any(not rounds for rounds in self.agents):
+            raise ConfigError("every agent needs at least one round")
+        # alpha/beta are "profiled in advance" (§A.4): here on the workload's mean request
+        requests = [r for rounds in self.agents for r in rounds]
+        mean_cached = sum(r.cached_tokens for r in requests) // len(requests)
+        mean_new = max(1, sum(r.prompt_tokens - r.cached_tokens for r in requests) // len(requests))
+        self.profile = engine_profile(self.model, self.hw, profiled_context=mean_cached, profiled_append=mean_new)
+        self.agent_start = list(agent_start_s) if agent_start_s is not None else [0.0] * len(self.agents)
+        if len(self.agent_start) != len(self.agents):
+            raise ConfigError(f"{len(self.agent_start)} start times for {len(self.agents)} agents")
+        g = self.hw.gpus_per_node
+        node_count = config.prefill_nodes + config.decode_nodes
+        self.nodes = [_Node(n, list(range(n * g, (n + 1) * g))) for n in range(node_count)]
+        self.pe_nodes = list(range(config.prefill_nodes))
+        self.de_nodes = list(range(config.prefill_nodes, len(self.nodes)))
+        self.engines = [_Engine(e, e // g) for e in range(len(self.nodes) * g)]
+        self.pe_ids = [e for n in self.pe_nodes for e in self.nodes[n].engines]
+        self.de_ids = [e for n in self.de_nodes for e in self.nodes[n].engines]
+        self.pe_kv_hbm = config.kv_hbm_bytes(config.prefill_nodes)
+        self.de_kv_hbm = config.kv_hbm_bytes(config.decode_nodes)
+        for e in self.pe_ids:
+            self.engines[e].free_hbm = self.pe_kv_hbm
+        for e in self.de_ids:
+            self.engines[e].free_hbm = self.de_kv_hbm
+        self.scheduler = Scheduler.from_profile(self.profile) if mode.adaptive else None
+        for n in self.de_nodes:
+            if self.scheduler is not None:
+                self.scheduler.register_decode_group(n)
+        self._rr_queue: deque[_Req] = deque()
+        self._rr_pe = itertools.cycle(self.pe_ids)
+        self._rr_de = 0
+        self._rr_path = itertools.cycle((ReadPath.PE, ReadPath.DE) if mode is Mode.DUALPATH else (ReadPath.PE,))
+        self._by_id: dict[int, _Req] = {}
+        self._events: list = []
+        self._seq = itertools.count()
+        self.now = 0.0
+        self._remaining_agents = len(self.agents)
+        self._next_round = [0] * len(self.agents)
+        self._ttft: list[float] = []
+        self.ttft_arrivals: list[float] = []  # arrival time of the request behind each TTFT sample
+        self._tpot: list[float] = []
+        self._finish = [0.0] * len(self.agents)
+        self._read_bytes = {"pe": 0.0, "de": 0.0}
+        self._completed = 0
+        self._request_ids = itertools.count()
+        self._total_rounds = sum(len(rounds) for rounds in self.agents)
+
+    # ------------------------------------------------------------------------------------------ events
+
+    def _at(self, time: float, callback: Callable, *args) -> None:
+        heapq.heappush(self._events, (time, next(self._seq), callback, args))
+
+    def run(self, progress: Callable[[int, int], None] | None = None, max_sim_s: float = 1e7) -> SimResult:
+        """Run to completion (or ``max_sim_s``); ``progress(done, total)`` is called every ~1% of rounds."""
+        for agent, start in enumerate(self.agent_start):
+            self._at(start, self._issue, agent)
+        self._at(0.0, self._tick)
+        step = max(1, self._total_rounds // 100)
+        last_report = 0
+        while self._events and self._remaining_agents:
+            time, _, callback, args = heapq.heappop(self._events)
+            if time > max_sim_s:
+                break
+            self.now = time
+            callback(*args)
+            if progress is not None and self._completed - last_report >= step:
+                last_report = self._completed
+                progress(self._completed, self._total_rounds)
+        if progress is not None:
+            progress(self._completed, self._total_rounds)
+        return SimResult(
+            mode=self.mode, jct_s=max(self._finish) if not self._remaining_agents else float("inf"),
+            completed_requests=self._completed, ttft_s=self._ttft, tpot_s=self._tpot, agent_finish_s=self._finish,
+            snic_reads={n.node_id: n.reads for n in self.nodes}, prefill_nodes=self.pe_nodes,
+            decode_nodes=self.de_nodes, read_bytes_by_path=self._read_bytes,
+        )
+
+    # ------------------------------------------------------------------------------------------ arrivals
+
+    def _issue(self, agent: int) -> None:
+        rnd = self.agents[agent][self._next_round[agent]]
+        self._next_round[agent] += 1
+        hbm = (rnd.prompt_tokens + rnd.gen_tokens) * self.model.kv_bytes_per_token
+        if hbm > self.de_kv_hbm:
+            raise CapacityError(f"agent {agent}: {rnd.prompt_tokens}+{rnd.gen_tokens} tokens need {hbm / GB:.1f} GB "
+                                f"of decode HBM, a DE has {self.de_kv_hbm / GB:.1f} GB")
+        request = Request(next(self._request_ids), rnd.prompt_tokens, rnd.cached_tokens, int(hbm))
+        req = _Req(agent, rnd, request, self.now)
+        self._by_id[request.request_id] = req
+        if self.scheduler is not None:
+            self.scheduler.submit(request)
+        else:
+            self._rr_queue.append(req)
+
+    # ------------------------------------------------------------------------------------------ placement
+
+    def _report(self, node: _Node) -> GroupReport:
+        engines = [EngineState(e.engine_id, e.node, e.seqs, e.tokens, int(e.free_hbm))
+                   for e in (self.engines[i] for i in node.engines)]
+        return GroupReport(node.node_id, engines, {node.node_id: node.read_queue_tokens})
+
+    def _tick(self) -> None:
+        """Round-robin placement runs once per tick; under the adaptive scheduler each group pulls on its
+        own period, phase-shifted so that pulls are spread evenly over the tick (as independent group
+        leaders would), never letting one group always pull first."""
+        if self.scheduler is None:
+            self._round_robin()
+            if self._remaining_agents:
+                self._at(self.now + self.config.tick_s, self._tick)
+            return
+        groups = self.de_nodes + self.pe_nodes
+        for index, node in enumerate(groups):
+            self._at(self.now + index * self.config.tick_s / len(groups), self._pull, node)
+
+    def _pull(self, node_id: int) -> None:
+        node = self.nodes[node_id]
+        if node_id in self.de_nodes:
+            for request, de in self.scheduler.pull_decode(self._report(node)):
+                self._admit_decode(self._by_id[request.request_id], de)
+        else:
+            for assignment in self.scheduler.pull_prefill(self._report(node)):
+                self._place(assignment)
+        if self._remaining_agents:
+            self._at(self.now + self.config.tick_s, self._pull, node_id)
+
+    def _round_robin(self) -> None:
+        """Baseline placement: next DE in a fixed cycle (waits while it lacks HBM), next PE in a cycle,
+        read path alternating (dualpath) or always PE."""
+        while self._rr_queue:
+            req = self._rr_queue[0]
+            de = self.de_ids[self._rr_de]
+            if self.engines[de].free_hbm < req.request.decode_hbm_bytes:
+                return
+            self._rr_queue.popleft()
+            self._rr_de = (self._rr_de + 1) % len(self.de_ids)
+            self._admit_decode(req, de)
+            self._place(Assignment(req.request, next(self._rr_pe), de, next(self._rr_path)))
+
+    def _admit_decode(self, req: _Req, de: int) -> None:
+        engine = self.engines[de]
+        engine.free_hbm -= req.request.decode_hbm_bytes
+        engine.tokens += req.request.prompt_tokens
+        engine.seqs += 1
+        req.de = de
+
+    def _place(self, assignment: Assignment) -> None:
+        req = self._by_id[assignment.request.request_id]
+        req.pe, req.path = assignment.prefill_engine, assignment.read_path
+        pe = self.engines[req.pe]
+        pe.tokens += req.request.prompt_tokens
+        pe.seqs += 1
+        if self.mode is Mode.BASIC and req.request.cached_tokens:
+            pe.awaiting_hbm.append(req)
+            self._start_hbm_gated_reads(pe)
+        else:
+            self._read(req)
+
+    def _start_hbm_gated_reads(self, pe: _Engine) -> None:
+        while pe.awaiting_hbm:
+            need = pe.awaiting_hbm[0].request.cached_tokens * self.model.kv_bytes_per_token
+            if need > pe.free_hbm and need <= self.pe_kv_hbm:
+                return
+            pe.free_hbm -= need  # a request larger than the whole HBM is read alone (free goes negative)
+            self._read(pe.awaiting_hbm.popleft())
+
+    # ------------------------------------------------------------------------------------------ storage
+
+    def _read(self, req: _Req) -> None:
+        tokens = req.request.cached_tokens
+        if tokens == 0 or self.mode.io_free:
+            self._ready(req)
+            return
+        node = self.nodes[self.engines[req.pe if req.path is ReadPath.PE else req.de].node]
+        node.read_fifo.append((req, tokens))
+        node.read_queue_tokens += tokens
+        if not node.read_busy:
+            self._serve_read(node)
+
+    def _serve_read(self, node: _Node) -> None:
+        req, tokens = node.read_fifo[0]
+        nbytes = tokens * self.model.kv_bytes_per_token
+        end = self.now + nbytes / self.hw.snic_bytes_per_s
+        node.read_busy = True
+        node.reads.append((self.now, end, nbytes))
+        self._read_bytes[req.path.value] += nbytes
+        self._at(end, self._read_done, node)
+
+    def _read_done(self, node: _Node) -> None:
+        req, tokens = node.read_fifo.popleft()
+        node.read_queue_tokens -= tokens
+        node.read_busy = False
+        self._ready(req)
+        if node.read_fifo:
+            self._serve_read(node)
+
+    # ------------------------------------------------------------------------------------------ prefill
+
+    def _ready(self, req: _Req) -> None:
+        pe = self.engines[req.pe]
+        work = PrefillWork(req.request.request_id, req.request.cached_tokens,
+                           req.request.prompt_tokens - req.request.cached_tokens)
+        pe.ready.append((work, req, True))
+        node = self.nodes[pe.node]
+        if not node.step_busy:
+            self._prefill_step(node)
+
+    def _batch(self, pe: _Engine) -> list[tuple[PrefillWork, int]]:
+        works = [item[0] for item in pe.ready]
+        if self.mode.adaptive:
+            return plan_prefill_batch(works, self.profile.attention_time, self.config.compute_quota_s)
+        batch, budget = [], self.config.max_batch_tokens
+        for work in works:
+            take = min(work.remaining, budget)
+            batch.append((work, take))
+            budget -= take
+            if budget == 0:
+                break
+        return batch
+
+    def _prefill_step(self, node: _Node) -> None:
+        kv = self.model.kv_bytes_per_token
+        bandwidth = self.hw.cnic_bytes_per_s
+        step_time, plan = 0.0, []
+        for engine_id in node.engines:
+            pe = self.engines[engine_id]
+            if not pe.ready:
+                continue
+            batch = self._batch(pe)
+            compute = load = write = 0.0
+            for index, (work, take) in enumerate(batch):
+                compute += self.profile.attention_flops(work.cached, take) * self.profile.seconds_per_flop
+                compute += self.model.gemm_flops(take) / self.hw.prefill_flops_per_s
+                _, req, first_pass = pe.ready[index]
+                if first_pass:
+                    load += req.request.cached_tokens * kv
+                write += take * kv + (req.request.cached_tokens * kv if first_pass and req.path is ReadPath.PE else 0)
+            if self.mode.io_free or not self.mode.layerwise:
+                engine_time = compute  # oracle: I/O free; basic: KV already in HBM, shipped after prefill
+            else:
+                engine_time = max(compute, load / bandwidth, write / bandwidth)
+            step_time = max(step_time, engine_time)
+            plan.append((pe, batch))
+        if not plan:
+            node.step_busy = False
+            return
+        node.step_busy = True
+        self._at(self.now + step_time, self._prefill_step_done, node, plan)
+
+    def _prefill_step_done(self, node: _Node, plan) -> None:
+        for pe, batch in plan:
+            for work, take in batch:
+                work.cached += take
+                work.remaining -= take
+                _, req, _ = pe.ready.popleft()
+                if work.remaining:
+                    pe.ready.appendleft((work, req, False))  # chunked: the rest leads the next pass
+                    break
+                self._prefill_done(pe, req)
+        self._prefill_step(node)
+
+    def _prefill_done(self, pe: _Engine, req: _Req) -> None:
+        pe.tokens -= req.request.prompt_tokens
+        pe.seqs -= 1
+        req.first_token = self.now
+        self._ttft.append(self.now - req.arrival)
+        self.ttft_arrivals.append(req.arrival)
+        if self.mode is Mode.BASIC:
+            pe.free_hbm += req.request.cached_tokens * self.model.kv_bytes_per_token
+            self._start_hbm_gated_reads(pe)
+        # the prompt KV reaches DE HBM: P->D RDMA (basic) or DE-buffer H2D (layerwise modes), both over a CNIC
+        delay = 0.0 if self.mode.io_free else req.request.prompt_tokens * self.model.kv_bytes_per_token / (
+            self.hw.cnic_bytes_per_s)
+        self._at(self.now + delay, self._join_decode, req)
+
+    # ------------------------------------------------------------------------------------------ decode
+
+    def _join_decode(self, req: _Req) -> None:
+        de = self.engines[req.de]
+        req.decode_start = self.now
+        if req.round.gen_tokens <= 1:
+            self._decode_done(de, req, steps=0)
+            return
+        de.joining.append(req)
+        node = self.nodes[de.node]
+        if not node.step_busy:
+            self._decode_step(node)
+
+    def _decode_step(self, node: _Node) -> None:
+        topk = self.model.sparse_topk
+        step_bytes = 0.0
+        busy = False
+        for engine_id in node.engines:
+            de = self.engines[engine_id]
+            for req in de.joining:
+                req.ctx = req.request.prompt_tokens + 1
+                req.attended = min(req.ctx, topk) if topk else req.ctx
+                req.finish_step = node.completed_steps + req.round.gen_tokens - 1
+                heapq.heappush(de.finishing, (req.finish_step, req.request.request_id, req))
+                de.active += 1
+                de.sum_ctx += req.ctx
+                de.sum_attended += req.attended
+            de.joining.clear()
+            if de.active:
+                busy = True
+                engine_bytes = (de.sum_ctx * self.model.decode_read_bytes_per_ctx_token
+                                + de.sum_attended * self.model.decode_read_bytes_per_attended)
+                step_bytes = max(step_bytes, engine_bytes)
+        if not busy:
+            node.step_busy = False
+            return
+        node.step_busy = True
+        self._at(self.now + self.model.decode_step_fixed_s + step_bytes / self.hw.hbm_bytes_per_s,
+                 self._decode_step_done, node)
+
+    def _decode_step_done(self, node: _Node) -> None:
+        node.completed_steps += 1
+        dense = self.model.sparse_topk is None
+        for engine_id in node.engines:
+            de = self.engines[engine_id]
+            de.tokens += de.active
+            de.sum_ctx += de.active
+            if dense:
+                de.sum_attended += de.active
+            while de.finishing and de.finishing[0][0] <= node.completed_steps:
+                _, _, req = heapq.heappop(de.finishing)
+                steps = req.round.gen_tokens - 1
+                de.active -= 1
+                de.sum_ctx -= req.ctx + steps
+                de.sum_attended -= req.attended + (steps if dense else 0)
+                self._decode_done(de, req, steps)
+        self._decode_step(node)
+
+    def _decode_done(self, de: _Engine, req: _Req, steps: int) -> None:
+        if steps:
+            self._tpot.append((self.now - req.decode_start) / steps)
+        de.tokens -= req.request.prompt_tokens + steps
+        de.seqs -= 1
+        de.free_hbm += req.request.decode_hbm_bytes
+        del self._by_id[req.request.request_id]
+        self._completed += 1
+        agent = req.agent
+        if self._next_round[agent] < len(self.agents[agent]):
+            self._issue(agent)
+        else:
+            self._finish[agent] = self.now
+            self._remaining_agents -= 1

@@ -1,0 +1,195 @@
+"""Experiments on the cluster simulator: offline JCT, the ablation, online SLO capacity, metrics, figures."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ascend_dualpath.errors import ConfigError
+from ascend_dualpath.sim.cluster import ClusterConfig, ClusterSim, Mode, SimResult
+from ascend_dualpath.sim.traces import Round, generate_trajectories, replay
+
+TTFT_SLO_S = 4.0
+TPOT_SLO_S = 0.050
+
+
+def agentic_agents(count: int, max_len: int = 65536, rounds_per_agent: int | None = None, seed: int = 0,
+                   block_tokens: int = 64) -> list[list[Round]]:
+    """``count`` Table-2 agents. With ``rounds_per_agent`` each agent replays a random window of that
+    many consecutive rounds of its trajectory (contexts and hits as deep as in the full run), which keeps
+    the per-round mix of the full workload at a fraction of the cost."""
+    rng = random.Random(seed + 1)
+    agents = []
+    for trajectory in generate_trajectories(max_len, count, seed=seed):
+        rounds = replay(trajectory, block_tokens)
+        if rounds_per_agent is not None and len(rounds) > rounds_per_agent:
+            start = rng.randrange(0, len(rounds) - rounds_per_agent + 1)
+            rounds = rounds[start:start + rounds_per_agent]
+        agents.append(rounds)
+    return agents
+
+
+def run_offline(config: ClusterConfig, mode: Mode, agents: Sequence[Sequence[Round]],
+                progress: Callable[[int, int], None] | None = None) -> SimResult:
+    """All agents start at t=0; the result's ``jct_s`` is the job completion time."""
+    return ClusterSim(config, mode, agents).run(progress=progress)
+
+
+def run_ablation(config: ClusterConfig, agents: Sequence[Sequence[Round]], modes: Sequence[Mode] = tuple(Mode),
+                 progress: Callable[[Mode, int, int], None] | None = None) -> dict[Mode, SimResult]:
+    results = {}
+    for mode in modes:
+        callback = (lambda done, total, mode=mode: progress(mode, done, total)) if progress else None
+        results[mode] = run_offline(config, mode, agents, callback)
+    return results
+
+
+def reductions_vs_basic(results: dict[Mode, SimResult]) -> dict[Mode, float]:
+    """Cumulative JCT reduction of each mode relative to Basic (the paper's ablation metric)."""
+    basic = results[Mode.BASIC].jct_s
+    return {mode: 1.0 - result.jct_s / basic for mode, result in results.items()}
+
+
+def snic_utilisation(result: SimResult, window_s: float = 5.0) -> tuple[list[float], dict[int, list[float]]]:
+    """Storage-NIC utilisation per node in windows of ``window_s``: ``(window_starts, {node: [0..1]})``.
+
+    Read intervals are split exactly across window boundaries (each node serves one read at a time)."""
+    if window_s <= 0:
+        raise ConfigError(f"window must be > 0 s, got {window_s}")
+    end = max((stop for reads in result.snic_reads.values() for _, stop, _ in reads), default=0.0)
+    windows = int(end // window_s) + 1
+    busy = {node: [0.0] * windows for node in result.snic_reads}
+    for node, reads in result.snic_reads.items():
+        for start, stop, _ in reads:
+            index = int(start // window_s)
+            while start < stop:
+                boundary = min(stop, (index + 1) * window_s)
+                busy[node][index] += boundary - start
+                start, index = boundary, index + 1
+    utilisation = {node: [b / window_s for b in series] for node, series in busy.items()}
+    return [i * window_s for i in range(windows)], utilisation
+
+
+def snic_max_over_avg(result: SimResult, window_s: float = 5.0, middle_bytes: float = 0.8) -> float:
+    """Mean over windows of (max node traffic / mean node traffic) across all storage NICs.
+
+    Only the steady state counts: windows between the moments when ``(1 - middle_bytes) / 2`` and
+    ``(1 + middle_bytes) / 2`` of all storage bytes had been read (ramp-up and drain excluded)."""
+    starts, util = snic_utilisation(result, window_s)
+    per_window = [sum(series[i] for series in util.values()) for i in range(len(starts))]
+    total = sum(per_window)
+    if total <= 0:
+        raise ConfigError("no storage-NIC traffic to measure")
+    low_mark, high_mark = (1 - middle_bytes) / 2 * total, (1 + middle_bytes) / 2 * total
+    ratios, done = [], 0.0
+    for index, window_total in enumerate(per_window):
+        done += window_total
+        if done < low_mark or done - window_total > high_mark or window_total <= 0:
+            continue
+        values = [series[index] for series in util.values()]
+        ratios.append(max(values) / (sum(values) / len(values)))
+    return sum(ratios) / len(ratios)
+
+
+@dataclass(frozen=True)
+class OnlinePoint:
+    aps: float
+    mean_ttft_s: float
+    mean_tpot_s: float
+    meets_slo: bool
+
+
+def run_online(config: ClusterConfig, mode: Mode, aps: float, duration_s: float, max_len: int = 65536,
+               seed: int = 0) -> OnlinePoint:
+    """Agents arrive as a Poisson process at ``aps`` per second for ``duration_s`` and replay their
+    trajectories from round 0; the SLO is mean TTFT <= 4 s and mean TPOT <= 50 ms over requests that
+    start in the second half (the first half is warm-up)."""
+    if aps <= 0 or duration_s <= 0:
+        raise ConfigError(f"aps and duration must be > 0, got {aps} and {duration_s}")
+    rng = random.Random(seed)
+    starts, time = [], 0.0
+    while True:
+        time += rng.expovariate(aps)
+        if time > duration_s:
+            break
+        starts.append(time)
+    if not starts:
+        raise ConfigError(f"no agent arrives in {duration_s} s at {aps} APS")
+    agents = agentic_agents(len(starts), max_len, seed=seed)
+    sim = ClusterSim(config, mode, agents, agent_start_s=starts)
+    result = sim.run(max_sim_s=duration_s)
+    ttft = [t for t, arrival in zip(result.ttft_s, sim.ttft_arrivals) if arrival >= duration_s / 2]
+    tpot = result.tpot_s[len(result.tpot_s) // 2:]
+    mean_ttft = sum(ttft) / len(ttft) if ttft else float("inf")
+    mean_tpot = sum(tpot) / len(tpot) if tpot else float("inf")
+    return OnlinePoint(aps, mean_ttft, mean_tpot, mean_ttft <= TTFT_SLO_S and mean_tpot <= TPOT_SLO_S)
+
+
+def online_capacity(config: ClusterConfig, mode: Mode, duration_s: float, low: float, high: float,
+                    iterations: int = 6, seed: int = 0) -> float:
+    """Largest APS (bisection between ``low`` and ``high``) whose run meets the SLO; 0 if ``low`` fails."""
+    if not run_online(config, mode, low, duration_s, seed=seed).meets_slo:
+        return 0.0
+    for _ in range(iterations):
+        middle = (low + high) / 2
+        if run_online(config, mode, middle, duration_s, seed=seed).meets_slo:
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+def plot_figures(out_dir, sweep: dict[Mode, list[tuple[int, float]]], ablation: dict[Mode, SimResult],
+                 window_s: float = 5.0) -> list[str]:
+    """Write jct_vs_agents.png, ablation.png and snic_utilisation.png under ``out_dir`` (Agg backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from pathlib import Path
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode, points in sweep.items():
+        ax.plot([n for n, _ in points], [jct for _, jct in points], marker="o", label=mode.value)
+    ax.set_xlabel("agents (started together)")
+    ax.set_ylabel("job completion time (s)")
+    ax.set_title("Offline JCT against agent count")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "jct_vs_agents.png", dpi=120)
+    written.append(str(out / "jct_vs_agents.png"))
+    plt.close(fig)
+
+    reductions = reductions_vs_basic(ablation)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    names = [mode.value for mode in ablation]
+    ax.bar(names, [100 * reductions[mode] for mode in ablation])
+    ax.set_ylabel("JCT reduction vs basic (%)")
+    ax.set_title("Ablation (cumulative)")
+    fig.tight_layout()
+    fig.savefig(out / "ablation.png", dpi=120)
+    written.append(str(out / "ablation.png"))
+    plt.close(fig)
+
+    compare = [mode for mode in (Mode.DUALPATH, Mode.SCHEDULER) if mode in ablation]
+    fig, axes = plt.subplots(len(compare), 1, figsize=(7, 2.6 * len(compare)), sharex=True, squeeze=False)
+    for ax, mode in zip(axes[:, 0], compare):
+        starts, util = snic_utilisation(ablation[mode], window_s)
+        for node, series in util.items():
+            role = "P" if node in ablation[mode].prefill_nodes else "D"
+            ax.plot(starts, series, linewidth=0.8, label=f"node {node} ({role})")
+        ax.set_ylabel("SNIC util.")
+        balance = snic_max_over_avg(ablation[mode], window_s)
+        ax.set_title(f"{mode.value}: storage-NIC utilisation, max/avg {balance:.2f}")
+        ax.legend(fontsize=6, ncol=3)
+    axes[-1, 0].set_xlabel("time (s)")
+    fig.tight_layout()
+    fig.savefig(out / "snic_utilisation.png", dpi=120)
+    written.append(str(out / "snic_utilisation.png"))
+    plt.close(fig)
+    return written

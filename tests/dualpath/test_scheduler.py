@@ -1,0 +1,148 @@
+from __future__ import annotations
+
+import pytest
+
+from ascend_dualpath.dualpath.scheduler import (
+    EngineProfile, EngineState, GroupReport, PrefillWork, ReadPath, Request, Scheduler, choose_read_path,
+    decode_token_threshold, plan_decode, plan_decode_groups, plan_prefill, plan_prefill_batch,
+)
+from ascend_dualpath.errors import ConfigError
+
+ALPHA, BETA = 1000, 5000
+
+
+def req(i, length=100, cached=0, hbm=10):
+    return Request(i, length, cached, hbm)
+
+
+def pe(engine_id, node, tokens):
+    return EngineState(engine_id, node, seqs=0, tokens=tokens)
+
+
+def test_category_two_beats_lower_tokens_in_category_three():
+    engines = [pe(0, 0, 10), pe(1, 1, 3000)]  # node 0 has a long read queue
+    placed = plan_prefill([req(0)], engines, {0: ALPHA + 1, 1: ALPHA}, ALPHA, BETA)
+    assert placed == [(req(0), 1)]
+
+
+def test_category_three_used_when_two_is_empty_and_min_tokens_wins():
+    engines = [pe(0, 0, 300), pe(1, 0, 200), pe(2, 1, 100)]
+    placed = plan_prefill([req(0)], engines, {0: ALPHA + 1, 1: ALPHA + 5}, ALPHA, BETA)
+    assert placed[0][1] == 2
+
+
+def test_beta_excludes_and_stops_the_fifo():
+    engines = [pe(0, 0, BETA + 1), pe(1, 0, BETA - 150)]
+    placed = plan_prefill([req(0, 100), req(1, 100), req(2, 100)], engines, {}, ALPHA, BETA)
+    # engine 1 takes r0 (tokens -> BETA-50 <= BETA), r1 (-> BETA+50), then nobody is <= beta
+    assert [(r.request_id, e) for r, e in placed] == [(0, 1), (1, 1)]
+    assert engines[1].tokens == BETA - 150  # plan is pure
+
+
+def test_min_tokens_spreads_fifo_and_ties_break_on_id():
+    engines = [pe(3, 0, 0), pe(1, 0, 0), pe(2, 0, 0)]
+    placed = plan_prefill([req(i, 100) for i in range(4)], engines, {}, ALPHA, BETA)
+    assert [e for _, e in placed] == [1, 2, 3, 1]
+
+
+def test_decode_phase_one_balances_group_tokens():
+    placed = plan_decode_groups([req(0, 500), req(1, 100), req(2, 100)], {7: 1000, 8: 200})
+    assert [(r.request_id, g) for r, g in placed] == [(0, 8), (1, 8), (2, 8)]
+    placed = plan_decode_groups([req(0, 900), req(1, 100)], {7: 1000, 8: 200})
+    assert [g for _, g in placed] == [8, 7]
+
+
+def de(engine_id, tokens, seqs, free):
+    return EngineState(engine_id, 0, seqs=seqs, tokens=tokens, free_hbm_bytes=free)
+
+
+def test_z_threshold_counts_only_the_hbm_fitting_head():
+    engines = [de(0, 1000, 1, 100), de(1, 3000, 1, 100)]
+    queue = [req(0, 400, hbm=150), req(1, 600, hbm=60), req(2, 10_000, hbm=20)]  # r1 would overflow: 150+60 > 200
+    assert decode_token_threshold(queue, engines) == pytest.approx(1.05 * (400 + 4000) / 2)
+
+
+def test_decode_prefers_non_high_token_with_fewest_seqs():
+    # Z = 1.05 * (100 + 900 + 1000 + 1200) / 3 = 1120: engine 1 (1000+100) and 0 (900+100) are low-token;
+    # engine 0 has fewer seqs even with more free HBM elsewhere; engine 2 is high-token.
+    engines = [de(0, 900, 3, 100), de(1, 1000, 5, 100), de(2, 1200, 0, 100)]
+    assert plan_decode([req(0, 100)], engines) == [(req(0, 100), 0)]
+
+
+def test_decode_falls_back_to_min_tokens_when_all_are_high():
+    engines = [de(0, 5000, 0, 100), de(1, 4000, 9, 100)]
+    # Z = 1.05*(6000+9000)/2 = 7875; every engine + 6000 > Z: pick min tokens
+    assert plan_decode([req(0, 6000)], engines)[0][1] == 1
+
+
+def test_decode_skips_engines_without_hbm_and_stops_when_none_fits():
+    engines = [de(0, 0, 0, 50), de(1, 100, 3, 200)]
+    queue = [req(0, hbm=150), req(1, hbm=60), req(2, hbm=10)]
+    placed = plan_decode(queue, engines)
+    # r0 only fits engine 1 (free 200 -> 50); r1 (60) fits nowhere: stop, even though r2 would fit
+    assert [(r.request_id, e) for r, e in placed] == [(0, 1)]
+    assert engines[1].free_hbm_bytes == 200
+
+
+def test_read_path_shorter_queue_ties_to_pe():
+    assert choose_read_path(10, 5) is ReadPath.DE
+    assert choose_read_path(5, 10) is ReadPath.PE
+    assert choose_read_path(7, 7) is ReadPath.PE
+
+
+def linear_time(cached, bsz):
+    return 0.001 * bsz + 0.0001 * cached
+
+
+def test_quota_batch_splits_the_overflow_by_binary_search():
+    queue = [PrefillWork(0, 0, 100), PrefillWork(1, 1000, 300)]  # 0.1 s, then 0.1 + 0.3 s
+    batch = plan_prefill_batch(queue, linear_time, quota_s=0.3)
+    assert batch[0] == (queue[0], 100)
+    work, chunk = batch[1]
+    # largest chunk with 0.1 + 0.1 + 0.001 * chunk <= 0.3 is 100 (floating point allows exactly 100 or 99)
+    assert work is queue[1] and chunk in (99, 100)
+    assert 0.1 + linear_time(1000, chunk) <= 0.3 < 0.1 + linear_time(1000, chunk + 1)
+
+
+def test_quota_batch_takes_head_whole_when_nothing_fits():
+    queue = [PrefillWork(0, 10**6, 50), PrefillWork(1, 0, 1)]  # 100 s of cached cost alone
+    assert plan_prefill_batch(queue, linear_time, quota_s=0.3) == [(queue[0], 50)]
+    with pytest.raises(ConfigError, match="quota"):
+        plan_prefill_batch(queue, linear_time, quota_s=0)
+
+
+def test_profile_thresholds_and_sparse_attention_flops():
+    profile = EngineProfile(read_tokens_per_s=1000, prefill_tokens_per_s=200, attn_flops_per_pair=2.0,
+                            seconds_per_flop=1.0, sparse_topk=4)
+    assert profile.alpha_tokens == 3000 and profile.beta_tokens == 1000
+    # new tokens 3..6 after 2 cached: contexts 3,4 (dense) then capped at 4, 4 -> 3+4+4+4 = 15 pairs
+    assert profile.attention_flops(2, 4) == 2.0 * 15
+    dense = EngineProfile(1, 1, attn_flops_per_pair=1.0, seconds_per_flop=1.0)
+    assert dense.attention_flops(10, 3) == 11 + 12 + 13
+
+
+def test_scheduler_run_end_to_end_is_deterministic_and_tracks_read_queues():
+    def run():
+        scheduler = Scheduler(alpha=ALPHA, beta=BETA)
+        for i in range(6):
+            scheduler.submit(req(i, 100, cached=64, hbm=10))
+        de_report = GroupReport(10, [EngineState(80 + i, 10, free_hbm_bytes=100) for i in range(2)], {10: 100})
+        admitted = scheduler.pull_decode(de_report)
+        pe_report = GroupReport(0, [pe(0, 0, 0), pe(1, 0, 0)], {0: 0})
+        return admitted, scheduler.pull_prefill(pe_report), scheduler
+
+    admitted, assignments, scheduler = run()
+    assert len(admitted) == 6 and len(assignments) == 6 and scheduler.queued == 0
+    # PE node 0 starts empty (0 < 100): PE path until its queue passes the DE node's 100 tokens
+    assert [a.read_path for a in assignments] == [ReadPath.PE, ReadPath.PE, ReadPath.DE, ReadPath.PE,
+                                                  ReadPath.DE, ReadPath.PE]
+    assert assignments == run()[1]
+
+
+def test_request_validation():
+    with pytest.raises(ConfigError, match="cached_tokens=200"):
+        Request(1, 100, 200)
+    with pytest.raises(ConfigError, match="prompt_tokens"):
+        Request(1, 0)
+    with pytest.raises(ConfigError, match="no engines"):
+        GroupReport(1, [])

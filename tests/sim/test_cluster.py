@@ -1,0 +1,94 @@
+"""Shape claims of the paper on a scaled-down but faithful DS-660B 2P4D 64K offline run.
+
+Faithful: the paper's cluster (2 prefill + 4 decode nodes of 8 GPUs, one 400 Gbps SNIC per node), model
+and Table-2 64K workload; scaled: each of 1536 agents replays a random window of 8 consecutive rounds
+of its trajectory instead of all ~100, so contexts and hit rates are those of the full run.
+These are properties of the model (orderings, ratios), not timings.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ascend_dualpath.errors import CapacityError, ConfigError
+from ascend_dualpath.sim.cluster import ClusterConfig, ClusterSim, Mode
+from ascend_dualpath.sim.experiments import agentic_agents, reductions_vs_basic, run_ablation, snic_max_over_avg
+from ascend_dualpath.sim.models import DS_660B, QWEN_32B
+from ascend_dualpath.sim.traces import Round
+
+
+@pytest.fixture(scope="module")
+def ablation():
+    agents = agentic_agents(1536, rounds_per_agent=8, seed=0)
+    return run_ablation(ClusterConfig(DS_660B), agents)
+
+
+def test_every_mode_completes_every_request(ablation):
+    counts = {result.completed_requests for result in ablation.values()}
+    assert counts == {1536 * 8}
+
+
+def test_cumulative_reductions_are_ordered(ablation):
+    reductions = reductions_vs_basic(ablation)
+    assert 0 < reductions[Mode.LAYERWISE] < reductions[Mode.DUALPATH] < reductions[Mode.SCHEDULER]
+
+
+def test_scheduler_within_ten_percent_of_oracle(ablation):
+    assert ablation[Mode.SCHEDULER].jct_s <= 1.10 * ablation[Mode.ORACLE].jct_s
+
+
+def test_scheduler_balances_storage_nics_and_round_robin_does_not(ablation):
+    assert snic_max_over_avg(ablation[Mode.SCHEDULER]) <= 1.25
+    assert snic_max_over_avg(ablation[Mode.DUALPATH]) >= 1.4
+
+
+def test_dual_path_uses_both_sides_and_basic_only_the_prefill_side(ablation):
+    assert ablation[Mode.BASIC].read_bytes_by_path["de"] == 0
+    scheduled = ablation[Mode.SCHEDULER].read_bytes_by_path
+    assert scheduled["de"] > 0 and scheduled["pe"] > 0
+    assert sum(ablation[Mode.ORACLE].read_bytes_by_path.values()) == 0
+
+
+def test_speedup_over_basic_is_substantial(ablation):
+    assert ablation[Mode.BASIC].jct_s / ablation[Mode.SCHEDULER].jct_s >= 1.5
+
+
+@pytest.mark.xfail(strict=True, reason="the model gives ~1.6x, short of the paper's 1.87x (see docs/simulator.md)")
+def test_speedup_over_basic_reaches_the_papers_1_8x(ablation):
+    assert ablation[Mode.BASIC].jct_s / ablation[Mode.SCHEDULER].jct_s >= 1.8
+
+
+def test_simulation_is_deterministic():
+    agents = agentic_agents(64, rounds_per_agent=3, seed=5)
+    first = ClusterSim(ClusterConfig(DS_660B), Mode.SCHEDULER, agents).run()
+    second = ClusterSim(ClusterConfig(DS_660B), Mode.SCHEDULER, agents).run()
+    assert first.jct_s == second.jct_s and first.ttft_s == second.ttft_s
+
+
+def test_single_request_timeline_matches_hand_computation():
+    """One uncached request in oracle mode: TTFT = placement + one prefill pass, then gen-1 decode steps."""
+    config = ClusterConfig(QWEN_32B, prefill_nodes=1, decode_nodes=1)
+    sim = ClusterSim(config, Mode.ORACLE, [[Round(prompt_tokens=1000, cached_tokens=0, gen_tokens=3)]])
+    result = sim.run()
+    flops = QWEN_32B.gemm_flops(1000) + QWEN_32B.attention_flops(0, 1000)
+    prefill = flops / config.hardware.prefill_flops_per_s
+    pe_pull = config.tick_s / 2  # groups pull staggered: the DE group at t=0, the PE group half a tick later
+    assert result.ttft_s[0] == pytest.approx(pe_pull + prefill, rel=1e-12)
+    per_token_s = QWEN_32B.decode_read_bytes_per_attended / config.hardware.hbm_bytes_per_s
+    step = QWEN_32B.decode_step_fixed_s + 1001 * per_token_s  # context 1000 prompt + 1 first token
+    step2 = QWEN_32B.decode_step_fixed_s + 1002 * per_token_s
+    assert result.jct_s == pytest.approx(pe_pull + prefill + step + step2, rel=1e-9)
+    assert result.tpot_s == [pytest.approx((step + step2) / 2, rel=1e-9)]
+
+
+def test_oversized_request_is_rejected_with_the_limits():
+    huge = [[Round(prompt_tokens=10**7, cached_tokens=0, gen_tokens=1)]]
+    with pytest.raises(CapacityError, match="decode HBM"):
+        ClusterSim(ClusterConfig(DS_660B), Mode.SCHEDULER, huge).run()
+
+
+def test_bad_configs():
+    with pytest.raises(ConfigError, match="0P4D"):
+        ClusterConfig(DS_660B, prefill_nodes=0)
+    with pytest.raises(ConfigError, match="no agents"):
+        ClusterSim(ClusterConfig(DS_660B), Mode.BASIC, [])
