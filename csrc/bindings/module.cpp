@@ -395,6 +395,7 @@ PYBIND11_MODULE(_C, m) {
         .def_property_readonly("batch_write_issues", &HcclComm::batch_write_issues)
         .def("aiv_qp", &HcclComm::aiv_qp, py::arg("peer"))
         .def("local_info", &HcclComm::local_info)
+        .def("peer_info", &HcclComm::peer_info, py::arg("peer"))
         .def("connect", &HcclComm::connect, py::arg("peers"))
         .def("register_local", &HcclComm::register_local, py::arg("region"))
         .def("add_remote_mem", &HcclComm::add_remote_mem, py::arg("peer"), py::arg("mem"))

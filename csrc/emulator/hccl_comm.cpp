@@ -207,6 +207,12 @@ RankInfo HcclComm::local_info() const {
     return info;
 }
 
+const RankInfo& HcclComm::peer_info(uint32_t peer) const {
+    check_connected("peer_info");
+    check_peer(peer);
+    return peers_[peer];
+}
+
 void HcclComm::connect(const std::vector<RankInfo>& peers) {
     if (peers.size() != world_size_)
         fail(ErrorKind::kConfig, "connect needs one RankInfo per rank: got ", peers.size(), ", world size ", world_size_);

@@ -90,6 +90,7 @@ class HcclComm {
     const std::shared_ptr<QueuePair>& aiv_qp(uint32_t peer) const;
 
     RankInfo local_info() const;
+    const RankInfo& peer_info(uint32_t peer) const;  // what connect() received for `peer`
     void connect(const std::vector<RankInfo>& peers);
     bool connected() const { return connected_; }
 
