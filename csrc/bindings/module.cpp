@@ -187,7 +187,8 @@ PYBIND11_MODULE(_C, m) {
         .def_property_readonly("num_live_regions", &Fabric::num_live_regions)
         .def("lookup_rkey", [](const Fabric& f, uint32_t rkey) -> py::object {
             RegionInfo info;
-            return f.lookup_rkey(rkey, &info) ? py::cast(info) : py::none();
+            if (!f.lookup_rkey(rkey, &info) || !f.region_shm_name(info, &info.shm_name)) return py::none();
+            return py::cast(info);
         })
         .def("check_remote", [](const Fabric& f, uint32_t rkey, uint64_t va, uint64_t len, uint32_t access) {
             AccessCheck c = f.check_remote(rkey, va, len, access);

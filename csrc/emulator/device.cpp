@@ -362,13 +362,13 @@ uint32_t Nic::execute(QueuePair& qp, const RcSendWqe& w, uint32_t index, std::st
     if (opcode == kOpcodeWriteWithImm) {
         RegionInfo cq_region;
         if (!fabric_->lookup_qp(qp.dest_qpn(), &dest) || dest.recv_cq_depth == 0 ||
-            !fabric_->lookup_lkey(dest.recv_cq_lkey, &cq_region) || !(recv_cq = mapper_.translate(cq_region, cq_region.base_va))) {
+            !fabric_->lookup_lkey(dest.recv_cq_lkey, &cq_region) || !(recv_cq = mapper_.translate(*fabric_, cq_region, cq_region.base_va))) {
             *detail = cat("WRITE_WITH_IMM on qpn ", qp.qpn_, " needs a connected remote QP with a receive CQ; dest qpn ",
                           qp.dest_qpn(), " has none");
             return kSynNoRemoteQp;
         }
     }
-    uint8_t* remote_ptr = mapper_.translate(remote.region, w.remote_va);
+    uint8_t* remote_ptr = mapper_.translate(*fabric_, remote.region, w.remote_va);
     if (!remote_ptr) {  // deregistered and unlinked between the check and the mapping
         *detail = cat("rkey ", hex(w.rkey), " was deregistered while WQE ", index, " executed");
         return kSynBadRkey;

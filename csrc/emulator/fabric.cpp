@@ -175,7 +175,7 @@ RegionInfo Fabric::register_region(const std::string& shm_name, MemKind kind, ui
         e.state.store(kStateLive, std::memory_order_release);
         header_->num_live_regions.fetch_add(1);
         RegionInfo info;
-        read_region(slot, &info);
+        read_region(slot, &info, true);
         return info;
     }
     fail(ErrorKind::kCapacity, "fabric '", name_, "' registry is full: ", header_->max_regions, " regions live");
@@ -190,7 +190,7 @@ void Fabric::deregister_region(uint32_t slot, uint32_t generation) {
     }
 }
 
-bool Fabric::read_region(uint32_t slot, RegionInfo* out) const {
+bool Fabric::read_region(uint32_t slot, RegionInfo* out, bool with_name) const {
     if (slot >= header_->max_regions) return false;
     const RegionEntry& e = regions()[slot];
     if (e.state.load(std::memory_order_acquire) != kStateLive) return false;
@@ -204,7 +204,7 @@ bool Fabric::read_region(uint32_t slot, RegionInfo* out) const {
     out->kind = MemKind(e.kind);
     out->base_va = e.base_va;
     out->size = e.size;
-    out->shm_name.assign(e.shm_name, strnlen(e.shm_name, sizeof(e.shm_name)));
+    if (with_name) out->shm_name.assign(e.shm_name, strnlen(e.shm_name, sizeof(e.shm_name)));
     out->lkey = make_key(slot, generation, false);
     out->rkey = make_key(slot, generation, true);
     std::atomic_thread_fence(std::memory_order_acquire);
@@ -214,12 +214,12 @@ bool Fabric::read_region(uint32_t slot, RegionInfo* out) const {
 
 bool Fabric::lookup_rkey(uint32_t rkey, RegionInfo* out) const {
     if (!(rkey & kRemoteKeyBit) || (rkey & ~kRemoteKeyBit) < 0x100) return false;
-    return read_region(key_slot(rkey), out) && out->rkey == rkey;
+    return read_region(key_slot(rkey), out, false) && out->rkey == rkey;
 }
 
 bool Fabric::lookup_lkey(uint32_t lkey, RegionInfo* out) const {
     if ((lkey & kRemoteKeyBit) || lkey < 0x100) return false;
-    return read_region(key_slot(lkey), out) && out->lkey == lkey;
+    return read_region(key_slot(lkey), out, false) && out->lkey == lkey;
 }
 
 namespace {
@@ -305,9 +305,16 @@ bool Fabric::lookup_qp(uint32_t qpn, QpInfo* out) const {
     return true;
 }
 
+bool Fabric::region_shm_name(const RegionInfo& region, std::string* out) const {
+    RegionInfo fresh;
+    if (!read_region(region.slot, &fresh, true) || fresh.generation != region.generation) return false;
+    *out = std::move(fresh.shm_name);
+    return true;
+}
+
 // ---- RegionMapper ---------------------------------------------------------------------------
 
-uint8_t* RegionMapper::translate(const RegionInfo& region, uint64_t va) {
+uint8_t* RegionMapper::translate(const Fabric& fabric, const RegionInfo& region, uint64_t va) {
     if (region.owner_pid == uint32_t(getpid())) return reinterpret_cast<uint8_t*>(va);  // our own mapping
     std::lock_guard<std::mutex> guard(mutex_);
     auto it = by_slot_.find(region.slot);
@@ -316,7 +323,9 @@ uint8_t* RegionMapper::translate(const RegionInfo& region, uint64_t va) {
             munmap(it->second.ptr, it->second.size);
             by_slot_.erase(it);
         }
-        int fd = shm_open(shm_path(region.shm_name).c_str(), O_RDWR, 0600);
+        std::string name;
+        if (!fabric.region_shm_name(region, &name)) return nullptr;  // deregistered meanwhile
+        int fd = shm_open(shm_path(name).c_str(), O_RDWR, 0600);
         if (fd < 0) return nullptr;  // owner already deregistered and unlinked it
         void* p = mmap(nullptr, region.size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
         ::close(fd);

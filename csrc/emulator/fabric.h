@@ -37,7 +37,7 @@ struct RegionInfo {
     MemKind kind = MemKind::kDeviceGm;
     uint64_t base_va = 0;    // address of the first byte in the owner process
     uint64_t size = 0;
-    std::string shm_name;
+    std::string shm_name;  // filled by register_region and region_shm_name only
 };
 
 struct QpInfo {
@@ -94,6 +94,8 @@ class Fabric {
     uint32_t register_qp(uint32_t device_id, uint32_t recv_cq_lkey, uint32_t recv_cq_depth);
     void deregister_qp(uint32_t qpn);
     bool lookup_qp(uint32_t qpn, QpInfo* out) const;
+    // The shared-memory name of a live registration (left out of hot-path lookups: it allocates).
+    bool region_shm_name(const RegionInfo& region, std::string* out) const;
 
    private:
     struct Header;
@@ -101,7 +103,7 @@ class Fabric {
     struct QpEntry;
     Fabric() = default;
     void map(int fd, size_t bytes);
-    bool read_region(uint32_t slot, RegionInfo* out) const;
+    bool read_region(uint32_t slot, RegionInfo* out, bool with_name) const;
     RegionEntry* regions() const;
     QpEntry* qps() const;
 
@@ -116,7 +118,7 @@ class Fabric {
 // once, and translates virtual addresses of the owner process into local pointers.
 class RegionMapper {
    public:
-    uint8_t* translate(const RegionInfo& region, uint64_t va);
+    uint8_t* translate(const Fabric& fabric, const RegionInfo& region, uint64_t va);
     ~RegionMapper();
 
    private:
