@@ -369,8 +369,9 @@ class Buffer:
                 raise CapacityError(f"rank {rank} receives {count} tokens, more than num_worst_tokens="
                                     f"{num_worst_tokens}")
         send_order = is_token_in_rank.t().nonzero()[:, 1]
-        plan = NormalPlan(self.rank, is_token_in_rank, count_matrix, send_order,
-                          private=None if config is None else {"num_sms": config.num_sms})
+        plan = NormalPlan(self.rank, is_token_in_rank, count_matrix, send_order, private={
+            "num_sms": config.num_sms if config is not None else Buffer.num_sms, "num_experts": num_experts,
+            "num_topk": 0 if topk_idx is None else topk_idx.shape[1]})
         self.strategy.prepare_plan(plan)
         payload = list(parts)
         if topk_idx is not None:

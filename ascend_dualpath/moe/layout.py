@@ -27,10 +27,11 @@ def compute_dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks:
     num_tokens_per_expert = torch.zeros(num_experts, dtype=torch.int64, device=topk_idx.device)
     num_tokens_per_expert.scatter_add_(0, experts.reshape(-1), valid.reshape(-1).to(torch.int64))
     ranks = experts // (num_experts // num_ranks)
-    is_token_in_rank = torch.zeros(tokens, num_ranks, dtype=torch.bool, device=topk_idx.device)
+    # uint8, not bool: CUDA has no bool scatter_reduce.
+    is_token_in_rank = torch.zeros(tokens, num_ranks, dtype=torch.uint8, device=topk_idx.device)
     # "amax" makes the scatter an "or": an invalid slot (clamped to expert 0) scatters False and cannot
     # clear a True set by a valid slot of the same token.
-    is_token_in_rank.scatter_reduce_(1, ranks, valid, reduce="amax")
+    is_token_in_rank = is_token_in_rank.scatter_reduce_(1, ranks, valid.to(torch.uint8), reduce="amax").bool()
     num_tokens_per_rank = is_token_in_rank.sum(dim=0, dtype=torch.int32)
     num_nodes = num_ranks // ranks_per_node if num_ranks > ranks_per_node else 1
     num_tokens_per_rdma_rank = None

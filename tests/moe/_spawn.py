@@ -12,13 +12,16 @@ import torch.multiprocessing as mp
 RUN_TIMEOUT_S = 120.0
 
 
-def _entry(rank: int, world: int, store_path: str, fn, args, results) -> None:
+def _entry(rank: int, world: int, store_path: str, fn, args, results, backend: str = "gloo") -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=world,
+                                **({"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}))
         results.put((rank, fn(rank, world, *args)))
     except BaseException:  # report everything, including assertion failures outside the checks
         results.put((rank, {"__fatal__": traceback.format_exc()}))
@@ -29,14 +32,14 @@ def _entry(rank: int, world: int, store_path: str, fn, args, results) -> None:
         os._exit(0)
 
 
-def run_ranks(world: int, fn, *args, timeout_s: float = RUN_TIMEOUT_S) -> list[dict]:
+def run_ranks(world: int, fn, *args, timeout_s: float = RUN_TIMEOUT_S, backend: str = "gloo") -> list[dict]:
     """Return ``fn(rank, world, *args)`` of every rank (each a dict of check name -> "ok" or a traceback)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     store = tempfile.NamedTemporaryFile(prefix="adp_moe_store_", delete=False)
     store.close()
     os.unlink(store.name)
-    procs = [ctx.Process(target=_entry, args=(r, world, store.name, fn, args, results)) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(r, world, store.name, fn, args, results, backend)) for r in range(world)]
     for p in procs:
         p.start()
     out: dict[int, dict] = {}

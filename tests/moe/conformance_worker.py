@@ -61,13 +61,86 @@ def _layout_args(buffer: Buffer, idx: torch.Tensor, experts: int) -> dict:
                 num_tokens_per_expert=per_expert)
 
 
+class DeviceProxy:
+    """Runs a Buffer on a GPU for CPU-side checks: tensor arguments go to the device, results come back.
+
+    ``out=`` and ``cumulative_local_expert_recv_stats=`` are updated in place on the CPU, also when a returned
+    hook runs the receive half later.
+    """
+
+    IN_PLACE = ("out", "cumulative_local_expert_recv_stats")
+
+    def __init__(self, buffer: Buffer, device: torch.device) -> None:
+        self.buffer, self.device = buffer, device
+
+    def __getattr__(self, name):
+        method = getattr(self.buffer, name)
+        if not callable(method):
+            return method
+
+        def call(*args, **kwargs):
+            pairs = []
+            dev_args = [self._to(a, self.device) for a in args]
+            dev_kwargs = {}
+            for key, value in kwargs.items():
+                dev_kwargs[key] = self._to(value, self.device)
+                if key in self.IN_PLACE and value is not None:
+                    pairs.append((dev_kwargs[key], value))
+            result = method(*dev_args, **dev_kwargs)
+            if not isinstance(result, tuple):
+                return result
+            back = []
+            for item in result:
+                if callable(item) and not isinstance(item, torch.Tensor):
+                    back.append(self._wrap_hook(item, pairs))
+                else:
+                    cpu = self._to(item, "cpu")
+                    back.append(cpu)
+                    for dev, host in zip(self._tensors(item), self._tensors(cpu)):
+                        pairs.append((dev, host))
+            for dev, host in pairs:
+                host.copy_(dev.cpu())
+            if "out" in kwargs and kwargs["out"] is not None:
+                back[0] = kwargs["out"]
+            return tuple(back)
+
+        return call
+
+    @staticmethod
+    def _wrap_hook(hook, pairs):
+        def run():
+            hook()
+            for dev, host in pairs:
+                host.copy_(dev.cpu())
+        return run
+
+    @classmethod
+    def _tensors(cls, value):
+        if isinstance(value, torch.Tensor):
+            return [value]
+        if isinstance(value, tuple):
+            return [t for item in value for t in cls._tensors(item)]
+        return []
+
+    @classmethod
+    def _to(cls, value, device):
+        if isinstance(value, torch.Tensor):
+            return value.to(device)
+        if isinstance(value, tuple):
+            mapped = [cls._to(v, device) for v in value]
+            return type(value)(*mapped) if hasattr(value, "_fields") else tuple(mapped)
+        return value
+
+
 class Checks:
-    def __init__(self, rank: int, world: int) -> None:
+    def __init__(self, rank: int, world: int, strategy: str = "alltoall", device: str = "cpu") -> None:
         self.rank, self.world = rank, world
         self.ranks_per_node = 2 if world >= 4 else 8  # R >= 4 exercises the internode (multi-node) layout
         self.buffer = Buffer(None, num_nvl_bytes=NVL_BYTES, num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(
-            LL_MAX_TOKENS, HIDDEN, world, EXPERTS_PER_RANK * world), low_latency_mode=True, strategy="alltoall",
+            LL_MAX_TOKENS, HIDDEN, world, EXPERTS_PER_RANK * world), low_latency_mode=True, strategy=strategy,
             ranks_per_node=self.ranks_per_node, timeout_s=WAIT_S)
+        if device != "cpu":
+            self.buffer = DeviceProxy(self.buffer, torch.device(device))
         self.xs, self.idxs, self.weights, self.experts = make_inputs(world)
         self.expected = ref.dispatch(self.xs, self.idxs, self.weights, self.experts)
         self.mine = self.expected[rank]
@@ -321,12 +394,13 @@ class Checks:
         self.check_dispatch_bf16()
 
 
-def run_all(rank: int, world: int) -> dict:
-    checks = Checks(rank, world)
+def run_all(rank: int, world: int, strategy: str = "alltoall", device: str = "cpu") -> dict:
+    checks = Checks(rank, world, strategy, device)
     names = [n for n in dir(checks) if n.startswith("check_") and (world == 2 or n != "check_bad_input")]
     results: dict[str, str] = {}
     failed = None
-    for name in sorted(names):
+    # Bad input last: its failure would otherwise leave the data checks unrun.
+    for name in sorted(names, key=lambda n: (n == "check_bad_input", n)):
         if failed is not None:
             # A failed check may have left peers inside a collective; later checks would only time out.
             results[name] = f"not run: {failed} failed first on this rank"
