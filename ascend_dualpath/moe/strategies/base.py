@@ -1,0 +1,113 @@
+"""What a strategy provides: count exchange, row exchange, and (optionally faster) normal dispatch/combine.
+
+:class:`~ascend_dualpath.moe.buffer.Buffer` validates every input, computes layouts and plans, and builds the
+low-latency ops on :meth:`Strategy.exchange_counts` and :meth:`Strategy.exchange_rows`; a strategy overrides
+:meth:`dispatch_rows` / :meth:`combine_rows` when it has a faster path for normal mode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+
+@dataclass
+class NormalPlan:
+    """Who sends which rows where, for one normal dispatch; kept in the handle for cached dispatch and combine.
+
+    Attributes
+    ----------
+    is_token_in_rank : bool [T, R]
+    count_matrix : int64 [R, R] on the CPU; ``[i, j]`` = tokens rank ``i`` sends to rank ``j``
+    send_order : int64 [S]: token indices grouped by destination rank, ascending within a rank
+    recv_src_idx : int32 [N] or None until received: each received row's token index on its source rank
+    private : strategy-specific state (e.g. destination slots), or None
+    """
+
+    rank: int
+    is_token_in_rank: torch.Tensor
+    count_matrix: torch.Tensor
+    send_order: torch.Tensor
+    recv_src_idx: torch.Tensor | None = None
+    private: Any = None
+
+    @property
+    def send_counts(self) -> list[int]:
+        return self.count_matrix[self.rank].tolist()
+
+    @property
+    def recv_counts(self) -> list[int]:
+        return self.count_matrix[:, self.rank].tolist()
+
+    @property
+    def num_recv_tokens(self) -> int:
+        return int(self.count_matrix[:, self.rank].sum())
+
+
+class PendingRows:
+    """Rows in flight; :meth:`wait` (bounded) returns them as the list of parts that was sent."""
+
+    def __init__(self, finish: Callable[[], list[torch.Tensor]]) -> None:
+        self._finish = finish
+        self._result: list[torch.Tensor] | None = None
+
+    def wait(self) -> list[torch.Tensor]:
+        if self._result is None:
+            self._result = self._finish()
+        return self._result
+
+
+class Strategy:
+    """Base class; subclasses set :attr:`name` and implement the two exchanges."""
+
+    name = "base"
+
+    def __init__(self, group: Any, timeout_s: float) -> None:
+        self.group = group
+        self.timeout_s = timeout_s
+
+    def exchange_counts(self, counts: torch.Tensor, what: str) -> torch.Tensor:
+        """All-gather one int64 ``[R]`` vector per rank into a CPU int64 ``[R, R]`` matrix (row = sender)."""
+        raise NotImplementedError
+
+    def exchange_rows(self, parts: list[torch.Tensor], send_counts: list[int], recv_counts: list[int],
+                      what: str) -> PendingRows:
+        """Send ``parts`` (each ``[S, ...]``, rows grouped by destination rank) and receive ``[N, ...]`` rows."""
+        raise NotImplementedError
+
+    def prepare_plan(self, plan: NormalPlan) -> None:
+        """Hook to attach strategy-private state to a new plan (default: nothing)."""
+
+    def dispatch_rows(self, plan: NormalPlan, parts: list[torch.Tensor], what: str) -> list[torch.Tensor]:
+        """Normal dispatch of ``parts`` (each ``[T, ...]``) along ``plan``; returns ``[N, ...]`` rows."""
+        send = [part.index_select(0, plan.send_order) for part in parts]
+        return self.exchange_rows(send, plan.send_counts, plan.recv_counts, what).wait()
+
+    def combine_rows(self, plan: NormalPlan, x: torch.Tensor, weights: torch.Tensor | None,
+                     biases: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Unweighted combine: send rows back, then sum per token in float32 over destination ranks in order.
+
+        Returns ``(combined [T, H] in x.dtype, combined_weights float32 [T, K] or None)``.
+        """
+        parts = [x] if weights is None else [x, weights]
+        back = self.exchange_rows(parts, plan.recv_counts, plan.send_counts, "combine rows").wait()
+        tokens = plan.is_token_in_rank.shape[0]
+        offsets = [0]
+        for count in plan.send_counts:
+            offsets.append(offsets[-1] + count)
+        acc = torch.zeros(tokens, x.shape[1], dtype=torch.float32, device=x.device)
+        acc_w = None if weights is None else torch.zeros(tokens, weights.shape[1], dtype=torch.float32,
+                                                          device=x.device)
+        for dst in range(len(offsets) - 1):
+            # Each token appears at most once per destination, so this indexed add has no collisions and the
+            # per-token order of additions is exactly destination rank 0, 1, ...
+            rows = plan.send_order[offsets[dst]:offsets[dst + 1]]
+            acc[rows] += back[0][offsets[dst]:offsets[dst + 1]].float()
+            if acc_w is not None:
+                acc_w[rows] += back[1][offsets[dst]:offsets[dst + 1]].float()
+        for bias in biases:
+            if bias is not None:
+                acc += bias.float()
+        return acc.to(x.dtype), acc_w

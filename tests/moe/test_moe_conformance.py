@@ -1,0 +1,25 @@
+"""DeepEP conformance of ``Buffer`` over the ``alltoall`` strategy on 2, 4 and 8 gloo ranks (CPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.moe.conftest import conformance_results
+
+CHECKS = ["layout", "dispatch_bf16", "expert_alignment", "dispatch_quantised", "worst_tokens", "cached_dispatch",
+          "combine", "weighted_combine", "low_latency_dispatch", "low_latency_combine", "repeatable"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("check", CHECKS)
+def test_conformance(world: int, check: str) -> None:
+    for rank, result in enumerate(conformance_results(world)):
+        assert "__fatal__" not in result, result.get("__fatal__")
+        assert result[f"check_{check}"] == "ok", f"rank {rank}/{world}:\n{result[f'check_{check}']}"
+
+
+@pytest.mark.slow
+def test_bad_input_raises_before_communication() -> None:
+    for rank, result in enumerate(conformance_results(2)):
+        assert "__fatal__" not in result, result.get("__fatal__")
+        assert result["check_bad_input"] == "ok", f"rank {rank}:\n{result['check_bad_input']}"
