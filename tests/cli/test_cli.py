@@ -1,0 +1,35 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run_cli(*args, timeout=180):
+    out = subprocess.run([sys.executable, "-m", "ascend_dualpath", *args], capture_output=True, text=True, timeout=timeout)
+    return out.returncode, out.stdout, out.stderr
+
+
+def test_info_reports_backends_and_profile():
+    rc, out, err = run_cli("info", "--json")
+    assert rc == 0, err
+    report = json.loads(out)
+    assert report["backends"]["emulator"]["available"] is True
+    assert set(report["backends"]) == {"npu", "cuda", "emulator"}
+    for backend in report["backends"].values():
+        assert backend["reason"]
+    device = report["emulated_device"]
+    assert (device["product"], device["vector_cores"], device["ub_bytes"], device["hccl_buffer_mb"]) == ("A2", 48, 196608, 200)
+    assert device["aiv_dataplane_bit"].startswith("0x04 set") and (device["rdma_tc"], device["rdma_sl"]) == (132, 4)
+
+
+def test_unknown_command_fails_with_usage():
+    rc, out, err = run_cli("frobnicate")
+    assert rc == 2 and "unknown command 'frobnicate'" in err
+
+
+@pytest.mark.slow
+def test_demo_streams_bit_exact_layer_blocks():
+    rc, out, err = run_cli("demo", "--layers", "4", "--tokens", "64")
+    assert rc == 0, err + out
+    assert "every layer block bit-exact: True" in out
