@@ -315,7 +315,7 @@ bool Fabric::region_shm_name(const RegionInfo& region, std::string* out) const {
 // ---- RegionMapper ---------------------------------------------------------------------------
 
 uint8_t* RegionMapper::translate(const Fabric& fabric, const RegionInfo& region, uint64_t va) {
-    if (region.owner_pid == uint32_t(getpid())) return reinterpret_cast<uint8_t*>(va);  // our own mapping
+    if (region.owner_pid == pid_) return reinterpret_cast<uint8_t*>(va);  // our own mapping
     std::lock_guard<std::mutex> guard(mutex_);
     auto it = by_slot_.find(region.slot);
     if (it == by_slot_.end() || it->second.generation != region.generation) {

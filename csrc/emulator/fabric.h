@@ -8,6 +8,7 @@
 #pragma once
 
 #include <pthread.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cstdint>
@@ -122,6 +123,7 @@ class RegionMapper {
     ~RegionMapper();
 
    private:
+    const uint32_t pid_ = uint32_t(::getpid());  // getpid() is a system call per use in current glibc
     struct Mapping {
         uint32_t generation;
         uint8_t* ptr;
