@@ -115,6 +115,14 @@ class QosPolicy:
         qos = self.of(traffic)
         return {"HCCL_RDMA_TC": str(qos.traffic_class), "HCCL_RDMA_SL": str(qos.service_level)}
 
+    def nic_sl_weights(self) -> list[int]:
+        """Arbitration weight per service level 0..7 for the emulated NIC (``device.nic.sl_weights``):
+        the two classes' weights at their SLs, 1 elsewhere."""
+        weights = [1] * (SL_MAX + 1)
+        weights[self.model.service_level] = self.model.weight
+        weights[self.kv.service_level] = self.kv.weight
+        return weights
+
     def roce_config(self) -> dict[str, Any]:
         """RoCE NIC/switch settings: DSCP -> priority map, PFC on both priorities, ETS weights in percent."""
         total = self.model.weight + self.kv.weight

@@ -322,7 +322,9 @@ PYBIND11_MODULE(_C, m) {
         .def_property_readonly("virtual_time_ns", &Nic::virtual_time_ns)
         .def_property_readonly("wqes_executed", &Nic::wqes_executed)
         .def_property_readonly("bytes_moved", &Nic::bytes_moved)
-        .def_property_readonly("cost", &Nic::cost);
+        .def_property_readonly("cost", &Nic::cost)
+        .def_property("sl_weights", &Nic::sl_weights, &Nic::set_sl_weights)
+        .def("set_paused", &Nic::set_paused, py::arg("paused"));
 
     py::class_<Device, std::shared_ptr<Device>>(m, "Device")
         .def(py::init<std::shared_ptr<Fabric>, uint32_t, ProductProfile, CostModel>(), py::arg("fabric"),

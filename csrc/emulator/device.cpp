@@ -1,5 +1,6 @@
 #include "emulator/device.h"
 
+#include <cstddef>
 #include <cstring>
 
 namespace adp::emu {
@@ -186,6 +187,8 @@ void QueuePair::drain(double timeout_s) {
 
 void QueuePair::reset(double timeout_s) {
     drain(timeout_s);
+    // the NIC thread has retired everything and touches this QP again only after a new doorbell
+    nic_sl_bad_ = false;
     state_.store(QpState::kReadyToSend);
 }
 
@@ -193,6 +196,7 @@ void QueuePair::reset(double timeout_s) {
 
 Nic::Nic(std::shared_ptr<Fabric> fabric, uint32_t device_id, uint32_t pd, CostModel cost)
     : fabric_(std::move(fabric)), device_id_(device_id), pd_(pd), cost_(cost) {
+    for (auto& w : sl_weight_) w.store(1);
     thread_ = std::thread([this] { run(); });
 }
 
@@ -226,6 +230,22 @@ void Nic::detach(const QueuePair* qp) {
         }
 }
 
+void Nic::set_sl_weights(const std::vector<uint32_t>& weights) {
+    if (weights.size() != kNumServiceLevels)
+        fail(ErrorKind::kConfig, "need one weight per service level (", kNumServiceLevels, "), got ", weights.size());
+    for (uint32_t sl = 0; sl < kNumServiceLevels; ++sl) {
+        if (weights[sl] < 1 || weights[sl] > 1000)
+            fail(ErrorKind::kConfig, "weight of SL ", sl, " must be in [1, 1000], got ", weights[sl]);
+        sl_weight_[sl].store(weights[sl]);
+    }
+}
+
+std::vector<uint32_t> Nic::sl_weights() const {
+    std::vector<uint32_t> out;
+    for (const auto& w : sl_weight_) out.push_back(w.load());
+    return out;
+}
+
 void Nic::run() {
     std::vector<std::shared_ptr<QueuePair>> snapshot;
     uint64_t seen_version = ~0ull;
@@ -237,7 +257,10 @@ void Nic::run() {
             seen_version = qps_version_.load();
         }
         bool busy = false;
-        for (auto& qp : snapshot) busy |= service(*qp);
+        if (!paused_.load(std::memory_order_relaxed)) {
+            for (auto& qp : snapshot) busy |= take_doorbell(*qp);
+            busy |= arbitrate(snapshot);
+        }
         if (busy) {
             idle_rounds = 0;
         } else if (++idle_rounds > 512) {  // idle: back off so the posters get the cores
@@ -248,7 +271,7 @@ void Nic::run() {
     }
 }
 
-bool Nic::service(QueuePair& qp) {
+bool Nic::take_doorbell(QueuePair& qp) {
     const uint64_t db = qp.doorbell_ref().load(std::memory_order_acquire);
     if (db == qp.nic_last_doorbell_) return false;
     qp.nic_last_doorbell_ = db;
@@ -256,66 +279,104 @@ bool Nic::service(QueuePair& qp) {
     double ready_ns;
     std::memcpy(&ready_ns, &vbits, sizeof(ready_ns));
 
-    const uint32_t pi16 = doorbell_pi(db);
-    const uint32_t pending = (pi16 - (qp.nic_ci_ & 0xffffu)) & 0xffffu;
-    uint32_t doorbell_syndrome = kSynNone;
-    std::string doorbell_detail;
-    if (doorbell_qpn(db) != qp.qpn_ || doorbell_cmd(db) != kDoorbellCmdSq || pending >= qp.depth_) {
-        doorbell_syndrome = kSynBadDoorbell;
-        doorbell_detail = cat("doorbell ", hex(db), " on qpn ", qp.qpn_, " is malformed: qpn ", doorbell_qpn(db), ", cmd ",
-                              doorbell_cmd(db), ", ", pending, " WQEs pending of depth ", qp.depth_);
-    } else if (doorbell_sl(db) != qp.sl_) {
-        doorbell_syndrome = kSynSlMismatch;
-        doorbell_detail = cat("doorbell SL ", doorbell_sl(db), " differs from the communicator's configured SL ", qp.sl_,
-                              " on qpn ", qp.qpn_);
-    }
-    if (doorbell_syndrome == kSynBadDoorbell) {  // nothing can be trusted: fail the QP, retire nothing
+    const uint32_t pending_after = (doorbell_pi(db) - (qp.nic_ci_ & 0xffffu)) & 0xffffu;
+    if (doorbell_qpn(db) != qp.qpn_ || doorbell_cmd(db) != kDoorbellCmdSq || pending_after >= qp.depth_) {
+        // nothing in it can be trusted: fail the QP and retire nothing
+        const std::string detail = cat("doorbell ", hex(db), " on qpn ", qp.qpn_, " is malformed: qpn ", doorbell_qpn(db),
+                                       ", cmd ", doorbell_cmd(db), ", ", pending_after, " WQEs pending of depth ", qp.depth_);
         qp.state_.store(QpState::kError);
         Cqe cqe{};
-        cqe.byte_4 = (status_for(doorbell_syndrome) << 8) | (doorbell_syndrome << 16);
+        cqe.byte_4 = (status_for(kSynBadDoorbell) << 8) | (kSynBadDoorbell << 16);
         cqe.qpn = qp.qpn_;
         cqe.wqe_index = qp.nic_ci_;
-        qp.send_cq_->record_detail(qp.qpn_, qp.nic_ci_, doorbell_detail);
+        qp.send_cq_->record_detail(qp.qpn_, qp.nic_ci_, detail);
         CompletionQueue::push(qp.send_cq_->region()->data(), qp.send_cq_->depth(), cqe);
         return true;
     }
-    uint8_t* ring = qp.region_->data() + qp.ring_offset_;
-    uint8_t* dirty = qp.region_->data() + QueuePair::kDirtyOffset;
-    for (uint32_t n = 0; n < pending; ++n) {
-        const uint32_t index = qp.nic_ci_;
-        RcSendWqe w;
-        std::memcpy(&w, ring + uint64_t(index % qp.depth_) * qp.wqe_size_, sizeof(w));
-        std::string detail;
-        double vtime = ready_ns;
-        uint32_t syndrome;
-        if (qp.state_.load() == QpState::kError) {
-            syndrome = kSynFlushed;
-            detail = cat("qpn ", qp.qpn_, " is in the ERROR state: WQE ", index, " flushed without executing");
-        } else if (doorbell_syndrome != kSynNone) {
-            syndrome = doorbell_syndrome;
-            detail = doorbell_detail;
-        } else if (dirty[index % qp.depth_]) {
-            syndrome = kSynUnflushedWqe;
-            detail = cat("doorbell rang before WQE ", index, " of qpn ", qp.qpn_,
-                         " was flushed from the cache (missing DataCacheCleanAndInvalid)");
-        } else {
-            syndrome = execute(qp, w, index, &detail, &vtime);
-        }
-        if (syndrome != kSynNone) qp.state_.store(QpState::kError);  // RC semantics: first error kills the QP
-        if (syndrome != kSynNone || (w.byte_4 & kSignaledBit)) {
-            Cqe cqe{};
-            cqe.byte_4 = (w.byte_4 & kOpcodeMask) | (status_for(syndrome) << 8) | (syndrome << 16);
-            cqe.qpn = qp.qpn_;
-            cqe.wqe_index = index;
-            cqe.byte_cnt = syndrome == kSynNone ? w.msg_len : 0;
-            cqe.vtime_ns = uint64_t(vtime);
-            if (syndrome != kSynNone) qp.send_cq_->record_detail(qp.qpn_, index, std::move(detail));
-            CompletionQueue::push(qp.send_cq_->region()->data(), qp.send_cq_->depth(), cqe);
-        }
-        qp.nic_ci_ = index + 1;
-        qp.tail_ref().store(qp.nic_ci_, std::memory_order_release);
+    const uint32_t target = qp.nic_ci_ + pending_after;
+    if (doorbell_sl(db) != qp.sl_ && !qp.nic_sl_bad_) {
+        qp.nic_sl_bad_ = true;
+        qp.nic_sl_bad_from_ = qp.nic_target_;
+        qp.nic_sl_detail_ = cat("doorbell SL ", doorbell_sl(db), " differs from the communicator's configured SL ", qp.sl_,
+                                " on qpn ", qp.qpn_);
     }
+    qp.nic_target_ = target;
+    qp.nic_ready_.emplace_back(target, ready_ns);
     return true;
+}
+
+bool Nic::arbitrate(const std::vector<std::shared_ptr<QueuePair>>& qps) {
+    uint32_t backlogged_sls = 0;
+    for (const auto& qp : qps)
+        if (qp->nic_ci_ != qp->nic_target_) backlogged_sls |= 1u << qp->sl_;
+    for (uint32_t sl = 0; sl < kNumServiceLevels; ++sl) {
+        if (!(backlogged_sls & (1u << sl))) {
+            deficit_[sl] = 0;  // an idle class keeps no credit
+            continue;
+        }
+        // the QPs of this class with WQEs waiting, visited round robin from where the class stopped last
+        std::vector<QueuePair*>& backlogged = backlogged_;
+        backlogged.clear();
+        for (const auto& qp : qps)
+            if (qp->sl_ == sl && qp->nic_ci_ != qp->nic_target_) backlogged.push_back(qp.get());
+        deficit_[sl] += uint64_t(kQuantumBytes) * sl_weight_[sl].load(std::memory_order_relaxed);
+        const size_t n = backlogged.size();
+        for (size_t visited = 0; visited < n; ++visited) {
+            QueuePair& qp = *backlogged[(rr_cursor_[sl] + visited) % n];
+            while (qp.nic_ci_ != qp.nic_target_) {
+                uint32_t len;
+                std::memcpy(&len, qp.region_->data() + qp.ring_offset_ + uint64_t(qp.nic_ci_ % qp.depth_) * qp.wqe_size_ +
+                                      offsetof(RcSendWqe, msg_len), sizeof(len));
+                const uint64_t cost = std::max<uint64_t>(len, 1);
+                if (cost > deficit_[sl]) break;
+                deficit_[sl] -= cost;
+                retire_one(qp);
+            }
+            if (qp.nic_ci_ != qp.nic_target_) {  // out of credit: resume with this QP next round
+                rr_cursor_[sl] = uint32_t((rr_cursor_[sl] + visited) % n);
+                break;
+            }
+        }
+    }
+    return backlogged_sls != 0;
+}
+
+void Nic::retire_one(QueuePair& qp) {
+    const uint32_t index = qp.nic_ci_;
+    while (!qp.nic_ready_.empty() && int32_t(qp.nic_ready_.front().first - index) <= 0) qp.nic_ready_.pop_front();
+    const double ready_ns = qp.nic_ready_.empty() ? 0.0 : qp.nic_ready_.front().second;
+    RcSendWqe w;
+    std::memcpy(&w, qp.region_->data() + qp.ring_offset_ + uint64_t(index % qp.depth_) * qp.wqe_size_, sizeof(w));
+    const uint8_t* dirty = qp.region_->data() + QueuePair::kDirtyOffset;
+    std::string detail;
+    double vtime = ready_ns;
+    uint32_t syndrome;
+    if (qp.state_.load() == QpState::kError) {
+        syndrome = kSynFlushed;
+        detail = cat("qpn ", qp.qpn_, " is in the ERROR state: WQE ", index, " flushed without executing");
+    } else if (qp.nic_sl_bad_ && int32_t(index - qp.nic_sl_bad_from_) >= 0) {
+        syndrome = kSynSlMismatch;
+        detail = qp.nic_sl_detail_;
+    } else if (dirty[index % qp.depth_]) {
+        syndrome = kSynUnflushedWqe;
+        detail = cat("doorbell rang before WQE ", index, " of qpn ", qp.qpn_,
+                     " was flushed from the cache (missing DataCacheCleanAndInvalid)");
+    } else {
+        syndrome = execute(qp, w, index, &detail, &vtime);
+    }
+    if (syndrome != kSynNone) qp.state_.store(QpState::kError);  // RC semantics: the first error kills the QP
+    if (syndrome != kSynNone || (w.byte_4 & kSignaledBit)) {
+        Cqe cqe{};
+        cqe.byte_4 = (w.byte_4 & kOpcodeMask) | (status_for(syndrome) << 8) | (syndrome << 16);
+        cqe.qpn = qp.qpn_;
+        cqe.wqe_index = index;
+        cqe.byte_cnt = syndrome == kSynNone ? w.msg_len : 0;
+        cqe.vtime_ns = uint64_t(vtime);
+        if (syndrome != kSynNone) qp.send_cq_->record_detail(qp.qpn_, index, std::move(detail));
+        CompletionQueue::push(qp.send_cq_->region()->data(), qp.send_cq_->depth(), cqe);
+    }
+    qp.nic_ci_ = index + 1;
+    qp.tail_ref().store(qp.nic_ci_, std::memory_order_release);
 }
 
 uint32_t Nic::execute(QueuePair& qp, const RcSendWqe& w, uint32_t index, std::string* detail, double* vtime_ns) {

@@ -147,13 +147,25 @@ class QueuePair {
     std::mutex post_mutex_;      // serializes host-side posters
     double poster_vtime_ns_ = 0; // virtual clock of the host-side poster (under post_mutex_)
     // NIC-private state (touched only by the NIC thread)
-    uint32_t nic_ci_ = 0;
+    uint32_t nic_ci_ = 0;        // next WQE to execute
+    uint32_t nic_target_ = 0;    // producer index of the newest accepted doorbell
     uint64_t nic_last_doorbell_ = 0;
+    std::deque<std::pair<uint32_t, double>> nic_ready_;  // (target index, poster time) per doorbell
+    bool nic_sl_bad_ = false;    // a doorbell carried the wrong SL: WQEs from nic_sl_bad_from_ fail
+    uint32_t nic_sl_bad_from_ = 0;
+    std::string nic_sl_detail_;
     bool closed_ = false;
 };
 
+// The NIC engine: one thread per device. It takes doorbells from every attached QP, then executes
+// pending WQEs with deficit round robin across service levels (weights per SL, as ETS/VL arbitration
+// does on real NICs), so a heavily weighted class (model collectives) keeps its share of the wire
+// while a low class (KV) still always progresses.
 class Nic {
    public:
+    static constexpr uint32_t kNumServiceLevels = 8;
+    static constexpr uint32_t kQuantumBytes = 4096;
+
     Nic(std::shared_ptr<Fabric> fabric, uint32_t device_id, uint32_t pd, CostModel cost);
     ~Nic();
     void attach(std::shared_ptr<QueuePair> qp);
@@ -163,10 +175,17 @@ class Nic {
     uint64_t wqes_executed() const { return wqes_executed_.load(); }
     uint64_t bytes_moved() const { return bytes_moved_.load(); }
     const CostModel& cost() const { return cost_; }
+    // Arbitration weight of each service level (>= 1 each; default all 1).
+    void set_sl_weights(const std::vector<uint32_t>& weights);
+    std::vector<uint32_t> sl_weights() const;
+    // Quiesce: while paused the NIC accepts no doorbell and executes nothing (debugging, tests).
+    void set_paused(bool paused) { paused_.store(paused); }
 
    private:
     void run();
-    bool service(QueuePair& qp);
+    bool take_doorbell(QueuePair& qp);
+    bool arbitrate(const std::vector<std::shared_ptr<QueuePair>>& qps);
+    void retire_one(QueuePair& qp);
     uint32_t execute(QueuePair& qp, const wqe::RcSendWqe& w, uint32_t index, std::string* detail,
                      double* vtime_ns);
 
@@ -178,6 +197,11 @@ class Nic {
     std::vector<std::shared_ptr<QueuePair>> qps_;
     std::atomic<uint64_t> qps_version_{0};
     std::atomic<bool> running_{true};
+    std::atomic<bool> paused_{false};
+    std::atomic<uint32_t> sl_weight_[kNumServiceLevels];
+    uint64_t deficit_[kNumServiceLevels] = {};
+    uint32_t rr_cursor_[kNumServiceLevels] = {};
+    std::vector<QueuePair*> backlogged_;  // scratch of arbitrate(), kept to avoid allocating per round
     std::atomic<double> vclock_ns_{0};
     std::atomic<uint64_t> wqes_executed_{0}, bytes_moved_{0};
     std::thread thread_;
