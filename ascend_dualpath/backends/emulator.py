@@ -159,22 +159,21 @@ def product_profile(product: str | None = None, **overrides: Any):
     name = (product or _env.emu_product() or "A2").upper()
     if name not in ("A2", "A3"):
         raise E.ConfigError(f"unknown emulated product {name!r}; choose A2 or A3")
-    profile = _ext.load().ProductProfile(name)
-    for key, value in overrides.items():
-        if not hasattr(profile, key):
-            raise E.ConfigError(f"ProductProfile has no field {key!r}")
-        setattr(profile, key, value)
-    return profile
+    return _with_fields(_ext.load().ProductProfile(name), overrides)
 
 
 def cost_model(**overrides: Any):
     """The virtual-clock cost model (docs/cost_model.md), with field overrides."""
-    cost = _ext.load().CostModel()
-    for key, value in overrides.items():
-        if not hasattr(cost, key):
-            raise E.ConfigError(f"CostModel has no field {key!r}")
-        setattr(cost, key, value)
-    return cost
+    return _with_fields(_ext.load().CostModel(), overrides)
+
+
+def _with_fields(obj, fields: dict):
+    """``obj`` with ``fields`` set; an unknown name raises ConfigError instead of adding an attribute."""
+    for key, value in fields.items():
+        if not hasattr(obj, key):
+            raise E.ConfigError(f"{type(obj).__name__} has no field {key!r}")
+        setattr(obj, key, value)
+    return obj
 
 
 def create_fabric(name: str | None = None, max_regions: int = 4096, max_qps: int = 4096):
@@ -228,12 +227,7 @@ def emulated_devices(num_devices: int = 1, product: str | None = None, **profile
 
 def comm_config(**fields: Any):
     """An ``HcclCommConfig`` with every field "not set" (0xffffffff) except those given."""
-    config = _ext.load().HcclCommConfig()
-    for key, value in fields.items():
-        if not hasattr(config, key):
-            raise E.ConfigError(f"HcclCommConfig has no field {key!r}")
-        setattr(config, key, value)
-    return config
+    return _with_fields(_ext.load().HcclCommConfig(), fields)
 
 
 def init_comm(device, group=None, config=None):
