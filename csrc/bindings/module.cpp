@@ -185,6 +185,7 @@ PYBIND11_MODULE(_C, m) {
         .def_property_readonly("name", &Fabric::name)
         .def_property_readonly("is_creator", &Fabric::is_creator)
         .def_property_readonly("num_live_regions", &Fabric::num_live_regions)
+        .def("reap_dead_owners", &Fabric::reap_dead_owners)
         .def("lookup_rkey", [](const Fabric& f, uint32_t rkey) -> py::object {
             RegionInfo info;
             if (!f.lookup_rkey(rkey, &info) || !f.region_shm_name(info, &info.shm_name)) return py::none();

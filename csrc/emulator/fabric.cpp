@@ -1,6 +1,7 @@
 #include "emulator/fabric.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -303,6 +304,27 @@ bool Fabric::lookup_qp(uint32_t qpn, QpInfo* out) const {
     out->recv_cq_depth = e.recv_cq_depth;
     out->recv_cq_lkey = e.recv_cq_lkey;
     return true;
+}
+
+uint32_t Fabric::reap_dead_owners() {
+    auto dead = [](uint32_t pid) { return pid != 0 && ::kill(pid_t(pid), 0) != 0 && errno == ESRCH; };
+    uint32_t reaped = 0;
+    RegistryLock lock(&header_->mutex);
+    for (uint32_t slot = 0; slot < header_->max_regions; ++slot) {
+        RegionEntry& e = regions()[slot];
+        if (e.state.load() != kStateLive || !dead(e.owner_pid)) continue;
+        shm_unlink(shm_path(std::string(e.shm_name, strnlen(e.shm_name, sizeof(e.shm_name)))).c_str());
+        e.state.store(kStateFree, std::memory_order_release);
+        header_->num_live_regions.fetch_sub(1);
+        ++reaped;
+    }
+    for (uint32_t slot = 0; slot < header_->max_qps; ++slot) {
+        QpEntry& e = qps()[slot];
+        if (e.state.load() != kStateLive || !dead(e.owner_pid)) continue;
+        e.state.store(kStateFree, std::memory_order_release);
+        ++reaped;
+    }
+    return reaped;
 }
 
 bool Fabric::region_shm_name(const RegionInfo& region, std::string* out) const {

@@ -95,6 +95,9 @@ class Fabric {
     uint32_t register_qp(uint32_t device_id, uint32_t recv_cq_lkey, uint32_t recv_cq_depth);
     void deregister_qp(uint32_t qpn);
     bool lookup_qp(uint32_t qpn, QpInfo* out) const;
+    // Deregisters every region and QP whose owner process has died (and unlinks that memory), so
+    // their keys fail at once instead of pointing at orphaned memory. Returns how many were reaped.
+    uint32_t reap_dead_owners();
     // The shared-memory name of a live registration (left out of hot-path lookups: it allocates).
     bool region_shm_name(const RegionInfo& region, std::string* out) const;
 

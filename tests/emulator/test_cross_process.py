@@ -89,3 +89,30 @@ def test_write_into_another_process_through_wqes(emu):
         assert landed, f"rank {rank}: batch_put bytes differ or stray bytes written"
         assert raw_ok, f"rank {rank}: raw WQE write did not land"
     assert not any(n.startswith(f"adp.{name}") for n in os.listdir("/dev/shm")), "shared memory leaked"
+
+
+def _register_and_die(fabric_name: str, out) -> None:
+    from ascend_dualpath import _ext
+    from ascend_dualpath.backends import emulator as emu
+
+    fabric = emu.attach_fabric(fabric_name, TIMEOUT_S)
+    device = emu.open_device(fabric, device_id=1)
+    region = device.alloc_region(4096, _ext.load().MemKind.HOST_DRAM, 7)
+    out.send((region.rkey, region.addr, region.shm_name))  # a pipe sends synchronously, before the exit below
+    os._exit(0)  # killed without closing anything, as a crashed engine would be
+
+
+def test_regions_of_a_dead_process_are_reaped(C, emu):
+    fabric = emu.create_fabric()
+    ctx = mp.get_context("spawn")
+    receiver, sender = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_register_and_die, args=(fabric.name, sender))
+    child.start()
+    assert receiver.poll(TIMEOUT_S), "the child never registered its region"
+    rkey, addr, shm_name = receiver.recv()
+    child.join(TIMEOUT_S)
+    assert fabric.check_remote(rkey, addr, 8, 2)[0] == 0, "still registered: nobody has noticed the death yet"
+    assert fabric.reap_dead_owners() >= 1
+    assert fabric.check_remote(rkey, addr, 8, 2)[0] == emu.Syndrome.BAD_RKEY
+    assert not os.path.exists("/dev/shm" + shm_name), "the dead process's memory was not unlinked"
+    assert fabric.reap_dead_owners() == 0
