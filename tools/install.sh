@@ -9,4 +9,11 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install -q "torch==${ADP_TORCH_VERSION:-2.13.0}"
 fi
 "$PY" -m pip install -q pybind11 ninja "setuptools>=64" wheel
-"$PY" -m pip install -q --no-build-isolation -e ".[test]"
+log=$(mktemp)
+if ! "$PY" -m pip install -v --no-build-isolation -e ".[test]" >"$log" 2>&1; then
+    tail -n 60 "$log"
+    echo "install failed; full log: $log" >&2
+    exit 1
+fi
+sed -n '/ascend_dualpath build summary/,/^ *$/p' "$log" | sed 's/^  //'
+rm -f "$log"
