@@ -26,59 +26,21 @@ from pathlib import Path
 from setuptools import find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT / "ascend_dualpath"))
+sys.path[:0] = [str(ROOT / "ascend_dualpath"), str(ROOT / "ascend_dualpath" / "backends")]
 import _env  # noqa: E402  (the one module that reads ADP_* variables; importable without the package)
+import cann  # noqa: E402  (CANN and SOC_VERSION detection, shared with `info`)
 
-sys.path.pop(0)
-
-CANN_ENV_VARS = ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME", "ASCEND_CANN_PACKAGE_PATH")
-CANN_DEFAULT_DIRS = ("/usr/local/Ascend/ascend-toolkit/latest", "/usr/local/Ascend/cann")
+del sys.path[:2]
 
 summary: list[tuple[str, str]] = []
 
 
-def find_cann() -> tuple[Path | None, str]:
-    for var in CANN_ENV_VARS:
-        value = os.environ.get(var)
-        if value and Path(value).is_dir():
-            return Path(value), f"${var}"
-    for candidate in CANN_DEFAULT_DIRS:
-        if Path(candidate).is_dir():
-            return Path(candidate), candidate
-    return None, "not found (set ASCEND_HOME_PATH, or `source <cann>/set_env.sh`)"
-
-
-def find_soc_version() -> tuple[str | None, str]:
-    soc = os.environ.get("SOC_VERSION")
-    if soc:
-        return soc, "$SOC_VERSION"
-    if shutil.which("npu-smi"):
-        try:
-            out = subprocess.run(["npu-smi", "info", "-t", "board", "-i", "0", "-c", "0"],
-                                 capture_output=True, text=True, timeout=20).stdout
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            return None, f"npu-smi failed: {exc}"
-        for line in out.splitlines():
-            if "Chip Name" in line or "Chip Type" in line:
-                return "ascend" + line.split(":", 1)[1].strip().lower(), "npu-smi"
-        return None, "npu-smi printed no chip name"
-    return None, "SOC_VERSION is unset and npu-smi is absent"
-
-
-def ascendc_cmake_dir(cann: Path) -> Path | None:
-    for sub in ("tools/tikcpp/ascendc_kernel_cmake", "compiler/tikcpp/ascendc_kernel_cmake",
-                "ascendc_devkit/tikcpp/samples/cmake"):
-        if (cann / sub).is_dir():
-            return cann / sub
-    return None
-
-
-def build_ascendc_kernels(cann: Path, soc: str) -> Path:
+def build_ascendc_kernels(cann_root: Path, soc: str) -> Path:
     """Compile op_kernels/ with CANN's ascendc_library; returns the directory of the built library."""
     build_dir = ROOT / "build" / "op_kernels"
     build_dir.mkdir(parents=True, exist_ok=True)
-    subprocess.check_call(["cmake", str(ROOT / "op_kernels"), f"-DASCEND_HOME_PATH={cann}", f"-DSOC_VERSION={soc}",
-                           f"-DASCENDC_CMAKE_DIR={ascendc_cmake_dir(cann)}", "-DCMAKE_BUILD_TYPE=Release"],
+    subprocess.check_call(["cmake", str(ROOT / "op_kernels"), f"-DASCEND_HOME_PATH={cann_root}", f"-DSOC_VERSION={soc}",
+                           f"-DASCENDC_CMAKE_DIR={cann.ascendc_cmake_dir(cann_root)}", "-DCMAKE_BUILD_TYPE=Release"],
                           cwd=build_dir)
     subprocess.check_call(["cmake", "--build", ".", "-j", str(os.cpu_count() or 2)], cwd=build_dir)
     return build_dir
@@ -97,37 +59,37 @@ def extensions():
     summary.append(("emulator", f"built ({len(sources)} C++ sources, {'debug' if debug else 'release'})"))
 
     with_npu = _env.build_flag("WITH_NPU")
-    cann, cann_origin = find_cann()
+    cann_root, cann_origin = cann.find_cann()
     torch_npu_found = importlib.util.find_spec("torch_npu") is not None
     define_macros = []
     libraries, library_dirs = [], []
     ext_cls = CppExtension
     if with_npu is False:
         summary.append(("npu", "skipped: ADP_WITH_NPU=0"))
-    elif cann is None or not torch_npu_found:
-        why = f"CANN {cann_origin}" if cann is None else "torch_npu is not installed"
+    elif cann_root is None or not torch_npu_found:
+        why = f"CANN {cann_origin}" if cann_root is None else "torch_npu is not installed"
         if with_npu:
             raise SystemExit(f"ADP_WITH_NPU=1 but the NPU part cannot be built: {why}")
         summary.append(("npu", f"skipped: {why}"))
     else:
-        soc, soc_origin = find_soc_version()
+        soc, soc_origin = cann.find_soc_version()
         if soc is None:
-            raise SystemExit(f"CANN found at {cann} but SOC_VERSION is unknown ({soc_origin}); "
+            raise SystemExit(f"CANN found at {cann_root} but SOC_VERSION is unknown ({soc_origin}); "
                              "export SOC_VERSION, e.g. Ascend910B1 (A2) or Ascend910_9391 (A3)")
         from torch_npu.utils.cpp_extension import NpuExtension
 
         ext_cls = NpuExtension
         sources += sorted(glob.glob("csrc/npu/*.cpp"))
         define_macros.append(("ADP_WITH_NPU", "1"))
-        include_dirs += [str(cann / "include")]
+        include_dirs += [str(cann_root / "include")]
         if glob.glob(str(ROOT / "op_kernels" / "*" / "op_kernel" / "*.cpp")):
-            kernel_dir = build_ascendc_kernels(cann, soc)
+            kernel_dir = build_ascendc_kernels(cann_root, soc)
             libraries.append("adp_kernels")
             library_dirs.append(str(kernel_dir))
             define_macros.append(("ADP_WITH_ASCENDC_KERNELS", "1"))
-            summary.append(("npu", f"built for {soc} ({soc_origin}), CANN at {cann} ({cann_origin}), kernels included"))
+            summary.append(("npu", f"built for {soc} ({soc_origin}), CANN at {cann_root} ({cann_origin}), kernels included"))
         else:
-            summary.append(("npu", f"built for {soc} ({soc_origin}), CANN at {cann}; no AscendC kernel sources yet"))
+            summary.append(("npu", f"built for {soc} ({soc_origin}), CANN at {cann_root}; no AscendC kernel sources yet"))
 
     with_cuda = _env.build_flag("WITH_CUDA")
     summary.append(("cuda", "skipped: ADP_WITH_CUDA=0" if with_cuda is False else
