@@ -59,6 +59,9 @@ class EmulatedTransferEngine(TransferEngine):
         Bytes of ``windows_out`` used for staging (default: all of it).
     stage_chunk_bytes : int
         UB buffer size of ``hccl_stage`` (two in flight per core).
+    host_call_per_piece : bool
+        The host path posts each piece as its own host submission on a host-side queue pair (as
+        DualPath issues one copy per layer block) instead of one HcclBatchPut for the whole request.
     timeout_s : float or None
         Default bound of every wait.
     """
@@ -66,7 +69,7 @@ class EmulatedTransferEngine(TransferEngine):
     def __init__(self, comm, peer: int, *, protocol: str = ROCE, block_dim: int = 8, sq_depth: int = 256,
                  doorbell_batch: int = 32, max_single_aiv_payload: int = DEFAULT_MAX_SINGLE_AIV_PAYLOAD,
                  max_pieces: int = 8192, staging_capacity: int | None = None, stage_chunk_bytes: int = 64 * 1024,
-                 timeout_s: float | None = None):
+                 host_call_per_piece: bool = False, timeout_s: float | None = None):
         super().__init__(timeout_s)
         C = _ext.load()
         self._C = C
@@ -83,6 +86,7 @@ class EmulatedTransferEngine(TransferEngine):
         self.doorbell_batch = doorbell_batch
         self.max_pieces = max_pieces
         self.stage_chunk_bytes = stage_chunk_bytes
+        self.host_call_per_piece = host_call_per_piece
         self.ub_bytes = profile.ub_bytes
         self.cost = self.device.nic.cost
         self._cq = self.device.create_cq(_next_pow2(max(max_pieces, 2 * sq_depth)))
@@ -133,6 +137,18 @@ class EmulatedTransferEngine(TransferEngine):
         self._in_flight = ticket
 
     def _start_host(self, ticket: Ticket) -> None:
+        if self.host_call_per_piece:
+            # one host submission per piece, each rung at once: the NIC overlaps the transfers with the
+            # next submissions, as the copy engine does with one cudaMemcpyAsync per layer block
+            qp = self._qps[0]
+            qp.poster_vtime_ns = ticket.state["start_vtime_ns"]
+            for p in ticket.pieces:
+                qp.post([self._C.WorkRequest(3, p.local_addr, p.lkey, p.nbytes, p.remote_addr, p.rkey)],
+                        self.cost.host_submit_ns, self.timeout_s)
+                qp.drain(self.timeout_s)  # the NIC latched this doorbell's post time before the next one
+            ticket.state["posted"] = len(ticket.pieces)
+            ticket.state["submit_vtime_ns"] = len(ticket.pieces) * self.cost.host_submit_ns
+            return
         descs = [self._C.OneSideDesc(p.local_addr, p.remote_addr, p.nbytes, HCCL_DATA_TYPE_INT8) for p in ticket.pieces]
         # HcclBatchPut is synchronous in the emulator; the ticket carries its outcome to wait()
         ticket.state["complete_vtime_ns"] = self.comm.batch_put(self.peer, descs, self.timeout_s)
@@ -185,7 +201,7 @@ class EmulatedTransferEngine(TransferEngine):
     def _finish(self, ticket: Ticket, timeout_s: float) -> TransferResult:
         state = ticket.state
         if ticket.kind is TransferKind.HOST:
-            complete = state["complete_vtime_ns"]
+            complete = state["complete_vtime_ns"] if "posted" not in state else self._collect(ticket, state["posted"], timeout_s)
             self._host_clock_ns = max(self._host_clock_ns, complete)
         elif ticket.kind is TransferKind.AICPU:
             state["run"].wait(timeout_s)
@@ -206,6 +222,10 @@ class EmulatedTransferEngine(TransferEngine):
             self._broken = f"vector cores {stuck} could not post"
             raise E.QueueError(f"post failed for ticket {ticket.id}: the SQ of vector cores {stuck} stayed full for "
                                f"{timeout_s} s; {posted} of {len(ticket.pieces)} pieces were posted")
+        return self._collect(ticket, posted, timeout_s)
+
+    def _collect(self, ticket: Ticket, posted: int, timeout_s: float) -> float:
+        """Exactly ``posted`` CQEs (every WQE is signaled); raises the first real error among them."""
         completions, cause = [], None
         while len(completions) < posted:
             try:

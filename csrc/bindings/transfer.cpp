@@ -47,7 +47,8 @@ struct KernelRun {
     }
     void register_rings() {
         for (const auto& qp : qps) {
-            kernel::register_sq_ring(qp->sq_addr(), qp->depth(), qp->wqe_size(), qp->dirty_addr());
+            kernel::register_sq_ring(qp->sq_addr(), qp->depth(), qp->wqe_size(), qp->dirty_addr(), qp->doorbell_addr(),
+                                     qp->tail_addr());
             registered_rings.push_back(qp->sq_addr());
         }
     }

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <map>
 
+#include "adp/wqe_hns.h"
 #include "emulator/hccl_comm.h"
 
 namespace adp::emu::kernel {
@@ -17,11 +18,13 @@ struct Ring {
     uint32_t depth = 0, slot_bytes = 0;
     uint8_t* dirty = nullptr;        // the QP's dirty[depth] bytes, read by the NIC
     std::vector<uint8_t> line_dirty;  // one flag per cache line of the ring
+    uint64_t doorbell = 0;
     uint32_t refs = 0;
 };
 
 std::mutex g_rings_mutex;
-std::map<uint64_t, Ring> g_rings;  // keyed by ring address
+std::map<uint64_t, Ring> g_rings;                 // keyed by ring address
+std::map<uint64_t, uint64_t> g_doorbell_tails;    // doorbell address -> tail (consumer index) address
 std::atomic<uint32_t> g_num_rings{0};
 
 Ring* ring_containing(uint64_t addr) {
@@ -48,7 +51,8 @@ CoreContext& current_core() {
 
 bool in_kernel() { return t_core != nullptr; }
 
-void register_sq_ring(uint64_t ring_addr, uint32_t depth, uint32_t slot_bytes, uint64_t dirty_addr) {
+void register_sq_ring(uint64_t ring_addr, uint32_t depth, uint32_t slot_bytes, uint64_t dirty_addr,
+                      uint64_t doorbell_addr, uint64_t tail_addr) {
     if (slot_bytes % kCacheLineBytes != 0 && kCacheLineBytes % slot_bytes != 0)
         fail(ErrorKind::kConfig, "SQ slot size ", slot_bytes, " does not tile ", kCacheLineBytes, "-byte cache lines");
     std::lock_guard<std::mutex> guard(g_rings_mutex);
@@ -60,6 +64,8 @@ void register_sq_ring(uint64_t ring_addr, uint32_t depth, uint32_t slot_bytes, u
         ring.bytes = uint64_t(depth) * slot_bytes;
         ring.dirty = reinterpret_cast<uint8_t*>(dirty_addr);
         ring.line_dirty.assign((ring.bytes + kCacheLineBytes - 1) / kCacheLineBytes, 0);
+        ring.doorbell = doorbell_addr;
+        g_doorbell_tails[doorbell_addr] = tail_addr;
         g_num_rings.fetch_add(1);
     }
 }
@@ -69,6 +75,7 @@ void unregister_sq_ring(uint64_t ring_addr) {
     auto it = g_rings.find(ring_addr);
     if (it == g_rings.end()) return;
     if (--it->second.refs == 0) {
+        g_doorbell_tails.erase(it->second.doorbell);
         g_rings.erase(it);
         g_num_rings.fetch_sub(1);
     }
@@ -90,6 +97,25 @@ void note_gm_write(uint64_t addr, uint64_t bytes) {
         for (uint64_t s = first_slot; s <= last_slot; ++s) __atomic_store_n(ring->dirty + s, uint8_t(1), __ATOMIC_RELEASE);
         a = end;
     }
+}
+
+void before_gm_store(uint64_t addr) {
+    if (g_num_rings.load(std::memory_order_relaxed) == 0) return;
+    uint64_t tail_addr;
+    {
+        std::lock_guard<std::mutex> guard(g_rings_mutex);
+        auto it = g_doorbell_tails.find(addr);
+        if (it == g_doorbell_tails.end()) return;
+        tail_addr = it->second;
+    }
+    const uint64_t previous = __atomic_load_n(reinterpret_cast<uint64_t*>(addr), __ATOMIC_ACQUIRE);
+    if (previous == 0) return;  // first doorbell of the QP
+    const uint32_t previous_pi = adp::wqe::doorbell_pi(previous);
+    auto* tail = reinterpret_cast<uint32_t*>(tail_addr);
+    Launch* launch = in_kernel() ? current_core().launch : nullptr;
+    // bounded: a stopped NIC leaves the latch closed, and the store then proceeds after the timeout
+    wait_until([&] { return (__atomic_load_n(tail, __ATOMIC_ACQUIRE) & 0xffffu) == previous_pi || (launch && launch->aborted()); },
+               launch ? launch->timeout_s() : 1.0);
 }
 
 void flush_cache_line(uint64_t addr) {

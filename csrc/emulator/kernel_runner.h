@@ -50,9 +50,15 @@ CoreContext& current_core();  // throws ProtocolError outside a kernel launch
 bool in_kernel();
 
 // ---- SQ ring registry ---------------------------------------------------------------------------
-void register_sq_ring(uint64_t ring_addr, uint32_t depth, uint32_t slot_bytes, uint64_t dirty_addr);
+// Registers a QP's ring (for dirty tracking) and its doorbell. A doorbell store from a core waits
+// (bounded) until the NIC has consumed everything the previous doorbell covered, as a doorbell FIFO of
+// depth one would: the emulated NIC keeps one post-time word per QP, so without the latch a fast
+// poster would stamp earlier WQEs with a later virtual post time. The stall costs wall time only.
+void register_sq_ring(uint64_t ring_addr, uint32_t depth, uint32_t slot_bytes, uint64_t dirty_addr,
+                      uint64_t doorbell_addr, uint64_t tail_addr);
 void unregister_sq_ring(uint64_t ring_addr);
 void note_gm_write(uint64_t addr, uint64_t bytes);  // a scalar/DataCopy write: dirty what it touches
+void before_gm_store(uint64_t addr);                // a scalar store is about to happen (doorbell latch)
 void flush_cache_line(uint64_t addr);               // DataCacheCleanAndInvalid, SINGLE_CACHE_LINE
 void flush_entire_cache();                          // DataCacheCleanAndInvalid, ENTIRE_DATA_CACHE
 

@@ -89,6 +89,7 @@ class GlobalTensor {
     }
     void SetValue(uint64_t offset, T value) const {
         check(offset);
+        emu_detail::rt::before_gm_store(reinterpret_cast<uint64_t>(address_ + offset));
         if constexpr (sizeof(T) <= 8 && std::is_trivially_copyable_v<T> && (sizeof(T) & (sizeof(T) - 1)) == 0)
             __atomic_store_n(address_ + offset, value, __ATOMIC_RELEASE);
         else

@@ -1,0 +1,1 @@
+"""Microbenchmarks; each module has ``add_arguments(parser)`` and ``run(args) -> int``."""
