@@ -110,7 +110,16 @@ py::list status_list(const KernelRun& run) {
 
 }  // namespace
 
+#ifdef ADP_WITH_NPU
+namespace adp::npu {
+void register_npu_transfer(py::module_& m);  // csrc/npu/transfer_npu.cpp
+}
+#endif
+
 void register_transfer(py::module_& m) {
+#ifdef ADP_WITH_NPU
+    adp::npu::register_npu_transfer(m);
+#endif
     m.attr("CORE_OK") = xfer::kCoreOk;
     m.attr("CORE_SQ_TIMEOUT") = xfer::kCoreSqTimeout;
     m.attr("CORE_BATCH_WRITE_FAILED") = xfer::kCoreBatchWriteFailed;
