@@ -151,8 +151,13 @@ def verdicts(rows: list[Row]) -> list[dict]:
             verdict = f"{best.kind} pays off: {gain:.0%} lower latency than {host.kind}"
         else:
             verdict = f"keep host path ({best.kind} is {-gain:.0%} slower than {host.kind})"
-        out.append({"case": case, "host_submit_share": share, "best_device_kind": best.kind,
-                    "best_host_kind": host.kind, "latency_gain": gain, "verdict": verdict})
+        entry = {"case": case, "host_submit_share": share, "best_device_kind": best.kind, "best_host_kind": host.kind,
+                 "latency_gain": gain, "verdict": verdict}
+        if "host/seg" in kinds:  # DualPath's layerwise path: one host submission per layer block
+            per_seg = kinds["host/seg"]
+            entry["per_segment_host_share"] = per_seg.submit_share
+            entry["speedup_vs_per_segment_host"] = per_seg.latency_us_p50 / best.latency_us_p50
+        out.append(entry)
     return out
 
 
@@ -234,7 +239,11 @@ def run(args: argparse.Namespace) -> int:
     print(table)
     print()
     for v in decided:
-        print(f"{v['case']:<27} {v['best_host_kind']} submit share {v['host_submit_share']:6.1%}  ->  {v['verdict']}")
+        line = f"{v['case']:<27} {v['best_host_kind']} submit share {v['host_submit_share']:6.1%}  ->  {v['verdict']}"
+        if "per_segment_host_share" in v:
+            line += (f"; vs one submission per segment (share {v['per_segment_host_share']:.1%}): "
+                     f"{v['best_device_kind']} {v['speedup_vs_per_segment_host']:.1f}x faster")
+        print(line)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": [asdict(r) for r in rows], "verdicts": decided}, f, indent=1)
