@@ -225,6 +225,7 @@ void register_transfer(py::module_& m) {
             run->register_rings();
         }
         KernelRun* raw = run.get();
+        // modes 3/4 read the queue and the segment; mode 1 copies from the GM buffer at local_addr
         run->launch = std::make_unique<kernel::Launch>("emu_probe", 1, ub_bytes, timeout_s, nullptr, [raw] {
             emu_probe(raw->tiling.data(), raw->queues.empty() ? nullptr : reinterpret_cast<uint8_t*>(raw->queues.data()),
                       raw->segments[0].local_addr && raw->queues.empty() ? reinterpret_cast<uint8_t*>(raw->segments[0].local_addr)

@@ -63,3 +63,20 @@ def test_device_initiated_copy_is_exact_and_flags_ready(count, size):
     assert int(flag.item()) == 77
     assert torch.equal(dst[32:32 + count * size], src[:count * size])
     assert (dst[:32] == 0xA5).all() and (dst[32 + count * size:] == 0xA5).all()
+
+
+def test_device_copy_kernel_compiles_to_vectorized_ptx_with_a_system_scope_release_flag():
+    """Without a GPU: Triton compiles the kernel for sm_90; copies are 16-byte vectors and the flag is a release."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+
+    from ascend_dualpath.transport.cuda import _copy_kernel
+
+    words, _ = _copy_kernel()
+    signature = {"table": "*i64", "n_tiles": "i32", "counter": "*i32", "flag": "*i64", "flag_value": "i64",
+                 "TILE": "constexpr", "WORDS": "constexpr"}
+    source = triton.compiler.ASTSource(fn=words, signature=signature, constexprs={"TILE": 16384, "WORDS": 4})
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    assert "ld.global.v4" in ptx and "st.global.v4" in ptx
+    assert "atom.global.sys.acq_rel.add" in ptx and "atom.global.sys.release.exch.b64" in ptx
+    assert ptx.index("bar.sync") < ptx.index("atom.global.sys.acq_rel.add")  # every thread's stores first
