@@ -35,10 +35,15 @@ class Case:
 
 def standard_cases() -> list[Case]:
     cases = [Case(f"{n}x4K", n, 4 * KIB) for n in (1, 16, 64, 256, 1024, 4096)]
-    cases += [Case(f"1x{s // KIB}K" if s < MIB else f"1x{s // MIB}M", 1, s) for s in (64 * KIB, MIB, 16 * MIB, 64 * MIB)]
+    cases += [
+        Case(f"1x{s // KIB}K" if s < MIB else f"1x{s // MIB}M", 1, s) for s in (64 * KIB, MIB, 16 * MIB, 64 * MIB)
+    ]
     cases += [Case("256x64K", 256, 64 * KIB), Case("64x1M", 64, MIB)]
-    cases += [Case("61x42K layer blocks", 61, 42 * KIB), Case("61x72K MLA 64-token blocks", 61, MLA_BLOCK_BYTES),
-              Case("4096x72K MLA blocks", 4096, MLA_BLOCK_BYTES)]
+    cases += [
+        Case("61x42K layer blocks", 61, 42 * KIB),
+        Case("61x72K MLA 64-token blocks", 61, MLA_BLOCK_BYTES),
+        Case("4096x72K MLA blocks", 4096, MLA_BLOCK_BYTES),
+    ]
     return cases
 
 
@@ -70,15 +75,17 @@ def percentile(values: list[float], q: float) -> float:
 EMULATOR_KINDS = ("aiv", "aicpu", "staging", "host", "host/seg")
 
 
-def run_emulator(cases: list[Case], kinds: list[str], repeats: int, block_dim: int, max_aiv_payload: int,
-                 progress) -> tuple[list[Row], dict]:
+def run_emulator(
+    cases: list[Case], kinds: list[str], repeats: int, block_dim: int, max_aiv_payload: int, progress
+) -> tuple[list[Row], dict]:
     import numpy as np
 
+    from ascend_dualpath import _ext
     from ascend_dualpath.backends import emulator as emu
     from ascend_dualpath.transport import MemoryKind, MemorySegment, RemoteSlot, TransferKind
     from ascend_dualpath.transport.emulator import EmulatedTransferEngine
 
-    C = emu._ext.load()
+    C = _ext.load()
     window_mb = max(8, -(-max(c.nbytes for c in cases) // MIB) + 1)
     rows: list[Row] = []
     cost_params: dict = {}
@@ -90,9 +97,16 @@ def run_emulator(cases: list[Case], kinds: list[str], repeats: int, block_dim: i
                 c.connect(infos)
             cost = devices[0].nic.cost
             cost_params = {k: getattr(cost, k) for k in dir(cost) if k.endswith("_ns") or k.endswith("_per_ns")}
-            engine = EmulatedTransferEngine(comms[0], 1, block_dim=block_dim, sq_depth=1024, doorbell_batch=32,
-                                            max_single_aiv_payload=max_aiv_payload, max_pieces=8192,
-                                            host_call_per_piece=kind == "host/seg")
+            engine = EmulatedTransferEngine(
+                comms[0],
+                1,
+                block_dim=block_dim,
+                sq_depth=1024,
+                doorbell_batch=32,
+                max_single_aiv_payload=max_aiv_payload,
+                max_pieces=8192,
+                host_call_per_piece=kind == "host/seg",
+            )
             transfer_kind = TransferKind("host" if kind == "host/seg" else kind)
             memory = MemoryKind.HOST if transfer_kind is TransferKind.STAGING else MemoryKind.DEVICE
             mem_kind = C.MemKind.HOST_DRAM if memory is MemoryKind.HOST else C.MemKind.DEVICE_GM
@@ -112,14 +126,28 @@ def run_emulator(cases: list[Case], kinds: list[str], repeats: int, block_dim: i
                     cpu.append((time.process_time() - cpu0) * 1e6)
                     latencies.append(result.latency_vtime_ns / 1e3)
                     submit = result.submit_vtime_ns / 1e3
-                if not np.array_equal(np.frombuffer(window, np.uint8)[:case.nbytes], view):
+                if not np.array_equal(np.frombuffer(window, np.uint8)[: case.nbytes], view):
                     raise AssertionError(f"{kind} {case.name}: destination differs from the source")
                 region.close()
                 p50 = percentile(latencies, 50)
-                rows.append(Row(kind, case.name, case.count, case.size, submit / case.count, submit, p50,
-                                percentile(latencies, 99), case.nbytes / (p50 * 1e3), percentile(cpu, 50),
-                                engine.staging.peak_bytes, submit / p50 if p50 else 0.0, "virtual",
-                                {"pieces": result.num_pieces}))
+                rows.append(
+                    Row(
+                        kind,
+                        case.name,
+                        case.count,
+                        case.size,
+                        submit / case.count,
+                        submit,
+                        p50,
+                        percentile(latencies, 99),
+                        case.nbytes / (p50 * 1e3),
+                        percentile(cpu, 50),
+                        engine.staging.peak_bytes,
+                        submit / p50 if p50 else 0.0,
+                        "virtual",
+                        {"pieces": result.num_pieces},
+                    )
+                )
                 progress(rows[-1])
             engine.close()
             for c in comms:
@@ -151,8 +179,14 @@ def verdicts(rows: list[Row]) -> list[dict]:
             verdict = f"{best.kind} pays off: {gain:.0%} lower latency than {host.kind}"
         else:
             verdict = f"keep host path ({best.kind} is {-gain:.0%} slower than {host.kind})"
-        entry = {"case": case, "host_submit_share": share, "best_device_kind": best.kind, "best_host_kind": host.kind,
-                 "latency_gain": gain, "verdict": verdict}
+        entry = {
+            "case": case,
+            "host_submit_share": share,
+            "best_device_kind": best.kind,
+            "best_host_kind": host.kind,
+            "latency_gain": gain,
+            "verdict": verdict,
+        }
         if "host/seg" in kinds:  # DualPath's layerwise path: one host submission per layer block
             per_seg = kinds["host/seg"]
             entry["per_segment_host_share"] = per_seg.submit_share
@@ -165,13 +199,17 @@ def verdicts(rows: list[Row]) -> list[dict]:
 
 
 def format_table(rows: list[Row]) -> str:
-    head = (f"{'kind':<9} {'case':<27} {'submit/seg us':>13} {'p50 us':>10} {'p99 us':>10} {'GB/s':>8} "
-            f"{'cpu us':>9} {'stage peak':>11} {'submit share':>12}")
+    head = (
+        f"{'kind':<9} {'case':<27} {'submit/seg us':>13} {'p50 us':>10} {'p99 us':>10} {'GB/s':>8} "
+        f"{'cpu us':>9} {'stage peak':>11} {'submit share':>12}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r.kind:<9} {r.case:<27} {r.submit_us_per_segment:>13.3f} {r.latency_us_p50:>10.1f} "
-                     f"{r.latency_us_p99:>10.1f} {r.bandwidth_gbps:>8.2f} {r.host_cpu_us:>9.0f} "
-                     f"{r.staging_peak_bytes:>11} {r.submit_share:>12.1%}")
+        lines.append(
+            f"{r.kind:<9} {r.case:<27} {r.submit_us_per_segment:>13.3f} {r.latency_us_p50:>10.1f} "
+            f"{r.latency_us_p99:>10.1f} {r.bandwidth_gbps:>8.2f} {r.host_cpu_us:>9.0f} "
+            f"{r.staging_peak_bytes:>11} {r.submit_share:>12.1%}"
+        )
     return "\n".join(lines)
 
 
@@ -217,17 +255,32 @@ def run(args: argparse.Namespace) -> int:
         cases = [Case("16x4K", 16, 4 * KIB), Case("1x1M", 1, MIB), Case("61x42K layer blocks", 61, 42 * KIB)]
     if args.backend == "emulator":
         kinds = args.kinds.split(",") if args.kinds else list(EMULATOR_KINDS)
-        rows, params = run_emulator(cases, kinds, args.repeats, args.block_dim, args.max_aiv_payload,
-                                    progress=lambda r: print(f"  {r.kind:<9} {r.case:<27} p50 {r.latency_us_p50:10.1f} us",
-                                                             flush=True))
-        meta = {"backend": "emulator", "clock": "virtual", "cost_model": params, "block_dim": args.block_dim,
-                "max_single_aiv_payload": args.max_aiv_payload, "repeats": args.repeats}
+        rows, params = run_emulator(
+            cases,
+            kinds,
+            args.repeats,
+            args.block_dim,
+            args.max_aiv_payload,
+            progress=lambda r: print(f"  {r.kind:<9} {r.case:<27} p50 {r.latency_us_p50:10.1f} us", flush=True),
+        )
+        meta = {
+            "backend": "emulator",
+            "clock": "virtual",
+            "cost_model": params,
+            "block_dim": args.block_dim,
+            "max_single_aiv_payload": args.max_aiv_payload,
+            "repeats": args.repeats,
+        }
     else:
         from ascend_dualpath.transport import cuda
 
         kinds = args.kinds.split(",") if args.kinds else list(cuda.BENCH_KINDS)
-        rows, meta = cuda.run_bench(cases, kinds, args.repeats, progress=lambda r: print(
-            f"  {r.kind:<9} {r.case:<27} p50 {r.latency_us_p50:10.1f} us", flush=True))
+        rows, meta = cuda.run_bench(
+            cases,
+            kinds,
+            args.repeats,
+            progress=lambda r: print(f"  {r.kind:<9} {r.case:<27} p50 {r.latency_us_p50:10.1f} us", flush=True),
+        )
     meta["date_utc"] = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
     table = format_table(rows)
     decided = verdicts(rows)
@@ -241,8 +294,10 @@ def run(args: argparse.Namespace) -> int:
     for v in decided:
         line = f"{v['case']:<27} {v['best_host_kind']} submit share {v['host_submit_share']:6.1%}  ->  {v['verdict']}"
         if "per_segment_host_share" in v:
-            line += (f"; vs one submission per segment (share {v['per_segment_host_share']:.1%}): "
-                     f"{v['best_device_kind']} {v['speedup_vs_per_segment_host']:.1f}x faster")
+            line += (
+                f"; vs one submission per segment (share {v['per_segment_host_share']:.1%}): "
+                f"{v['best_device_kind']} {v['speedup_vs_per_segment_host']:.1f}x faster"
+            )
         print(line)
     if args.json:
         with open(args.json, "w") as f:
@@ -253,7 +308,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ascend_dualpath.bench.transfer", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m ascend_dualpath.bench.transfer", description=__doc__.splitlines()[0]
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

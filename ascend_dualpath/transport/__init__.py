@@ -25,7 +25,19 @@ from ascend_dualpath.transport.kinds import (
 from ascend_dualpath.transport.segments import MemorySegment, RemoteSlot, WirePiece, split_segments
 
 __all__ = [
-    "AIV_DATAPLANE_BIT", "ChannelCapabilities", "GateDecision", "MemoryKind", "MemorySegment", "RemoteSlot",
-    "Selection", "StagingPool", "Ticket", "TransferEngine", "TransferKind", "TransferResult", "WirePiece",
-    "select_kind", "split_segments",
+    "AIV_DATAPLANE_BIT",
+    "ChannelCapabilities",
+    "GateDecision",
+    "MemoryKind",
+    "MemorySegment",
+    "RemoteSlot",
+    "Selection",
+    "StagingPool",
+    "Ticket",
+    "TransferEngine",
+    "TransferKind",
+    "TransferResult",
+    "WirePiece",
+    "select_kind",
+    "split_segments",
 ]

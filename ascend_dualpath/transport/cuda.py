@@ -25,8 +25,13 @@ BENCH_KINDS = ("device", "host", "foreach", "staged")
 _FLAG_DTYPE_BYTES = 8
 
 
-def tile_table(src_addrs: Sequence[int], dst_addrs: Sequence[int], nbytes: Sequence[int], elem_bytes: int,
-               tile_bytes: int = TILE_BYTES) -> np.ndarray:
+def tile_table(
+    src_addrs: Sequence[int],
+    dst_addrs: Sequence[int],
+    nbytes: Sequence[int],
+    elem_bytes: int,
+    tile_bytes: int = TILE_BYTES,
+) -> np.ndarray:
     """Tiles of at most ``tile_bytes`` covering every segment: an int64 array of shape (tiles, 3)
     holding (src address, dst address, elements of ``elem_bytes``).
 
@@ -37,7 +42,9 @@ def tile_table(src_addrs: Sequence[int], dst_addrs: Sequence[int], nbytes: Seque
     dst = np.asarray(dst_addrs, np.int64)
     size = np.asarray(nbytes, np.int64)
     if not (src.shape == dst.shape == size.shape) or src.ndim != 1 or src.size == 0:
-        raise E.ConfigError(f"need equal non-empty 1-D address and size lists, got {src.shape}, {dst.shape}, {size.shape}")
+        raise E.ConfigError(
+            f"need equal non-empty 1-D address and size lists, got {src.shape}, {dst.shape}, {size.shape}"
+        )
     if (size < 1).any():
         raise E.EmptyTransfer(f"segment {int(np.flatnonzero(size < 1)[0])} has no bytes")
     if tile_bytes % elem_bytes:
@@ -45,8 +52,9 @@ def tile_table(src_addrs: Sequence[int], dst_addrs: Sequence[int], nbytes: Seque
     misaligned = (src % elem_bytes != 0) | (dst % elem_bytes != 0) | (size % elem_bytes != 0)
     if misaligned.any():
         i = int(np.flatnonzero(misaligned)[0])
-        raise E.AlignmentError(f"segment {i} (src {src[i]:#x}, dst {dst[i]:#x}, {size[i]} bytes) is not "
-                               f"{elem_bytes}-byte aligned")
+        raise E.AlignmentError(
+            f"segment {i} (src {src[i]:#x}, dst {dst[i]:#x}, {size[i]} bytes) is not {elem_bytes}-byte aligned"
+        )
     tiles = -(-size // tile_bytes)
     seg = np.repeat(np.arange(size.size), tiles)
     first = np.cumsum(tiles) - tiles
@@ -168,7 +176,7 @@ class DeviceCopier:
 
 def host_copy(dsts, srcs) -> None:
     """One cudaMemcpyAsync per segment."""
-    for d, s in zip(dsts, srcs):
+    for d, s in zip(dsts, srcs, strict=True):
         d.copy_(s, non_blocking=True)
 
 
@@ -196,8 +204,8 @@ def run_bench(cases, kinds: list[str], repeats: int, progress, peer: bool | None
     for case in cases:
         src = torch.randint(0, 256, (case.nbytes,), dtype=torch.uint8, device=src_dev)
         dst = torch.empty(case.nbytes, dtype=torch.uint8, device=dst_dev)
-        srcs = [src[i * case.size:(i + 1) * case.size] for i in range(case.count)]
-        dsts = [dst[i * case.size:(i + 1) * case.size] for i in range(case.count)]
+        srcs = [src[i * case.size : (i + 1) * case.size] for i in range(case.count)]
+        dsts = [dst[i * case.size : (i + 1) * case.size] for i in range(case.count)]
         s_addrs = [t.data_ptr() for t in srcs]
         d_addrs = [t.data_ptr() for t in dsts]
         sizes = [case.size] * case.count
@@ -239,14 +247,34 @@ def run_bench(cases, kinds: list[str], repeats: int, progress, peer: bool | None
                 raise AssertionError(f"{kind} {case.name}: ready flag {int(flag.item())} != {magic}")
             submit_us = percentile(submit_s, 50) * 1e6
             p50 = percentile(gpu_ms, 50) * 1e3
-            rows.append(Row(kind, case.name, case.count, case.size, submit_us / case.count, submit_us, p50,
-                            percentile(gpu_ms, 99) * 1e3, case.nbytes / (p50 * 1e3), percentile(cpu_s, 50) * 1e6,
-                            case.nbytes if kind == "staged" else 0, submit_us / p50 if p50 else 0.0, "measured",
-                            {"peer": peer}))
+            rows.append(
+                Row(
+                    kind,
+                    case.name,
+                    case.count,
+                    case.size,
+                    submit_us / case.count,
+                    submit_us,
+                    p50,
+                    percentile(gpu_ms, 99) * 1e3,
+                    case.nbytes / (p50 * 1e3),
+                    percentile(cpu_s, 50) * 1e6,
+                    case.nbytes if kind == "staged" else 0,
+                    submit_us / p50 if p50 else 0.0,
+                    "measured",
+                    {"peer": peer},
+                )
+            )
             progress(rows[-1])
         del src, dst, pinned, staging
         torch.cuda.empty_cache()
-    meta = {"backend": "cuda", "clock": "measured (CUDA events; host submit by perf_counter)",
-            "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-            "peer": peer, "torch": torch.__version__, "cuda": torch.version.cuda, "repeats": repeats}
+    meta = {
+        "backend": "cuda",
+        "clock": "measured (CUDA events; host submit by perf_counter)",
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "peer": peer,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "repeats": repeats,
+    }
     return rows, meta

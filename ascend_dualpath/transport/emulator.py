@@ -21,9 +21,10 @@ import numpy as np
 
 from ascend_dualpath import _ext
 from ascend_dualpath import errors as E
+from ascend_dualpath.backends.emulator import completion_error
 from ascend_dualpath.transport.engine import StagingPool, Ticket, TransferEngine, TransferResult
 from ascend_dualpath.transport.kinds import ROCE, ChannelCapabilities, MemoryKind, Selection, TransferKind, select_kind
-from ascend_dualpath.transport.segments import MemorySegment
+from ascend_dualpath.transport.segments import MemorySegment, split_segments
 
 MAX_MESSAGE_BYTES = 1 << 31
 DEFAULT_MAX_SINGLE_AIV_PAYLOAD = 1 << 20  # assumption: 1 MiB per AIV-posted WQE (configurable)
@@ -66,10 +67,22 @@ class EmulatedTransferEngine(TransferEngine):
         Default bound of every wait.
     """
 
-    def __init__(self, comm, peer: int, *, protocol: str = ROCE, block_dim: int = 8, sq_depth: int = 256,
-                 doorbell_batch: int = 32, max_single_aiv_payload: int = DEFAULT_MAX_SINGLE_AIV_PAYLOAD,
-                 max_pieces: int = 8192, staging_capacity: int | None = None, stage_chunk_bytes: int = 64 * 1024,
-                 host_call_per_piece: bool = False, timeout_s: float | None = None):
+    def __init__(
+        self,
+        comm,
+        peer: int,
+        *,
+        protocol: str = ROCE,
+        block_dim: int = 8,
+        sq_depth: int = 256,
+        doorbell_batch: int = 32,
+        max_single_aiv_payload: int = DEFAULT_MAX_SINGLE_AIV_PAYLOAD,
+        max_pieces: int = 8192,
+        staging_capacity: int | None = None,
+        stage_chunk_bytes: int = 64 * 1024,
+        host_call_per_piece: bool = False,
+        timeout_s: float | None = None,
+    ):
         super().__init__(timeout_s)
         C = _ext.load()
         self._C = C
@@ -124,7 +137,8 @@ class EmulatedTransferEngine(TransferEngine):
         kind = ticket.kind
         # the communicator's host and AICPU paths keep their own clocks, which end at their last completion
         start = {TransferKind.HOST: self._host_clock_ns, TransferKind.AICPU: self._aicpu_clock_ns}.get(
-            kind, max(self._vclock_ns, self.device.nic.virtual_time_ns))
+            kind, max(self._vclock_ns, self.device.nic.virtual_time_ns)
+        )
         ticket.state.update(start_vtime_ns=start, staging_bytes=0)
         if kind is TransferKind.HOST:
             self._start_host(ticket)
@@ -143,8 +157,11 @@ class EmulatedTransferEngine(TransferEngine):
             qp = self._qps[0]
             qp.poster_vtime_ns = ticket.state["start_vtime_ns"]
             for p in ticket.pieces:
-                qp.post([self._C.WorkRequest(3, p.local_addr, p.lkey, p.nbytes, p.remote_addr, p.rkey)],
-                        self.cost.host_submit_ns, self.timeout_s)
+                qp.post(
+                    [self._C.WorkRequest(3, p.local_addr, p.lkey, p.nbytes, p.remote_addr, p.rkey)],
+                    self.cost.host_submit_ns,
+                    self.timeout_s,
+                )
                 qp.drain(self.timeout_s)  # the NIC latched this doorbell's post time before the next one
             ticket.state["posted"] = len(ticket.pieces)
             ticket.state["submit_vtime_ns"] = len(ticket.pieces) * self.cost.host_submit_ns
@@ -157,8 +174,17 @@ class EmulatedTransferEngine(TransferEngine):
     def _launch_aicpu(self, ticket: Ticket) -> None:
         local, remote, lengths = self._arrays(ticket.pieces)
         ticket.state["run"] = self._C.launch_aicpu_batch_write(
-            self.comm, self._items.addr, local, remote, lengths, self.peer, self.block_dim, 64, self.ub_bytes,
-            self.timeout_s)
+            self.comm,
+            self._items.addr,
+            local,
+            remote,
+            lengths,
+            self.peer,
+            self.block_dim,
+            64,
+            self.ub_bytes,
+            self.timeout_s,
+        )
         ticket.state["submit_vtime_ns"] = self.cost.aicpu_issue_ns + len(ticket.pieces) * self.cost.aicpu_wqe_ns
 
     def _launch_aiv(self, ticket: Ticket, pieces, start: float) -> None:
@@ -166,8 +192,18 @@ class EmulatedTransferEngine(TransferEngine):
         lkeys = np.array([p.lkey for p in pieces], np.uint32)
         rkeys = np.array([p.rkey for p in pieces], np.uint32)
         ticket.state["run"] = self._C.launch_aiv_post_wqe(
-            self._qps, local, remote, lengths, lkeys, rkeys, self.doorbell_batch, start,
-            self.cost.aiv_submit_ns, self.ub_bytes, self.timeout_s)
+            self._qps,
+            local,
+            remote,
+            lengths,
+            lkeys,
+            rkeys,
+            self.doorbell_batch,
+            start,
+            self.cost.aiv_submit_ns,
+            self.ub_bytes,
+            self.timeout_s,
+        )
         per_core = -(-len(pieces) // self.block_dim)
         ticket.state["submit_vtime_ns"] = ticket.state.get("stage_vtime_ns", 0.0) + per_core * self.cost.aiv_submit_ns
 
@@ -178,30 +214,43 @@ class EmulatedTransferEngine(TransferEngine):
         offset = 0
         stage_ns = self.cost.pcie_latency_ns
         for s in sources:
-            self._C.launch_hccl_stage(s.addr, buffer + offset, s.nbytes, self.block_dim, self.stage_chunk_bytes, 2,
-                                      self.ub_bytes, self.timeout_s).wait(self.timeout_s)
+            self._C.launch_hccl_stage(
+                s.addr,
+                buffer + offset,
+                s.nbytes,
+                self.block_dim,
+                self.stage_chunk_bytes,
+                2,
+                self.ub_bytes,
+                self.timeout_s,
+            ).wait(self.timeout_s)
             bandwidth = self.cost.pcie_bytes_per_ns if s.memory is MemoryKind.HOST else self.cost.local_bytes_per_ns
             stage_ns += s.nbytes / bandwidth
             offset += s.nbytes
         ticket.state["stage_vtime_ns"] = stage_ns
         window_key = self.comm.windows_out.lkey
         staged = [MemorySegment(buffer, total, MemoryKind.DEVICE, window_key)]
-        from ascend_dualpath.transport.segments import split_segments
-
         ticket.pieces = split_segments(staged, ticket.remote, self.caps.max_single_aiv_payload)
         self._launch_aiv(ticket, ticket.pieces, start + stage_ns)
 
     @staticmethod
     def _arrays(pieces):
-        return (np.array([p.local_addr for p in pieces], np.uint64), np.array([p.remote_addr for p in pieces], np.uint64),
-                np.array([p.nbytes for p in pieces], np.uint64))
+        return (
+            np.array([p.local_addr for p in pieces], np.uint64),
+            np.array([p.remote_addr for p in pieces], np.uint64),
+            np.array([p.nbytes for p in pieces], np.uint64),
+        )
 
     # ---- finish -----------------------------------------------------------------------------------
 
     def _finish(self, ticket: Ticket, timeout_s: float) -> TransferResult:
         state = ticket.state
         if ticket.kind is TransferKind.HOST:
-            complete = state["complete_vtime_ns"] if "posted" not in state else self._collect(ticket, state["posted"], timeout_s)
+            complete = (
+                state["complete_vtime_ns"]
+                if "posted" not in state
+                else self._collect(ticket, state["posted"], timeout_s)
+            )
             self._host_clock_ns = max(self._host_clock_ns, complete)
         elif ticket.kind is TransferKind.AICPU:
             state["run"].wait(timeout_s)
@@ -210,9 +259,16 @@ class EmulatedTransferEngine(TransferEngine):
         else:
             complete = self._collect_aiv(ticket, timeout_s)
             self._vclock_ns = max(self._vclock_ns, complete)
-        return TransferResult(ticket.kind, ticket.selection, ticket.nbytes, len(ticket.pieces),
-                              start_vtime_ns=state["start_vtime_ns"], submit_vtime_ns=state["submit_vtime_ns"],
-                              complete_vtime_ns=complete, staging_bytes=state["staging_bytes"])
+        return TransferResult(
+            ticket.kind,
+            ticket.selection,
+            ticket.nbytes,
+            len(ticket.pieces),
+            start_vtime_ns=state["start_vtime_ns"],
+            submit_vtime_ns=state["submit_vtime_ns"],
+            complete_vtime_ns=complete,
+            staging_bytes=state["staging_bytes"],
+        )
 
     def _collect_aiv(self, ticket: Ticket, timeout_s: float) -> float:
         status = ticket.state["run"].wait(timeout_s)
@@ -220,8 +276,10 @@ class EmulatedTransferEngine(TransferEngine):
         stuck = [i for i, s in enumerate(status) if s["code"] != self._C.CORE_OK]
         if stuck:  # the NIC retired nothing for timeout_s: the posted WQEs will not complete either
             self._broken = f"vector cores {stuck} could not post"
-            raise E.QueueError(f"post failed for ticket {ticket.id}: the SQ of vector cores {stuck} stayed full for "
-                               f"{timeout_s} s; {posted} of {len(ticket.pieces)} pieces were posted")
+            raise E.QueueError(
+                f"post failed for ticket {ticket.id}: the SQ of vector cores {stuck} stayed full for "
+                f"{timeout_s} s; {posted} of {len(ticket.pieces)} pieces were posted"
+            )
         return self._collect(ticket, posted, timeout_s)
 
     def _collect(self, ticket: Ticket, posted: int, timeout_s: float) -> float:
@@ -234,11 +292,11 @@ class EmulatedTransferEngine(TransferEngine):
                 got, cause = [], exc
             if not got:
                 self._broken = f"ticket {ticket.id} lost completions"
-                raise E.WaitTimeout(f"timed out after {timeout_s} s waiting for the completions of ticket {ticket.id} "
-                                    f"({ticket.kind.value}): {len(completions)} of {posted} posted WQEs completed") from cause
+                raise E.WaitTimeout(
+                    f"timed out after {timeout_s} s waiting for the completions of ticket {ticket.id} "
+                    f"({ticket.kind.value}): {len(completions)} of {posted} posted WQEs completed"
+                ) from cause
             completions += got
-        from ascend_dualpath.backends.emulator import completion_error
-
         errors = [c for c in completions if c.status != 0]
         if errors:
             for qp in self._qps:  # ERROR -> ready-to-send once every posted WQE is flushed

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 from ascend_dualpath import _env
 from ascend_dualpath import errors as E
-from ascend_dualpath.transport.kinds import Selection, TransferKind
-from ascend_dualpath.transport.segments import MemorySegment, RemoteSlot, WirePiece
+from ascend_dualpath.transport.kinds import MemoryKind, Selection, TransferKind
+from ascend_dualpath.transport.segments import MemorySegment, RemoteSlot, WirePiece, split_segments
 
 STAGING_ALIGN = 512  # staging buffers start on 512-byte boundaries (full-speed MTE bursts)
 
@@ -102,9 +102,11 @@ class StagingPool:
                 break
             cursor = offset + -(-self._used[offset] // STAGING_ALIGN) * STAGING_ALIGN
         if cursor + size > self.capacity:
-            raise E.CapacityError(f"staging allocation of {nbytes} bytes failed: the HCCL window pool of "
-                                  f"{self.capacity} bytes has {self.capacity - self.in_use_bytes} free "
-                                  f"in {len(self._used)} held buffers")
+            raise E.CapacityError(
+                f"staging allocation of {nbytes} bytes failed: the HCCL window pool of "
+                f"{self.capacity} bytes has {self.capacity - self.in_use_bytes} free "
+                f"in {len(self._used)} held buffers"
+            )
         self._used[cursor] = nbytes
         self.peak_bytes = max(self.peak_bytes, self.in_use_bytes)
         return self.base_addr + cursor
@@ -147,14 +149,17 @@ class TransferEngine(abc.ABC):
     def _release(self, ticket: Ticket) -> None:
         """Release whatever the ticket holds (staging buffer); idempotent."""
 
-    def submit(self, sources: Sequence[MemorySegment], remote: RemoteSlot, notify_slot: int | None = None,
-               kind: TransferKind | str | None = None) -> Ticket:
+    def submit(
+        self,
+        sources: Sequence[MemorySegment],
+        remote: RemoteSlot,
+        notify_slot: int | None = None,
+        kind: TransferKind | str | None = None,
+    ) -> Ticket:
         """Start moving ``sources`` (concatenated) into ``remote``; returns a ticket to ``wait`` on.
 
         ``kind`` overrides the gates (benchmarks); an override the sources do not allow raises ConfigError.
         """
-        from ascend_dualpath.transport.segments import split_segments
-
         sources = list(sources)
         selection = self.select(sources)
         if kind is not None:
@@ -194,17 +199,26 @@ class TransferEngine(abc.ABC):
             self._release(ticket)
             ticket.finished = True
 
-    def transfer(self, sources: Sequence[MemorySegment], remote: RemoteSlot, notify_slot: int | None = None,
-                 kind: TransferKind | str | None = None, timeout: float | None = None) -> TransferResult:
+    def transfer(
+        self,
+        sources: Sequence[MemorySegment],
+        remote: RemoteSlot,
+        notify_slot: int | None = None,
+        kind: TransferKind | str | None = None,
+        timeout: float | None = None,
+    ) -> TransferResult:
         """``submit`` then ``wait``."""
         return self.submit(sources, remote, notify_slot, kind).wait(timeout)
 
     def _forced(self, selection: Selection, kind: TransferKind, sources: Sequence[MemorySegment]) -> Selection:
-        from ascend_dualpath.transport.kinds import MemoryKind
-
         host = [i for i, s in enumerate(sources) if s.memory is MemoryKind.HOST]
         if kind in (TransferKind.AIV, TransferKind.AICPU) and host:
             raise E.ConfigError(f"kind {kind.value!r} needs device-memory sources; sources {host} are in host DRAM")
         segmented = kind in (TransferKind.AIV, TransferKind.STAGING) and selection.segmented
-        return Selection(kind, "override", f"kind {kind.value!r} requested by the caller "
-                                           f"(the gates chose {selection.kind.value!r})", selection.gates, segmented)
+        return Selection(
+            kind,
+            "override",
+            f"kind {kind.value!r} requested by the caller (the gates chose {selection.kind.value!r})",
+            selection.gates,
+            segmented,
+        )

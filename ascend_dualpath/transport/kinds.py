@@ -26,15 +26,15 @@ ROCE = "RoCE"
 class TransferKind(str, enum.Enum):
     """How a layer block reaches the remote slot."""
 
-    AIV = "aiv"          # vector cores post the WQEs themselves, from device memory
-    AICPU = "aicpu"      # vector cores fill BatchWrite items, the AICPU server posts the WQEs
+    AIV = "aiv"  # vector cores post the WQEs themselves, from device memory
+    AICPU = "aicpu"  # vector cores fill BatchWrite items, the AICPU server posts the WQEs
     STAGING = "staging"  # copy into the registered HCCL window first, then AIV-direct from there
-    HOST = "host"        # the host posts (HcclBatchPut on Ascend, cudaMemcpyAsync per segment on CUDA)
+    HOST = "host"  # the host posts (HcclBatchPut on Ascend, cudaMemcpyAsync per segment on CUDA)
 
 
 class MemoryKind(str, enum.Enum):
     DEVICE = "device"  # device memory (HBM/GM): addressable by the vector cores
-    HOST = "host"      # host DRAM: not addressable by the vector cores
+    HOST = "host"  # host DRAM: not addressable by the vector cores
 
 
 @dataclass(frozen=True)
@@ -91,12 +91,20 @@ def select_kind(caps: ChannelCapabilities, memory: Sequence[MemoryKind], largest
     gates: list[GateDecision] = []
 
     def decide(kind: TransferKind, gate: str, reason: str) -> Selection:
-        segmented = kind in (TransferKind.AIV, TransferKind.STAGING) and largest_source_bytes > caps.max_single_aiv_payload
+        segmented = (
+            kind in (TransferKind.AIV, TransferKind.STAGING) and largest_source_bytes > caps.max_single_aiv_payload
+        )
         return Selection(kind, gate, reason, tuple(gates), segmented)
 
     has_bit = bool(caps.capability_bitmap & AIV_DATAPLANE_BIT)
-    gates.append(GateDecision("capability", has_bit, f"capability bitmap {caps.capability_bitmap:#x}, AIV dataplane bit "
-                                                     f"{AIV_DATAPLANE_BIT:#x} {'set' if has_bit else 'clear'}"))
+    gates.append(
+        GateDecision(
+            "capability",
+            has_bit,
+            f"capability bitmap {caps.capability_bitmap:#x}, AIV dataplane bit "
+            f"{AIV_DATAPLANE_BIT:#x} {'set' if has_bit else 'clear'}",
+        )
+    )
     if not has_bit:
         kind, how = _fallback(memory)
         return decide(kind, "capability", f"the product does not support the AIV dataplane; {how}")
@@ -108,14 +116,24 @@ def select_kind(caps: ChannelCapabilities, memory: Sequence[MemoryKind], largest
         return decide(kind, "protocol", f"AIV-direct WQEs need RoCE, the peer is reached over {caps.protocol}; {how}")
 
     host_sources = sum(m is MemoryKind.HOST for m in memory)
-    gates.append(GateDecision("addressable", host_sources == 0,
-                              f"{host_sources} of {len(memory)} sources in host DRAM"))
+    gates.append(
+        GateDecision("addressable", host_sources == 0, f"{host_sources} of {len(memory)} sources in host DRAM")
+    )
     segmented = largest_source_bytes > caps.max_single_aiv_payload
-    gates.append(GateDecision("payload", True, f"largest source {largest_source_bytes} B "
-                                               f"{'>' if segmented else '<='} max single AIV payload "
-                                               f"{caps.max_single_aiv_payload} B"
-                                               f"{': split into segments' if segmented else ''}"))
+    gates.append(
+        GateDecision(
+            "payload",
+            True,
+            f"largest source {largest_source_bytes} B "
+            f"{'>' if segmented else '<='} max single AIV payload "
+            f"{caps.max_single_aiv_payload} B"
+            f"{': split into segments' if segmented else ''}",
+        )
+    )
     if host_sources:
-        return decide(TransferKind.STAGING, "addressable",
-                      "the vector cores cannot address host DRAM: stage through the HCCL window")
+        return decide(
+            TransferKind.STAGING,
+            "addressable",
+            "the vector cores cannot address host DRAM: stage through the HCCL window",
+        )
     return decide(TransferKind.AIV, "addressable", "every gate passed: AIV-direct from device memory")

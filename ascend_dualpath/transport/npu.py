@@ -14,8 +14,10 @@ def native():
     """The ``_C.npu_transfer`` submodule; BackendUnavailable in builds without CANN."""
     module = getattr(_ext.load(), "npu_transfer", None)
     if module is None:
-        raise E.BackendUnavailable("this build has no NPU transfer launchers: rebuild where CANN and torch_npu are "
-                                   "installed (ADP_WITH_NPU=1 python3 setup.py build_ext --inplace)")
+        raise E.BackendUnavailable(
+            "this build has no NPU transfer launchers: rebuild where CANN and torch_npu are "
+            "installed (ADP_WITH_NPU=1 python3 setup.py build_ext --inplace)"
+        )
     return module
 
 

@@ -78,7 +78,9 @@ def split_segments(sources: Sequence[MemorySegment], remote: RemoteSlot, max_pie
             raise E.EmptyTransfer(f"source segment {i} has {s.nbytes} bytes; every segment needs at least 1")
         total += s.nbytes
     if total > remote.nbytes:
-        raise E.BoundsError(f"{total} source bytes overflow the remote slot of {remote.nbytes} bytes on rank {remote.peer}")
+        raise E.BoundsError(
+            f"{total} source bytes overflow the remote slot of {remote.nbytes} bytes on rank {remote.peer}"
+        )
     pieces: list[WirePiece] = []
     offset = 0
     for i, s in enumerate(sources):

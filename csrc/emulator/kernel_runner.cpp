@@ -16,15 +16,15 @@ thread_local CoreContext* t_core = nullptr;
 struct Ring {
     uint64_t addr = 0, bytes = 0;
     uint32_t depth = 0, slot_bytes = 0;
-    uint8_t* dirty = nullptr;        // the QP's dirty[depth] bytes, read by the NIC
+    uint8_t* dirty = nullptr;         // the QP's dirty[depth] bytes, read by the NIC
     std::vector<uint8_t> line_dirty;  // one flag per cache line of the ring
     uint64_t doorbell = 0;
     uint32_t refs = 0;
 };
 
 std::mutex g_rings_mutex;
-std::map<uint64_t, Ring> g_rings;                 // keyed by ring address
-std::map<uint64_t, uint64_t> g_doorbell_tails;    // doorbell address -> tail (consumer index) address
+std::map<uint64_t, Ring> g_rings;               // keyed by ring address
+std::map<uint64_t, uint64_t> g_doorbell_tails;  // doorbell address -> tail (consumer index) address
 std::atomic<uint32_t> g_num_rings{0};
 
 Ring* ring_containing(uint64_t addr) {
@@ -38,7 +38,8 @@ void refresh_slot_dirty(Ring& ring, uint64_t slot) {
     const uint64_t lines_per_slot = std::max<uint64_t>(1, ring.slot_bytes / kCacheLineBytes);
     const uint64_t first = slot * ring.slot_bytes / kCacheLineBytes;
     bool any = false;
-    for (uint64_t l = first; l < first + lines_per_slot && l < ring.line_dirty.size(); ++l) any |= ring.line_dirty[l] != 0;
+    for (uint64_t l = first; l < first + lines_per_slot && l < ring.line_dirty.size(); ++l)
+        any |= ring.line_dirty[l] != 0;
     __atomic_store_n(ring.dirty + slot, uint8_t(any ? 1 : 0), __ATOMIC_RELEASE);
 }
 
@@ -93,8 +94,10 @@ void note_gm_write(uint64_t addr, uint64_t bytes) {
         const uint64_t end = std::min(addr + bytes, ring->addr + ring->bytes);
         for (uint64_t l = (a - ring->addr) / kCacheLineBytes; l <= (end - 1 - ring->addr) / kCacheLineBytes; ++l)
             ring->line_dirty[l] = 1;
-        const uint64_t first_slot = (a - ring->addr) / ring->slot_bytes, last_slot = (end - 1 - ring->addr) / ring->slot_bytes;
-        for (uint64_t s = first_slot; s <= last_slot; ++s) __atomic_store_n(ring->dirty + s, uint8_t(1), __ATOMIC_RELEASE);
+        const uint64_t first_slot = (a - ring->addr) / ring->slot_bytes,
+                       last_slot = (end - 1 - ring->addr) / ring->slot_bytes;
+        for (uint64_t s = first_slot; s <= last_slot; ++s)
+            __atomic_store_n(ring->dirty + s, uint8_t(1), __ATOMIC_RELEASE);
         a = end;
     }
 }
@@ -114,8 +117,11 @@ void before_gm_store(uint64_t addr) {
     auto* tail = reinterpret_cast<uint32_t*>(tail_addr);
     Launch* launch = in_kernel() ? current_core().launch : nullptr;
     // bounded: a stopped NIC leaves the latch closed, and the store then proceeds after the timeout
-    wait_until([&] { return (__atomic_load_n(tail, __ATOMIC_ACQUIRE) & 0xffffu) == previous_pi || (launch && launch->aborted()); },
-               launch ? launch->timeout_s() : 1.0);
+    wait_until(
+        [&] {
+            return (__atomic_load_n(tail, __ATOMIC_ACQUIRE) & 0xffffu) == previous_pi || (launch && launch->aborted());
+        },
+        launch ? launch->timeout_s() : 1.0);
 }
 
 void flush_cache_line(uint64_t addr) {
@@ -126,7 +132,8 @@ void flush_cache_line(uint64_t addr) {
     const uint64_t line = (addr - ring->addr) / kCacheLineBytes;
     ring->line_dirty[line] = 0;
     const uint64_t first_slot = line * kCacheLineBytes / ring->slot_bytes;
-    const uint64_t last_slot = std::min<uint64_t>(ring->depth - 1, ((line + 1) * kCacheLineBytes - 1) / ring->slot_bytes);
+    const uint64_t last_slot =
+        std::min<uint64_t>(ring->depth - 1, ((line + 1) * kCacheLineBytes - 1) / ring->slot_bytes);
     for (uint64_t s = first_slot; s <= last_slot; ++s) refresh_slot_dirty(*ring, s);
 }
 
@@ -141,7 +148,8 @@ void flush_entire_cache() {
 // ---- HCCL hooks -------------------------------------------------------------------------------
 
 uint64_t hccl_batch_write(void* context, uint64_t items_addr, uint32_t num_items, uint32_t core_id) {
-    if (!context) fail(ErrorKind::kProtocol, "Hccl::BatchWrite without a communicator context (GetHcclContext<0>() is null)");
+    if (!context)
+        fail(ErrorKind::kProtocol, "Hccl::BatchWrite without a communicator context (GetHcclContext<0>() is null)");
     return static_cast<HcclComm*>(context)->batch_write(items_addr, num_items, core_id);
 }
 
@@ -161,7 +169,10 @@ int32_t hccl_batch_write_wait(void* context, uint64_t handle) {
 
 Launch::Launch(std::string name, uint32_t block_dim, uint32_t ub_bytes, double timeout_s, void* hccl_context,
                std::function<void()> body)
-    : name_(std::move(name)), block_dim_(block_dim), ub_bytes_(ub_bytes), timeout_s_(timeout_s),
+    : name_(std::move(name)),
+      block_dim_(block_dim),
+      ub_bytes_(ub_bytes),
+      timeout_s_(timeout_s),
       hccl_context_(hccl_context) {
     if (block_dim == 0) fail(ErrorKind::kConfig, "kernel ", name_, ": block_dim must be >= 1");
     results_.resize(block_dim);
@@ -244,9 +255,8 @@ void Launch::sync_all() {
         cv_.notify_all();
         return;
     }
-    const bool released = cv_.wait_for(lock, std::chrono::duration<double>(timeout_s_), [&] {
-        return barrier_generation_ != generation || aborted_.load();
-    });
+    const bool released = cv_.wait_for(lock, std::chrono::duration<double>(timeout_s_),
+                                       [&] { return barrier_generation_ != generation || aborted_.load(); });
     if (barrier_generation_ != generation) return;
     lock.unlock();
     check_aborted();

@@ -41,8 +41,8 @@ struct CoreContext {
     uint32_t block_num = 0;
     std::vector<uint8_t> ub;  // the unified buffer (ub_base is its first 32-byte aligned byte)
     uint8_t* ub_base = nullptr;
-    uint32_t ub_bytes = 0;    // capacity of the unified buffer
-    uint32_t ub_used = 0;     // bytes handed out by TPipe::InitBuffer
+    uint32_t ub_bytes = 0;      // capacity of the unified buffer
+    uint32_t ub_used = 0;       // bytes handed out by TPipe::InitBuffer
     int64_t flags[16][8] = {};  // SetFlag/WaitFlag balance per (HardEvent, event id)
 };
 

@@ -77,17 +77,20 @@ void run_on_current_stream(const char* name, Launch launch) {
 }  // namespace
 
 void register_npu_transfer(py::module_& m) {
-    py::module_ npu = m.def_submodule("npu_transfer", "NPU launchers of the transfer kernels (not yet run on hardware)");
+    py::module_ npu =
+        m.def_submodule("npu_transfer", "NPU launchers of the transfer kernels (not yet run on hardware)");
 
 #ifdef ADP_WITH_ASCENDC_KERNELS
     // segments: uint8 NPU tensor of n * 32 bytes (adp::xfer::Segment); queues: block_dim * 64 bytes
     // (adp::xfer::AivQueue, from the HCCL AIV channel resources); status: block_dim * 16 bytes; tiling: AivPostTiling.
-    npu.def("aiv_post_wqe", [](at::Tensor segments, at::Tensor queues, at::Tensor status, at::Tensor tiling, int64_t block_dim) {
-        void *s = gm(segments, "segments"), *q = gm(queues, "queues"), *st = gm(status, "status"), *t = gm(tiling, "tiling");
-        run_on_current_stream("aiv_post_wqe", [=](void* stream) {
-            ACLRT_LAUNCH_KERNEL(aiv_post_wqe)(uint32_t(block_dim), stream, s, q, st, t);
-        });
-    });
+    npu.def("aiv_post_wqe",
+            [](at::Tensor segments, at::Tensor queues, at::Tensor status, at::Tensor tiling, int64_t block_dim) {
+                void *s = gm(segments, "segments"), *q = gm(queues, "queues"), *st = gm(status, "status"),
+                     *t = gm(tiling, "tiling");
+                run_on_current_stream("aiv_post_wqe", [=](void* stream) {
+                    ACLRT_LAUNCH_KERNEL(aiv_post_wqe)(uint32_t(block_dim), stream, s, q, st, t);
+                });
+            });
     npu.def("hccl_stage", [](int64_t src_addr, at::Tensor window, at::Tensor tiling, int64_t block_dim) {
         void *dst = gm(window, "window"), *t = gm(tiling, "tiling");
         void* src = reinterpret_cast<void*>(src_addr);

@@ -42,12 +42,57 @@ inline void check_copy(const char* api, uint64_t bytes, const void* ub_addr) {
 }
 }  // namespace emu_detail
 
-enum class TPosition : uint8_t { GM, A1, A2, B1, B2, C1, C2, CO1, CO2, VECIN, VECOUT, VECCALC, LCM = VECCALC, SPM, SHM, TSCM, MAX };
+enum class TPosition : uint8_t {
+    GM,
+    A1,
+    A2,
+    B1,
+    B2,
+    C1,
+    C2,
+    CO1,
+    CO2,
+    VECIN,
+    VECOUT,
+    VECCALC,
+    LCM = VECCALC,
+    SPM,
+    SHM,
+    TSCM,
+    MAX
+};
 using QuePosition = TPosition;
 
-enum class HardEvent : uint8_t { MTE2_MTE1, MTE1_MTE2, MTE1_M, M_MTE1, MTE2_V, V_MTE2, MTE3_V, V_MTE3, M_V, V_M, V_V,
-                                 MTE3_MTE1, MTE1_MTE3, MTE1_V, MTE2_M, M_MTE2, V_MTE1, M_FIX, FIX_M, MTE3_MTE2,
-                                 MTE2_MTE3, S_V, V_S, S_MTE2, MTE2_S, S_MTE3, MTE3_S, MAX };
+enum class HardEvent : uint8_t {
+    MTE2_MTE1,
+    MTE1_MTE2,
+    MTE1_M,
+    M_MTE1,
+    MTE2_V,
+    V_MTE2,
+    MTE3_V,
+    V_MTE3,
+    M_V,
+    V_M,
+    V_V,
+    MTE3_MTE1,
+    MTE1_MTE3,
+    MTE1_V,
+    MTE2_M,
+    M_MTE2,
+    V_MTE1,
+    M_FIX,
+    FIX_M,
+    MTE3_MTE2,
+    MTE2_MTE3,
+    S_V,
+    V_S,
+    S_MTE2,
+    MTE2_S,
+    S_MTE3,
+    MTE3_S,
+    MAX
+};
 
 enum class CacheLine : uint64_t { SINGLE_CACHE_LINE = 0, ENTIRE_DATA_CACHE };
 enum class DcciDst : uint64_t { CACHELINE_ALL = 0, CACHELINE_UB, CACHELINE_OUT, CACHELINE_ATOMIC };
@@ -59,8 +104,8 @@ inline int64_t GetBlockNum() { return emu_detail::rt::current_core().block_num; 
 // once another core of the launch failed, so that no core spins on after an abort.
 inline int64_t GetSystemCycle() {
     emu_detail::rt::current_core().launch->check_aborted();
-    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
-        adp::emu::Clock::now().time_since_epoch()).count();
+    const auto ns =
+        std::chrono::duration_cast<std::chrono::nanoseconds>(adp::emu::Clock::now().time_since_epoch()).count();
     return int64_t(ns / (1000000000 / emu_detail::rt::kSystemCycleHz));
 }
 
@@ -118,7 +163,8 @@ class LocalTensor {
    public:
     using PrimType = T;
     LocalTensor() = default;
-    LocalTensor(T* address, uint32_t elements, uint32_t buffer_id) : address_(address), size_(elements), buffer_id_(buffer_id) {}
+    LocalTensor(T* address, uint32_t elements, uint32_t buffer_id)
+        : address_(address), size_(elements), buffer_id_(buffer_id) {}
     T GetValue(uint32_t index) const {
         check(index, 1);
         return address_[index];
@@ -133,7 +179,8 @@ class LocalTensor {
     }
     template <typename U>
     LocalTensor<U> ReinterpretCast() const {
-        return LocalTensor<U>(reinterpret_cast<U*>(address_), uint32_t(uint64_t(size_) * sizeof(T) / sizeof(U)), buffer_id_);
+        return LocalTensor<U>(reinterpret_cast<U*>(address_), uint32_t(uint64_t(size_) * sizeof(T) / sizeof(U)),
+                              buffer_id_);
     }
     uint64_t GetPhyAddr() const { return reinterpret_cast<uint64_t>(address_); }
     uint32_t GetSize() const { return size_; }
@@ -141,8 +188,8 @@ class LocalTensor {
     uint32_t emu_buffer_id() const { return buffer_id_; }
     void emu_check(uint64_t elements, const char* api) const {
         if (elements > size_)
-            emu_detail::fail(emu_detail::ErrorKind::kBounds, api, ": ", elements, " elements overrun the LocalTensor of ",
-                             size_, " elements");
+            emu_detail::fail(emu_detail::ErrorKind::kBounds, api, ": ", elements,
+                             " elements overrun the LocalTensor of ", size_, " elements");
     }
 
    private:
@@ -157,8 +204,6 @@ class LocalTensor {
 };
 
 // ---- TPipe / TQue / TBuf --------------------------------------------------------------------------
-
-class TPipe;
 
 namespace emu_detail {
 inline uint8_t* ub_alloc(uint32_t bytes, const char* what) {
@@ -198,7 +243,8 @@ class TQueBind {
     }
     template <typename T>
     LocalTensor<T> DeQue() {
-        if (count_ == 0) emu_detail::fail(emu_detail::ErrorKind::kProtocol, "TQue::DeQue on an empty queue (a hang on hardware)");
+        if (count_ == 0)
+            emu_detail::fail(emu_detail::ErrorKind::kProtocol, "TQue::DeQue on an empty queue (a hang on hardware)");
         const uint32_t b = queue_[head_];
         head_ = (head_ + 1) % kMaxDepth;
         --count_;
@@ -239,7 +285,8 @@ class TBuf {
     template <typename T>
     LocalTensor<T> Get(uint32_t len) {
         if (len * sizeof(T) > len_)
-            emu_detail::fail(emu_detail::ErrorKind::kBounds, "TBuf::Get: ", len, " elements overrun the ", len_, "-byte buffer");
+            emu_detail::fail(emu_detail::ErrorKind::kBounds, "TBuf::Get: ", len, " elements overrun the ", len_,
+                             "-byte buffer");
         return LocalTensor<T>(reinterpret_cast<T*>(base_), len, 0);
     }
     void emu_init(uint32_t len) {
@@ -352,8 +399,9 @@ void DataCopyPad(const GlobalTensor<T>& dst, const LocalTensor<T>& src, const Da
     const uint64_t padded = (uint64_t(params.blockLen) + 31) / 32 * 32;
     const uint64_t ub_step = padded + uint64_t(params.srcStride) * 32;
     const uint64_t gm_step = uint64_t(params.blockLen) + params.dstStride;
-    src.emu_check((uint64_t(params.blockCount) - 1) * ub_step / sizeof(T) + (params.blockLen + sizeof(T) - 1) / sizeof(T),
-                  "DataCopyPad(UB->GM)");
+    src.emu_check(
+        (uint64_t(params.blockCount) - 1) * ub_step / sizeof(T) + (params.blockLen + sizeof(T) - 1) / sizeof(T),
+        "DataCopyPad(UB->GM)");
     auto* out = reinterpret_cast<uint8_t*>(dst.GetPhyAddr());
     const auto* in = reinterpret_cast<const uint8_t*>(src.emu_data());
     for (uint32_t b = 0; b < params.blockCount; ++b) {
@@ -419,7 +467,8 @@ class Hccl {
     template <bool commit = false>
     HcclHandle BatchWrite(GM_ADDR batchWriteInfo, uint32_t itemNum, uint16_t queueID = 0U) {
         if (queueID != 0)
-            emu_detail::fail(emu_detail::ErrorKind::kConfig, "Hccl::BatchWrite: queueID ", queueID, " unsupported; only 0");
+            emu_detail::fail(emu_detail::ErrorKind::kConfig, "Hccl::BatchWrite: queueID ", queueID,
+                             " unsupported; only 0");
         if (num_prepared_ == kMaxHandles)
             emu_detail::fail(emu_detail::ErrorKind::kCapacity, "Hccl: more than ", kMaxHandles, " prepared tasks");
         const HcclHandle h = HcclHandle(num_prepared_++);

@@ -29,7 +29,7 @@ def test_tiles_cover_every_byte_once(sizes):
     table = tile_table(src, dst, sizes, 1, 4096)
     covered = np.zeros(sum(sizes) + 7, np.int64)
     for s, _, n in table:
-        covered[s:s + n] += 1
+        covered[s : s + n] += 1
     assert (covered[7:] == 1).all() and (covered[:7] == 0).all()
 
 
@@ -57,24 +57,36 @@ def test_device_initiated_copy_is_exact_and_flags_ready(count, size):
     dst = torch.full((count * size + 64,), 0xA5, dtype=torch.uint8, device=dev)
     flag = torch.zeros(1, dtype=torch.int64, device=dev)
     copier = DeviceCopier(dev, flag)
-    copier.copy([src.data_ptr() + i * size for i in range(count)], [dst.data_ptr() + 32 + i * size for i in range(count)],
-                [size] * count, 77)
+    copier.copy(
+        [src.data_ptr() + i * size for i in range(count)],
+        [dst.data_ptr() + 32 + i * size for i in range(count)],
+        [size] * count,
+        77,
+    )
     torch.cuda.synchronize()
     assert int(flag.item()) == 77
-    assert torch.equal(dst[32:32 + count * size], src[:count * size])
-    assert (dst[:32] == 0xA5).all() and (dst[32 + count * size:] == 0xA5).all()
+    assert torch.equal(dst[32 : 32 + count * size], src[: count * size])
+    assert (dst[:32] == 0xA5).all() and (dst[32 + count * size :] == 0xA5).all()
 
 
-def test_device_copy_kernel_compiles_to_vectorized_ptx_with_a_system_scope_release_flag():
+def test_device_copy_kernel_compiles_to_vectorized_ptx_with_a_system_scope_release_flag(monkeypatch):
     """Without a GPU: Triton compiles the kernel for sm_90; copies are 16-byte vectors and the flag is a release."""
     triton = pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # silences Triton 3.9's notice; the kernel has no floats
     from triton.backends.compiler import GPUTarget
 
     from ascend_dualpath.transport.cuda import _copy_kernel
 
     words, _ = _copy_kernel()
-    signature = {"table": "*i64", "n_tiles": "i32", "counter": "*i32", "flag": "*i64", "flag_value": "i64",
-                 "TILE": "constexpr", "WORDS": "constexpr"}
+    signature = {
+        "table": "*i64",
+        "n_tiles": "i32",
+        "counter": "*i32",
+        "flag": "*i64",
+        "flag_value": "i64",
+        "TILE": "constexpr",
+        "WORDS": "constexpr",
+    }
     source = triton.compiler.ASTSource(fn=words, signature=signature, constexprs={"TILE": 16384, "WORDS": 4})
     ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
     assert "ld.global.v4" in ptx and "st.global.v4" in ptx

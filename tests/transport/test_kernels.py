@@ -22,8 +22,13 @@ def fill_random(poisoned_region, seed):
 
 def segment_arrays(src, dst, offsets, lengths, dst_offsets):
     n = len(lengths)
-    return (np.array([src.addr + o for o in offsets], np.uint64), np.array([dst.addr + o for o in dst_offsets], np.uint64),
-            np.array(lengths, np.uint64), np.full(n, src.region.lkey, np.uint32), np.full(n, dst.region.rkey, np.uint32))
+    return (
+        np.array([src.addr + o for o in offsets], np.uint64),
+        np.array([dst.addr + o for o in dst_offsets], np.uint64),
+        np.array(lengths, np.uint64),
+        np.full(n, src.region.lkey, np.uint32),
+        np.full(n, dst.region.rkey, np.uint32),
+    )
 
 
 @pytest.mark.parametrize("cores,depth,batch", [(1, 8, 1), (4, 8, 3), (7, 16, 32), (3, 256, 16)])
@@ -37,15 +42,16 @@ def test_aiv_post_wqe_moves_every_segment_exactly(C, two_devices, poisoned, core
     dst_offsets = [o + 7 for o in offsets]  # unaligned destinations are fine for RDMA
     cq = d0.create_cq(1024)
     qps = [d0.create_qp(cq, None, depth, 4) for _ in range(cores)]
-    run = C.launch_aiv_post_wqe(qps, *segment_arrays(src, dst, offsets, lengths, dst_offsets), batch, 0.0, 1000.0,
-                                UB_BYTES, TIMEOUT_S)
+    run = C.launch_aiv_post_wqe(
+        qps, *segment_arrays(src, dst, offsets, lengths, dst_offsets), batch, 0.0, 1000.0, UB_BYTES, TIMEOUT_S
+    )
     status = run.wait(TIMEOUT_S)
     assert [s["code"] for s in status] == [C.CORE_OK] * cores
     assert sum(s["posted"] for s in status) == len(lengths)
     completions = poll_all(cq, len(lengths))
     assert all(c.status == 0 for c in completions)
-    for o, d, n in zip(offsets, dst_offsets, lengths):
-        dst.expect(d, src.view[o:o + n])
+    for o, d, n in zip(offsets, dst_offsets, lengths, strict=True):
+        dst.expect(d, src.view[o : o + n])
     dst.assert_intact()
     src.assert_intact()
     # every doorbell covered flushed WQEs, so no slot is left dirty
@@ -59,8 +65,9 @@ def test_aiv_post_wqe_reports_a_full_sq_that_never_drains(C, emu, poisoned):
         cq = d0.create_cq(64)
         qp = d0.create_qp(cq, None, 4, 4)
         d0.close()  # the NIC stops: nothing retires, the SQ stays full
-        run = C.launch_aiv_post_wqe([qp], *segment_arrays(src, dst, [0] * 6, [64] * 6, [0] * 6), 2, 0.0, 1000.0,
-                                    UB_BYTES, 0.3)
+        run = C.launch_aiv_post_wqe(
+            [qp], *segment_arrays(src, dst, [0] * 6, [64] * 6, [0] * 6), 2, 0.0, 1000.0, UB_BYTES, 0.3
+        )
         [status] = run.wait(TIMEOUT_S)
         assert status["code"] == C.CORE_SQ_TIMEOUT
         assert status["posted"] == 3  # depth - 1 WQEs fit
@@ -75,9 +82,11 @@ def test_hccl_stage_copies_exactly(C, emu, total, cores, chunk_blocks):
         s, d = np.frombuffer(src, np.uint8), np.frombuffer(dst, np.uint8)
         s[:] = np.random.default_rng(total).integers(0, 256, s.size, dtype=np.uint8)
         d[:] = POISON
-        C.launch_hccl_stage(src.addr + 3, dst.addr + 5, total, cores, chunk_blocks * 32, 2, UB_BYTES, TIMEOUT_S).wait(TIMEOUT_S)
-        assert np.array_equal(d[5:5 + total], s[3:3 + total])
-        assert (d[:5] == POISON).all() and (d[5 + total:] == POISON).all()
+        C.launch_hccl_stage(src.addr + 3, dst.addr + 5, total, cores, chunk_blocks * 32, 2, UB_BYTES, TIMEOUT_S).wait(
+            TIMEOUT_S
+        )
+        assert np.array_equal(d[5 : 5 + total], s[3 : 3 + total])
+        assert (d[:5] == POISON).all() and (d[5 + total :] == POISON).all()
 
 
 def test_hccl_stage_chunk_past_ub_overflows(C, emu):
@@ -111,20 +120,29 @@ def test_aicpu_batch_write_delivers_through_the_server(C, emu, two_devices, pois
     items = d0.alloc_region(64 * 32, C.MemKind.DEVICE_GM, 7)
     c0.register_local(items)
     window = np.frombuffer(c1.windows_in, np.uint8)
-    window[:1 << 16] = POISON
+    window[: 1 << 16] = POISON
     lengths = [100 + 37 * i for i in range(29)]
     offsets = np.cumsum([0] + lengths[:-1]).tolist()
     issues = c0.batch_write_issues
-    run = C.launch_aicpu_batch_write(c0, items.addr, np.array([src.addr + o for o in offsets], np.uint64),
-                                     np.array([c1.windows_in.addr + 2 * o for o in offsets], np.uint64),
-                                     np.array(lengths, np.uint64), 1, cores, per_round, UB_BYTES, TIMEOUT_S)
+    run = C.launch_aicpu_batch_write(
+        c0,
+        items.addr,
+        np.array([src.addr + o for o in offsets], np.uint64),
+        np.array([c1.windows_in.addr + 2 * o for o in offsets], np.uint64),
+        np.array(lengths, np.uint64),
+        1,
+        cores,
+        per_round,
+        UB_BYTES,
+        TIMEOUT_S,
+    )
     status = run.wait(TIMEOUT_S)
     assert [s["code"] for s in status] == [C.CORE_OK] * cores
     assert c0.batch_write_issues == issues + 1  # one submission, from core 0, after SyncAll
     expected = np.full(1 << 16, POISON, np.uint8)
-    for o, n in zip(offsets, lengths):
-        expected[2 * o:2 * o + n] = src.view[o:o + n]
-    assert np.array_equal(window[:1 << 16], expected)
+    for o, n in zip(offsets, lengths, strict=True):
+        expected[2 * o : 2 * o + n] = src.view[o : o + n]
+    assert np.array_equal(window[: 1 << 16], expected)
     assert run.hccl_done_vtime_ns > 0
     # the items the cores wrote are the 32-byte BatchWriteItem layout
     item = np.frombuffer(items, np.uint64)[:4]
@@ -137,9 +155,18 @@ def test_aicpu_batch_write_reports_a_server_rejection(C, emu, two_devices, poiso
     items = d0.alloc_region(4096, C.MemKind.DEVICE_GM, 7)
     c0.register_local(items)
     unregistered = d0.alloc_region(4096, C.MemKind.DEVICE_GM, 7)
-    run = C.launch_aicpu_batch_write(c0, items.addr, np.array([unregistered.addr], np.uint64),
-                                     np.array([c1.windows_in.addr], np.uint64), np.array([64], np.uint64), 1, 2, 8,
-                                     UB_BYTES, TIMEOUT_S)
+    run = C.launch_aicpu_batch_write(
+        c0,
+        items.addr,
+        np.array([unregistered.addr], np.uint64),
+        np.array([c1.windows_in.addr], np.uint64),
+        np.array([64], np.uint64),
+        1,
+        2,
+        8,
+        UB_BYTES,
+        TIMEOUT_S,
+    )
     with pytest.raises(errors.NotRegistered, match="BatchWrite item 0"):
         run.wait(TIMEOUT_S)
 

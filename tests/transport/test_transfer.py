@@ -63,7 +63,7 @@ class Channel:
 
     def assert_window(self, offset, data):
         expected = np.full(self.window.size, POISON, np.uint8)
-        expected[offset:offset + len(data)] = data
+        expected[offset : offset + len(data)] = data
         diff = np.flatnonzero(self.window != expected)
         assert diff.size == 0, f"{diff.size} window bytes differ, first at {diff[0]}"
 
@@ -87,10 +87,10 @@ def test_every_kind_delivers_bit_exact(channel, kind, sizes):
     memory = MemoryKind.HOST if kind is TransferKind.STAGING else MemoryKind.DEVICE
     region, view = channel.source(sum(sizes) + 64, memory, seed=len(sizes))
     offsets = np.cumsum([0] + sizes[:-1]) + 11  # unaligned sources
-    sources = [MemorySegment.of_region(region, int(o), n) for o, n in zip(offsets, sizes)]
+    sources = [MemorySegment.of_region(region, int(o), n) for o, n in zip(offsets, sizes, strict=True)]
     result = channel.engine.transfer(sources, channel.slot(offset=333), kind=kind)
     assert result.kind is kind and result.nbytes == sum(sizes)
-    channel.assert_window(333, np.concatenate([view[o:o + n] for o, n in zip(offsets, sizes)]))
+    channel.assert_window(333, np.concatenate([view[o : o + n] for o, n in zip(offsets, sizes, strict=True)]))
     assert channel.engine.staging.num_held == 0
     assert result.complete_vtime_ns > result.start_vtime_ns
 
@@ -108,8 +108,10 @@ def test_aiv_delivery_property(C, emu, sizes, seed):
         ch = Channel(C, emu, devices)
         region, view = ch.source(sum(sizes), seed=seed)
         offsets = np.cumsum([0] + sizes[:-1])
-        result = ch.engine.transfer([MemorySegment.of_region(region, int(o), n) for o, n in zip(offsets, sizes)],
-                                    ch.slot(offset=seed % 1000))
+        result = ch.engine.transfer(
+            [MemorySegment.of_region(region, int(o), n) for o, n in zip(offsets, sizes, strict=True)],
+            ch.slot(offset=seed % 1000),
+        )
         assert result.kind is TransferKind.AIV
         ch.assert_window(seed % 1000, view)
         ch.engine.close()
@@ -221,7 +223,7 @@ def test_remote_ready_is_published_after_every_piece(channel, kind):
         deadline = time.monotonic() + 10
         while receiver.notify_value(7) == before and time.monotonic() < deadline:
             pass
-        seen["window"] = channel.window[:view.size].copy()
+        seen["window"] = channel.window[: view.size].copy()
 
     watcher = threading.Thread(target=watch)
     watcher.start()
@@ -266,7 +268,9 @@ def test_staging_allocation_failure_holds_nothing(C, emu):
     with emu.emulated_devices(2) as devices:
         ch = Channel(C, emu, devices, staging_capacity=8192)
         big, _ = ch.source(8193, MemoryKind.HOST)
-        with pytest.raises(errors.CapacityError, match="staging allocation of 8193 bytes failed: .* 8192 bytes has 8192 free"):
+        with pytest.raises(
+            errors.CapacityError, match="staging allocation of 8193 bytes failed: .* 8192 bytes has 8192 free"
+        ):
             ch.engine.submit([MemorySegment.of_region(big)], ch.slot())
         assert ch.engine.staging.num_held == 0
         small, view = ch.source(8192, MemoryKind.HOST)

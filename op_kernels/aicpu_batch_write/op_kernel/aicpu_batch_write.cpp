@@ -1,10 +1,9 @@
 // AICPU BatchWrite: the vector cores fill 32-byte BatchWrite items (one per segment) in UB and copy
 // them to the item array in GM; after SyncAll, core 0 alone (it owns the hcclMsgArea) hands the array
 // to the AICPU server and waits for it. The AICPU then posts the WQEs; the cores post none.
-#include "kernel_operator.h"
-
 #include "adp/transfer_kernels.h"
 #include "adp/wqe_hns.h"
+#include "kernel_operator.h"
 
 using namespace AscendC;
 

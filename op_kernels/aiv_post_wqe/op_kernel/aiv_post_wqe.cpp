@@ -3,10 +3,9 @@
 // the doorbell covers it. The core rings the doorbell every `doorbell_batch` WQEs and whenever the SQ
 // is full, then waits (bounded by `timeout_cycles`) for the NIC to retire WQEs before going on.
 // Every WQE is signaled, so the host sees exactly one CQE per segment.
-#include "kernel_operator.h"
-
 #include "adp/transfer_kernels.h"
 #include "adp/wqe_hns.h"
+#include "kernel_operator.h"
 
 using namespace AscendC;
 
@@ -32,15 +31,16 @@ class AivPoster {
     // Returns false when the SQ stayed full for `timeout_cycles`.
     __aicore__ inline bool Post(const adp::xfer::Segment& seg) {
         if (!WaitForSpace()) return false;
-        const adp::wqe::RcSendWqe w = adp::wqe::encode_rc_wqe(
-            adp::wqe::kOpcodeWrite, adp::wqe::owner_for_index(head_, q_.owner_shift), true, seg.length, seg.rkey,
-            seg.remote_addr, seg.lkey, seg.local_addr);
+        const adp::wqe::RcSendWqe w =
+            adp::wqe::encode_rc_wqe(adp::wqe::kOpcodeWrite, adp::wqe::owner_for_index(head_, q_.owner_shift), true,
+                                    seg.length, seg.rkey, seg.remote_addr, seg.lkey, seg.local_addr);
         const uint64_t slot_words = uint64_t(head_ % q_.depth) * q_.wqe_size / 4;
         const uint32_t* words = reinterpret_cast<const uint32_t*>(&w);
         for (uint32_t i = 0; i < adp::wqe::kWqeBytes / 4; ++i) sq_.SetValue(slot_words + i, words[i]);
         // write the WQE's cache lines back to GM, where the NIC reads it
         const uint64_t slot_bytes = slot_words * 4;  // the ring starts on a cache line
-        for (uint64_t line = slot_bytes / kLineBytes * kLineBytes; line < slot_bytes + adp::wqe::kWqeBytes; line += kLineBytes)
+        for (uint64_t line = slot_bytes / kLineBytes * kLineBytes; line < slot_bytes + adp::wqe::kWqeBytes;
+             line += kLineBytes)
             DataCacheCleanAndInvalid<uint32_t, CacheLine::SINGLE_CACHE_LINE, DcciDst::CACHELINE_OUT>(sq_[line / 4]);
         ++head_;
         vtime_ns_ += tiling_.submit_ns;

@@ -2,9 +2,8 @@
 // device) into the registered HCCL window, so that the vector cores can post RDMA WRITEs from it.
 // Each core takes a 32-byte-aligned contiguous span and moves it through UB in `chunk_bytes` pieces
 // with `buffer_num` buffers in flight: DataCopy for the 32-byte multiple, DataCopyPad for the tail.
-#include "kernel_operator.h"
-
 #include "adp/transfer_kernels.h"
+#include "kernel_operator.h"
 
 using namespace AscendC;
 

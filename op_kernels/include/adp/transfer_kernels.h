@@ -36,10 +36,10 @@ struct AivQueue {
 
 struct AivPostTiling {
     uint32_t num_segments;
-    uint32_t doorbell_batch;   // ring the doorbell after this many WQEs (and whenever the SQ is full)
-    uint64_t timeout_cycles;   // bound of each wait for SQ space, in GetSystemCycle() units
-    double start_vtime_ns;     // emulator only: virtual time at which the cores start posting
-    double submit_ns;          // emulator only: virtual cost of building, flushing and posting one WQE
+    uint32_t doorbell_batch;  // ring the doorbell after this many WQEs (and whenever the SQ is full)
+    uint64_t timeout_cycles;  // bound of each wait for SQ space, in GetSystemCycle() units
+    double start_vtime_ns;    // emulator only: virtual time at which the cores start posting
+    double submit_ns;         // emulator only: virtual cost of building, flushing and posting one WQE
 };
 
 struct StageTiling {
