@@ -54,8 +54,10 @@ def extensions():
 
     debug = _env.build_flag("DEBUG") is True
     cxx_flags = ["-std=c++17", "-O0", "-g"] if debug else ["-std=c++17", "-O2"]
-    include_dirs = [str(ROOT / "csrc"), str(ROOT / "op_kernels" / "include")]
-    sources = sorted(glob.glob("csrc/emulator/*.cpp") + glob.glob("csrc/bindings/*.cpp"))
+    include_dirs = [str(ROOT / "csrc"), str(ROOT / "op_kernels" / "include"), str(ROOT / "op_kernels" / "emu")]
+    # the AscendC kernels also run on the emulator's vector cores, through the headers in op_kernels/emu
+    sources = sorted(glob.glob("csrc/emulator/*.cpp") + glob.glob("csrc/bindings/*.cpp") +
+                     glob.glob("op_kernels/*/op_kernel/*.cpp") + glob.glob("op_kernels/emu/*.cpp"))
     summary.append(("emulator", f"built ({len(sources)} C++ sources, {'debug' if debug else 'release'})"))
 
     with_npu = _env.build_flag("WITH_NPU")

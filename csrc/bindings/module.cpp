@@ -13,6 +13,8 @@
 
 namespace py = pybind11;
 using namespace adp::emu;
+
+void register_transfer(py::module_& m);  // csrc/bindings/transfer.cpp
 namespace wqe = adp::wqe;
 
 namespace {
@@ -94,6 +96,8 @@ PYBIND11_MODULE(_C, m) {
             PyErr_SetString(cls.ptr(), e.what());
         }
     });
+
+    register_transfer(m);
 
     m.def("compiled_backends", [] {
         std::vector<std::string> out{"emulator"};

@@ -1,0 +1,224 @@
+"""The transfer engine interface: submit source segments to a remote slot, get a ticket, wait for it.
+
+Every backend follows the same sequence (the seed's ``aiv_candidate_layer_transfer``): select the kind
+through the gates, stage if the kind is ``staging``, split into pieces, post them, wait for every
+completion, publish remote-ready (the notify), and release the staging buffer on every path, errors
+included.
+"""
+
+from __future__ import annotations
+
+import abc
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ascend_dualpath import _env
+from ascend_dualpath import errors as E
+from ascend_dualpath.transport.kinds import MemoryKind, Selection, TransferKind
+from ascend_dualpath.transport.segments import MemorySegment, RemoteSlot, WirePiece, split_segments
+
+STAGING_ALIGN = 512  # staging buffers start on 512-byte boundaries (full-speed MTE bursts)
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """What a completed transfer reports.
+
+    ``*_vtime_ns`` fields are on the emulator's virtual clock (0 on real hardware); ``notify_magic`` is
+    the value published in the remote notify slot (None without a notify).
+    """
+
+    kind: TransferKind
+    selection: Selection
+    nbytes: int
+    num_pieces: int
+    start_vtime_ns: float = 0.0
+    submit_vtime_ns: float = 0.0
+    complete_vtime_ns: float = 0.0
+    staging_bytes: int = 0
+    notify_magic: int | None = None
+
+    @property
+    def latency_vtime_ns(self) -> float:
+        return self.complete_vtime_ns - self.start_vtime_ns
+
+
+@dataclass
+class Ticket:
+    """A submitted transfer; ``wait`` it exactly once."""
+
+    id: int
+    kind: TransferKind
+    selection: Selection
+    pieces: list[WirePiece]
+    remote: RemoteSlot
+    notify_slot: int | None
+    engine: TransferEngine
+    state: dict = field(default_factory=dict)  # backend-private progress
+    result: TransferResult | None = None
+    error: BaseException | None = None
+    finished: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.pieces)
+
+    def wait(self, timeout: float | None = None) -> TransferResult:
+        return self.engine.wait(self, timeout)
+
+
+class StagingPool:
+    """First-fit allocator of staging buffers inside one registered region (the HCCL window).
+
+    Parameters
+    ----------
+    base_addr : int
+        Address of the first byte of the pool.
+    capacity : int
+        Bytes in the pool.
+    """
+
+    def __init__(self, base_addr: int, capacity: int):
+        self.base_addr = base_addr
+        self.capacity = capacity
+        self._used: dict[int, int] = {}  # offset -> bytes
+        self.peak_bytes = 0
+
+    @property
+    def in_use_bytes(self) -> int:
+        return sum(self._used.values())
+
+    @property
+    def num_held(self) -> int:
+        return len(self._used)
+
+    def allocate(self, nbytes: int) -> int:
+        """Address of a free buffer of ``nbytes``; CapacityError naming the request and the free space."""
+        size = -(-nbytes // STAGING_ALIGN) * STAGING_ALIGN
+        cursor = 0
+        for offset in sorted(self._used):
+            if offset - cursor >= size:
+                break
+            cursor = offset + -(-self._used[offset] // STAGING_ALIGN) * STAGING_ALIGN
+        if cursor + size > self.capacity:
+            raise E.CapacityError(
+                f"staging allocation of {nbytes} bytes failed: the HCCL window pool of "
+                f"{self.capacity} bytes has {self.capacity - self.in_use_bytes} free "
+                f"in {len(self._used)} held buffers"
+            )
+        self._used[cursor] = nbytes
+        self.peak_bytes = max(self.peak_bytes, self.in_use_bytes)
+        return self.base_addr + cursor
+
+    def release(self, addr: int) -> None:
+        offset = addr - self.base_addr
+        if self._used.pop(offset, None) is None:
+            raise E.ProtocolError(f"staging buffer at offset {offset} is not held (double release?)")
+
+
+class TransferEngine(abc.ABC):
+    """One channel's transfer engine. Backends implement ``_select``, ``_start`` and ``_finish``."""
+
+    _ticket_ids = itertools.count(1)
+
+    def __init__(self, timeout_s: float | None = None):
+        self.timeout_s = _env.timeout_s() if timeout_s is None else timeout_s
+
+    @abc.abstractmethod
+    def select(self, sources: Sequence[MemorySegment]) -> Selection:
+        """The kind the gates choose for ``sources``."""
+
+    @abc.abstractmethod
+    def _max_piece(self, kind: TransferKind) -> int:
+        """Largest wire piece of ``kind``."""
+
+    @abc.abstractmethod
+    def _start(self, ticket: Ticket, sources: Sequence[MemorySegment]) -> None:
+        """Stage (if needed) and post; record progress in ``ticket.state``. Must leave nothing held on error."""
+
+    @abc.abstractmethod
+    def _finish(self, ticket: Ticket, timeout_s: float) -> TransferResult:
+        """Wait for every completion of ``ticket`` (bounded) and return its result, without the notify."""
+
+    @abc.abstractmethod
+    def _publish_ready(self, ticket: Ticket, timeout_s: float) -> int:
+        """Write a fresh magic into the remote notify slot; returns it."""
+
+    @abc.abstractmethod
+    def _release(self, ticket: Ticket) -> None:
+        """Release whatever the ticket holds (staging buffer); idempotent."""
+
+    def submit(
+        self,
+        sources: Sequence[MemorySegment],
+        remote: RemoteSlot,
+        notify_slot: int | None = None,
+        kind: TransferKind | str | None = None,
+    ) -> Ticket:
+        """Start moving ``sources`` (concatenated) into ``remote``; returns a ticket to ``wait`` on.
+
+        ``kind`` overrides the gates (benchmarks); an override the sources do not allow raises ConfigError.
+        """
+        sources = list(sources)
+        selection = self.select(sources)
+        if kind is not None:
+            selection = self._forced(selection, TransferKind(kind), sources)
+        pieces = split_segments(sources, remote, self._max_piece(selection.kind))
+        ticket = Ticket(next(self._ticket_ids), selection.kind, selection, pieces, remote, notify_slot, self)
+        try:
+            self._start(ticket, sources)
+        except BaseException:
+            self._release(ticket)
+            ticket.finished = True
+            raise
+        return ticket
+
+    def wait(self, ticket: Ticket, timeout: float | None = None) -> TransferResult:
+        """Wait (bounded) until every piece completed, then publish remote-ready; raises on any failure."""
+        if ticket.engine is not self:
+            raise E.ProtocolError(f"ticket {ticket.id} belongs to another engine")
+        if ticket.finished:
+            if ticket.error is not None:
+                raise E.ProtocolError(f"ticket {ticket.id} already failed: {ticket.error}") from ticket.error
+            if ticket.result is None:
+                raise E.ProtocolError(f"ticket {ticket.id} was never started")
+            return ticket.result
+        timeout_s = self.timeout_s if timeout is None else timeout
+        try:
+            result = self._finish(ticket, timeout_s)
+            if ticket.notify_slot is not None:  # only after every piece completed
+                magic = self._publish_ready(ticket, timeout_s)
+                result = TransferResult(**{**result.__dict__, "notify_magic": magic})
+            ticket.result = result
+            return result
+        except BaseException as exc:
+            ticket.error = exc
+            raise
+        finally:
+            self._release(ticket)
+            ticket.finished = True
+
+    def transfer(
+        self,
+        sources: Sequence[MemorySegment],
+        remote: RemoteSlot,
+        notify_slot: int | None = None,
+        kind: TransferKind | str | None = None,
+        timeout: float | None = None,
+    ) -> TransferResult:
+        """``submit`` then ``wait``."""
+        return self.submit(sources, remote, notify_slot, kind).wait(timeout)
+
+    def _forced(self, selection: Selection, kind: TransferKind, sources: Sequence[MemorySegment]) -> Selection:
+        host = [i for i, s in enumerate(sources) if s.memory is MemoryKind.HOST]
+        if kind in (TransferKind.AIV, TransferKind.AICPU) and host:
+            raise E.ConfigError(f"kind {kind.value!r} needs device-memory sources; sources {host} are in host DRAM")
+        segmented = kind in (TransferKind.AIV, TransferKind.STAGING) and selection.segmented
+        return Selection(
+            kind,
+            "override",
+            f"kind {kind.value!r} requested by the caller (the gates chose {selection.kind.value!r})",
+            selection.gates,
+            segmented,
+        )

@@ -1,0 +1,39 @@
+"""The transfer benchmark command on the emulator: every kind runs, rows and verdicts are well formed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ascend_dualpath.bench import transfer as bench
+
+
+def test_bench_runs_every_kind_and_writes_json(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    out = tmp_path / "t.json"
+    args = parser.parse_args(["--quick", "--repeats", "2", "--block-dim", "2", "--json", str(out)])
+    assert bench.run(args) == 0
+    data = json.loads(out.read_text())
+    kinds = {r["kind"] for r in data["rows"]}
+    assert kinds == set(bench.EMULATOR_KINDS)
+    assert len(data["rows"]) == 3 * len(bench.EMULATOR_KINDS)
+    for row in data["rows"]:
+        assert row["latency_us_p50"] <= row["latency_us_p99"]
+        assert 0 < row["submit_share"] <= 1
+        assert (row["staging_peak_bytes"] > 0) == (row["kind"] == "staging")
+    assert data["meta"]["cost_model"]["host_submit_ns"] > 0
+    assert {v["case"] for v in data["verdicts"]} == {"16x4K", "1x1M", "61x42K layer blocks"}
+    assert "cost.aiv_submit_ns" in capsys.readouterr().out
+
+
+def test_verdict_follows_the_stop_condition():
+    def row(kind, p50, share):
+        return bench.Row(kind, "c", 1, 1, 0.0, share * p50, p50, p50, 0.0, 0.0, 0, share, "virtual")
+
+    [keep] = bench.verdicts([row("aiv", 50.0, 0.01), row("host", 100.0, 0.04)])
+    assert keep["verdict"].startswith("keep host path (submit < 5%")
+    [pays] = bench.verdicts([row("aiv", 50.0, 0.01), row("host", 100.0, 0.30), row("host/seg", 200.0, 0.9)])
+    assert pays["verdict"] == "aiv pays off: 50% lower latency than host" and pays["speedup_vs_per_segment_host"] == 4.0
+    [slower] = bench.verdicts([row("aiv", 150.0, 0.01), row("host", 100.0, 0.30)])
+    assert slower["verdict"] == "keep host path (aiv is 50% slower than host)"
