@@ -96,7 +96,7 @@ class PrefillConnector:
         self._plan: LoadPlan | None = None
         self._read: PrefetchedRead | None = None
         self._copies: dict[int, TransferTicket] = {}
-        self._saves: list[TransferTicket] = []
+        self._saves: dict[int, TransferTicket] = {}
         self.stats = LoadStats()
 
     # -- PE SNIC reads ----------------------------------------------------------------------------------------------
@@ -144,7 +144,7 @@ class PrefillConnector:
         """Begin loading ``plan``'s hit KV: wait for the PE SNIC reads (PE path), start copying layer 0."""
         if self._plan is not None:
             raise ProtocolError(f"request {self._plan.request_id} is still loading; finish() it first")
-        self._plan, self._copies, self._saves, self.stats = plan, {}, [], LoadStats()
+        self._plan, self._copies, self._saves, self.stats = plan, {}, {}, LoadStats()
         total = self.hit_tokens + len(plan.new_tokens)
         need = total * self.layout.token_bytes
         if need > self.slots[0].tensor.numel():
@@ -200,29 +200,32 @@ class PrefillConnector:
         if tuple(miss_rows.shape) != (miss, C) or miss_rows.dtype != torch.uint8:
             raise ProtocolError(f"layer {layer}: miss rows must be uint8 [{miss}, {C}], got {miss_rows.dtype} "
                                 f"{list(miss_rows.shape)}")
+        if layer >= 2:  # the slot's previous save (layer - 2) must have left before its bytes are overwritten
+            self.stats.vtime_ns = max(self.stats.vtime_ns, self.leg.wait(self._saves[layer - 2], self.timeout_s))
         slot = self.slots[layer % 2]
         slot.tensor[hit * C:(hit + miss) * C].copy_(miss_rows.reshape(-1))  # complete layer = hit ++ miss rows
         if plan.path is ReadPath.PE:
             segments, dst = [Segment(slot.addr, (hit + miss) * C, 0)], plan.de_lease_addr + layer * (hit + miss) * C
         else:
             segments, dst = [Segment(slot.addr + hit * C, miss * C, 0)], plan.de_lease_addr + (L * hit + layer * miss) * C
-        self._saves.append(self.leg.submit(layer, segments, DE_RANK, dst, layer, plan.save_magics[layer]))
+        self._saves[layer] = self.leg.submit(layer, segments, DE_RANK, dst, layer, plan.save_magics[layer])
 
     def wait_for_save(self) -> None:
         """Block until every saved layer is in the DE buffer (and its notify set)."""
         self._require_plan()
-        while self._saves:
-            self.stats.vtime_ns = max(self.stats.vtime_ns, self.leg.wait(self._saves.pop(0), self.timeout_s))
+        for layer in sorted(self._saves):
+            self.stats.vtime_ns = max(self.stats.vtime_ns, self.leg.wait(self._saves[layer], self.timeout_s))
+        self._saves = {}
 
     def abort(self) -> str | None:
         """After an error: drain queued transfers, then raise the DE's abort flag. Returns why the flag failed."""
         plan = self._require_plan()
-        for ticket in [*self._copies.values(), *self._saves]:
+        for ticket in [*self._copies.values(), *self._saves.values()]:
             try:
                 self.leg.wait(ticket, self.timeout_s)
             except Exception:  # draining only: the request already failed
                 pass
-        self._copies, self._saves = {}, []
+        self._copies, self._saves = {}, {}
         return abort_peer(self.leg, DE_RANK, plan.abort_to_de)
 
     def finish(self) -> None:
