@@ -116,6 +116,7 @@ def _aggregate(summary: dict, turns: list[dict]) -> dict:
         "mean_ttft_s": sum(t["ttft_s"] for t in turns) / max(1, len(turns)),
         "fallbacks": sum(len(t["fallbacks"]) for t in turns),
         "deferred": summary["deferred"],
+        "failed": summary["failed"],
         "nic_vtime_ns": summary["nic_vtime_ns"],
         "nic_bytes": summary["nic_bytes"],
         "checks": summary["checks"],
@@ -155,7 +156,7 @@ def _run_mode(args, mode: str, console) -> dict | None:
                     table.add_row(str(t["agent_id"]), str(t["turn"]), t["path"], str(t["prompt_tokens"]),
                                   str(t["hit_tokens"]), f"{t['pe_read_bytes'] / 1024:.0f}",
                                   f"{t['de_read_bytes'] / 1024:.0f}", f"{t['ttft_s'] * 1e3:.0f}",
-                                  "; ".join(t["fallbacks"])[:60])
+                                  "; ".join(t["fallbacks"] + ([t["error"]] if t["error"] else []))[:60])
                 elif event[0] == "verified":
                     progress.advance(check_task)
 
@@ -182,7 +183,7 @@ def _print_summary(console, results: dict[str, dict]) -> bool:
         ("bytes read, DE SNIC", lambda r: f"{r['de_bytes'] / 2**20:.2f} MiB"),
         ("aggregate storage read bandwidth", lambda r: f"{r['read_bw'] / 1e6:.2f} MB/s"),
         ("mean TTFT", lambda r: f"{r['mean_ttft_s'] * 1e3:.0f} ms"),
-        ("fallbacks / deferred turns", lambda r: f"{r['fallbacks']} / {r['deferred']}"),
+        ("fallbacks / deferred / failed turns", lambda r: f"{r['fallbacks']} / {r['deferred']} / {r['failed']}"),
         ("DE NIC virtual clock (transfers)", lambda r: f"{r['nic_vtime_ns'] / 1e3:.0f} us, "
                                                        f"{r['nic_bytes'] / 2**20:.1f} MiB"),
         ("loaded KV bit-exact", lambda r: _count(r, "loaded_exact")),
@@ -199,6 +200,7 @@ def _print_summary(console, results: dict[str, dict]) -> bool:
         console.print(f"DualPath vs PE-only: aggregate storage read bandwidth {bw:.2f}x, "
                       f"job completion time {base['jct_s'] / dual['jct_s']:.2f}x better")
     ok = all(c["loaded_exact"] and c["kv_ok"] and c["tokens_equal"] for r in results.values() for c in r["checks"])
+    ok &= not any(r["failed"] for r in results.values())
     console.print(f"every turn correct: {ok}" if any(r["checks"] for r in results.values()) else "not verified")
     return ok
 

@@ -128,16 +128,16 @@ class PrefillConnector:
             raise
         return PrefetchedRead(lease, tickets)
 
-    def drop_prefetched(self) -> None:
-        """Wait out and release every prefetched read not used (engine shutdown)."""
-        for entry in self._prefetched.values():
+    def drop_prefetched(self, request_id: int | None = None) -> None:
+        """Wait out and release the prefetched reads of ``request_id`` (all of them when None: shutdown)."""
+        for rid in [request_id] if request_id is not None else list(self._prefetched):
+            entry = self._prefetched.pop(rid, None)
             if isinstance(entry, PrefetchedRead):
                 try:
                     wait_reads(entry.tickets, self.timeout_s)
                 except Exception:  # the request is gone; only the lease matters
                     pass
                 entry.lease.release()
-        self._prefetched.clear()
 
     # -- the per-layer API ------------------------------------------------------------------------------------------
     def start_load_kv(self, plan: LoadPlan) -> None:
@@ -188,12 +188,12 @@ class PrefillConnector:
             else:
                 wait_notify(self.comm, layer, plan.hit_magics[layer],
                             f"hit layer {layer} of request {plan.request_id} from the DE",
-                            abort_magic=plan.abort_to_pe, timeout_s=self.timeout_s)
+                            abort_magic=plan.abort_to_pe, timeout_s=self.timeout_s, check=self._check_saves)
         C = self.layout.token_bytes
         return self.slots[layer % 2].tensor[: self.hit_tokens * C].view(self.hit_tokens, C)
 
     def save_kv_layer(self, layer: int, miss_rows: torch.Tensor) -> None:
-        """Queue layer ``layer``'s new rows ``uint8 [T_miss, C]`` for the DE buffer (with the hit rows on the PE path)."""
+        """Queue layer ``layer``'s new rows ``uint8 [T_miss, C]`` for the DE buffer (with the hit rows: PE path)."""
         plan = self._require_plan()
         C, hit, L = self.layout.token_bytes, self.hit_tokens, self.layout.num_layers
         miss = len(plan.new_tokens)
@@ -207,8 +207,14 @@ class PrefillConnector:
         if plan.path is ReadPath.PE:
             segments, dst = [Segment(slot.addr, (hit + miss) * C, 0)], plan.de_lease_addr + layer * (hit + miss) * C
         else:
-            segments, dst = [Segment(slot.addr + hit * C, miss * C, 0)], plan.de_lease_addr + (L * hit + layer * miss) * C
+            miss_area = plan.de_lease_addr + L * hit * C
+            segments, dst = [Segment(slot.addr + hit * C, miss * C, 0)], miss_area + layer * miss * C
         self._saves[layer] = self.leg.submit(layer, segments, DE_RANK, dst, layer, plan.save_magics[layer])
+
+    def _check_saves(self) -> None:
+        # A failed save means the DE will never push the next layer: stop waiting for it.
+        for ticket in self._saves.values():
+            self.leg.raise_if_failed(ticket)
 
     def wait_for_save(self) -> None:
         """Block until every saved layer is in the DE buffer (and its notify set)."""

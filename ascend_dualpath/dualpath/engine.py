@@ -14,6 +14,7 @@ one, then to a recompute with no cache; only then does the turn fail, with every
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import datetime
@@ -88,6 +89,10 @@ class EngineConfig:
         return self.layout.fingerprint() + f"tiny-llama:{self.model}".encode()
 
 
+class EngineLost(ProtocolError):
+    """The peer engine process is gone (its control channel broke)."""
+
+
 # -- control channels ---------------------------------------------------------------------------------------------
 class Channel(Protocol):
     def send(self, message: Any) -> None: ...
@@ -127,8 +132,12 @@ class DistChannel:
         import torch.distributed as dist
 
         payload = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
-        dist.send(torch.tensor([payload.numel()], dtype=torch.int64), self.peer_rank)
-        dist.send(payload, self.peer_rank)
+        try:
+            dist.send(torch.tensor([payload.numel()], dtype=torch.int64), self.peer_rank)
+            dist.send(payload, self.peer_rank)
+        except RuntimeError as error:
+            raise EngineLost(f"control channel to the {self.peer} (rank {self.peer_rank}) broke while sending "
+                             f"{message[0]!r}: the engine died or hung ({error})") from error
 
     def recv(self, timeout_s: float, what: str) -> Any:
         import torch.distributed as dist
@@ -139,8 +148,11 @@ class DistChannel:
             payload = torch.empty(int(size[0]), dtype=torch.uint8)
             dist.irecv(payload, self.peer_rank).wait(datetime.timedelta(seconds=timeout_s))
         except RuntimeError as error:
-            raise WaitTimeout(f"no {what} from the {self.peer} (rank {self.peer_rank}) within {timeout_s} s, or it "
-                              f"died: {error}") from error
+            if "timed out" in str(error).lower() or "timeout" in str(error).lower():
+                raise WaitTimeout(f"no {what} from the {self.peer} (rank {self.peer_rank}) within {timeout_s} s: "
+                                  f"{error}") from error
+            raise EngineLost(f"control channel to the {self.peer} (rank {self.peer_rank}) broke while waiting for "
+                             f"{what}: the engine died ({error})") from error
         return pickle.loads(payload.numpy().tobytes())
 
 
@@ -194,6 +206,8 @@ class PrefillEngine(_Node):
                     self.channel.send(("ready",))
                 elif kind == "prefetch":
                     self.connector.prefetch(*message[1:])
+                elif kind == "drop":
+                    self.connector.drop_prefetched(message[1])
                 elif kind == "prefill":
                     self.channel.send(self._prefill(message[1]))
                 else:
@@ -241,6 +255,7 @@ class TurnResult:
     fallbacks: list[str]
     kv: torch.Tensor | None = None  # uint8 [L, T_kv, C] copy of DE HBM (for verification)
     sequence: list[int] | None = None
+    error: str | None = None  # set when every path failed ("failed" path); the agent stops there
 
 
 class TurnFailed(AdpError):
@@ -312,19 +327,34 @@ class DecodeEngine(_Node):
                 self.channel.send(("prefetch", rid, hit_ids, parents))
             admitted.append((rid, agent, turn, prompt, gen, hit_ids, parents, path, lease, tickets))
         results, read_spans = [], []
-        for rid, agent, turn, prompt, gen, hit_ids, parents, path, lease, tickets in admitted:
-            try:
-                result = self._serve(rid, agent, turn, prompt, gen, hit_ids, parents, path, lease, tickets, start,
-                                     read_spans)
-            finally:
-                if tickets is not None:
-                    with contextlib.suppress(Exception):
-                        wait_reads(tickets, self.config.timeout_s)
-                lease.release()
-            results.append(result)
-            if on_turn is not None:
-                on_turn(result)
+        pending = collections.deque(admitted)
+        try:
+            while pending:
+                rid, agent, turn, prompt, gen, hit_ids, parents, path, lease, tickets = pending[0]
+                try:
+                    result = self._serve(rid, agent, turn, prompt, gen, hit_ids, parents, path, lease, tickets,
+                                         start, read_spans)
+                except TurnFailed as error:  # this turn ends with a clear error; the wave goes on
+                    result = TurnResult(agent, turn, "failed", len(prompt), 0, 0, 0, time.monotonic() - start, 0.0,
+                                        [], [], error=str(error))
+                finally:
+                    pending.popleft()
+                    self._release(lease, tickets)
+                results.append(result)
+                if on_turn is not None:
+                    on_turn(result)
+        finally:  # a turn failed: give back what the rest of the wave holds, here and on the PE
+            for rid, _, _, _, _, hit_ids, _, path, lease, tickets in pending:
+                self._release(lease, tickets)
+                if path is ReadPath.PE and hit_ids:
+                    self.channel.send(("drop", rid))
         return results, deferred, {"read_spans": read_spans, "wave_s": time.monotonic() - start}
+
+    def _release(self, lease, tickets) -> None:
+        if tickets is not None:  # no read may still land in the lease once it is free
+            with contextlib.suppress(Exception):
+                wait_reads(tickets, self.config.timeout_s)
+        lease.release()
 
     def _submit_reads(self, hit_ids: list[bytes], lease) -> list:
         fb = self.layout.full_block_bytes
@@ -438,6 +468,9 @@ class DecodeEngine(_Node):
                                         f"this wave ({len(batch)} turns)")
             deferred_total += len(deferred)
             for result in served:
+                if result.error is not None:
+                    next_turn[result.agent_id] = len(by_agent[result.agent_id].turns)
+                    continue
                 history[result.agent_id] = result.sequence
                 next_turn[result.agent_id] += 1
                 if not self.config.verify:
@@ -445,7 +478,8 @@ class DecodeEngine(_Node):
             waves.append(timing)
             results.extend(served)
         return {"results": results, "waves": waves, "deferred": deferred_total,
-                "jct_s": time.monotonic() - job_start, "nic_vtime_ns": self.comm.device.nic.virtual_time_ns,
+                "failed": sum(r.error is not None for r in results), "jct_s": time.monotonic() - job_start,
+                "nic_vtime_ns": self.comm.device.nic.virtual_time_ns,
                 "nic_bytes": self.comm.device.nic.bytes_moved}
 
 
@@ -584,6 +618,8 @@ def _drive(engine: DecodeEngine, config: EngineConfig, job: dict, events: Any) -
         reference = engine.model.with_dtype(torch.float64)
         atol = KV_BF16_ATOL if config.torch_dtype == torch.bfloat16 else KV_FP32_ATOL
         for result in summary["results"]:
+            if result.error is not None:
+                continue
             check = verify_turn(result, prompts[(result.agent_id, result.turn)], engine.model, reference,
                                 engine.store, engine.namespace, atol, teacher_forced=True)
             checks.append(check)

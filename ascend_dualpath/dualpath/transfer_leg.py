@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -73,6 +73,8 @@ class LayerTransferLeg(Protocol):
 
     def wait(self, ticket: TransferTicket, timeout_s: float | None = None) -> float: ...
 
+    def raise_if_failed(self, ticket: TransferTicket) -> None: ...
+
     def record(self, dst_peer: int, notify_slot: int, magic: int) -> None: ...
 
     def close(self) -> None: ...
@@ -127,6 +129,11 @@ class HcclTransferLeg:
             return vtime
 
         return TransferTicket(layer, nbytes, what, self._worker.submit(run))
+
+    def raise_if_failed(self, ticket: TransferTicket) -> None:
+        """Raise :class:`TransferFailed` now if the transfer already failed (never blocks)."""
+        if ticket.future.done() and ticket.future.exception() is not None:
+            self.wait(ticket, 0)
 
     def wait(self, ticket: TransferTicket, timeout_s: float | None = None) -> float:
         """Block until the transfer is done; returns its virtual completion time in ns."""
@@ -184,7 +191,7 @@ class FaultInjectingLeg:
 
 
 def wait_notify(comm: Any, slot: int, magic: int, what: str, *, abort_magic: int | None = None,
-                timeout_s: float | None = None) -> None:
+                timeout_s: float | None = None, check: Callable[[], None] | None = None) -> None:
     """Wait until notify ``slot`` holds ``magic``, or the abort slot holds ``abort_magic`` (then PeerAborted).
 
     Parameters
@@ -193,6 +200,9 @@ def wait_notify(comm: Any, slot: int, magic: int, what: str, *, abort_magic: int
         The communicator whose notify area is watched.
     what : str
         What the wait is for, used in the timeout message.
+    check : callable, optional
+        Called on every poll; raises to end the wait early (e.g. a transfer of this rank failed, so the peer
+        will never answer).
     """
     timeout = timeout_s if timeout_s is not None else _env.timeout_s()
     deadline = time.monotonic() + timeout
@@ -201,6 +211,8 @@ def wait_notify(comm: Any, slot: int, magic: int, what: str, *, abort_magic: int
             return
         if abort_magic is not None and comm.notify_value(ABORT_SLOT) == abort_magic:
             raise PeerAborted(f"peer aborted while this rank waited for {what}")
+        if check is not None:
+            check()
         if time.monotonic() > deadline:
             raise WaitTimeout(f"timed out after {timeout} s waiting for {what} (notify slot {slot}, magic "
                               f"{magic:#x}; slot holds {comm.notify_value(slot):#x})")

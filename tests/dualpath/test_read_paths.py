@@ -43,7 +43,7 @@ def test_h2d_merges_hit_and_miss_rows_in_token_and_layer_order(n_hit, n_miss, pa
     if path is ReadPath.PE:
         lease = complete.clone().reshape(-1)
     else:
-        hit = layout.full_blocks_from_layers([complete[l, : n_hit * T] for l in range(L)]) if n_hit else \
+        hit = layout.full_blocks_from_layers([complete[layer, : n_hit * T] for layer in range(L)]) if n_hit else \
             torch.empty(0, dtype=torch.uint8)
         lease = torch.cat([hit.reshape(-1), complete[:, n_hit * T:].reshape(-1)])
     hbm_tokens = total + 5
