@@ -178,6 +178,11 @@ class _Node:
         self.read_queue.close()
         self.leg.close()
         self.store.close()
+        for region in self._regions():  # explicitly: an exception's traceback may keep the objects alive
+            region.close()
+
+    def _regions(self) -> list:
+        return [self.buffer_region]
 
 
 class PrefillEngine(_Node):
@@ -280,6 +285,9 @@ class DecodeEngine(_Node):
         region = self.buffer_region
         self.channel.send(("setup", (region.addr, region.size, region.rkey)))
         self.channel.recv(config.timeout_s, "setup reply")
+
+    def _regions(self) -> list:
+        return [self.buffer_region, self.hbm_region]
 
     def stop_peer(self) -> None:
         self.channel.send(("stop",))
