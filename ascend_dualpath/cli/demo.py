@@ -1,10 +1,10 @@
-"""``python -m ascend_dualpath demo``: layer-by-layer KV streaming between two engine processes.
+"""``python -m ascend_dualpath demo``: DualPath KV loading end to end, prefill and decode engines as processes.
 
-A decode-engine process (DE) holds the cached KV of a request and streams it, one layer block at a
-time, into the prefill-engine process (PE) over the emulated RoCE fabric (the DE read path's
-transfer leg, seed 000): per layer one HcclBatchPut into the PE's HCCL window and a notify with a
-per-call magic; the PE waits for each layer's notify, checks the block bit-exact against what the DE
-sent, and reports the virtual time each layer became ready. Runs on the emulator by default.
+Starts a prefill engine (PE, rank 0) and a decode engine (DE, rank 1) on this machine (emulated NPUs on one
+fabric, control over gloo), replays synthetic multi-turn agent conversations (Table 2 of the paper, scaled
+down), and reads each turn's cached prefix through the PE or the DE storage NIC as the scheduler decides.
+Prints per turn the path, bytes read through each storage NIC, time to first token and fallbacks, then a
+summary; every turn is checked against a no-cache run. ``--compare`` also runs the PE-only baseline.
 """
 
 from __future__ import annotations
@@ -12,123 +12,222 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import tempfile
 import time
-
-import numpy as np
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--layers", type=int, default=61, help="model layers (DeepSeek-V3: 61)")
-    parser.add_argument("--tokens", type=int, default=4096, help="cached prefix tokens")
-    parser.add_argument("--bytes-per-token", type=int, default=1152, help="KV bytes per token per layer (MLA 576 x bf16)")
-    parser.add_argument("--backend", default="emulator", help="only the emulator runs this demo for now")
+    parser.add_argument("--agents", type=int, default=8, help="concurrent agent conversations")
+    parser.add_argument("--turns", type=int, default=4, help="turns per conversation")
+    parser.add_argument("--first-prompt", type=int, default=384, help="tokens of the first turn's prompt")
+    parser.add_argument("--append", type=int, default=64, help="mean tokens appended per later turn")
+    parser.add_argument("--gen", type=int, default=4, help="tokens generated per turn")
+    parser.add_argument("--snic-mbps", type=float, default=1.0,
+                        help="storage-NIC read cap of each engine node, MB/s (scaled down with the model)")
+    parser.add_argument("--mode", choices=("dual", "pe", "de"), default="dual", help="read-path policy")
+    parser.add_argument("--compare", action="store_true", help="also run the PE-only baseline, side by side")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--no-verify", action="store_true", help="skip the no-cache correctness checks")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--backend", default="emulator", help="only the emulator runs this demo")
     parser.add_argument("--timeout", type=float, default=None, help="bound of every wait, seconds")
+    parser.add_argument("--kill-pe-after", type=int, default=None, help=argparse.SUPPRESS)  # fault test
 
 
-def _layer_block(layer: int, nbytes: int) -> np.ndarray:
-    rng = np.random.default_rng(layer)
-    return rng.integers(0, 256, nbytes, dtype=np.uint8)
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
-def _engine(rank: int, port: int, fabric_name: str, args: argparse.Namespace, results) -> None:
-    import torch.distributed as dist
+def run_job(config, job: dict, on_event, kill_pe_after: int | None = None) -> dict:
+    """Run the two engine processes for one job; ``on_event`` sees every event; returns the DE summary.
 
-    from ascend_dualpath import _env, _ext
-    from ascend_dualpath.backends import emulator as emu
+    Raises RuntimeError naming the engine and its error if either fails or the job does not finish in time.
+    """
+    import multiprocessing as mp
+    import signal
 
-    C = _ext.load()
-    timeout = args.timeout or _env.timeout_s()
-    block = args.tokens * args.bytes_per_token
-    buffer_mb = max(1, -(-block * args.layers // (1 << 20)))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    fabric = emu.create_fabric(fabric_name) if rank == 0 else emu.attach_fabric(fabric_name, timeout)
-    dist.barrier()
-    PE, DE = 0, 1
+    from ascend_dualpath.backends.emulator import new_fabric_name
+    from ascend_dualpath.dualpath.engine import engine_process
+
+    ctx = mp.get_context("spawn")
+    events = ctx.Queue()
+    fabric_name = new_fabric_name("demo")
+    port = _free_port()
+    procs = [ctx.Process(target=engine_process, args=(rank, port, fabric_name, config, job, events))
+             for rank in range(2)]
+    for p in procs:
+        p.start()
+    summary, error, turns, pe_pid = None, None, 0, None
+    deadline = time.monotonic() + config.idle_timeout_s
     try:
-        with emu.open_device(fabric, device_id=rank) as device:
-            comm = emu.init_comm(device, config=emu.comm_config(hcclBufferSize=buffer_mb))
-            magics = [None, None]
-            dist.all_gather_object(magics, comm.next_magic())
-            de_magic = magics[DE]
-            if rank == DE:
-                staging = np.frombuffer(comm.windows_out, dtype=np.uint8)  # the DE's registered host buffer
-                slots = comm.peer_info(PE).windows_in
-                start = time.perf_counter()
-                for layer in range(args.layers):
-                    staging[layer * block:(layer + 1) * block] = _layer_block(layer, block)
-                    comm.batch_put(PE, [C.OneSideDesc(comm.windows_out.addr + layer * block, slots.addr + layer * block,
-                                                      block, 0)], timeout)
-                    comm.notify_record(PE, layer, de_magic, timeout)
-                results.put(("de", time.perf_counter() - start, device.nic.virtual_time_ns, device.nic.bytes_moved))
+        while summary is None and error is None:
+            if time.monotonic() > deadline:
+                error = f"job not done after {config.idle_timeout_s} s"
+                break
+            try:
+                event = events.get(timeout=1.0)
+            except Exception:  # queue.Empty: check the processes
+                dead = [rank for rank, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead and events.empty():
+                    error = f"engine process(es) {dead} exited with {[procs[r].exitcode for r in dead]}"
+                continue
+            kind = event[0]
+            if kind == "pe_pid":
+                pe_pid = event[1]
+            elif kind == "error":
+                error = f"{event[1]}: {event[2]}"
+            elif kind == "done":
+                summary = event[1]
             else:
-                hbm = np.frombuffer(comm.windows_in, dtype=np.uint8)
-                ready = []
-                for layer in range(args.layers):
-                    comm.notify_wait(layer, de_magic, timeout)
-                    exact = np.array_equal(hbm[layer * block:(layer + 1) * block], _layer_block(layer, block))
-                    ready.append((layer, exact))
-                    results.put(("layer", layer, exact))
-                results.put(("pe", all(e for _, e in ready)))
-            dist.barrier()
-            comm.close()
+                if kind == "turn":
+                    turns += 1
+                    if kill_pe_after is not None and turns == kill_pe_after and pe_pid is not None:
+                        os.kill(pe_pid, signal.SIGKILL)
+                on_event(event)
     finally:
-        dist.destroy_process_group()
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        for name in [n for n in os.listdir("/dev/shm") if n.startswith(f"adp.{fabric_name}")]:
+            os.unlink(os.path.join("/dev/shm", name))
+    if error is not None:
+        raise RuntimeError(error)
+    return summary
+
+
+def _aggregate(summary: dict, turns: list[dict]) -> dict:
+    read_bytes = sum(t["pe_read_bytes"] + t["de_read_bytes"] for t in turns)
+    span = 0.0
+    for wave in summary["waves"]:
+        spans = wave["read_spans"]
+        if spans:
+            span += max(end for _, end in spans) - min(start for start, _ in spans)
+    return {
+        "jct_s": summary["jct_s"],
+        "read_bytes": read_bytes,
+        "pe_bytes": sum(t["pe_read_bytes"] for t in turns),
+        "de_bytes": sum(t["de_read_bytes"] for t in turns),
+        "read_span_s": span,
+        "read_bw": read_bytes / span if span else 0.0,
+        "mean_ttft_s": sum(t["ttft_s"] for t in turns) / max(1, len(turns)),
+        "fallbacks": sum(len(t["fallbacks"]) for t in turns),
+        "deferred": summary["deferred"],
+        "failed": summary["failed"],
+        "nic_vtime_ns": summary["nic_vtime_ns"],
+        "nic_bytes": summary["nic_bytes"],
+        "checks": summary["checks"],
+    }
+
+
+def _run_mode(args, mode: str, console) -> dict | None:
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from ascend_dualpath.dualpath.engine import EngineConfig
+    from ascend_dualpath.dualpath.workload import synthetic_conversations
+
+    conversations = synthetic_conversations(args.agents, args.turns, args.first_prompt, args.append, args.gen,
+                                            seed=args.seed)
+    longest = max(c.max_context() for c in conversations)
+    timeout = args.timeout or 30.0
+    with tempfile.TemporaryDirectory(prefix="adp-demo-store-") as root:
+        config = EngineConfig(root, dtype=args.dtype, max_tokens=max(256, -(-longest // 256) * 256),
+                              pe_snic_bytes_per_s=args.snic_mbps * 1e6, de_snic_bytes_per_s=args.snic_mbps * 1e6,
+                              timeout_s=timeout, idle_timeout_s=max(120.0, 20 * timeout), verify=not args.no_verify)
+        turns: list[dict] = []
+        total = args.agents * args.turns
+        table = Table(title=f"{mode}: per turn", show_lines=False)
+        for column in ("agent", "turn", "path", "prompt", "hit", "PE SNIC KiB", "DE SNIC KiB", "TTFT ms",
+                       "fallback"):
+            table.add_column(column, justify="right")
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task(f"[{mode}] turns served", total=total)
+            check_task = progress.add_task(f"[{mode}] turns verified", total=total, visible=not args.no_verify)
+
+            def on_event(event) -> None:
+                if event[0] == "turn":
+                    t = event[1]
+                    turns.append(t)
+                    progress.advance(task)
+                    table.add_row(str(t["agent_id"]), str(t["turn"]), t["path"], str(t["prompt_tokens"]),
+                                  str(t["hit_tokens"]), f"{t['pe_read_bytes'] / 1024:.0f}",
+                                  f"{t['de_read_bytes'] / 1024:.0f}", f"{t['ttft_s'] * 1e3:.0f}",
+                                  "; ".join(t["fallbacks"] + ([t["error"]] if t["error"] else []))[:60])
+                elif event[0] == "verified":
+                    progress.advance(check_task)
+
+            try:
+                summary = run_job(config, {"conversations": conversations, "mode": mode}, on_event,
+                                  args.kill_pe_after)
+            except RuntimeError as error:
+                console.print(f"[red]demo ({mode}) failed: {error}")
+                return None
+    console.print(table)
+    return _aggregate(summary, turns)
+
+
+def _print_summary(console, results: dict[str, dict]) -> bool:
+    from rich.table import Table
+
+    table = Table(title="summary")
+    table.add_column("")
+    for mode in results:
+        table.add_column("DualPath" if mode == "dual" else f"{mode.upper()}-only", justify="right")
+    rows = [
+        ("job completion time (wall)", lambda r: f"{r['jct_s']:.2f} s"),
+        ("bytes read, PE SNIC", lambda r: f"{r['pe_bytes'] / 2**20:.2f} MiB"),
+        ("bytes read, DE SNIC", lambda r: f"{r['de_bytes'] / 2**20:.2f} MiB"),
+        ("aggregate storage read bandwidth", lambda r: f"{r['read_bw'] / 1e6:.2f} MB/s"),
+        ("mean TTFT", lambda r: f"{r['mean_ttft_s'] * 1e3:.0f} ms"),
+        ("fallbacks / deferred / failed turns", lambda r: f"{r['fallbacks']} / {r['deferred']} / {r['failed']}"),
+        ("DE NIC virtual clock (transfers)", lambda r: f"{r['nic_vtime_ns'] / 1e3:.0f} us, "
+                                                       f"{r['nic_bytes'] / 2**20:.1f} MiB"),
+        ("loaded KV bit-exact", lambda r: _count(r, "loaded_exact")),
+        ("KV within tolerance of float64", lambda r: _count(r, "kv_ok") + (
+            f" (worst {max(c['kv_max_err'] for c in r['checks']):.3f})" if r["checks"] else "")),
+        ("greedy tokens = no-cache run", lambda r: _count(r, "tokens_equal")),
+    ]
+    for name, fmt in rows:
+        table.add_row(name, *[fmt(r) for r in results.values()])
+    console.print(table)
+    if "dual" in results and "pe" in results:
+        dual, base = results["dual"], results["pe"]
+        bw = dual["read_bw"] / base["read_bw"] if base["read_bw"] else float("nan")
+        console.print(f"DualPath vs PE-only: aggregate storage read bandwidth {bw:.2f}x, "
+                      f"job completion time {base['jct_s'] / dual['jct_s']:.2f}x better")
+    ok = all(c["loaded_exact"] and c["kv_ok"] and c["tokens_equal"] for r in results.values() for c in r["checks"])
+    ok &= not any(r["failed"] for r in results.values())
+    console.print(f"every turn correct: {ok}" if any(r["checks"] for r in results.values()) else "not verified")
+    return ok
+
+
+def _count(result: dict, key: str) -> str:
+    checks = result["checks"]
+    return f"{sum(c[key] for c in checks)}/{len(checks)}" if checks else "-"
 
 
 def run(args: argparse.Namespace) -> int:
-    import multiprocessing as mp
+    from rich.console import Console
 
     from ascend_dualpath import get_backend
     from ascend_dualpath.backends import Backend
-    from ascend_dualpath.backends.emulator import new_fabric_name
 
     if get_backend(args.backend) is not Backend.EMULATOR:
         print(f"demo: backend {args.backend!r} is not supported by this demo yet; use --backend emulator")
         return 2
-    block = args.tokens * args.bytes_per_token
-    print(f"DE -> PE layer-block streaming: {args.layers} layers x {args.tokens} tokens x {args.bytes_per_token} B "
-          f"= {block / 2**20:.2f} MiB per layer block, {args.layers * block / 2**20:.1f} MiB in all")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    fabric_name = new_fabric_name("demo")
-    procs = [ctx.Process(target=_engine, args=(rank, port, fabric_name, args, results)) for rank in range(2)]
-    for p in procs:
-        p.start()
-    from rich.progress import Progress
-
-    summary: dict = {}
-    deadline = time.monotonic() + 120 + args.layers
-    with Progress(transient=True) as progress:
-        task = progress.add_task("layers ready on PE", total=args.layers)
-        while len(summary) < 2 and time.monotonic() < deadline:
-            try:
-                msg = results.get(timeout=1.0)
-            except Exception:
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    break
-                continue
-            if msg[0] == "layer":
-                progress.advance(task)
-                if not msg[2]:
-                    progress.console.print(f"[red]layer {msg[1]}: bytes differ")
-            else:
-                summary[msg[0]] = msg[1:]
-    for p in procs:
-        p.join(10)
-        if p.is_alive():
-            p.kill()
-    for name in [n for n in os.listdir("/dev/shm") if n.startswith(f"adp.{fabric_name}")]:
-        os.unlink(os.path.join("/dev/shm", name))
-    if len(summary) < 2:
-        print("demo failed: an engine exited or timed out (exit codes "
-              f"{[p.exitcode for p in procs]})")
-        return 1
-    wall_s, vtime_ns, moved = summary["de"]
-    exact = summary["pe"][0]
-    print(f"PE: every layer block bit-exact: {exact}")
-    print(f"DE: {moved / 2**20:.1f} MiB moved in {wall_s * 1e3:.1f} ms wall; virtual clock (modelled RoCE): "
-          f"{vtime_ns / 1e3:.1f} us = {moved / vtime_ns:.2f} GB/s")
-    return 0 if exact else 1
+    console = Console()
+    console.print(f"DualPath demo: {args.agents} agents x {args.turns} turns, first prompt {args.first_prompt} "
+                  f"tokens, +{args.append} per turn, {args.gen} generated; storage NIC cap {args.snic_mbps} MB/s "
+                  f"per engine node; tiny Llama ({args.dtype}) on 2 emulated NPUs")
+    modes = ["dual", "pe"] if args.compare else [args.mode]
+    results = {}
+    for mode in modes:
+        result = _run_mode(args, mode, console)
+        if result is None:
+            return 1
+        results[mode] = result
+    return 0 if _print_summary(console, results) else 1

@@ -1,0 +1,638 @@
+"""Prefill and decode engines for DualPath KV loading, over the emulated device runtime.
+
+Each engine is a node: an emulated NPU with its HCCL communicator, a storage NIC (a :class:`ReadQueue` with
+a bandwidth cap over the shared :class:`LocalBlockStore`), a registered host buffer (``pe_buffer`` or
+``de_buffer``) and HBM. Control messages (load plans, replies) go over a :class:`Channel`: ``torch.distributed``
+point-to-point between engine processes (gloo on CPU), or in-process queues for fast tests; KV bytes go only
+through the transfer leg (``HcclBatchPut`` + notify).
+
+The decode engine drives the job: it admits each turn (``de_buffer`` lease, all-or-nothing), picks the read
+path with the scheduler's rule, starts the reads, streams the layers, does the final H2D into its HBM,
+decodes greedily with the tiny Llama and persists the new Full Blocks. A failed path falls back to the other
+one, then to a recompute with no cache; only then does the turn fail, with every error named.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import datetime
+import pickle
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import torch
+
+from ascend_dualpath.dualpath.connector import HbmSlot, PrefillConnector, wait_reads
+from ascend_dualpath.dualpath.read_paths import (
+    DE_RANK,
+    PE_RANK,
+    PathTimes,
+    abort_peer,
+    de_side_de_path,
+    de_side_pe_path,
+    h2d_segments,
+    make_plan,
+)
+from ascend_dualpath.dualpath.scheduler import ReadPath, choose_read_path
+from ascend_dualpath.dualpath.transfer_leg import FaultInjectingLeg, HcclTransferLeg, PeerAborted, TransferFailed
+from ascend_dualpath.dualpath.workload import Conversation
+from ascend_dualpath.errors import AdmissionDeferred, AdpError, ProtocolError, StorageReadError, WaitTimeout
+from ascend_dualpath.kv.buffers import HostBuffer, de_buffer, pe_buffer
+from ascend_dualpath.kv.layout import block_hashes
+from ascend_dualpath.kv.store import FaultInjector, LocalBlockStore, ReadQueue
+from ascend_dualpath.models.tiny_llama import TinyLlama, TinyLlamaConfig
+
+FALLBACK_ERRORS = (StorageReadError, TransferFailed, PeerAborted, AdmissionDeferred)
+KV_BF16_ATOL = 0.125  # |KV - float64 full recompute| bound for bf16 KV (observed worst reported by the demo)
+KV_FP32_ATOL = 1e-4
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Sizes and caps shared by both engines (both must use the same values)."""
+
+    store_root: str
+    model: TinyLlamaConfig = TinyLlamaConfig()
+    dtype: str = "bfloat16"
+    block_tokens: int = 64
+    max_tokens: int = 2048  # KV tokens one request may hold (prompt + generated)
+    pe_snic_bytes_per_s: float = 4e6
+    de_snic_bytes_per_s: float = 4e6
+    pe_buffer_bytes: int = 16 << 20
+    de_buffer_bytes: int = 32 << 20
+    timeout_s: float = 30.0
+    idle_timeout_s: float = 600.0
+    verify: bool = True
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def layout(self):
+        return self.model.kv_layout(self.torch_dtype, self.block_tokens)
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.max_tokens * self.layout.token_bytes
+
+    @property
+    def hccl_buffer_mb(self) -> int:
+        return max(1, -(-2 * self.slot_bytes // (1 << 20)))
+
+    def namespace(self) -> bytes:
+        return self.layout.fingerprint() + f"tiny-llama:{self.model}".encode()
+
+
+class EngineLost(ProtocolError):
+    """The peer engine process is gone (its control channel broke)."""
+
+
+# -- control channels ---------------------------------------------------------------------------------------------
+class Channel(Protocol):
+    def send(self, message: Any) -> None: ...
+
+    def recv(self, timeout_s: float, what: str) -> Any: ...
+
+
+class QueueChannel:
+    """One end of an in-process control channel."""
+
+    def __init__(self, inbox: queue.Queue, outbox: queue.Queue, peer: str) -> None:
+        self.inbox, self.outbox, self.peer = inbox, outbox, peer
+
+    @classmethod
+    def pair(cls) -> tuple[QueueChannel, QueueChannel]:
+        """(PE end, DE end)."""
+        a, b = queue.Queue(), queue.Queue()
+        return cls(a, b, "decode engine"), cls(b, a, "prefill engine")
+
+    def send(self, message: Any) -> None:
+        self.outbox.put(message)
+
+    def recv(self, timeout_s: float, what: str) -> Any:
+        try:
+            return self.inbox.get(timeout=timeout_s)
+        except queue.Empty:
+            raise WaitTimeout(f"no {what} from the {self.peer} within {timeout_s} s") from None
+
+
+class DistChannel:
+    """Control messages over ``torch.distributed`` point-to-point (pickled; length then payload)."""
+
+    def __init__(self, peer_rank: int, peer: str) -> None:
+        self.peer_rank, self.peer = peer_rank, peer
+
+    def send(self, message: Any) -> None:
+        import torch.distributed as dist
+
+        payload = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
+        try:
+            dist.send(torch.tensor([payload.numel()], dtype=torch.int64), self.peer_rank)
+            dist.send(payload, self.peer_rank)
+        except RuntimeError as error:
+            raise EngineLost(f"control channel to the {self.peer} (rank {self.peer_rank}) broke while sending "
+                             f"{message[0]!r}: the engine died or hung ({error})") from error
+
+    def recv(self, timeout_s: float, what: str) -> Any:
+        import torch.distributed as dist
+
+        size = torch.zeros(1, dtype=torch.int64)
+        try:
+            dist.irecv(size, self.peer_rank).wait(datetime.timedelta(seconds=timeout_s))
+            payload = torch.empty(int(size[0]), dtype=torch.uint8)
+            dist.irecv(payload, self.peer_rank).wait(datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as error:
+            if "timed out" in str(error).lower() or "timeout" in str(error).lower():
+                raise WaitTimeout(f"no {what} from the {self.peer} (rank {self.peer_rank}) within {timeout_s} s: "
+                                  f"{error}") from error
+            raise EngineLost(f"control channel to the {self.peer} (rank {self.peer_rank}) broke while waiting for "
+                             f"{what}: the engine died ({error})") from error
+        return pickle.loads(payload.numpy().tobytes())
+
+
+# -- nodes --------------------------------------------------------------------------------------------------------
+class _Node:
+    def __init__(self, config: EngineConfig, comm: Any, channel: Channel, role: str, snic_bytes_per_s: float,
+                 buffer_bytes: int, faults: FaultInjector | None) -> None:
+        from ascend_dualpath import _ext
+
+        C = _ext.load()
+        self.C, self.config, self.comm, self.channel = C, config, comm, channel
+        self.layout = config.layout
+        self.model = TinyLlama(config.model, config.torch_dtype)
+        self.store = LocalBlockStore(config.store_root, self.layout, faults=faults)
+        self.read_queue = ReadQueue(self.store, snic_bytes_per_s, node=role)
+        self.leg = FaultInjectingLeg(HcclTransferLeg(comm, config.timeout_s))
+        self.buffer_region = comm.device.alloc_region(buffer_bytes, C.MemKind.HOST_DRAM, 7)
+        comm.register_local(self.buffer_region)
+        make = pe_buffer if role == "pe" else de_buffer
+        self.buffer: HostBuffer = make(backing=self.buffer_region, timeout_s=config.timeout_s)
+
+    def close(self) -> None:
+        self.read_queue.close()
+        self.leg.close()
+        self.store.close()
+        for region in self._regions():  # explicitly: an exception's traceback may keep the objects alive
+            region.close()
+
+    def _regions(self) -> list:
+        return [self.buffer_region]
+
+
+class PrefillEngine(_Node):
+    """The PE: serves load plans from the DE, prefilling layer by layer through a :class:`PrefillConnector`."""
+
+    def __init__(self, config: EngineConfig, comm: Any, channel: Channel, faults: FaultInjector | None = None):
+        super().__init__(config, comm, channel, "pe", config.pe_snic_bytes_per_s, config.pe_buffer_bytes, faults)
+        window = comm.windows_in
+        hbm = torch.frombuffer(memoryview(window), dtype=torch.uint8)
+        slots = [HbmSlot(window.addr + k * config.slot_bytes, hbm[k * config.slot_bytes:(k + 1) * config.slot_bytes])
+                 for k in range(2)]
+        self.connector = PrefillConnector(self.layout, comm, self.leg, self.read_queue, self.buffer, slots,
+                                          config.timeout_s)
+        self.served = 0
+
+    def serve(self) -> None:
+        """Handle messages until ``stop``: ``setup``, ``prefetch``, ``prefill``."""
+        try:
+            while True:
+                message = self.channel.recv(self.config.idle_timeout_s, "control message")
+                kind = message[0]
+                if kind == "stop":
+                    return
+                if kind == "setup":  # the DE buffer, writable by this PE
+                    self.comm.add_remote_mem(DE_RANK, self.C.RemoteMem(*message[1]))
+                    self.channel.send(("ready",))
+                elif kind == "prefetch":
+                    self.connector.prefetch(*message[1:])
+                elif kind == "drop":
+                    self.connector.drop_prefetched(message[1])
+                elif kind == "prefill":
+                    self.channel.send(self._prefill(message[1]))
+                else:
+                    raise ProtocolError(f"prefill engine: unknown message {kind!r}")
+        finally:
+            self.connector.drop_prefetched()
+
+    def _prefill(self, plan) -> tuple:
+        conn, model, layout = self.connector, self.model, self.layout
+        try:
+            conn.start_load_kv(plan)
+            hidden = model.embed(list(plan.new_tokens))
+            for layer in range(layout.num_layers):
+                rows = conn.wait_for_layer_load(layer)
+                hidden, miss = model.layer_forward(layer, hidden, layout.field_view(rows, "kv"))
+                conn.save_kv_layer(layer, layout.encode_rows(kv=miss))
+            conn.wait_for_save()
+            first_token = int(torch.argmax(model.logits(hidden[-1:])[-1]))
+            self.served += 1
+            s = conn.stats
+            return ("reply", plan.key, True, first_token, None, s.pe_read_bytes, s.read_started, s.read_finished,
+                    s.vtime_ns)
+        except Exception as error:
+            flag_error = conn.abort() if conn._plan is not None else None
+            detail = f"{type(error).__name__}: {error}" + (f" (abort flag failed: {flag_error})" if flag_error else "")
+            return ("reply", plan.key, False, None, detail, conn.stats.pe_read_bytes, None, None, 0.0)
+        finally:
+            conn.finish()
+
+
+@dataclasses.dataclass
+class TurnResult:
+    """One served turn, as the demo prints it."""
+
+    agent_id: int
+    turn: int
+    path: str  # final path: "pe", "de" or "recompute"
+    prompt_tokens: int
+    hit_tokens: int
+    pe_read_bytes: int
+    de_read_bytes: int
+    ttft_s: float
+    vtime_ns: float
+    generated: list[int]
+    fallbacks: list[str]
+    kv: torch.Tensor | None = None  # uint8 [L, T_kv, C] copy of DE HBM (for verification)
+    sequence: list[int] | None = None
+    error: str | None = None  # set when every path failed ("failed" path); the agent stops there
+
+
+class TurnFailed(AdpError):
+    """Every path (PE, DE, recompute) failed for a turn; the message lists each error."""
+
+
+class DecodeEngine(_Node):
+    """The DE: drives the job (admission, read-path choice, streaming, H2D, decode, persistence)."""
+
+    def __init__(self, config: EngineConfig, comm: Any, channel: Channel, faults: FaultInjector | None = None):
+        super().__init__(config, comm, channel, "de", config.de_snic_bytes_per_s, config.de_buffer_bytes, faults)
+        L, C = self.layout.num_layers, self.layout.token_bytes
+        self.hbm_region = comm.device.alloc_region(L * config.max_tokens * C, self.C.MemKind.DEVICE_GM, 7)
+        comm.register_local(self.hbm_region)
+        comm.add_remote_mem(DE_RANK, self.C.RemoteMem(self.hbm_region.addr, self.hbm_region.size,
+                                                      self.hbm_region.rkey))
+        self.hbm = torch.frombuffer(memoryview(self.hbm_region), dtype=torch.uint8).view(L, config.max_tokens, C)
+        pe_window = comm.peer_info(PE_RANK).windows_in.addr
+        self.pe_slot_addrs = [pe_window + k * config.slot_bytes for k in range(2)]
+        self.namespace = config.namespace()
+        self._request_ids = iter(range(1 << 62))
+        region = self.buffer_region
+        self.channel.send(("setup", (region.addr, region.size, region.rkey)))
+        self.channel.recv(config.timeout_s, "setup reply")
+
+    def _regions(self) -> list:
+        return [self.buffer_region, self.hbm_region]
+
+    def stop_peer(self) -> None:
+        self.channel.send(("stop",))
+
+    # -- one wave of turns ------------------------------------------------------------------------------------------
+    def serve_wave(self, turns: list[tuple[int, int, list[int], int]], mode: str = "dual",
+                   on_turn: Callable[[TurnResult], None] | None = None) -> tuple[list[TurnResult], list[int], dict]:
+        """Serve turns that arrive together: ``(agent_id, turn, prompt_tokens, gen_tokens)`` each.
+
+        All turns are admitted and their reads started at once (so both SNICs work in parallel); then they are
+        prefilled and decoded in order. ``mode`` is ``"dual"`` (scheduler rule), ``"pe"`` or ``"de"``.
+
+        Returns the results, the indices of turns deferred for lack of ``de_buffer`` space, and read timing.
+        """
+        T, L, C = self.layout.block_tokens, self.layout.num_layers, self.layout.token_bytes
+        start = time.monotonic()
+        admitted, deferred = [], []
+        queued = {ReadPath.PE: 0, ReadPath.DE: 0}
+        for index, (agent, turn, prompt, gen) in enumerate(turns):
+            total_kv = len(prompt) + gen - 1
+            if total_kv > self.config.max_tokens:
+                raise ProtocolError(f"agent {agent} turn {turn}: {total_kv} KV tokens exceed max_tokens="
+                                    f"{self.config.max_tokens}")
+            ids = block_hashes(prompt, T, self.namespace)
+            hit = min(self.store.longest_prefix(ids), (len(prompt) - 1) // T)  # >= 1 token left to prefill
+            rid = next(self._request_ids)
+            try:
+                lease = self.buffer.allocate(rid, L * len(prompt) * C, timeout_s=0)
+            except AdmissionDeferred:
+                deferred.append(index)
+                continue
+            if hit == 0:
+                path = ReadPath.PE
+            elif mode == "dual":
+                path = choose_read_path(queued[ReadPath.PE], queued[ReadPath.DE])
+            else:
+                path = ReadPath(mode)
+            queued[path] += hit * T
+            hit_ids = ids[:hit]
+            parents = [None] + ids[: hit - 1] if hit else []
+            tickets = None
+            if path is ReadPath.DE:
+                tickets = self._submit_reads(hit_ids, lease)
+            elif hit:
+                self.channel.send(("prefetch", rid, hit_ids, parents))
+            admitted.append((rid, agent, turn, prompt, gen, hit_ids, parents, path, lease, tickets))
+        results, read_spans = [], []
+        pending = collections.deque(admitted)
+        try:
+            while pending:
+                rid, agent, turn, prompt, gen, hit_ids, parents, path, lease, tickets = pending[0]
+                try:
+                    result = self._serve(rid, agent, turn, prompt, gen, hit_ids, parents, path, lease, tickets,
+                                         start, read_spans)
+                except TurnFailed as error:  # this turn ends with a clear error; the wave goes on
+                    result = TurnResult(agent, turn, "failed", len(prompt), 0, 0, 0, time.monotonic() - start, 0.0,
+                                        [], [], error=str(error))
+                finally:
+                    pending.popleft()
+                    self._release(lease, tickets)
+                results.append(result)
+                if on_turn is not None:
+                    on_turn(result)
+        finally:  # a turn failed: give back what the rest of the wave holds, here and on the PE
+            for rid, _, _, _, _, hit_ids, _, path, lease, tickets in pending:
+                self._release(lease, tickets)
+                if path is ReadPath.PE and hit_ids:
+                    self.channel.send(("drop", rid))
+        return results, deferred, {"read_spans": read_spans, "wave_s": time.monotonic() - start}
+
+    def _release(self, lease, tickets) -> None:
+        if tickets is not None:  # no read may still land in the lease once it is free
+            with contextlib.suppress(Exception):
+                wait_reads(tickets, self.config.timeout_s)
+        lease.release()
+
+    def _submit_reads(self, hit_ids: list[bytes], lease) -> list:
+        fb = self.layout.full_block_bytes
+        return [self.read_queue.submit(block_id, lease.slice(b * fb, fb).view) for b, block_id in enumerate(hit_ids)]
+
+    def _serve(self, rid, agent, turn, prompt, gen, hit_ids, parents, path, lease, tickets, start, read_spans):
+        other = ReadPath.DE if path is ReadPath.PE else ReadPath.PE
+        attempts = [(path, hit_ids), (other, hit_ids)] if hit_ids else []
+        attempts.append((ReadPath.PE, []))  # recompute: no cached prefix
+        errors: list[str] = []
+        read_bytes = {ReadPath.PE: 0, ReadPath.DE: 0}
+        for attempt, (attempt_path, ids) in enumerate(attempts):
+            label = "recompute" if attempt and not ids else attempt_path.value
+            try:
+                return self._attempt(rid, attempt, agent, turn, prompt, gen, ids, parents[: len(ids)], attempt_path,
+                                     lease, tickets if attempt == 0 else None, start, read_spans, read_bytes,
+                                     errors, label)
+            except FALLBACK_ERRORS as error:
+                errors.append(f"{label}: {type(error).__name__}: {error}")
+                lease.tensor.zero_()  # no half-written layer survives the failed attempt
+        raise TurnFailed(f"agent {agent} turn {turn}: every path failed: " + "; ".join(errors))
+
+    def _attempt(self, rid, attempt, agent, turn, prompt, gen, hit_ids, parents, path, lease, tickets, start,
+                 read_spans, read_bytes, errors, label) -> TurnResult:
+        cfg, layout = self.config, self.layout
+        hit_tokens = len(hit_ids) * layout.block_tokens
+        if path is ReadPath.DE and hit_ids:
+            tickets = tickets or self._submit_reads(hit_ids, lease)
+            wait_reads(tickets, cfg.timeout_s)
+            read_bytes[ReadPath.DE] += len(hit_ids) * layout.full_block_bytes
+            read_spans.append((min(t.started_at for t in tickets), max(t.finished_at for t in tickets)))
+        plan = make_plan(self.comm, rid, attempt, path, prompt[hit_tokens:], hit_ids, parents, lease.addr,
+                         layout.num_layers)
+        self.channel.send(("prefill", plan))
+        times = PathTimes()
+        try:
+            if path is ReadPath.DE and hit_ids:
+                de_side_de_path(plan, layout, self.comm, self.leg, self.pe_slot_addrs, cfg.timeout_s, times)
+            else:
+                de_side_pe_path(plan, layout, self.comm, cfg.timeout_s, times)
+        except FALLBACK_ERRORS as error:
+            flag_error = abort_peer(self.leg, PE_RANK, plan.abort_to_pe)
+            reply = self._reply(plan)
+            raise type(error)(f"{error}; PE said: {reply[4]}" + (f"; abort flag failed: {flag_error}"
+                                                                 if flag_error else "")) from error
+        reply = self._reply(plan)
+        _, _, ok, first_token, detail, pe_bytes, read_started, read_finished, pe_vtime = reply
+        read_bytes[ReadPath.PE] += pe_bytes
+        if read_started is not None:
+            read_spans.append((read_started, read_finished))
+        if not ok:
+            raise PeerAborted(f"prefill engine failed request {rid}: {detail}")
+        ttft = time.monotonic() - start
+        total = len(prompt)
+        copies = h2d_segments(plan, layout, total, self.hbm_region.addr, cfg.max_tokens)
+        vtime = self.comm.batch_put(DE_RANK, [self.C.OneSideDesc(src, dst, n, 0) for src, dst, n in copies],
+                                    cfg.timeout_s)
+        generated = self._decode(total, first_token, gen)
+        kv_tokens = total + gen - 1
+        sequence = list(prompt) + generated
+        self._persist(sequence, kv_tokens, len(hit_ids))
+        kv = self.hbm[:, :kv_tokens].clone() if cfg.verify else None
+        return TurnResult(agent, turn, label, total, hit_tokens, read_bytes[ReadPath.PE], read_bytes[ReadPath.DE],
+                          ttft, max(vtime, pe_vtime, times.vtime_ns), generated, list(errors), kv, sequence)
+
+    def _reply(self, plan) -> tuple:
+        reply = self.channel.recv(self.config.timeout_s * 4, f"prefill reply for request {plan.request_id}")
+        if reply[0] != "reply" or reply[1] != plan.key:
+            raise ProtocolError(f"expected the reply to request/attempt {plan.key}, got {reply[:2]}")
+        return reply
+
+    def _decode(self, total: int, first_token: int, gen: int) -> list[int]:
+        """Greedy decode from the KV in HBM, appending each step's KV rows in place."""
+        model, layout = self.model, self.layout
+        generated = [first_token]
+        for position in range(total, total + gen - 1):
+            hidden = model.embed([generated[-1]])
+            for layer in range(layout.num_layers):
+                hit = layout.field_view(self.hbm[layer, :position], "kv")
+                hidden, new_kv = model.layer_forward(layer, hidden, hit)
+                self.hbm[layer, position] = layout.encode_rows(kv=new_kv)[0]
+            generated.append(int(torch.argmax(model.logits(hidden)[-1])))
+        return generated
+
+    def _persist(self, sequence: list[int], kv_tokens: int, first_new_block: int) -> None:
+        """Write the Full Blocks the KV in HBM now covers beyond the cached prefix (chained, atomic)."""
+        T = self.layout.block_tokens
+        ids = block_hashes(sequence[: (kv_tokens // T) * T], T, self.namespace)
+        for b in range(first_new_block, len(ids)):
+            if not self.store.contains(ids[b]):
+                self.store.write_block(ids[b], ids[b - 1] if b else None, self.hbm[:, b * T:(b + 1) * T].contiguous())
+
+    # -- whole job ----------------------------------------------------------------------------------------------------
+    def run_conversations(self, conversations: list[Conversation], mode: str = "dual",
+                          on_turn: Callable[[TurnResult], None] | None = None) -> dict:
+        """Replay conversations in lock-step waves (turn k of every agent arrives together)."""
+        history = {c.agent_id: [] for c in conversations}
+        next_turn = {c.agent_id: 0 for c in conversations}
+        by_agent = {c.agent_id: c for c in conversations}
+        job_start = time.monotonic()
+        waves, results, deferred_total = [], [], 0
+        while any(next_turn[a] < len(by_agent[a].turns) for a in by_agent):
+            batch = []
+            for agent, conv in by_agent.items():
+                k = next_turn[agent]
+                if k < len(conv.turns):
+                    batch.append((agent, k, history[agent] + list(conv.turns[k].append), conv.turns[k].gen_tokens))
+            served, deferred, timing = self.serve_wave(batch, mode, on_turn)
+            if len(deferred) == len(batch):
+                raise AdmissionDeferred(f"de_buffer of {self.buffer.capacity_bytes} bytes cannot admit any turn of "
+                                        f"this wave ({len(batch)} turns)")
+            deferred_total += len(deferred)
+            for result in served:
+                if result.error is not None:
+                    next_turn[result.agent_id] = len(by_agent[result.agent_id].turns)
+                    continue
+                history[result.agent_id] = result.sequence
+                next_turn[result.agent_id] += 1
+                if not self.config.verify:
+                    result.sequence = None
+            waves.append(timing)
+            results.extend(served)
+        return {"results": results, "waves": waves, "deferred": deferred_total,
+                "failed": sum(r.error is not None for r in results), "jct_s": time.monotonic() - job_start,
+                "nic_vtime_ns": self.comm.device.nic.virtual_time_ns,
+                "nic_bytes": self.comm.device.nic.bytes_moved}
+
+
+# -- verification ---------------------------------------------------------------------------------------------------
+def verify_turn(result: TurnResult, prompt: list[int], model: TinyLlama, reference: TinyLlama, store: LocalBlockStore,
+                namespace: bytes, atol: float, teacher_forced: bool = False) -> dict:
+    """Check one served turn against a no-cache run.
+
+    Loaded bytes (the hit rows in DE HBM) must equal the stored blocks bit for bit; every KV row must be within
+    ``atol`` of the float64 full recompute; greedy tokens must equal those of a no-cache run. With
+    ``teacher_forced`` (the demo) the no-cache run is one forward over prompt + generated tokens whose argmax at
+    each generating position must give the next token: by causality the same as recomputing step by step
+    (``model.generate_greedy_recompute``, the default), at one forward instead of one per token.
+    """
+    layout = store.layout
+    T = layout.block_tokens
+    kv = result.kv
+    assert kv is not None, "run with verify=True to keep the decoded KV"
+    ids = block_hashes(prompt, T, namespace)[: result.hit_tokens // T]
+    loaded_exact = True
+    for b, block_id in enumerate(ids):
+        stored = layout.empty_full_blocks(1)[0]
+        store.read_into(block_id, stored)
+        loaded_exact &= torch.equal(kv[:, b * T:(b + 1) * T], stored)
+    _, reference_kv = reference.forward(prompt + result.generated[:-1])
+    worst = 0.0
+    for layer, ref in enumerate(reference_kv):
+        got = layout.field_view(kv[layer], "kv").double()
+        worst = max(worst, float((got - ref).abs().max()))
+    if teacher_forced:
+        logits, _ = model.forward(prompt + result.generated[:-1])
+        tokens = [int(t) for t in torch.argmax(logits[len(prompt) - 1:], dim=-1)]
+    else:
+        tokens = model.generate_greedy_recompute(prompt, len(result.generated))
+    return {"loaded_exact": loaded_exact, "kv_max_err": worst, "kv_ok": worst <= atol,
+            "tokens_equal": tokens == result.generated}
+
+
+# -- in-process pair (fast tests, same code paths) ------------------------------------------------------------------
+@contextlib.contextmanager
+def in_process_engines(config: EngineConfig, pe_faults: FaultInjector | None = None,
+                       de_faults: FaultInjector | None = None) -> Iterator[tuple[PrefillEngine, DecodeEngine]]:
+    """Both engines in this process: two emulated NPUs on a private fabric, the PE serving on a thread."""
+    from ascend_dualpath import _ext
+    from ascend_dualpath.backends import emulator as emu
+
+    C = _ext.load()
+    with emu.emulated_devices(2) as devices:
+        comms = [C.HcclComm(d, rank, 2, emu.comm_config(hcclBufferSize=config.hccl_buffer_mb))
+                 for rank, d in enumerate(devices)]
+        infos = [c.local_info() for c in comms]
+        for comm in comms:
+            comm.connect(infos)
+        pe_end, de_end = QueueChannel.pair()
+        pe = PrefillEngine(config, comms[PE_RANK], pe_end, pe_faults)
+        failure: list[BaseException] = []
+
+        def serve() -> None:
+            try:
+                pe.serve()
+            except BaseException as error:  # surfaced by the main thread
+                failure.append(error)
+
+        thread = threading.Thread(target=serve, name="adp-prefill-engine", daemon=True)
+        thread.start()
+        de = DecodeEngine(config, comms[DE_RANK], de_end, de_faults)
+        try:
+            yield pe, de
+        finally:
+            de.stop_peer()
+            thread.join(config.timeout_s)
+            de.close()
+            pe.close()
+            for comm in comms:
+                comm.close()
+            if failure:
+                raise failure[0]
+
+
+# -- separate engine processes --------------------------------------------------------------------------------------
+def engine_process(rank: int, port: int, fabric_name: str, config: EngineConfig, job: dict, events: Any) -> None:
+    """Entry point of one engine process (rank 0 = PE, 1 = DE); the DE reports events on ``events``."""
+    import torch.distributed as dist
+
+    from ascend_dualpath.backends import emulator as emu
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=config.timeout_s * 4))
+    engine = None
+    try:
+        fabric = emu.create_fabric(fabric_name) if rank == PE_RANK else emu.attach_fabric(fabric_name,
+                                                                                          config.timeout_s)
+        dist.barrier()
+        with emu.open_device(fabric, device_id=rank) as device:
+            comm = emu.init_comm(device, config=emu.comm_config(hcclBufferSize=config.hccl_buffer_mb))
+            channel = DistChannel(1 - rank, "decode engine" if rank == PE_RANK else "prefill engine")
+            try:
+                if rank == PE_RANK:
+                    engine = PrefillEngine(config, comm, channel)
+                    events.put(("pe_pid", _pid()))
+                    engine.serve()
+                else:
+                    engine = DecodeEngine(config, comm, channel)
+                    _drive(engine, config, job, events)
+            finally:
+                if engine is not None:
+                    engine.close()
+                comm.close()
+    except BaseException as error:
+        events.put(("error", "prefill engine" if rank == PE_RANK else "decode engine",
+                    f"{type(error).__name__}: {error}"))
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def _pid() -> int:
+    import os
+
+    return os.getpid()
+
+
+def _drive(engine: DecodeEngine, config: EngineConfig, job: dict, events: Any) -> None:
+    conversations = job["conversations"]
+    prompts: dict[tuple[int, int], list[int]] = {}
+
+    def on_turn(result: TurnResult) -> None:
+        prompts[(result.agent_id, result.turn)] = result.sequence[: result.prompt_tokens] if result.sequence else []
+        events.put(("turn", {k: v for k, v in dataclasses.asdict(result).items() if k not in ("kv", "sequence")}))
+
+    summary = engine.run_conversations(conversations, job["mode"], on_turn)
+    engine.stop_peer()
+    checks = []
+    if config.verify:
+        reference = engine.model.with_dtype(torch.float64)
+        atol = KV_BF16_ATOL if config.torch_dtype == torch.bfloat16 else KV_FP32_ATOL
+        for result in summary["results"]:
+            if result.error is not None:
+                continue
+            check = verify_turn(result, prompts[(result.agent_id, result.turn)], engine.model, reference,
+                                engine.store, engine.namespace, atol, teacher_forced=True)
+            checks.append(check)
+            events.put(("verified", result.agent_id, result.turn, check))
+    summary.pop("results")
+    summary["checks"] = checks
+    events.put(("done", summary))
+

@@ -1,0 +1,219 @@
+"""The transfer leg of DualPath loading: move one layer's KV segments to a peer and raise its notify flag.
+
+Both read paths stream KV between the prefill engine (PE) and the decode engine (DE) one layer at a time:
+hit Layer Blocks DE -> PE HBM (DE read path), complete or miss layers PE -> DE buffer. Everything that moves
+those bytes goes through :class:`LayerTransferLeg`, so the leg can be switched to the transport engine
+(``ascend_dualpath.transport``: aiv / aicpu / staging / host transfer kinds) in this one place.
+
+:class:`HcclTransferLeg` is the default: one ``HcclBatchPut`` with one descriptor per segment (validated as a
+whole before anything moves), then ``notify_record`` with the caller's per-call magic. Submissions run in
+order on one worker thread, so :meth:`~HcclTransferLeg.submit` returns at once and the transfer of layer
+``l + 1`` overlaps the compute of layer ``l``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol
+
+from ascend_dualpath import _env
+from ascend_dualpath.errors import AdpError, BoundsError, ProtocolError, QueueError, WaitTimeout
+
+NOTIFY_POLL_S = 50e-6
+ABORT_SLOT = 1023  # notify slot reserved for "the peer gave up on this request"
+
+
+class TransferFailed(QueueError):
+    """A layer transfer did not complete; nothing after the failed descriptor can be trusted."""
+
+
+class PeerAborted(ProtocolError):
+    """The peer engine abandoned the request (its abort flag carries this request's magic)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """``nbytes`` contiguous bytes at ``src_addr`` (registered local memory) going to ``dst_offset`` bytes past
+    the destination address of the submission."""
+
+    src_addr: int
+    nbytes: int
+    dst_offset: int
+
+
+def contiguous(segments: Sequence[tuple[int, int]]) -> list[Segment]:
+    """Segments ``[(src_addr, nbytes), ...]`` packed back to back at the destination."""
+    out, cursor = [], 0
+    for src_addr, nbytes in segments:
+        out.append(Segment(src_addr, nbytes, cursor))
+        cursor += nbytes
+    return out
+
+
+@dataclasses.dataclass
+class TransferTicket:
+    """One submitted layer transfer; ``vtime_ns`` is the emulator's virtual completion time once done."""
+
+    layer: int
+    nbytes: int
+    what: str
+    future: Future = dataclasses.field(repr=False)
+    vtime_ns: float | None = None
+
+
+class LayerTransferLeg(Protocol):
+    """What the read paths need from a transfer engine."""
+
+    def submit(self, layer: int, segments: Sequence[Segment], dst_peer: int, dst_addr: int, notify_slot: int | None,
+               magic: int | None) -> TransferTicket: ...
+
+    def wait(self, ticket: TransferTicket, timeout_s: float | None = None) -> float: ...
+
+    def raise_if_failed(self, ticket: TransferTicket) -> None: ...
+
+    def record(self, dst_peer: int, notify_slot: int, magic: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class HcclTransferLeg:
+    """Layer transfers over an emulated (or real) HCCL communicator: ``batch_put`` + ``notify_record``.
+
+    Parameters
+    ----------
+    comm : HcclComm
+        Connected communicator; sources must be in its windows or ``register_local`` memory, destinations in
+        the peer's windows or memory added with ``add_remote_mem``.
+    timeout_s : float, optional
+        Bound of each put and notify (default ``ADP_TIMEOUT_S``).
+    """
+
+    def __init__(self, comm: Any, timeout_s: float | None = None) -> None:
+        from ascend_dualpath import _ext
+
+        self._C = _ext.load()
+        self.comm = comm
+        self.timeout_s = timeout_s if timeout_s is not None else _env.timeout_s()
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adp-leg")
+        self._lock = threading.Lock()
+        self.bytes_sent = 0
+        self.last_vtime_ns = 0.0
+
+    def submit(self, layer: int, segments: Sequence[Segment], dst_peer: int, dst_addr: int,
+               notify_slot: int | None = None, magic: int | None = None) -> TransferTicket:
+        """Queue layer ``layer``'s segments for ``dst_peer`` at ``dst_addr``; then set ``notify_slot`` to ``magic``.
+
+        Returns at once; :meth:`wait` on the ticket re-raises any failure as :class:`TransferFailed`.
+        """
+        if (notify_slot is None) != (magic is None):
+            raise ProtocolError(f"layer {layer}: notify_slot and magic go together, got {notify_slot} and {magic}")
+        for seg in segments:
+            if seg.nbytes < 1 or seg.dst_offset < 0:
+                raise BoundsError(f"layer {layer}: segment of {seg.nbytes} bytes at destination offset "
+                                  f"{seg.dst_offset}; needs >= 1 byte at offset >= 0")
+        descs = [self._C.OneSideDesc(seg.src_addr, dst_addr + seg.dst_offset, seg.nbytes, 0) for seg in segments]
+        nbytes = sum(seg.nbytes for seg in segments)
+        what = f"layer {layer} ({len(descs)} segments, {nbytes} bytes) to rank {dst_peer} at {dst_addr:#x}"
+
+        def run() -> float:
+            vtime = self.comm.batch_put(dst_peer, descs, self.timeout_s) if descs else self.last_vtime_ns
+            if notify_slot is not None:
+                self.comm.notify_record(dst_peer, notify_slot, magic, self.timeout_s)
+            with self._lock:
+                self.bytes_sent += nbytes
+                self.last_vtime_ns = max(self.last_vtime_ns, vtime)
+            return vtime
+
+        return TransferTicket(layer, nbytes, what, self._worker.submit(run))
+
+    def raise_if_failed(self, ticket: TransferTicket) -> None:
+        """Raise :class:`TransferFailed` now if the transfer already failed (never blocks)."""
+        if ticket.future.done() and ticket.future.exception() is not None:
+            self.wait(ticket, 0)
+
+    def wait(self, ticket: TransferTicket, timeout_s: float | None = None) -> float:
+        """Block until the transfer is done; returns its virtual completion time in ns."""
+        timeout = timeout_s if timeout_s is not None else self.timeout_s
+        try:
+            ticket.vtime_ns = ticket.future.result(timeout)
+        except TimeoutError as error:
+            raise WaitTimeout(f"transfer of {ticket.what} not done after {timeout} s") from error
+        except AdpError as error:
+            raise TransferFailed(f"transfer of {ticket.what} failed: {error}") from error
+        return ticket.vtime_ns
+
+    def record(self, dst_peer: int, notify_slot: int, magic: int) -> None:
+        """Set a notify flag on the peer now (not queued behind transfers): used for aborts."""
+        self.comm.notify_record(dst_peer, notify_slot, magic, self.timeout_s)
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
+
+
+class FaultInjectingLeg:
+    """A leg that fails chosen submissions (test hook): ``fail_after(n)`` makes the n-th next submit fail.
+
+    The failure happens where a real one would: the transfer is queued, then completes with an error before
+    its notify, so the receiver never sees the layer.
+    """
+
+    def __init__(self, inner: LayerTransferLeg) -> None:
+        self.inner = inner
+        self._lock = threading.Lock()
+        self._countdowns: list[int] = []
+
+    def fail_after(self, submissions: int = 0) -> None:
+        with self._lock:
+            self._countdowns.append(submissions)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def submit(self, layer: int, segments: Sequence[Segment], dst_peer: int, dst_addr: int,
+               notify_slot: int | None = None, magic: int | None = None) -> TransferTicket:
+        with self._lock:
+            fire = 0 in self._countdowns
+            if fire:
+                self._countdowns.remove(0)
+            self._countdowns = [n - 1 for n in self._countdowns]
+        if fire:
+            future: Future = Future()
+            future.set_exception(QueueError(f"injected transfer failure in the middle of layer {layer}"))
+            return TransferTicket(layer, 0, f"layer {layer} to rank {dst_peer} (injected failure)", future)
+        return self.inner.submit(layer, segments, dst_peer, dst_addr, notify_slot, magic)
+
+    def wait(self, ticket: TransferTicket, timeout_s: float | None = None) -> float:
+        return self.inner.wait(ticket, timeout_s)
+
+
+def wait_notify(comm: Any, slot: int, magic: int, what: str, *, abort_magic: int | None = None,
+                timeout_s: float | None = None, check: Callable[[], None] | None = None) -> None:
+    """Wait until notify ``slot`` holds ``magic``, or the abort slot holds ``abort_magic`` (then PeerAborted).
+
+    Parameters
+    ----------
+    comm : HcclComm
+        The communicator whose notify area is watched.
+    what : str
+        What the wait is for, used in the timeout message.
+    check : callable, optional
+        Called on every poll; raises to end the wait early (e.g. a transfer of this rank failed, so the peer
+        will never answer).
+    """
+    timeout = timeout_s if timeout_s is not None else _env.timeout_s()
+    deadline = time.monotonic() + timeout
+    while True:
+        if comm.notify_value(slot) == magic:
+            return
+        if abort_magic is not None and comm.notify_value(ABORT_SLOT) == abort_magic:
+            raise PeerAborted(f"peer aborted while this rank waited for {what}")
+        if check is not None:
+            check()
+        if time.monotonic() > deadline:
+            raise WaitTimeout(f"timed out after {timeout} s waiting for {what} (notify slot {slot}, magic "
+                              f"{magic:#x}; slot holds {comm.notify_value(slot):#x})")
+        time.sleep(NOTIFY_POLL_S)

@@ -1,0 +1,156 @@
+"""PE and DE read paths: segment arithmetic, the transfer leg's exactness, and path equivalence end to end."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ascend_dualpath.dualpath.engine import KV_BF16_ATOL, EngineConfig, in_process_engines, verify_turn
+from ascend_dualpath.dualpath.read_paths import LoadPlan, h2d_segments, hit_layer_segments
+from ascend_dualpath.dualpath.scheduler import ReadPath
+from ascend_dualpath.dualpath.transfer_leg import (
+    ABORT_SLOT,
+    HcclTransferLeg,
+    PeerAborted,
+    TransferFailed,
+    contiguous,
+    wait_notify,
+)
+from ascend_dualpath.errors import WaitTimeout
+from ascend_dualpath.kv.layout import KVLayout
+from ascend_dualpath.models.tiny_llama import TinyLlamaConfig
+
+FAST = dict(block_tokens=16, max_tokens=256, pe_snic_bytes_per_s=1e9, de_snic_bytes_per_s=1e9, timeout_s=10.0,
+            pe_buffer_bytes=1 << 20, de_buffer_bytes=2 << 20)
+
+
+def _plan(path: ReadPath, n_hit: int, base: int) -> LoadPlan:
+    return LoadPlan(0, 0, path, (), tuple(bytes(16) for _ in range(n_hit)), (), base, (), (), 0, 0)
+
+
+@settings(max_examples=40)
+@given(n_hit=st.integers(0, 4), n_miss=st.integers(1, 20), path=st.sampled_from(list(ReadPath)),
+       seed=st.integers(0, 2**16))
+def test_h2d_merges_hit_and_miss_rows_in_token_and_layer_order(n_hit, n_miss, path, seed):
+    layout = KVLayout.gqa(3, 2, 4, torch.bfloat16, block_tokens=8)
+    L, T, C = layout.num_layers, layout.block_tokens, layout.token_bytes
+    total = n_hit * T + n_miss
+    gen = torch.Generator().manual_seed(seed)
+    complete = torch.randint(0, 256, (L, total, C), dtype=torch.uint8, generator=gen)  # what DE HBM must hold
+    if path is ReadPath.PE:
+        lease = complete.clone().reshape(-1)
+    else:
+        hit = layout.full_blocks_from_layers([complete[layer, : n_hit * T] for layer in range(L)]) if n_hit else \
+            torch.empty(0, dtype=torch.uint8)
+        lease = torch.cat([hit.reshape(-1), complete[:, n_hit * T:].reshape(-1)])
+    hbm_tokens = total + 5
+    hbm = torch.full((L, hbm_tokens, C), 0xA5, dtype=torch.uint8)
+    lease_base, hbm_base = 1 << 40, 1 << 44
+    for src, dst, n in h2d_segments(_plan(path, n_hit, lease_base), layout, total, hbm_base, hbm_tokens):
+        hbm.view(-1)[dst - hbm_base: dst - hbm_base + n] = lease[src - lease_base: src - lease_base + n]
+    assert torch.equal(hbm[:, :total], complete)
+    assert bool((hbm[:, total:] == 0xA5).all()), "H2D wrote past the prompt rows"
+
+
+def test_hit_layer_segments_select_one_layer_of_each_full_block():
+    layout = KVLayout.gqa(4, 2, 4, torch.float32, block_tokens=8)
+    blocks = torch.randint(0, 256, (3, *layout.empty_full_blocks(1).shape[1:]), dtype=torch.uint8)
+    flat = blocks.reshape(-1)
+    for layer in range(4):
+        rows = torch.cat([flat[s.src_addr: s.src_addr + s.nbytes] for s in hit_layer_segments(layout, 0, 3, layer)])
+        assert torch.equal(rows, layout.layer_rows(blocks, layer).reshape(-1))
+
+
+@pytest.fixture
+def comms(emu, C):
+    with emu.emulated_devices(2) as devices:
+        pair = [C.HcclComm(d, rank, 2, emu.comm_config(hcclBufferSize=1)) for rank, d in enumerate(devices)]
+        infos = [c.local_info() for c in pair]
+        for c in pair:
+            c.connect(infos)
+        yield pair
+        for c in pair:
+            c.close()
+
+
+def test_leg_moves_segments_exactly_and_sets_the_notify(comms):
+    src, dst = comms
+    leg = HcclTransferLeg(src, timeout_s=5.0)
+    out = np.frombuffer(src.windows_out, dtype=np.uint8)
+    out[:8192] = np.arange(8192) % 251
+    landing = np.frombuffer(dst.windows_in, dtype=np.uint8)
+    landing[:] = 0xA5
+    expected = landing.copy()
+    magic = src.next_magic()
+    segments = contiguous([(src.windows_out.addr + 4096, 1000), (src.windows_out.addr, 24)])
+    ticket = leg.submit(2, segments, 1, dst.windows_in.addr + 64, 2, magic)
+    leg.wait(ticket)
+    wait_notify(dst, 2, magic, "layer 2", timeout_s=5.0)
+    expected[64:1064] = out[4096:5096]
+    expected[1064:1088] = out[:24]
+    assert np.array_equal(landing, expected)
+    leg.close()
+
+
+def test_leg_failure_names_the_layer_and_moves_nothing(comms):
+    src, dst = comms
+    leg = HcclTransferLeg(src, timeout_s=5.0)
+    landing = np.frombuffer(dst.windows_in, dtype=np.uint8)
+    landing[:] = 0xA5
+    size = dst.windows_in.size
+    segments = contiguous([(src.windows_out.addr, 64), (src.windows_out.addr, 128)])
+    ticket = leg.submit(3, segments, 1, dst.windows_in.addr + size - 100, 3, src.next_magic())
+    with pytest.raises(TransferFailed, match="layer 3"):
+        leg.wait(ticket)
+    assert bool((landing == 0xA5).all()), "a rejected batch moved bytes"
+    assert dst.notify_value(3) == 0, "the notify of a failed layer was set"
+    leg.close()
+
+
+def test_wait_notify_is_bounded_and_sees_aborts(comms):
+    src, dst = comms
+    with pytest.raises(WaitTimeout, match="layer 7 of request 9"):
+        wait_notify(dst, 7, src.next_magic(), "layer 7 of request 9", timeout_s=0.05)
+    abort = src.next_magic()
+    src.notify_record(1, ABORT_SLOT, abort, 5.0)
+    with pytest.raises(PeerAborted):
+        wait_notify(dst, 7, src.next_magic(), "layer 7", abort_magic=abort, timeout_s=5.0)
+
+
+def _serve_two_turns(tmp_path, name, mode, first, append, gen, dtype="bfloat16"):
+    config = EngineConfig(str(tmp_path / name), dtype=dtype, **FAST)
+    with in_process_engines(config) as (_, de):
+        results, _, _ = de.serve_wave([(0, 0, first, gen)], mode)
+        prompt = results[0].sequence + append
+        results, deferred, _ = de.serve_wave([(0, 1, prompt, gen)], mode)
+        assert not deferred
+        result = results[0]
+        reference = de.model.with_dtype(torch.float64)
+        check = verify_turn(result, prompt, de.model, reference, de.store, de.namespace, KV_BF16_ATOL)
+        stats = de.buffer.stats()
+        assert stats.used_bytes == 0 and stats.live_leases == 0
+    return result, check
+
+
+@pytest.mark.parametrize("gen", [1, 3])
+@settings(max_examples=4)  # each example runs two engine pairs over two turns
+@given(first=st.integers(20, 90), append=st.integers(1, 40), seed=st.integers(0, 1000))
+def test_pe_and_de_paths_agree_bit_for_bit_and_match_full_recompute(tmp_path_factory, gen, first, append, seed):
+    tmp_path = tmp_path_factory.mktemp("paths")
+    rng = np.random.default_rng(seed)
+    first_tokens = [int(t) for t in rng.integers(0, TinyLlamaConfig().vocab_size, first)]
+    append_tokens = [int(t) for t in rng.integers(0, TinyLlamaConfig().vocab_size, append)]
+    via_pe, check_pe = _serve_two_turns(tmp_path, "pe", "pe", first_tokens, append_tokens, gen)
+    via_de, check_de = _serve_two_turns(tmp_path, "de", "de", first_tokens, append_tokens, gen)
+    assert via_pe.hit_tokens == via_de.hit_tokens > 0
+    assert (via_pe.path, via_de.path) == ("pe", "de")
+    assert (via_pe.pe_read_bytes, via_pe.de_read_bytes) == (via_pe.hit_tokens // 16 * 16 * 4 * 128, 0)
+    assert (via_de.pe_read_bytes, via_de.de_read_bytes) == (0, via_pe.pe_read_bytes)
+    assert torch.equal(via_pe.kv, via_de.kv), "PE and DE paths left different KV in DE HBM"
+    assert via_pe.generated == via_de.generated
+    for check in (check_pe, check_de):
+        assert check["loaded_exact"] and check["tokens_equal"], check
+        assert check["kv_max_err"] <= KV_BF16_ATOL, check
