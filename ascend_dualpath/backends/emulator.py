@@ -219,7 +219,8 @@ def emulated_devices(num_devices: int = 1, product: str | None = None, **profile
         yield devices
     finally:
         for device in devices:
-            device.close()
+            device.close()  # closes their regions and queues too: nothing stays in /dev/shm
+        fabric.close()
 
 
 # ---- HCCL communicator ---------------------------------------------------------------------------

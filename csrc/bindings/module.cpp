@@ -188,6 +188,7 @@ PYBIND11_MODULE(_C, m) {
                     py::call_guard<py::gil_scoped_release>())
         .def_property_readonly("name", &Fabric::name)
         .def_property_readonly("is_creator", &Fabric::is_creator)
+        .def("close", &Fabric::close)
         .def_property_readonly("num_live_regions", &Fabric::num_live_regions)
         .def("reap_dead_owners", &Fabric::reap_dead_owners)
         .def("lookup_rkey", [](const Fabric& f, uint32_t rkey) -> py::object {

@@ -1,5 +1,6 @@
 #include "emulator/device.h"
 
+#include <algorithm>
 #include <cstddef>
 #include <cstring>
 
@@ -478,14 +479,43 @@ Device::Device(std::shared_ptr<Fabric> fabric, uint32_t device_id, ProductProfil
 
 Device::~Device() { close(); }
 
-void Device::close() { nic_->stop(); }
+void Device::close() {
+    nic_->stop();
+    std::lock_guard<std::mutex> guard(made_mutex_);
+    if (closed_) return;
+    closed_ = true;
+    for (auto& w : qps_)
+        if (auto qp = w.lock()) qp->close();
+    for (auto& w : cqs_)
+        if (auto cq = w.lock()) cq->close();
+    for (auto& w : regions_)
+        if (auto r = w.lock()) r->close();
+}
+
+namespace {
+template <typename T>
+void remember(std::vector<std::weak_ptr<T>>& made, const std::shared_ptr<T>& item) {
+    if (made.size() >= 64)  // drop the ones already gone so the list stays proportional to what lives
+        made.erase(std::remove_if(made.begin(), made.end(), [](const std::weak_ptr<T>& w) { return w.expired(); }),
+                   made.end());
+    made.push_back(item);
+}
+}  // namespace
 
 std::shared_ptr<Region> Device::alloc_region(uint64_t size, MemKind kind, uint32_t access) {
-    return std::make_shared<Region>(fabric_, kind, size, access, pd_, device_id_);
+    auto region = std::make_shared<Region>(fabric_, kind, size, access, pd_, device_id_);
+    std::lock_guard<std::mutex> guard(made_mutex_);
+    if (closed_) fail(ErrorKind::kQueue, "device ", device_id_, " is closed");
+    remember(regions_, region);
+    return region;
 }
 
 std::shared_ptr<CompletionQueue> Device::create_cq(uint32_t depth) {
-    return std::make_shared<CompletionQueue>(fabric_, pd_, device_id_, depth);
+    auto cq = std::make_shared<CompletionQueue>(fabric_, pd_, device_id_, depth);
+    std::lock_guard<std::mutex> guard(made_mutex_);
+    if (closed_) fail(ErrorKind::kQueue, "device ", device_id_, " is closed");
+    remember(cqs_, cq);
+    return cq;
 }
 
 std::shared_ptr<QueuePair> Device::create_qp(std::shared_ptr<CompletionQueue> send_cq,
@@ -494,6 +524,8 @@ std::shared_ptr<QueuePair> Device::create_qp(std::shared_ptr<CompletionQueue> se
     auto qp = std::make_shared<QueuePair>(fabric_, nic_, pd_, device_id_, std::move(send_cq), std::move(recv_cq), depth,
                                           wqe_size, sl);
     nic_->attach(qp);
+    std::lock_guard<std::mutex> guard(made_mutex_);
+    remember(qps_, qp);
     return qp;
 }
 

@@ -211,6 +211,8 @@ class Device {
    public:
     Device(std::shared_ptr<Fabric> fabric, uint32_t device_id, ProductProfile profile, CostModel cost);
     ~Device();
+    // Stops the NIC and closes every QP, CQ and region this device made: their keys and queue
+    // numbers die and their shared memory is unlinked, whoever still holds a reference.
     void close();
 
     uint32_t device_id() const { return device_id_; }
@@ -230,6 +232,12 @@ class Device {
     uint32_t device_id_, pd_;
     ProductProfile profile_;
     std::shared_ptr<Nic> nic_;
+    // what this device made, closed with it (weak: the caller's references decide the lifetime)
+    std::mutex made_mutex_;
+    std::vector<std::weak_ptr<Region>> regions_;
+    std::vector<std::weak_ptr<CompletionQueue>> cqs_;
+    std::vector<std::weak_ptr<QueuePair>> qps_;
+    bool closed_ = false;
 };
 
 }  // namespace adp::emu

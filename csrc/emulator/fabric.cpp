@@ -144,9 +144,14 @@ std::shared_ptr<Fabric> Fabric::attach(const std::string& name, double timeout_s
     return f;
 }
 
+void Fabric::close() {
+    if (creator_ && !unlinked_) shm_unlink(shm_path("adp." + name_).c_str());
+    unlinked_ = true;
+}
+
 Fabric::~Fabric() {
+    close();
     if (base_) munmap(base_, bytes_);
-    if (creator_) shm_unlink(shm_path("adp." + name_).c_str());
 }
 
 uint32_t Fabric::allocate_pd() { return header_->next_pd.fetch_add(1); }

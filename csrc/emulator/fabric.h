@@ -74,6 +74,9 @@ class Fabric {
 
     const std::string& name() const { return name_; }
     bool is_creator() const { return creator_; }
+    // Creator only: removes the fabric's name so no process can attach any more. Devices and regions
+    // already attached keep working; the memory goes with the last of them.
+    void close();
     uint32_t allocate_pd();
     uint32_t max_regions() const;
     uint32_t num_live_regions() const;
@@ -113,6 +116,7 @@ class Fabric {
 
     std::string name_;
     bool creator_ = false;
+    bool unlinked_ = false;
     void* base_ = nullptr;
     size_t bytes_ = 0;
     Header* header_ = nullptr;

@@ -61,3 +61,20 @@ def test_fabric_names_are_exclusive(emu):
         emu.create_fabric(fabric.name)
     with pytest.raises(errors.WaitTimeout, match="waiting for fabric 'nobody-made-this'"):
         emu.attach_fabric("nobody-made-this", timeout_s=0.05)
+
+
+def test_closing_a_device_releases_everything_it_made(C, emu):
+    import os
+
+    with pytest.raises(RuntimeError, match="boom"):
+        with emu.emulated_devices(2) as (d0, d1):
+            name = d0.fabric.name
+            kept = d0.alloc_region(4096, C.MemKind.DEVICE_GM, 7)  # still referenced after the block
+            cq = d1.create_cq(8)
+            d1.create_qp(cq, None, 8, 4)
+            assert any(n.startswith(f"adp.{name}") for n in os.listdir("/dev/shm"))
+            raise RuntimeError("boom")
+    assert not kept.registered
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"adp.{name}")], "shared memory left behind"
+    with pytest.raises(errors.AdpError, match="is closed"):
+        d0.alloc_region(64, C.MemKind.DEVICE_GM, 7)
