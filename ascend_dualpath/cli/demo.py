@@ -119,6 +119,7 @@ def _aggregate(summary: dict, turns: list[dict]) -> dict:
         "failed": summary["failed"],
         "nic_vtime_ns": summary["nic_vtime_ns"],
         "nic_bytes": summary["nic_bytes"],
+        "transfer_kinds": summary["transfer_kinds"],
         "checks": summary["checks"],
     }
 
@@ -186,6 +187,8 @@ def _print_summary(console, results: dict[str, dict]) -> bool:
         ("fallbacks / deferred / failed turns", lambda r: f"{r['fallbacks']} / {r['deferred']} / {r['failed']}"),
         ("DE NIC virtual clock (transfers)", lambda r: f"{r['nic_vtime_ns'] / 1e3:.0f} us, "
                                                        f"{r['nic_bytes'] / 2**20:.1f} MiB"),
+        ("DE transfer requests by kind", lambda r: ", ".join(f"{k} {n}" for k, n in sorted(r["transfer_kinds"].items()))
+         or "-"),
         ("loaded KV bit-exact", lambda r: _count(r, "loaded_exact")),
         ("KV within tolerance of float64", lambda r: _count(r, "kv_ok") + (
             f" (worst {max(c['kv_max_err'] for c in r['checks']):.3f})" if r["checks"] else "")),

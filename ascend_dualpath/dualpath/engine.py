@@ -39,9 +39,22 @@ from ascend_dualpath.dualpath.read_paths import (
     make_plan,
 )
 from ascend_dualpath.dualpath.scheduler import ReadPath, choose_read_path
-from ascend_dualpath.dualpath.transfer_leg import FaultInjectingLeg, HcclTransferLeg, PeerAborted, TransferFailed
+from ascend_dualpath.dualpath.transfer_leg import (
+    FaultInjectingLeg,
+    HcclTransferLeg,
+    PeerAborted,
+    TransferFailed,
+    TransportTransferLeg,
+)
 from ascend_dualpath.dualpath.workload import Conversation
-from ascend_dualpath.errors import AdmissionDeferred, AdpError, ProtocolError, StorageReadError, WaitTimeout
+from ascend_dualpath.errors import (
+    AdmissionDeferred,
+    AdpError,
+    ConfigError,
+    ProtocolError,
+    StorageReadError,
+    WaitTimeout,
+)
 from ascend_dualpath.kv.buffers import HostBuffer, de_buffer, pe_buffer
 from ascend_dualpath.kv.layout import block_hashes
 from ascend_dualpath.kv.store import FaultInjector, LocalBlockStore, ReadQueue
@@ -68,6 +81,7 @@ class EngineConfig:
     timeout_s: float = 30.0
     idle_timeout_s: float = 600.0
     verify: bool = True
+    transfer: str = "transport"  # "transport": the transfer engine's gates (aiv / staging / ...); "hccl": HcclBatchPut
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -168,9 +182,12 @@ class _Node:
         self.model = TinyLlama(config.model, config.torch_dtype)
         self.store = LocalBlockStore(config.store_root, self.layout, faults=faults)
         self.read_queue = ReadQueue(self.store, snic_bytes_per_s, node=role)
-        self.leg = FaultInjectingLeg(HcclTransferLeg(comm, config.timeout_s))
+        if config.transfer not in ("transport", "hccl"):
+            raise ConfigError(f"EngineConfig.transfer must be 'transport' or 'hccl', got {config.transfer!r}")
+        leg_cls = TransportTransferLeg if config.transfer == "transport" else HcclTransferLeg
+        self.leg = FaultInjectingLeg(leg_cls(comm, config.timeout_s))
         self.buffer_region = comm.device.alloc_region(buffer_bytes, C.MemKind.HOST_DRAM, 7)
-        comm.register_local(self.buffer_region)
+        self.leg.register_local(self.buffer_region)
         make = pe_buffer if role == "pe" else de_buffer
         self.buffer: HostBuffer = make(backing=self.buffer_region, timeout_s=config.timeout_s)
 
@@ -274,7 +291,7 @@ class DecodeEngine(_Node):
         super().__init__(config, comm, channel, "de", config.de_snic_bytes_per_s, config.de_buffer_bytes, faults)
         L, C = self.layout.num_layers, self.layout.token_bytes
         self.hbm_region = comm.device.alloc_region(L * config.max_tokens * C, self.C.MemKind.DEVICE_GM, 7)
-        comm.register_local(self.hbm_region)
+        self.leg.register_local(self.hbm_region)
         comm.add_remote_mem(DE_RANK, self.C.RemoteMem(self.hbm_region.addr, self.hbm_region.size,
                                                       self.hbm_region.rkey))
         self.hbm = torch.frombuffer(memoryview(self.hbm_region), dtype=torch.uint8).view(L, config.max_tokens, C)
@@ -488,7 +505,8 @@ class DecodeEngine(_Node):
         return {"results": results, "waves": waves, "deferred": deferred_total,
                 "failed": sum(r.error is not None for r in results), "jct_s": time.monotonic() - job_start,
                 "nic_vtime_ns": self.comm.device.nic.virtual_time_ns,
-                "nic_bytes": self.comm.device.nic.bytes_moved}
+                "nic_bytes": self.comm.device.nic.bytes_moved,
+                "transfer_kinds": dict(getattr(self.leg, "kinds_used", {}))}
 
 
 # -- verification ---------------------------------------------------------------------------------------------------

@@ -75,6 +75,8 @@ class LayerTransferLeg(Protocol):
 
     def raise_if_failed(self, ticket: TransferTicket) -> None: ...
 
+    def register_local(self, region: Any) -> None: ...
+
     def record(self, dst_peer: int, notify_slot: int, magic: int) -> None: ...
 
     def close(self) -> None: ...
@@ -102,6 +104,10 @@ class HcclTransferLeg:
         self._lock = threading.Lock()
         self.bytes_sent = 0
         self.last_vtime_ns = 0.0
+
+    def register_local(self, region: Any) -> None:
+        """Make ``region`` usable as a source (HcclRegisterMem)."""
+        self.comm.register_local(region)
 
     def submit(self, layer: int, segments: Sequence[Segment], dst_peer: int, dst_addr: int,
                notify_slot: int | None = None, magic: int | None = None) -> TransferTicket:
@@ -152,6 +158,100 @@ class HcclTransferLeg:
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
+
+
+class TransportTransferLeg(HcclTransferLeg):
+    """Layer transfers through the transfer engine (:mod:`ascend_dualpath.transport`), so each layer goes the
+    way the gates choose: ``aiv`` (vector cores post the WQEs) for device-memory sources, ``staging`` through
+    the HCCL window for host-DRAM sources (the DE buffer), falling back to ``aicpu`` / ``host``.
+
+    Sources must lie in the communicator's windows or in regions given to :meth:`register_local`; each run of
+    segments that lands back to back at the destination goes as one request. The notify carries the caller's
+    magic and is written only after every byte of the layer completed.
+
+    Parameters
+    ----------
+    comm : HcclComm
+        Connected communicator.
+    timeout_s : float, optional
+        Bound of each transfer and notify (default ``ADP_TIMEOUT_S``).
+    **engine_options
+        Passed to :class:`~ascend_dualpath.transport.emulator.EmulatedTransferEngine` (``block_dim``, ...).
+    """
+
+    def __init__(self, comm: Any, timeout_s: float | None = None, **engine_options: Any) -> None:
+        from ascend_dualpath.transport.emulator import EmulatedTransferEngine
+
+        super().__init__(comm, timeout_s)
+        # one engine per destination rank (itself included: the DE loads into its own HBM), made up front so
+        # their queues and buffers exist for the leg's whole life
+        self._engines = [EmulatedTransferEngine(comm, peer, timeout_s=self.timeout_s, **engine_options)
+                         for peer in range(comm.world_size)]
+        self._regions = [comm.windows_in, comm.windows_out]
+        self.kinds_used: dict[str, int] = {}
+
+    def register_local(self, region: Any) -> None:
+        """Make ``region`` usable as a source (HcclRegisterMem plus the leg's own address lookup)."""
+        self.comm.register_local(region)
+        self._regions.append(region)
+
+    def _source(self, addr: int, nbytes: int) -> Any:
+        from ascend_dualpath.transport import MemoryKind, MemorySegment
+
+        for region in self._regions:
+            if region.addr <= addr and addr + nbytes <= region.addr + region.size:
+                memory = MemoryKind.HOST if int(region.kind) == 1 else MemoryKind.DEVICE
+                return MemorySegment(addr, nbytes, memory, region.lkey)
+        raise BoundsError(f"source [{addr:#x}, +{nbytes}) is in no region registered with the transfer leg")
+
+    def _slot(self, peer: int, addr: int, nbytes: int) -> Any:
+        from ascend_dualpath.transport import RemoteSlot
+
+        for mem in self.comm.remote_mems(peer):
+            if mem.addr <= addr and addr + nbytes <= mem.addr + mem.size:
+                return RemoteSlot(peer, addr, nbytes, mem.rkey)
+        raise BoundsError(f"destination [{addr:#x}, +{nbytes}) on rank {peer} is in no memory it registered")
+
+    def submit(self, layer: int, segments: Sequence[Segment], dst_peer: int, dst_addr: int,
+               notify_slot: int | None = None, magic: int | None = None) -> TransferTicket:
+        if (notify_slot is None) != (magic is None):
+            raise ProtocolError(f"layer {layer}: notify_slot and magic go together, got {notify_slot} and {magic}")
+        requests: list[tuple[list, Any]] = []  # (sources, remote slot) per back-to-back run of segments
+        run_start, run_sources, cursor = None, [], None
+        for seg in segments:
+            if seg.nbytes < 1 or seg.dst_offset < 0:
+                raise BoundsError(f"layer {layer}: segment of {seg.nbytes} bytes at destination offset "
+                                  f"{seg.dst_offset}; needs >= 1 byte at offset >= 0")
+            if cursor != seg.dst_offset and run_sources:
+                requests.append((run_sources, run_start))
+                run_sources = []
+            if not run_sources:
+                run_start = seg.dst_offset
+            run_sources.append(self._source(seg.src_addr, seg.nbytes))
+            cursor = seg.dst_offset + seg.nbytes
+        if run_sources:
+            requests.append((run_sources, run_start))
+        slots = [(sources, self._slot(dst_peer, dst_addr + start, sum(s.nbytes for s in sources)))
+                 for sources, start in requests]  # validated before anything is queued
+        nbytes = sum(seg.nbytes for seg in segments)
+        what = f"layer {layer} ({len(segments)} segments, {nbytes} bytes) to rank {dst_peer} at {dst_addr:#x}"
+        engine = self._engines[dst_peer]
+
+        def run() -> float:
+            vtime = self.last_vtime_ns
+            for sources, slot in slots:
+                result = engine.transfer(sources, slot, timeout=self.timeout_s)
+                vtime = max(vtime, result.complete_vtime_ns)
+                with self._lock:
+                    self.kinds_used[result.kind.value] = self.kinds_used.get(result.kind.value, 0) + 1
+            if notify_slot is not None:
+                self.comm.notify_record(dst_peer, notify_slot, magic, self.timeout_s)
+            with self._lock:
+                self.bytes_sent += nbytes
+                self.last_vtime_ns = max(self.last_vtime_ns, vtime)
+            return vtime
+
+        return TransferTicket(layer, nbytes, what, self._worker.submit(run))
 
 
 class FaultInjectingLeg:

@@ -408,6 +408,7 @@ PYBIND11_MODULE(_C, m) {
         .def("connect", &HcclComm::connect, py::arg("peers"))
         .def("register_local", &HcclComm::register_local, py::arg("region"))
         .def("add_remote_mem", &HcclComm::add_remote_mem, py::arg("peer"), py::arg("mem"))
+        .def("remote_mems", &HcclComm::remote_mems, py::arg("peer"))
         .def("batch_put", &HcclComm::batch_put, py::arg("peer"), py::arg("descs"), py::arg("timeout_s"),
              py::call_guard<py::gil_scoped_release>())
         .def("batch_get", &HcclComm::batch_get, py::arg("peer"), py::arg("descs"), py::arg("timeout_s"),

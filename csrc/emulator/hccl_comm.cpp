@@ -245,6 +245,13 @@ void HcclComm::add_remote_mem(uint32_t peer, RemoteMem mem) {
     remote_mems_[peer].push_back(mem);
 }
 
+std::vector<RemoteMem> HcclComm::remote_mems(uint32_t peer) const {
+    check_connected("remote_mems");
+    check_peer(peer);
+    std::lock_guard<std::mutex> guard(host_mutex_);
+    return remote_mems_[peer];
+}
+
 void HcclComm::check_connected(const char* what) const {
     if (!connected_) fail(ErrorKind::kProtocol, what, " before connect(): exchange RankInfo first");
 }

@@ -98,6 +98,7 @@ class HcclComm {
     void register_local(std::shared_ptr<Region> region);
     // HcclEnableMemAccess: a peer's registration (exchanged out of band) usable as a remote side.
     void add_remote_mem(uint32_t peer, RemoteMem mem);
+    std::vector<RemoteMem> remote_mems(uint32_t peer) const;  // the peer's windows, notify area and added memory
 
     // HcclBatchPut / HcclBatchGet: all descriptors are validated before anything moves; returns the
     // virtual completion time in ns. Raises a typed error naming the descriptor that failed.
@@ -151,7 +152,7 @@ class HcclComm {
     bool connected_ = false;
     uint64_t magic_counter_ = 0;
     uint64_t magic_base_;
-    std::mutex host_mutex_;
+    mutable std::mutex host_mutex_;
     double host_vtime_ns_ = 0;
     // AICPU server
     std::mutex aicpu_mutex_;
