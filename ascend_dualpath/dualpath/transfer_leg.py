@@ -195,22 +195,23 @@ class TransportTransferLeg(HcclTransferLeg):
         self.comm.register_local(region)
         self._regions.append(region)
 
-    def _source(self, addr: int, nbytes: int) -> Any:
+    def _source(self, layer: int, addr: int, nbytes: int) -> Any:
         from ascend_dualpath.transport import MemoryKind, MemorySegment
 
         for region in self._regions:
             if region.addr <= addr and addr + nbytes <= region.addr + region.size:
                 memory = MemoryKind.HOST if int(region.kind) == 1 else MemoryKind.DEVICE
                 return MemorySegment(addr, nbytes, memory, region.lkey)
-        raise BoundsError(f"source [{addr:#x}, +{nbytes}) is in no region registered with the transfer leg")
+        raise BoundsError(f"layer {layer}: source [{addr:#x}, +{nbytes}) is in no region registered with the leg")
 
-    def _slot(self, peer: int, addr: int, nbytes: int) -> Any:
+    def _slot(self, layer: int, peer: int, addr: int, nbytes: int) -> Any:
         from ascend_dualpath.transport import RemoteSlot
 
         for mem in self.comm.remote_mems(peer):
             if mem.addr <= addr and addr + nbytes <= mem.addr + mem.size:
                 return RemoteSlot(peer, addr, nbytes, mem.rkey)
-        raise BoundsError(f"destination [{addr:#x}, +{nbytes}) on rank {peer} is in no memory it registered")
+        raise BoundsError(f"layer {layer}: destination [{addr:#x}, +{nbytes}) on rank {peer} is in no memory it "
+                          "registered")
 
     def submit(self, layer: int, segments: Sequence[Segment], dst_peer: int, dst_addr: int,
                notify_slot: int | None = None, magic: int | None = None) -> TransferTicket:
@@ -227,11 +228,11 @@ class TransportTransferLeg(HcclTransferLeg):
                 run_sources = []
             if not run_sources:
                 run_start = seg.dst_offset
-            run_sources.append(self._source(seg.src_addr, seg.nbytes))
+            run_sources.append(self._source(layer, seg.src_addr, seg.nbytes))
             cursor = seg.dst_offset + seg.nbytes
         if run_sources:
             requests.append((run_sources, run_start))
-        slots = [(sources, self._slot(dst_peer, dst_addr + start, sum(s.nbytes for s in sources)))
+        slots = [(sources, self._slot(layer, dst_peer, dst_addr + start, sum(s.nbytes for s in sources)))
                  for sources, start in requests]  # validated before anything is queued
         nbytes = sum(seg.nbytes for seg in segments)
         what = f"layer {layer} ({len(segments)} segments, {nbytes} bytes) to rank {dst_peer} at {dst_addr:#x}"
