@@ -59,8 +59,9 @@ def run_job(config, job: dict, on_event, kill_pe_after: int | None = None) -> di
              for rank in range(2)]
     for p in procs:
         p.start()
-    summary, error, turns, pe_pid = None, None, 0, None
+    summary, error, turns, pe_pid, death_seen = None, None, 0, None, None
     deadline = time.monotonic() + config.idle_timeout_s
+    roles = ("prefill engine", "decode engine")
     try:
         while summary is None and error is None:
             if time.monotonic() > deadline:
@@ -71,7 +72,11 @@ def run_job(config, job: dict, on_event, kill_pe_after: int | None = None) -> di
             except Exception:  # queue.Empty: check the processes
                 dead = [rank for rank, p in enumerate(procs) if p.exitcode not in (None, 0)]
                 if dead and events.empty():
-                    error = f"engine process(es) {dead} exited with {[procs[r].exitcode for r in dead]}"
+                    death_seen = death_seen or time.monotonic()
+                    # a survivor notices within its own bounded waits and reports the error it saw: prefer that
+                    survivor_may_report = procs[1].exitcode is None and time.monotonic() - death_seen < 2 * config.timeout_s
+                    if not survivor_may_report:
+                        error = "; ".join(f"{roles[r]} process exited with code {procs[r].exitcode}" for r in dead)
                 continue
             kind = event[0]
             if kind == "pe_pid":
