@@ -143,6 +143,18 @@ def _table(result) -> str:
     return "\n".join(lines)
 
 
+def sm_calibration(rows: list[dict]) -> dict | None:
+    """Per-SM write throughput of the cuda strategy's copy kernels, from the cached BF16 dispatch at the
+    smallest SM count measured (where the SMs, not NVLink, bound it): every written row (own and peer)
+    per second per SM. This is the figure ``choose_num_sms`` takes as ``sm_write_gbs``."""
+    runs = [r for r in rows if r["strategy"] == "cuda" and r["op"] == "dispatch bf16 (cached)" and r["num_sms"]]
+    if not runs:
+        return None
+    fewest = min(runs, key=lambda r: r["num_sms"])
+    per_sm = fewest["logical_bytes"] / (fewest["median_us"] / 1e6) / 1e9 / fewest["num_sms"]
+    return dict(num_sms=fewest["num_sms"], per_sm_write_gbs=per_sm)
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
     import torch.multiprocessing as mp
@@ -174,7 +186,11 @@ def run(args: argparse.Namespace) -> int:
         print("bench moe: no result (a rank failed or the run exceeded 540 s)", file=sys.stderr)
         return 1
     result["args"] = vars(args)
+    result["sm_calibration"] = sm_calibration(result["rows"])
     print(_table(result))
+    if result["sm_calibration"]:
+        print("sm calibration: {per_sm_write_gbs:.1f} GB/s written per SM (cached BF16 dispatch at {num_sms} SMs)"
+              .format(**result["sm_calibration"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -15,7 +15,7 @@ _cache: dict[str, list[dict]] = {}
 def _results(strategy: str) -> list[dict]:
     if strategy not in _cache:
         _cache[strategy] = _spawn.run_ranks(GPUS, conformance_worker.run_all, strategy, "cuda", backend="nccl",
-                                            timeout_s=300)
+                                            timeout_s=140)
     return _cache[strategy]
 
 
