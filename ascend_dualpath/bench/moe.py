@@ -3,7 +3,8 @@
 Spawns one process per GPU (nccl) or ``--ranks`` CPU processes (gloo). Every timed call is preceded by a
 barrier and an L2 flush; a call's time is the slowest rank's. Bandwidth is reported two ways:
 ``logical`` counts every received row, a rank's own tokens included (DeepEP's convention), ``cross``
-counts only rows that crossed between devices.
+counts only rows that crossed between devices. ``host us`` is the median time until the Python call returns
+(GPU work may still be running then): where it nears the timed figure, host overhead is what bounds the op.
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ def _time(fn, iters, warmup, device, group):
         fn()
     cuda = device.type == "cuda"
     flush = torch.empty(256 << 20, dtype=torch.int8, device=device) if cuda else None
-    samples = []
+    import time
+
+    samples, host = [], []
     for _ in range(iters):
         dist.barrier(group)
         if cuda:
@@ -46,20 +49,21 @@ def _time(fn, iters, warmup, device, group):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize()
             start.record()
+            t0 = time.perf_counter()
             fn()
+            host.append(time.perf_counter() - t0)
             end.record()
             torch.cuda.synchronize()
             seconds = start.elapsed_time(end) / 1e3
         else:
-            import time
-
             t0 = time.perf_counter()
             fn()
             seconds = time.perf_counter() - t0
+            host.append(seconds)
         slowest = torch.tensor([seconds], dtype=torch.float64, device=device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
         samples.append(float(slowest))
-    return samples
+    return samples, host
 
 
 def _worker(rank, world, store, args, queue):
@@ -99,10 +103,11 @@ def _worker(rank, world, store, args, queue):
             bf16_row, fp8_row = args.hidden * 2, args.hidden + args.hidden // 128 * 4
 
             def op(name, fn, row_bytes):
-                samples = _time(fn, args.iters, args.warmup, device, group)
+                samples, host = _time(fn, args.iters, args.warmup, device, group)
                 rows.append(dict(strategy=strategy, num_sms=used_sms if strategy == "cuda" else None, op=name,
                                  mean_us=statistics.mean(samples) * 1e6, median_us=statistics.median(samples) * 1e6,
-                                 min_us=min(samples) * 1e6, logical_bytes=logical_rows * row_bytes,
+                                 min_us=min(samples) * 1e6, host_us=statistics.median(host) * 1e6,
+                                 logical_bytes=logical_rows * row_bytes,
                                  cross_bytes=cross_rows * row_bytes))
 
             op("layout", lambda: buffer.get_dispatch_layout(topk_idx, args.experts), 0)
@@ -132,14 +137,14 @@ def _worker(rank, world, store, args, queue):
 
 
 def _table(result) -> str:
-    lines = [f"{'strategy':<9} {'sms':>4} {'op':<40} {'median us':>10} {'mean us':>10} {'logical GB/s':>12} "
-             f"{'cross GB/s':>10}"]
+    lines = [f"{'strategy':<9} {'sms':>4} {'op':<40} {'median us':>10} {'mean us':>10} {'host us':>8} "
+             f"{'logical GB/s':>12} {'cross GB/s':>10}"]
     for r in result["rows"]:
         t = r["median_us"] / 1e6
         logical = f"{r['logical_bytes'] / t / 1e9:.0f}" if r["logical_bytes"] else "-"
         cross = f"{r['cross_bytes'] / t / 1e9:.0f}" if r.get("cross_bytes") else "-"
         lines.append(f"{r['strategy']:<9} {str(r['num_sms'] or '-'):>4} {r['op']:<40} {r['median_us']:>10.1f} "
-                     f"{r['mean_us']:>10.1f} {logical:>12} {cross:>10}")
+                     f"{r['mean_us']:>10.1f} {r['host_us']:>8.1f} {logical:>12} {cross:>10}")
     return "\n".join(lines)
 
 

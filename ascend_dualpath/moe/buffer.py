@@ -379,6 +379,10 @@ class Buffer:
             raise ConfigError(f"num_worst_tokens={num_worst_tokens!r} must be an int >= 0")
         if num_worst_tokens and topk_idx is None:
             raise ConfigError("num_worst_tokens > 0 needs topk_idx and topk_weights")
+        if tokens * self.group_size * row_bytes > self.capacity_bytes:
+            # Only a budget this small can be exceeded by the send side: then the exact count is worth a host
+            # sync, and the error comes before any communication.
+            self._check_capacity(int(num_tokens_per_rank.sum()) * row_bytes, f"dispatch on rank {self.rank} (send)")
         if previous_event is not None:
             previous_event.current_stream_wait()
         # One exchange carries every rank's counts per rank and per expert and the statistics its inputs are
@@ -397,7 +401,6 @@ class Buffer:
             if per_rank_sum != in_rank_sum:
                 raise ConfigError(f"num_tokens_per_rank{where} sums to {per_rank_sum} but is_token_in_rank marks "
                                   f"{in_rank_sum} (token, rank) pairs; pass one layout")
-        self._check_capacity(int(count_matrix[self.rank].sum()) * row_bytes, f"dispatch on rank {self.rank} (send)")
         received = count_matrix.sum(dim=0)
         # Every rank sees the whole matrix, so every rank raises the same error here, before any data moves.
         for rank, count in enumerate(received.tolist()):
@@ -648,16 +651,15 @@ class Buffer:
         token_of, slot_of, dest_key = self._ll_selections(topk_idx, local_experts)
         recv_counts = torch.bincount(dest_key // local_experts, minlength=num_ranks).tolist()
         ranges = layout_range.cpu()
-        begins, counts = (ranges >> 32), (ranges & 0xFFFFFFFF)
-        rows, send_counts = [], []
-        for src in range(num_ranks):
-            sent = 0
-            for expert in range(local_experts):
-                begin, count = int(begins[expert, src]), int(counts[expert, src])
-                rows.append(expert * num_ranks * max_tokens + torch.arange(begin, begin + count, device=device))
-                sent += count
-            send_counts.append(sent)
-        row_index = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64, device=device)
+        # Rows to send back, grouped by source rank, then local expert, then position: (expert, source) pairs
+        # in source-major order, each a run of ``count`` rows from ``expert * R * M + begin``.
+        begins, counts = (ranges >> 32).t().reshape(-1), (ranges & 0xFFFFFFFF).t().reshape(-1)
+        pair_expert = torch.arange(local_experts).repeat(num_ranks)
+        total = int(counts.sum())
+        pair_of_row = torch.repeat_interleave(torch.arange(counts.numel()), counts, output_size=total)
+        within = torch.arange(total) - (torch.cumsum(counts, 0) - counts)[pair_of_row]
+        row_index = (pair_expert[pair_of_row] * num_ranks * max_tokens + begins[pair_of_row] + within).to(device)
+        send_counts = counts.view(num_ranks, local_experts).sum(dim=1).tolist()
         send = x.reshape(-1, hidden).index_select(0, row_index)
         pending = self.strategy.exchange_rows([send], send_counts, recv_counts, "low-latency combine rows")
         result = out if out is not None else torch.empty(tokens, hidden, dtype=torch.bfloat16, device=device)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -51,11 +52,14 @@ HEADER_BYTES = 256
 COUNT_SLOT_BYTES = 266240
 DATA_OFFSET = HEADER_BYTES + 2 * COUNT_SLOT_BYTES
 MAX_PARTS = 5
-# Words moved per CTA iteration of the push/receive kernels (16 warps: 32 bytes per thread) and the reduce.
+# Copy kernels: TILE rows x up to COPY_BLOCK_WORDS words per CTA iteration (16 warps: 128 bytes in flight per
+# thread); the reduce: TILE tokens x REDUCE_BLOCK elements.
 COPY_BLOCK_WORDS = 4096
+COPY_TILE = 4
 COPY_WARPS = 16
 REDUCE_BLOCK = 2048
-REDUCE_WARPS = 8
+REDUCE_TILE = 4
+REDUCE_WARPS = 16
 LAYOUT_BLOCK_TOKENS = 64
 
 
@@ -168,7 +172,9 @@ class CudaStrategy(AllToAllStrategy):
             # The zeroed header must be in place before any peer, returning from the rendezvous, signals here.
             torch.cuda.current_stream(self.device).synchronize()
             if hasattr(symm_mem, "enable_symm_mem_for_group"):
-                symm_mem.enable_symm_mem_for_group(self.group.group_name)
+                with warnings.catch_warnings():  # deprecated (not needed) from torch 2.11 on, needed before
+                    warnings.simplefilter("ignore", FutureWarning)
+                    symm_mem.enable_symm_mem_for_group(self.group.group_name)
             handle = symm_mem.rendezvous(local, self.group.group_name)
             bases = [local.data_ptr() if r == self.rank else handle.get_buffer(r, (capacity,), torch.uint8, 0).data_ptr()
                      for r in range(self.world)]
@@ -296,16 +302,16 @@ class CudaStrategy(AllToAllStrategy):
             recv_args += [self._local_view(half + offset, max_recv, width, torch.int32), out, width]
         send_args += [wire[0], outs[0], 0, 0] * pad
         recv_args += [outs[0], outs[0], 0] * pad
-        self.kernels.push_rows[(max(1, min(sms, tokens)),)](
+        self.kernels.push_rows[(max(1, min(sms, _cdiv(tokens, COPY_TILE))),)](
             peers, signals, slots, tokens, self.rank, self._epoch, *send_args, NUM_RANKS=self.world,
             NUM_PARTS=len(wire), B0=blocks[0], B1=blocks[1], B2=blocks[2], B3=blocks[3], B4=blocks[4],
-            num_warps=COPY_WARPS)
+            TILE=COPY_TILE, num_warps=COPY_WARPS)
         prefix = private["recv_prefix"]
         remote = num_recv - (prefix[self.rank + 1] - prefix[self.rank])
-        self.kernels.receive_rows[(max(1, min(sms, remote)),)](
+        self.kernels.receive_rows[(max(1, min(sms, _cdiv(remote, COPY_TILE))),)](
             signals, self.rank, self._epoch, num_recv, prefix[self.rank], prefix[self.rank + 1], self.timeout_ns,
             *recv_args, NUM_RANKS=self.world, NUM_PARTS=len(wire), B0=blocks[0], B1=blocks[1], B2=blocks[2],
-            B3=blocks[3], B4=blocks[4], TIMED=_timed(), num_warps=COPY_WARPS)
+            B3=blocks[3], B4=blocks[4], TILE=COPY_TILE, TIMED=_timed(), num_warps=COPY_WARPS)
         results = []
         for out, part in zip(outs, parts):
             dtype = torch.uint8 if part.dtype == torch.bool else part.dtype
@@ -335,9 +341,10 @@ class CudaStrategy(AllToAllStrategy):
             back_args += [wire[0], 0, 0]
         prefix = private["recv_prefix"]
         remote = num_recv - (prefix[self.rank + 1] - prefix[self.rank])
-        self.kernels.push_back[(max(1, min(sms, remote)),)](
+        self.kernels.push_back[(max(1, min(sms, _cdiv(remote, COPY_TILE))),)](
             peers, signals, private["recv_prefix_dev"], private["slot_base_dev"], self.rank, self._epoch, num_recv,
-            *back_args, NUM_RANKS=self.world, NUM_PARTS=len(wire), B0=blocks[0], B1=blocks[1], num_warps=COPY_WARPS)
+            *back_args, NUM_RANKS=self.world, NUM_PARTS=len(wire), B0=blocks[0], B1=blocks[1], TILE=COPY_TILE,
+            num_warps=COPY_WARPS)
         gather_rows = private["gather_rows"]
         tokens = gather_rows.shape[0]
         results = []
@@ -346,11 +353,12 @@ class CudaStrategy(AllToAllStrategy):
             results.append(out)
             mine = self._local_view(half + offset, max_send, part.shape[1], part.dtype)
             bias0, bias1 = (biases + (None, None))[:2] if index == 0 else (None, None)
-            self.kernels.reduce_rows[(max(1, min(sms, tokens)),)](
+            self.kernels.reduce_rows[(max(1, min(sms, _cdiv(tokens, REDUCE_TILE))),)](
                 signals, self.rank, self._epoch, self.timeout_ns, out, gather_rows, part, mine,
                 bias0 if bias0 is not None else out, bias1 if bias1 is not None else out, tokens, part.shape[1],
                 NUM_RANKS=self.world, HAS_BIAS0=bias0 is not None, HAS_BIAS1=bias1 is not None, WAIT=index == 0,
-                BLOCK=_pow2_block(part.shape[1], REDUCE_BLOCK), TIMED=_timed(), num_warps=REDUCE_WARPS)
+                BLOCK=_pow2_block(part.shape[1], REDUCE_BLOCK), TILE=REDUCE_TILE, TIMED=_timed(),
+                num_warps=REDUCE_WARPS)
         combined_weights = results[1].float() if weights is not None else None
         return results[0], combined_weights
 
