@@ -21,7 +21,7 @@ from ascend_dualpath.errors import AlignmentError, BoundsError, CapacityError, C
 from ascend_dualpath.moe import quant
 from ascend_dualpath.moe.event import EventOverlap
 from ascend_dualpath.moe.layout import compute_dispatch_layout
-from ascend_dualpath.moe.strategies.base import NormalPlan
+from ascend_dualpath.moe.strategies.base import NormalPlan, to_device_async
 
 BUFFER_ALIGNMENT_BYTES = 128
 MAX_LOCAL_EXPERTS = 1024
@@ -436,7 +436,7 @@ class Buffer:
             recv_topk_idx = torch.cat([recv_topk_idx, recv_topk_idx.new_full((pad, recv_topk_idx.shape[1]), -1)])
             recv_topk_weights = torch.cat([recv_topk_weights, recv_topk_weights.new_zeros((pad, recv_topk_idx.shape[1]))])
             counts_list = []
-        rank_prefix_matrix = count_matrix.cumsum(dim=0).to(torch.int32).to(parts[0].device)
+        rank_prefix_matrix = to_device_async(count_matrix.cumsum(dim=0).to(torch.int32), parts[0].device)
         new_handle = DispatchHandle(rank_prefix_matrix, plan.recv_src_idx, is_token_in_rank, plan)
         recv_x = tuple(recv_parts) if isinstance(x, tuple) else recv_parts[0]
         return (recv_x, recv_topk_idx, recv_topk_weights, counts_list, new_handle,

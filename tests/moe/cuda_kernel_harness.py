@@ -54,6 +54,7 @@ class EmulatedRank(cuda_strategy.CudaStrategy):
         self.kernels = _Kernels(cuda_strategy._kernels(), queue)
         self.timeout_ns = int(1e9)
         self._epoch = self._count_epoch = 0
+        self.fused = False  # one process runs the ranks in turn: the waiting halves must be separate launches
         local = buffers[rank]
         peers = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
         self._symm = (local, None, peers, local[:cuda_strategy.HEADER_BYTES].view(torch.int32))
@@ -181,11 +182,38 @@ def check_dispatch_and_combine(world: int) -> None:
         assert bool((b[-4096:] == POISON).all()), f"rank {r}: bytes past the used regions were written"
 
 
+def check_fused_launches(world: int) -> None:
+    """The one-launch dispatch and combine (the GPU path). Ranks run in turn, so only the last rank finds every
+    peer's rows in place (the others time out waiting, which sets their error word): check that rank."""
+    queue: list = []
+    buffers = _buffers(world)
+    ranks = [EmulatedRank(r, world, buffers, queue) for r in range(world)]
+    for strategy in ranks:
+        strategy.fused = True
+    xs, idxs, weights, experts = make_inputs(world, seed=5)
+    xs[-1] = torch.randn(6, HIDDEN).to(torch.bfloat16)  # the last rank needs tokens to check the combine
+    idxs[-1] = torch.randint(0, experts, (6, idxs[0].shape[1]))
+    weights[-1] = torch.rand(6, idxs[0].shape[1])
+    layouts = [ranks[0].dispatch_layout(idx, experts, world, 8)[0] for idx in idxs]
+    plans = _plans(ranks, idxs, experts, layouts)
+    expected = ref.dispatch(xs, idxs, weights, experts)
+    received = [strategy.dispatch_rows(plans[r], [xs[r]], "fused dispatch")[0] for r, strategy in enumerate(ranks)]
+    assert not queue, "fused launches queue nothing"
+    last = world - 1
+    assert torch.equal(_bits(received[last]), _bits(expected[last].x)), "fused dispatch rows (last rank)"
+    combined = [strategy.combine_rows(plans[r], expected[r].x, None, ())[0] for r, strategy in enumerate(ranks)]
+    want = ref.combine([e.x for e in expected], expected, [x.shape[0] for x in xs], [() for _ in xs])
+    assert torch.equal(_bits(combined[last]), _bits(want[last])), "fused combine (last rank)"
+    assert int(buffers[last][:cuda_strategy.HEADER_BYTES].view(torch.int32)[cuda_strategy._kernels().ERROR_WORD]) == 0
+    assert int(buffers[0][:cuda_strategy.HEADER_BYTES].view(torch.int32)[cuda_strategy._kernels().ERROR_WORD]) == 1
+
+
 def main(world: int) -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run under TRITON_INTERPRET=1"
     check_layout(world)
     check_count_exchange(world)
     check_dispatch_and_combine(world)
+    check_fused_launches(world)
     print("ok")
 
 

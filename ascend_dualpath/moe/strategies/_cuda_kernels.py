@@ -153,13 +153,16 @@ def _push_part(t, live, slots, src, out, words, region, peers, me, NUM_RANKS: tl
 
 
 @triton.jit
-def push_rows(peers, signals, slots, num_tokens, me, epoch,
-              s0, o0, w0, r0, s1, o1, w1, r1, s2, o2, w2, r2, s3, o3, w3, r3, s4, o4, w4, r4,
+def push_rows(peers, signals, slots, num_tokens, me, epoch, num_rows, own_begin, own_end, timeout_ns,
+              s0, o0, w0, r0, m0, s1, o1, w1, r1, m1, s2, o2, w2, r2, m2, s3, o3, w3, r3, m3, s4, o4, w4, r4, m4,
               NUM_RANKS: tl.constexpr, NUM_PARTS: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
-              B2: tl.constexpr, B3: tl.constexpr, B4: tl.constexpr, TILE: tl.constexpr):
-    """Dispatch send half. Token t's row of part p (int32 words ``s_p`` [T, w_p]) goes to row
-    ``slots[t, r]`` of rank r (skipped when < 0): this rank's own output ``o_p`` for r = me, word offset
-    ``r_p`` of peer r's buffer otherwise. The last CTA signals ``epoch`` to every peer."""
+              B2: tl.constexpr, B3: tl.constexpr, B4: tl.constexpr, TILE: tl.constexpr, FUSED: tl.constexpr,
+              TIMED: tl.constexpr):
+    """Dispatch. Token t's row of part p (int32 words ``s_p`` [T, w_p]) goes to row ``slots[t, r]`` of rank
+    r (skipped when < 0): this rank's own output ``o_p`` for r = me, word offset ``r_p`` of peer r's buffer
+    otherwise; the last CTA signals ``epoch`` to every peer. If FUSED, every CTA then does the receive half
+    (:func:`receive_rows`, with ``m_p`` this rank's buffer region of part p): one launch instead of two, which
+    needs all CTAs resident at once (the grid is at most one CTA per SM)."""
     for first in range(tl.program_id(0).to(tl.int64) * TILE, num_tokens, tl.num_programs(0) * TILE):
         t = first + tl.arange(0, TILE)
         live = t < num_tokens
@@ -173,6 +176,9 @@ def push_rows(peers, signals, slots, num_tokens, me, epoch,
         if NUM_PARTS > 4:
             _push_part(t, live, slots, s4, o4, w4, r4, peers, me, NUM_RANKS, B4)
     _signal_peers(peers, signals, me, epoch, SIG_DATA, NUM_RANKS)
+    if FUSED:
+        _receive(signals, me, epoch, num_rows, own_begin, own_end, timeout_ns, m0, o0, w0, m1, o1, w1, m2, o2, w2,
+                 m3, o3, w3, m4, o4, w4, NUM_RANKS, NUM_PARTS, B0, B1, B2, B3, B4, TILE, TIMED)
 
 
 @triton.jit
@@ -185,12 +191,10 @@ def _copy_part(row, live, src, out, words, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def receive_rows(signals, me, epoch, num_rows, own_begin, own_end, timeout_ns,
-                 m0, o0, w0, m1, o1, w1, m2, o2, w2, m3, o3, w3, m4, o4, w4,
-                 NUM_RANKS: tl.constexpr, NUM_PARTS: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
-                 B2: tl.constexpr, B3: tl.constexpr, B4: tl.constexpr, TILE: tl.constexpr, TIMED: tl.constexpr):
-    """Dispatch receive half: wait for every peer's signal, then copy the peers' rows (all rows but
-    ``[own_begin, own_end)``) of each part from this rank's buffer region ``m_p`` to the output ``o_p``."""
+def _receive(signals, me, epoch, num_rows, own_begin, own_end, timeout_ns,
+             m0, o0, w0, m1, o1, w1, m2, o2, w2, m3, o3, w3, m4, o4, w4,
+             NUM_RANKS: tl.constexpr, NUM_PARTS: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
+             B2: tl.constexpr, B3: tl.constexpr, B4: tl.constexpr, TILE: tl.constexpr, TIMED: tl.constexpr):
     _wait_all_peers(signals, me, epoch, timeout_ns, SIG_DATA, NUM_RANKS, TIMED)
     own = own_end - own_begin
     for first in range(tl.program_id(0).to(tl.int64) * TILE, num_rows - own, tl.num_programs(0) * TILE):
@@ -208,6 +212,17 @@ def receive_rows(signals, me, epoch, num_rows, own_begin, own_end, timeout_ns,
             _copy_part(row, live, m4, o4, w4, B4)
 
 
+@triton.jit
+def receive_rows(signals, me, epoch, num_rows, own_begin, own_end, timeout_ns,
+                 m0, o0, w0, m1, o1, w1, m2, o2, w2, m3, o3, w3, m4, o4, w4,
+                 NUM_RANKS: tl.constexpr, NUM_PARTS: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
+                 B2: tl.constexpr, B3: tl.constexpr, B4: tl.constexpr, TILE: tl.constexpr, TIMED: tl.constexpr):
+    """Dispatch receive half: wait for every peer's signal, then copy the peers' rows (all rows but
+    ``[own_begin, own_end)``) of each part from this rank's buffer region ``m_p`` to the output ``o_p``."""
+    _receive(signals, me, epoch, num_rows, own_begin, own_end, timeout_ns, m0, o0, w0, m1, o1, w1, m2, o2, w2,
+             m3, o3, w3, m4, o4, w4, NUM_RANKS, NUM_PARTS, B0, B1, B2, B3, B4, TILE, TIMED)
+
+
 # ---------------------------------------------------------------------------------------------- combine
 @triton.jit
 def _return_part(row, live, source, slot, src, words, region, peers, NUM_RANKS: tl.constexpr, BLOCK: tl.constexpr):
@@ -222,11 +237,14 @@ def _return_part(row, live, source, slot, src, words, region, peers, NUM_RANKS: 
 
 @triton.jit
 def push_back(peers, signals, recv_prefix, slot_base, me, epoch, num_rows, s0, w0, r0, s1, w1, r1,
+              timeout_ns, out, gather, local, mine, bias0, bias1, num_tokens, row_elems,
               NUM_RANKS: tl.constexpr, NUM_PARTS: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
-              TILE: tl.constexpr):
+              TILE: tl.constexpr, FUSED: tl.constexpr, HAS_BIAS0: tl.constexpr, HAS_BIAS1: tl.constexpr,
+              RBLOCK: tl.constexpr, RTILE: tl.constexpr, TIMED: tl.constexpr):
     """Combine send half: received row ``row`` (from source rank s, rows grouped by source as in
     ``recv_prefix`` [R + 1]) goes back to row ``slot_base[s] + row - recv_prefix[s]`` of rank s's buffer.
-    Own rows stay (the reduction reads them in place). The last CTA signals ``epoch``."""
+    Own rows stay (the reduction reads them in place). The last CTA signals ``epoch``. If FUSED, every CTA
+    then does :func:`reduce_rows` of part 0 (``local`` = part 0 typed, ``mine`` its buffer region)."""
     own_begin = tl.load(recv_prefix + me).to(tl.int64)
     own = tl.load(recv_prefix + me + 1).to(tl.int64) - own_begin
     for first in range(tl.program_id(0).to(tl.int64) * TILE, num_rows - own, tl.num_programs(0) * TILE):
@@ -242,6 +260,9 @@ def push_back(peers, signals, recv_prefix, slot_base, me, epoch, num_rows, s0, w
         if NUM_PARTS > 1:
             _return_part(row, live, source, slot, s1, w1, r1, peers, NUM_RANKS, B1)
     _signal_peers(peers, signals, me, epoch, SIG_DATA, NUM_RANKS)
+    if FUSED:
+        _reduce(signals, me, epoch, timeout_ns, out, gather, local, mine, bias0, bias1, num_tokens, row_elems,
+                NUM_RANKS, HAS_BIAS0, HAS_BIAS1, True, RBLOCK, RTILE, TIMED)
 
 
 @triton.jit
@@ -267,6 +288,14 @@ def reduce_rows(signals, me, epoch, timeout_ns, out, rows, local, mine, bias0, b
                 BLOCK: tl.constexpr, TILE: tl.constexpr, TIMED: tl.constexpr):
     """Combine receive half: ``out[t] = Σ_{r ascending} row rows[t, r] of (local if r == me else mine)``
     (rows < 0 skipped), then + bias0[t] + bias1[t], all in float32; waits for the peers first if WAIT."""
+    _reduce(signals, me, epoch, timeout_ns, out, rows, local, mine, bias0, bias1, num_tokens, row_elems,
+            NUM_RANKS, HAS_BIAS0, HAS_BIAS1, WAIT, BLOCK, TILE, TIMED)
+
+
+@triton.jit
+def _reduce(signals, me, epoch, timeout_ns, out, rows, local, mine, bias0, bias1, num_tokens, row_elems,
+            NUM_RANKS: tl.constexpr, HAS_BIAS0: tl.constexpr, HAS_BIAS1: tl.constexpr, WAIT: tl.constexpr,
+            BLOCK: tl.constexpr, TILE: tl.constexpr, TIMED: tl.constexpr):
     if WAIT:
         _wait_all_peers(signals, me, epoch, timeout_ns, SIG_DATA, NUM_RANKS, TIMED)
     for first in range(tl.program_id(0).to(tl.int64) * TILE, num_tokens, tl.num_programs(0) * TILE):

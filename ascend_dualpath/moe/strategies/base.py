@@ -53,6 +53,14 @@ class NormalPlan:
         return int(self.count_matrix[:, self.rank].sum())
 
 
+def to_device_async(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a small CPU tensor to ``device`` without a host sync (through pinned memory on CUDA; a pageable
+    copy would wait for the stream's earlier work)."""
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 class PendingRows:
     """Rows in flight; :meth:`wait` (bounded) returns them as the list of parts that was sent."""
 

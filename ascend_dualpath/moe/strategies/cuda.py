@@ -34,16 +34,18 @@ from typing import Any
 
 import torch
 
+from ascend_dualpath import _env
 from ascend_dualpath.errors import BackendUnavailable, WaitTimeout
 from ascend_dualpath.moe.strategies.alltoall import AllToAllStrategy
-from ascend_dualpath.moe.strategies.base import NormalPlan
+from ascend_dualpath.moe.strategies.base import NormalPlan, to_device_async
 
 MAX_PEERS = 8
 # Per-direction NVLink bandwidth of an H200 SXM pair (NV18: 18 links x 26.56 GB/s), the model's default.
 NVLINK_GBS = 478.0
-# What one SM sustains reading local HBM and writing (local or remote) memory, DeepEP V2's figures.
+# What one SM sustains reading local HBM (DeepEP V2's figure) and writing rows (measured: `bench moe`'s SM
+# calibration, cached BF16 dispatch at 8 SMs on 2x H200, 2026-11-30: 18 GB/s of rows written per SM).
 SM_READ_GBS = 200.0
-SM_WRITE_GBS = 50.0
+SM_WRITE_GBS = 18.0
 SM_HEADROOM = 1.25
 MIN_SMS = 4
 REGION_ALIGN_BYTES = 256
@@ -155,6 +157,8 @@ class CudaStrategy(AllToAllStrategy):
         self.kernels = _kernels()
         self.timeout_ns = int(timeout_s * 1e9)
         self._symm: Any = None  # (local uint8 tensor, handle, peers int64 [R], signals int32 header view)
+        # Send and receive halves in one launch (all CTAs resident: grid <= SMs), unless ADP_MOE_FUSED=0.
+        self.fused = _env.moe_fused()
         self._epoch = 0
         self._count_epoch = 0
 
@@ -253,28 +257,28 @@ class CudaStrategy(AllToAllStrategy):
     def prepare_plan(self, plan: NormalPlan) -> None:
         in_rank = plan.is_token_in_rank
         counts = plan.count_matrix
+        world, me = self.world, self.rank
+        recv_prefix = [0] + torch.cumsum(counts[:, me], 0).tolist()
+        # All small tables in one asynchronous copy: [0:R] rows from lower source ranks at each destination,
+        # [R:2R] rows this rank sends to lower destinations, [2R:3R+1] receive prefix by source, [3R+1:4R+1]
+        # where each source keeps the rows it sent to this rank (after those it sent to lower ranks).
+        host = torch.cat([counts[:me].sum(dim=0), torch.cumsum(counts[me], 0) - counts[me],
+                          torch.tensor(recv_prefix), counts[:, :me].sum(dim=1)]).to(torch.int32)
+        tables = to_device_async(host, in_rank.device)
         # Row of token t in rank r's receive order: rows from lower source ranks first, then t's rank among
         # this rank's tokens going to r.
-        offsets = torch.stack([counts[:self.rank].sum(dim=0), torch.cumsum(counts[self.rank], 0) - counts[self.rank]])
-        offsets = offsets.to(torch.int32).to(in_rank.device)
         position = in_rank.to(torch.int32).cumsum(dim=0, dtype=torch.int32) - 1
-        dispatch_slots = torch.where(in_rank, position + offsets[0], -1).to(torch.int32).contiguous()
+        dispatch_slots = torch.where(in_rank, position + tables[:world], -1).to(torch.int32).contiguous()
         # Combine: this rank reads token t's row from destination r at its place in the send order (rows
         # sent to lower ranks first), or, for its own rows, at the received row index.
-        gather_rows = torch.where(in_rank, position + offsets[1], -1)
-        gather_rows[:, self.rank] = dispatch_slots[:, self.rank]
-        recv = counts[:, self.rank]
-        recv_prefix = [0] + torch.cumsum(recv, 0).tolist()
-        # Where source s keeps the rows it sent to this rank (after those it sent to lower ranks).
-        slot_base = [int(counts[s, :self.rank].sum()) for s in range(self.world)]
-        tables = torch.tensor(recv_prefix + slot_base, dtype=torch.int32).to(self.device)
+        gather_rows = torch.where(in_rank, position + tables[world:2 * world], -1)
+        gather_rows[:, me] = dispatch_slots[:, me]
         private = dict(plan.private or {})
         private.update(dispatch_slots=dispatch_slots, gather_rows=gather_rows.to(torch.int32).contiguous(),
-                       recv_prefix=recv_prefix, recv_prefix_dev=tables[:self.world + 1],
-                       slot_base_dev=tables[self.world + 1:], max_recv=int(counts.sum(dim=0).max()),
+                       recv_prefix=recv_prefix, recv_prefix_dev=tables[2 * world:3 * world + 1],
+                       slot_base_dev=tables[3 * world + 1:], max_recv=int(counts.sum(dim=0).max()),
                        max_send=int(counts.sum(dim=1).max()))
-        private["model_sms"] = choose_num_sms(private["num_experts"], private["num_topk"], self.world,
-                                              self.device_sms)
+        private["model_sms"] = choose_num_sms(private["num_experts"], private["num_topk"], world, self.device_sms)
         plan.private = private
 
     # ------------------------------------------------------------------ normal dispatch
@@ -298,20 +302,24 @@ class CudaStrategy(AllToAllStrategy):
         blocks = [_pow2_block(w, COPY_BLOCK_WORDS) for w in widths] + [1] * pad
         send_args, recv_args = [], []
         for w, out, width, offset in zip(wire, outs, widths, offsets):
-            send_args += [w, out, width, (half + offset) // 4]
-            recv_args += [self._local_view(half + offset, max_recv, width, torch.int32), out, width]
-        send_args += [wire[0], outs[0], 0, 0] * pad
+            mine = self._local_view(half + offset, max_recv, width, torch.int32)
+            send_args += [w, out, width, (half + offset) // 4, mine]
+            recv_args += [mine, out, width]
+        send_args += [wire[0], outs[0], 0, 0, outs[0]] * pad
         recv_args += [outs[0], outs[0], 0] * pad
-        self.kernels.push_rows[(max(1, min(sms, _cdiv(tokens, COPY_TILE))),)](
-            peers, signals, slots, tokens, self.rank, self._epoch, *send_args, NUM_RANKS=self.world,
-            NUM_PARTS=len(wire), B0=blocks[0], B1=blocks[1], B2=blocks[2], B3=blocks[3], B4=blocks[4],
-            TILE=COPY_TILE, num_warps=COPY_WARPS)
         prefix = private["recv_prefix"]
-        remote = num_recv - (prefix[self.rank + 1] - prefix[self.rank])
-        self.kernels.receive_rows[(max(1, min(sms, _cdiv(remote, COPY_TILE))),)](
-            signals, self.rank, self._epoch, num_recv, prefix[self.rank], prefix[self.rank + 1], self.timeout_ns,
-            *recv_args, NUM_RANKS=self.world, NUM_PARTS=len(wire), B0=blocks[0], B1=blocks[1], B2=blocks[2],
-            B3=blocks[3], B4=blocks[4], TILE=COPY_TILE, TIMED=_timed(), num_warps=COPY_WARPS)
+        own_begin, own_end = prefix[self.rank], prefix[self.rank + 1]
+        remote = num_recv - (own_end - own_begin)
+        work = max(_cdiv(tokens, COPY_TILE), _cdiv(remote, COPY_TILE)) if self.fused else _cdiv(tokens, COPY_TILE)
+        constants = dict(NUM_RANKS=self.world, NUM_PARTS=len(wire), B0=blocks[0], B1=blocks[1], B2=blocks[2],
+                         B3=blocks[3], B4=blocks[4], TILE=COPY_TILE, TIMED=_timed(), num_warps=COPY_WARPS)
+        self.kernels.push_rows[(max(1, min(sms, work)),)](
+            peers, signals, slots, tokens, self.rank, self._epoch, num_recv, own_begin, own_end, self.timeout_ns,
+            *send_args, FUSED=self.fused, **constants)
+        if not self.fused:
+            self.kernels.receive_rows[(max(1, min(sms, _cdiv(remote, COPY_TILE))),)](
+                signals, self.rank, self._epoch, num_recv, own_begin, own_end, self.timeout_ns, *recv_args,
+                **constants)
         results = []
         for out, part in zip(outs, parts):
             dtype = torch.uint8 if part.dtype == torch.bool else part.dtype
@@ -341,24 +349,36 @@ class CudaStrategy(AllToAllStrategy):
             back_args += [wire[0], 0, 0]
         prefix = private["recv_prefix"]
         remote = num_recv - (prefix[self.rank + 1] - prefix[self.rank])
-        self.kernels.push_back[(max(1, min(sms, _cdiv(remote, COPY_TILE))),)](
-            peers, signals, private["recv_prefix_dev"], private["slot_base_dev"], self.rank, self._epoch, num_recv,
-            *back_args, NUM_RANKS=self.world, NUM_PARTS=len(wire), B0=blocks[0], B1=blocks[1], TILE=COPY_TILE,
-            num_warps=COPY_WARPS)
         gather_rows = private["gather_rows"]
         tokens = gather_rows.shape[0]
-        results = []
-        for index, (part, offset) in enumerate(zip(parts, offsets)):
-            out = torch.empty(tokens, part.shape[1], dtype=part.dtype, device=self.device)
-            results.append(out)
-            mine = self._local_view(half + offset, max_send, part.shape[1], part.dtype)
-            bias0, bias1 = (biases + (None, None))[:2] if index == 0 else (None, None)
-            self.kernels.reduce_rows[(max(1, min(sms, _cdiv(tokens, REDUCE_TILE))),)](
-                signals, self.rank, self._epoch, self.timeout_ns, out, gather_rows, part, mine,
-                bias0 if bias0 is not None else out, bias1 if bias1 is not None else out, tokens, part.shape[1],
-                NUM_RANKS=self.world, HAS_BIAS0=bias0 is not None, HAS_BIAS1=bias1 is not None, WAIT=index == 0,
-                BLOCK=_pow2_block(part.shape[1], REDUCE_BLOCK), TILE=REDUCE_TILE, TIMED=_timed(),
+        outs = [torch.empty(tokens, part.shape[1], dtype=part.dtype, device=self.device) for part in parts]
+        mines = [self._local_view(half + offset, max_send, part.shape[1], part.dtype)
+                 for part, offset in zip(parts, offsets)]
+        bias0, bias1 = (tuple(biases) + (None, None))[:2]
+        reduce_x = dict(HAS_BIAS0=bias0 is not None, HAS_BIAS1=bias1 is not None,
+                        TIMED=_timed(), num_warps=REDUCE_WARPS)
+        x_args = (outs[0], gather_rows, parts[0], mines[0], outs[0] if bias0 is None else bias0,
+                  outs[0] if bias1 is None else bias1, tokens, parts[0].shape[1])
+        x_block = _pow2_block(parts[0].shape[1], REDUCE_BLOCK)
+        work = _cdiv(remote, COPY_TILE)
+        if self.fused:
+            work = max(work, _cdiv(tokens, REDUCE_TILE))
+        self.kernels.push_back[(max(1, min(sms, work)),)](
+            peers, signals, private["recv_prefix_dev"], private["slot_base_dev"], self.rank, self._epoch, num_recv,
+            *back_args, self.timeout_ns, *x_args, NUM_RANKS=self.world, NUM_PARTS=len(wire), B0=blocks[0],
+            B1=blocks[1], TILE=COPY_TILE, FUSED=self.fused, RBLOCK=x_block, RTILE=REDUCE_TILE, **reduce_x)
+        grid = (max(1, min(sms, _cdiv(tokens, REDUCE_TILE))),)
+        if not self.fused:
+            self.kernels.reduce_rows[grid](signals, self.rank, self._epoch, self.timeout_ns, *x_args,
+                                           NUM_RANKS=self.world, WAIT=True, BLOCK=x_block, TILE=REDUCE_TILE,
+                                           **reduce_x)
+        if weights is not None:  # after the x reduction on the stream, so the peers' rows are known to be here
+            self.kernels.reduce_rows[grid](
+                signals, self.rank, self._epoch, self.timeout_ns, outs[1], gather_rows, parts[1], mines[1], outs[1],
+                outs[1], tokens, parts[1].shape[1], NUM_RANKS=self.world, HAS_BIAS0=False, HAS_BIAS1=False,
+                WAIT=False, BLOCK=_pow2_block(parts[1].shape[1], REDUCE_BLOCK), TILE=REDUCE_TILE, TIMED=_timed(),
                 num_warps=REDUCE_WARPS)
+        results = outs
         combined_weights = results[1].float() if weights is not None else None
         return results[0], combined_weights
 
