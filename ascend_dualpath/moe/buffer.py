@@ -293,7 +293,8 @@ class Buffer:
         self._check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
         self._num_experts_check(num_experts)
         if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2:
-            raise ConfigError(f"topk_idx must be a 2-D tensor [tokens, topk], got {getattr(topk_idx, 'shape', topk_idx)}")
+            got = getattr(topk_idx, "shape", topk_idx)
+            raise ConfigError(f"topk_idx must be a 2-D tensor [tokens, topk], got {got}")
         fused = getattr(self.strategy, "dispatch_layout", None)
         if fused is None:
             _check_topk_idx(topk_idx, topk_idx.shape[0], num_experts)
@@ -434,7 +435,8 @@ class Buffer:
             pad = num_worst_tokens - num_recv
             recv_parts = [torch.cat([p, p.new_zeros((pad, *p.shape[1:]))]) for p in recv_parts]
             recv_topk_idx = torch.cat([recv_topk_idx, recv_topk_idx.new_full((pad, recv_topk_idx.shape[1]), -1)])
-            recv_topk_weights = torch.cat([recv_topk_weights, recv_topk_weights.new_zeros((pad, recv_topk_idx.shape[1]))])
+            recv_topk_weights = torch.cat([recv_topk_weights,
+                                           recv_topk_weights.new_zeros((pad, recv_topk_idx.shape[1]))])
             counts_list = []
         rank_prefix_matrix = to_device_async(count_matrix.cumsum(dim=0).to(torch.int32), parts[0].device)
         new_handle = DispatchHandle(rank_prefix_matrix, plan.recv_src_idx, is_token_in_rank, plan)

@@ -110,7 +110,8 @@ def unpack_ue8m0(packed: torch.Tensor) -> torch.Tensor:
 
 
 def per_token_cast_back(x_e4m3: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Dequantise FP8: ``[T, H]`` e4m3 and float32 ``[T, H/128]`` (or UE8M0 int32 ``[T, H/512]``) → float32 ``[T, H]``."""
+    """Dequantise FP8: ``[T, H]`` e4m3 and float32 ``[T, H/128]`` (or UE8M0 int32 ``[T, H/512]``) → float32
+    ``[T, H]``."""
     if scales.dtype == torch.int32:
         scales = unpack_ue8m0(scales)
     tokens, hidden = x_e4m3.shape

@@ -432,11 +432,12 @@ class Checks:
         self.check_dispatch_bf16()
 
 
-def run_all(rank: int, world: int, strategy: str = "alltoall", device: str = "cpu") -> dict:
-    """Run every check; returns check name -> "ok", the failed expectations, or a traceback."""
+def run_all(rank: int, world: int, strategy: str = "alltoall", device: str = "cpu", checks_class: type = None) -> dict:
+    """Run every check (of ``checks_class``, default :class:`Checks`); returns check name -> "ok", the failed
+    expectations, or a traceback."""
     import torch.distributed as dist
 
-    checks = Checks(rank, world, strategy, device)
+    checks = (checks_class or Checks)(rank, world, strategy, device)
     side = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=VOTE_S))
     names = [n for n in dir(checks) if n.startswith("check_") and (world == 2 or n != "check_bad_input")]
     results: dict[str, str] = {}
@@ -464,3 +465,12 @@ def run_all(rank: int, world: int, strategy: str = "alltoall", device: str = "cp
             ranks = [r for r, v in enumerate(votes) if v]
             aborted = f"{name} raised on rank(s) {ranks}, so peers may still be inside its collectives"
     return results
+
+
+class InjectedFailureChecks(Checks):
+    """Checks plus one that fails a value expectation after communicating: every other check must still run."""
+
+    def check_aaa_injected_failure(self) -> None:
+        recv_x, *_ = self.dispatch(self.xs[self.rank])
+        self.expect(recv_x.shape[0] < 0, "injected failure")
+        self.expect(True, "a met expectation records nothing")

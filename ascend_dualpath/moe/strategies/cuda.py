@@ -180,8 +180,8 @@ class CudaStrategy(AllToAllStrategy):
                     warnings.simplefilter("ignore", FutureWarning)
                     symm_mem.enable_symm_mem_for_group(self.group.group_name)
             handle = symm_mem.rendezvous(local, self.group.group_name)
-            bases = [local.data_ptr() if r == self.rank else handle.get_buffer(r, (capacity,), torch.uint8, 0).data_ptr()
-                     for r in range(self.world)]
+            bases = [local.data_ptr() if r == self.rank
+                     else handle.get_buffer(r, (capacity,), torch.uint8, 0).data_ptr() for r in range(self.world)]
             peers = torch.tensor(bases, dtype=torch.int64, device=self.device)
             self._symm = (local, handle, peers, local[:HEADER_BYTES].view(torch.int32))
         return self._symm
@@ -241,7 +241,7 @@ class CudaStrategy(AllToAllStrategy):
         width = counts.numel()
         if self.world * width * 4 > COUNT_SLOT_BYTES:
             return super().exchange_counts(counts, what)
-        local, _, peers, signals = self._buffer(0)
+        _, _, peers, signals = self._buffer(0)
         self._count_epoch += 1
         area = HEADER_BYTES + (self._count_epoch % 2) * COUNT_SLOT_BYTES
         row = counts.to(torch.int64).clamp(-(2 ** 31), 2 ** 31 - 1).to(torch.int32).contiguous()
@@ -290,7 +290,7 @@ class CudaStrategy(AllToAllStrategy):
         widths = [w.shape[1] for w in wire]
         max_recv = private["max_recv"]
         offsets, total = self._regions([4 * w for w in widths], max_recv)
-        local, _, peers, signals = self._buffer(total)
+        _, _, peers, signals = self._buffer(total)
         self._epoch += 1
         half = self._half(self._epoch)
         num_recv = plan.num_recv_tokens
@@ -336,7 +336,7 @@ class CudaStrategy(AllToAllStrategy):
         widths = [w.shape[1] for w in wire]
         max_send = private["max_send"]
         offsets, total = self._regions([4 * w for w in widths], max_send)
-        local, _, peers, signals = self._buffer(total)
+        _, _, peers, signals = self._buffer(total)
         self._epoch += 1
         half = self._half(self._epoch)
         sms = self.num_sms_for(plan)
