@@ -9,9 +9,10 @@ starts with a header of int32 words, ``signals`` being a rank's own header:
 - ``DONE``: finished CTAs of this rank's running push kernel (the last one to finish signals the peers);
 - ``ERROR``: set to 1 when a device-side wait gave up after ``timeout_ns``.
 
-Ordering: each CTA's stores, then a CTA barrier and a system-scope release increment of ``DONE``; the CTA
-that finishes last acquires it and release-stores the epoch into every peer's signal word; a receiver
-acquire-polls that word. Waits are bounded by the GPU global timer (by a spin count in the interpreter).
+Ordering: each CTA's stores, then a CTA barrier and a system-scope release increment of ``DONE``; the CTA that
+finishes last acquires it and release-stores the epoch into every peer's signal word; a receiver acquire-polls
+that word. ``epoch`` changes on every call, so it is not specialised (Triton would otherwise compile a variant
+the first time it is 1 or a multiple of 16: a stall of a compile in the middle of a run). Waits are bounded by the GPU global timer (by a spin count in the interpreter).
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ def dispatch_layout(topk_idx, counts, in_rank, num_tokens, num_topk, experts_per
 
 
 # ---------------------------------------------------------------------------------------------- counts
-@triton.jit
+@triton.jit(do_not_specialize=["epoch"])
 def exchange_counts(peers, signals, row, me, epoch, width, area, timeout_ns, NUM_RANKS: tl.constexpr,
                     BLOCK: tl.constexpr, TIMED: tl.constexpr):
     """One CTA: store ``row`` [width] into row ``me`` of every rank's count area (word offset ``area``),
@@ -152,7 +153,7 @@ def _push_part(t, live, slots, src, out, words, region, peers, me, NUM_RANKS: tl
                 tl.store(_peer_words(peers, rank) + region + offsets, values, mask=to_rank)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["epoch"])
 def push_rows(peers, signals, slots, num_tokens, me, epoch, num_rows, own_begin, own_end, timeout_ns,
               s0, o0, w0, r0, m0, s1, o1, w1, r1, m1, s2, o2, w2, r2, m2, s3, o3, w3, r3, m3, s4, o4, w4, r4, m4,
               NUM_RANKS: tl.constexpr, NUM_PARTS: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
@@ -212,7 +213,7 @@ def _receive(signals, me, epoch, num_rows, own_begin, own_end, timeout_ns,
             _copy_part(row, live, m4, o4, w4, B4)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["epoch"])
 def receive_rows(signals, me, epoch, num_rows, own_begin, own_end, timeout_ns,
                  m0, o0, w0, m1, o1, w1, m2, o2, w2, m3, o3, w3, m4, o4, w4,
                  NUM_RANKS: tl.constexpr, NUM_PARTS: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
@@ -235,7 +236,7 @@ def _return_part(row, live, source, slot, src, words, region, peers, NUM_RANKS: 
             tl.store(_peer_words(peers, rank) + offsets, values, mask=mask & (source == rank)[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["epoch"])
 def push_back(peers, signals, recv_prefix, slot_base, me, epoch, num_rows, s0, w0, r0, s1, w1, r1,
               timeout_ns, out, gather, local, mine, bias0, bias1, num_tokens, row_elems,
               NUM_RANKS: tl.constexpr, NUM_PARTS: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
@@ -282,7 +283,7 @@ def _add_rows(acc, src, row, live, cols, col_mask, row_elems):
     return acc + tl.load(src + offsets, mask=mask, other=0.0).to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["epoch"])
 def reduce_rows(signals, me, epoch, timeout_ns, out, rows, local, mine, bias0, bias1, num_tokens, row_elems,
                 NUM_RANKS: tl.constexpr, HAS_BIAS0: tl.constexpr, HAS_BIAS1: tl.constexpr, WAIT: tl.constexpr,
                 BLOCK: tl.constexpr, TILE: tl.constexpr, TIMED: tl.constexpr):
