@@ -12,7 +12,8 @@ starts with a header of int32 words, ``signals`` being a rank's own header:
 Ordering: each CTA's stores, then a CTA barrier and a system-scope release increment of ``DONE``; the CTA that
 finishes last acquires it and release-stores the epoch into every peer's signal word; a receiver acquire-polls
 that word. ``epoch`` changes on every call, so it is not specialised (Triton would otherwise compile a variant
-the first time it is 1 or a multiple of 16: a stall of a compile in the middle of a run). Waits are bounded by the GPU global timer (by a spin count in the interpreter).
+the first time it is 1 or a multiple of 16: a compile stall in the middle of a run). Waits are bounded by the GPU
+global timer (by a spin count in the interpreter).
 """
 
 from __future__ import annotations
