@@ -10,6 +10,7 @@ variable                   meaning
 ``ADP_EMU_PRODUCT``        emulated product profile: ``A2`` (default) or ``A3``
 ``ADP_TIMEOUT_S``          default bound, in seconds, for every wait (default 30)
 ``ADP_FAST_DEBUG``         ``1`` shortens every default wait to 2 s, to fail fast while debugging
+``ADP_MOE_FUSED``          ``0`` runs the cuda MoE strategy's send and receive halves as two launches (default 1: one)
 ``ADP_TRACE_DIR``          where the simulator finds shared traces (default ``<repo>/../shared/traces``)
 ``ADP_WITH_NPU``           build flag read by ``setup.py``: ``0`` skips the NPU part, ``1`` requires it
 ``ADP_WITH_CUDA``          build flag read by ``setup.py``: ``0`` skips CUDA sources, ``1`` requires them
@@ -59,6 +60,14 @@ def timeout_s() -> float:
             raise ValueError(f"ADP_TIMEOUT_S must be > 0 seconds, got {raw!r}")
         return value
     return FAST_DEBUG_TIMEOUT_S if fast_debug() else DEFAULT_TIMEOUT_S
+
+
+def moe_fused() -> bool:
+    """Whether the cuda MoE strategy fuses send and receive halves into one launch (``ADP_MOE_FUSED``, default 1)."""
+    raw = _get("ADP_MOE_FUSED")
+    if raw not in (None, "0", "1"):
+        raise ValueError(f"ADP_MOE_FUSED must be 0 or 1, got {raw!r}")
+    return raw != "0"
 
 
 def build_flag(name: str) -> bool | None:

@@ -3,14 +3,14 @@
 Spawns one process per GPU (nccl) or ``--ranks`` CPU processes (gloo). Every timed call is preceded by a
 barrier and an L2 flush; a call's time is the slowest rank's. Bandwidth is reported two ways:
 ``logical`` counts every received row, a rank's own tokens included (DeepEP's convention), ``cross``
-counts only rows that crossed between devices.
+counts only rows that crossed between devices. ``host us`` is the median time until the Python call returns
+(GPU work may still be running then): where it nears the timed figure, host overhead is what bounds the op.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -38,7 +38,9 @@ def _time(fn, iters, warmup, device, group):
         fn()
     cuda = device.type == "cuda"
     flush = torch.empty(256 << 20, dtype=torch.int8, device=device) if cuda else None
-    samples = []
+    import time
+
+    samples, host = [], []
     for _ in range(iters):
         dist.barrier(group)
         if cuda:
@@ -46,20 +48,21 @@ def _time(fn, iters, warmup, device, group):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize()
             start.record()
+            t0 = time.perf_counter()
             fn()
+            host.append(time.perf_counter() - t0)
             end.record()
             torch.cuda.synchronize()
             seconds = start.elapsed_time(end) / 1e3
         else:
-            import time
-
             t0 = time.perf_counter()
             fn()
             seconds = time.perf_counter() - t0
+            host.append(seconds)
         slowest = torch.tensor([seconds], dtype=torch.float64, device=device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
         samples.append(float(slowest))
-    return samples
+    return samples, host
 
 
 def _worker(rank, world, store, args, queue):
@@ -99,10 +102,11 @@ def _worker(rank, world, store, args, queue):
             bf16_row, fp8_row = args.hidden * 2, args.hidden + args.hidden // 128 * 4
 
             def op(name, fn, row_bytes):
-                samples = _time(fn, args.iters, args.warmup, device, group)
+                samples, host = _time(fn, args.iters, args.warmup, device, group)
                 rows.append(dict(strategy=strategy, num_sms=used_sms if strategy == "cuda" else None, op=name,
                                  mean_us=statistics.mean(samples) * 1e6, median_us=statistics.median(samples) * 1e6,
-                                 min_us=min(samples) * 1e6, logical_bytes=logical_rows * row_bytes,
+                                 min_us=min(samples) * 1e6, host_us=statistics.median(host) * 1e6,
+                                 logical_bytes=logical_rows * row_bytes,
                                  cross_bytes=cross_rows * row_bytes))
 
             op("layout", lambda: buffer.get_dispatch_layout(topk_idx, args.experts), 0)
@@ -132,15 +136,27 @@ def _worker(rank, world, store, args, queue):
 
 
 def _table(result) -> str:
-    lines = [f"{'strategy':<9} {'sms':>4} {'op':<40} {'median us':>10} {'mean us':>10} {'logical GB/s':>12} "
-             f"{'cross GB/s':>10}"]
+    lines = [f"{'strategy':<9} {'sms':>4} {'op':<40} {'median us':>10} {'mean us':>10} {'host us':>8} "
+             f"{'logical GB/s':>12} {'cross GB/s':>10}"]
     for r in result["rows"]:
         t = r["median_us"] / 1e6
         logical = f"{r['logical_bytes'] / t / 1e9:.0f}" if r["logical_bytes"] else "-"
         cross = f"{r['cross_bytes'] / t / 1e9:.0f}" if r.get("cross_bytes") else "-"
         lines.append(f"{r['strategy']:<9} {str(r['num_sms'] or '-'):>4} {r['op']:<40} {r['median_us']:>10.1f} "
-                     f"{r['mean_us']:>10.1f} {logical:>12} {cross:>10}")
+                     f"{r['mean_us']:>10.1f} {r['host_us']:>8.1f} {logical:>12} {cross:>10}")
     return "\n".join(lines)
+
+
+def sm_calibration(rows: list[dict]) -> dict | None:
+    """Per-SM write throughput of the cuda strategy's copy kernels, from the cached BF16 dispatch at the
+    smallest SM count measured (where the SMs, not NVLink, bound it): every written row (own and peer)
+    per second per SM. This is the figure ``choose_num_sms`` takes as ``sm_write_gbs``."""
+    runs = [r for r in rows if r["strategy"] == "cuda" and r["op"] == "dispatch bf16 (cached)" and r["num_sms"]]
+    if not runs:
+        return None
+    fewest = min(runs, key=lambda r: r["num_sms"])
+    per_sm = fewest["logical_bytes"] / (fewest["median_us"] / 1e6) / 1e9 / fewest["num_sms"]
+    return dict(num_sms=fewest["num_sms"], per_sm_write_gbs=per_sm)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -174,7 +190,11 @@ def run(args: argparse.Namespace) -> int:
         print("bench moe: no result (a rank failed or the run exceeded 540 s)", file=sys.stderr)
         return 1
     result["args"] = vars(args)
+    result["sm_calibration"] = sm_calibration(result["rows"])
     print(_table(result))
+    if result["sm_calibration"]:
+        print("sm calibration: {per_sm_write_gbs:.1f} GB/s written per SM (cached BF16 dispatch at {num_sms} SMs)"
+              .format(**result["sm_calibration"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

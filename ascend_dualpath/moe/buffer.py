@@ -21,7 +21,7 @@ from ascend_dualpath.errors import AlignmentError, BoundsError, CapacityError, C
 from ascend_dualpath.moe import quant
 from ascend_dualpath.moe.event import EventOverlap
 from ascend_dualpath.moe.layout import compute_dispatch_layout
-from ascend_dualpath.moe.strategies.base import NormalPlan
+from ascend_dualpath.moe.strategies.base import NormalPlan, to_device_async
 
 BUFFER_ALIGNMENT_BYTES = 128
 MAX_LOCAL_EXPERTS = 1024
@@ -75,11 +75,15 @@ def _check_tensor(t: Any, name: str, dtype: torch.dtype | tuple, shape: tuple) -
 def _check_topk_idx(topk_idx: torch.Tensor, tokens: int, num_experts: int) -> None:
     _check_tensor(topk_idx, "topk_idx", TOPK_IDX_DTYPE, (tokens, None))
     if topk_idx.numel():
-        low, high = int(topk_idx.min()), int(topk_idx.max())
-        if high >= num_experts:
-            raise BoundsError(f"topk_idx holds expert id {high}, but num_experts={num_experts} (ids must be < it)")
-        if low < -1:
-            raise BoundsError(f"topk_idx holds expert id {low}; ids must be -1 (unused) or in [0, {num_experts})")
+        _check_id_range(*torch.aminmax(topk_idx), num_experts)
+
+
+def _check_id_range(low: Any, high: Any, num_experts: int, where: str = "") -> None:
+    low, high = int(low), int(high)
+    if high >= num_experts:
+        raise BoundsError(f"topk_idx{where} holds expert id {high}, but num_experts={num_experts} (ids must be < it)")
+    if low < -1:
+        raise BoundsError(f"topk_idx{where} holds expert id {low}; ids must be -1 (unused) or in [0, {num_experts})")
 
 
 def _x_parts(x: Any) -> list[torch.Tensor]:
@@ -108,6 +112,19 @@ def _x_parts(x: Any) -> list[torch.Tensor]:
 
 def _align_up(value: int, alignment: int) -> int:
     return -(-value // alignment) * alignment
+
+
+def _routing_stats(topk_idx: torch.Tensor | None, num_tokens_per_rank: torch.Tensor,
+                   is_token_in_rank: torch.Tensor) -> torch.Tensor:
+    """int64 [4] on the inputs' device: (min id, max id) of ``topk_idx`` ((-1, -1) when absent or empty), the
+    sum of ``num_tokens_per_rank`` and the number of True entries of ``is_token_in_rank``."""
+    device = num_tokens_per_rank.device
+    if topk_idx is not None and topk_idx.numel():
+        low_high = torch.stack(torch.aminmax(topk_idx))
+    else:
+        low_high = torch.full((2,), -1, dtype=torch.int64, device=device)
+    sums = torch.stack([num_tokens_per_rank.sum(dtype=torch.int64), is_token_in_rank.sum(dtype=torch.int64)])
+    return torch.cat([low_high.to(device), sums])
 
 
 class Buffer:
@@ -276,12 +293,22 @@ class Buffer:
         self._check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
         self._num_experts_check(num_experts)
         if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2:
-            raise ConfigError(f"topk_idx must be a 2-D tensor [tokens, topk], got {getattr(topk_idx, 'shape', topk_idx)}")
-        _check_topk_idx(topk_idx, topk_idx.shape[0], num_experts)
+            got = getattr(topk_idx, "shape", topk_idx)
+            raise ConfigError(f"topk_idx must be a 2-D tensor [tokens, topk], got {got}")
+        fused = getattr(self.strategy, "dispatch_layout", None)
+        if fused is None:
+            _check_topk_idx(topk_idx, topk_idx.shape[0], num_experts)
+        else:
+            _check_tensor(topk_idx, "topk_idx", TOPK_IDX_DTYPE, (topk_idx.shape[0], None))
         if previous_event is not None:
             previous_event.current_stream_wait()
-        layout_fn = getattr(self.strategy, "dispatch_layout", compute_dispatch_layout)
-        layout = layout_fn(topk_idx, num_experts, self.group_size, self.ranks_per_node)
+        if fused is None:
+            layout = compute_dispatch_layout(topk_idx, num_experts, self.group_size, self.ranks_per_node)
+        else:
+            # One kernel computes the layout and the id range; the outputs are fresh, so raising after it
+            # leaves nothing of the caller's modified.
+            layout, (low, high) = fused(topk_idx, num_experts, self.group_size, self.ranks_per_node)
+            _check_id_range(low, high, num_experts)
         return (*layout, self._finish_event(topk_idx.device, async_finish))
 
     # ----------------------------------------------------------------- normal dispatch
@@ -343,7 +370,7 @@ class Buffer:
         if (topk_idx is None) != (topk_weights is None):
             raise ConfigError("topk_idx and topk_weights must be given together or both omitted")
         if topk_idx is not None:
-            _check_topk_idx(topk_idx, tokens, num_experts)
+            _check_tensor(topk_idx, "topk_idx", TOPK_IDX_DTYPE, (tokens, None))
             _check_tensor(topk_weights, "topk_weights", torch.float32, tuple(topk_idx.shape))
             row_bytes += topk_idx.shape[1] * (8 + 4)
         row_bytes += 4  # source token index
@@ -353,14 +380,28 @@ class Buffer:
             raise ConfigError(f"num_worst_tokens={num_worst_tokens!r} must be an int >= 0")
         if num_worst_tokens and topk_idx is None:
             raise ConfigError("num_worst_tokens > 0 needs topk_idx and topk_weights")
-        if int(num_tokens_per_rank.sum()) != int(is_token_in_rank.sum()):
-            raise ConfigError(f"num_tokens_per_rank sums to {int(num_tokens_per_rank.sum())} but is_token_in_rank "
-                              f"marks {int(is_token_in_rank.sum())} (token, rank) pairs; pass one layout")
-        self._check_capacity(int(num_tokens_per_rank.sum()) * row_bytes, f"dispatch on rank {self.rank} (send)")
-
+        if tokens * self.group_size * row_bytes > self.capacity_bytes:
+            # Only a budget this small can be exceeded by the send side: then the exact count is worth a host
+            # sync, and the error comes before any communication.
+            self._check_capacity(int(num_tokens_per_rank.sum()) * row_bytes, f"dispatch on rank {self.rank} (send)")
         if previous_event is not None:
             previous_event.current_stream_wait()
-        count_matrix = self.strategy.exchange_counts(num_tokens_per_rank, "dispatch token counts")
+        # One exchange carries every rank's counts per rank and per expert and the statistics its inputs are
+        # checked with (id range, layout sums), so all ranks raise the same error before any data moves, with
+        # a single host synchronisation.
+        stats = _routing_stats(topk_idx, num_tokens_per_rank, is_token_in_rank)
+        table = self.strategy.exchange_counts(
+            torch.cat([num_tokens_per_rank.to(torch.int64), num_tokens_per_expert.to(torch.int64), stats]),
+            "dispatch token counts")
+        count_matrix = table[:, :self.group_size]
+        expert_table = table[:, self.group_size:self.group_size + num_experts]
+        for rank, (low, high, per_rank_sum, in_rank_sum) in enumerate(table[:, -4:].tolist()):
+            where = f" on rank {rank}"
+            if topk_idx is not None:
+                _check_id_range(low, high, num_experts, where)
+            if per_rank_sum != in_rank_sum:
+                raise ConfigError(f"num_tokens_per_rank{where} sums to {per_rank_sum} but is_token_in_rank marks "
+                                  f"{in_rank_sum} (token, rank) pairs; pass one layout")
         received = count_matrix.sum(dim=0)
         # Every rank sees the whole matrix, so every rank raises the same error here, before any data moves.
         for rank, count in enumerate(received.tolist()):
@@ -368,8 +409,7 @@ class Buffer:
             if num_worst_tokens and count > num_worst_tokens:
                 raise CapacityError(f"rank {rank} receives {count} tokens, more than num_worst_tokens="
                                     f"{num_worst_tokens}")
-        send_order = is_token_in_rank.t().nonzero()[:, 1]
-        plan = NormalPlan(self.rank, is_token_in_rank, count_matrix, send_order, private={
+        plan = NormalPlan(self.rank, is_token_in_rank, count_matrix, private={
             "num_sms": config.num_sms if config is not None else Buffer.num_sms, "num_experts": num_experts,
             "num_topk": 0 if topk_idx is None else topk_idx.shape[1]})
         self.strategy.prepare_plan(plan)
@@ -388,16 +428,17 @@ class Buffer:
             here = (global_idx >= 0) & (local >= 0) & (local < local_experts)
             recv_topk_idx = torch.where(here, local, torch.full_like(local, -1))
             recv_topk_weights = torch.where(here, weights, torch.zeros_like(weights))
-            counts = torch.bincount(recv_topk_idx[here], minlength=local_experts).tolist()
-            counts_list = [_align_up(c, expert_alignment) for c in counts]
+            mine = expert_table[:, self.rank * local_experts:(self.rank + 1) * local_experts].sum(dim=0)
+            counts_list = [_align_up(int(c), expert_alignment) for c in mine]
         num_recv = plan.num_recv_tokens
         if num_worst_tokens:
             pad = num_worst_tokens - num_recv
             recv_parts = [torch.cat([p, p.new_zeros((pad, *p.shape[1:]))]) for p in recv_parts]
             recv_topk_idx = torch.cat([recv_topk_idx, recv_topk_idx.new_full((pad, recv_topk_idx.shape[1]), -1)])
-            recv_topk_weights = torch.cat([recv_topk_weights, recv_topk_weights.new_zeros((pad, recv_topk_idx.shape[1]))])
+            recv_topk_weights = torch.cat([recv_topk_weights,
+                                           recv_topk_weights.new_zeros((pad, recv_topk_idx.shape[1]))])
             counts_list = []
-        rank_prefix_matrix = count_matrix.cumsum(dim=0).to(torch.int32).to(parts[0].device)
+        rank_prefix_matrix = to_device_async(count_matrix.cumsum(dim=0).to(torch.int32), parts[0].device)
         new_handle = DispatchHandle(rank_prefix_matrix, plan.recv_src_idx, is_token_in_rank, plan)
         recv_x = tuple(recv_parts) if isinstance(x, tuple) else recv_parts[0]
         return (recv_x, recv_topk_idx, recv_topk_weights, counts_list, new_handle,
@@ -612,16 +653,15 @@ class Buffer:
         token_of, slot_of, dest_key = self._ll_selections(topk_idx, local_experts)
         recv_counts = torch.bincount(dest_key // local_experts, minlength=num_ranks).tolist()
         ranges = layout_range.cpu()
-        begins, counts = (ranges >> 32), (ranges & 0xFFFFFFFF)
-        rows, send_counts = [], []
-        for src in range(num_ranks):
-            sent = 0
-            for expert in range(local_experts):
-                begin, count = int(begins[expert, src]), int(counts[expert, src])
-                rows.append(expert * num_ranks * max_tokens + torch.arange(begin, begin + count, device=device))
-                sent += count
-            send_counts.append(sent)
-        row_index = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64, device=device)
+        # Rows to send back, grouped by source rank, then local expert, then position: (expert, source) pairs
+        # in source-major order, each a run of ``count`` rows from ``expert * R * M + begin``.
+        begins, counts = (ranges >> 32).t().reshape(-1), (ranges & 0xFFFFFFFF).t().reshape(-1)
+        pair_expert = torch.arange(local_experts).repeat(num_ranks)
+        total = int(counts.sum())
+        pair_of_row = torch.repeat_interleave(torch.arange(counts.numel()), counts, output_size=total)
+        within = torch.arange(total) - (torch.cumsum(counts, 0) - counts)[pair_of_row]
+        row_index = (pair_expert[pair_of_row] * num_ranks * max_tokens + begins[pair_of_row] + within).to(device)
+        send_counts = counts.view(num_ranks, local_experts).sum(dim=1).tolist()
         send = x.reshape(-1, hidden).index_select(0, row_index)
         pending = self.strategy.exchange_rows([send], send_counts, recv_counts, "low-latency combine rows")
         result = out if out is not None else torch.empty(tokens, hidden, dtype=torch.bfloat16, device=device)

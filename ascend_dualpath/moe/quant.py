@@ -6,6 +6,13 @@ These are the wire formats of DeepEP's FP8 dispatch and of torch_npu MC2's ``qua
   finite e4m3 value); ``round_scale`` rounds each scale up to a power of two, and UE8M0 packs those
   power-of-two scales as their biased exponent byte, four per int32 (byte ``j`` holds column block ``4i+j``).
 - INT8: one float32 scale ``amax / 127`` per token, values rounded to nearest and clamped to ±127.
+
+Rounding rule (identical on every device, so a scale computed on the CPU equals one computed by a GPU kernel
+bit for bit): ``scale = amax / 448`` (or ``/ 127``) is an IEEE-754 float32 division rounded to nearest-even; with
+``round_scale`` it becomes the smallest power of two ``>= scale``, taken from the float32 bits (exponent + 1
+when the mantissa is non-zero), never from ``log2``; values are ``x / scale`` (float32, correctly rounded),
+clamped, then rounded to nearest-even into e4m3 / int8. Divisions are tensor by tensor on purpose: CUDA torch
+turns division by a Python scalar into multiplication by its reciprocal, which rounds differently.
 """
 
 from __future__ import annotations
@@ -20,6 +27,18 @@ INT8_MAX = 127.0
 # Smallest amax used when computing a scale, so an all-zero block gets a finite, non-zero scale.
 AMAX_FLOOR = 1e-4
 UE8M0_BIAS = 127
+
+
+def _divide(numerator: torch.Tensor, denominator: float) -> torch.Tensor:
+    """``numerator / denominator`` correctly rounded on every device (see the module's rounding rule)."""
+    return numerator / torch.full((), denominator, dtype=numerator.dtype, device=numerator.device)
+
+
+def round_up_to_power_of_two(scales: torch.Tensor) -> torch.Tensor:
+    """Smallest power of two ``>=`` each positive, normal float32 scale, exactly (from the float32 bits)."""
+    bits = scales.contiguous().view(torch.int32)
+    exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return (exponent << 23).view(torch.float32)
 
 
 def _check_2d_float(x: torch.Tensor, name: str) -> None:
@@ -56,9 +75,9 @@ def per_token_cast_to_fp8(
         raise AlignmentError(f"UE8M0 packing needs hidden % {4 * FP8_BLOCK} == 0, got hidden={hidden}")
     blocks = x.float().view(tokens, hidden // FP8_BLOCK, FP8_BLOCK)
     amax = blocks.abs().amax(dim=2).clamp(min=AMAX_FLOOR)
-    scales = amax / FP8_E4M3_MAX
+    scales = _divide(amax, FP8_E4M3_MAX)
     if round_scale:
-        scales = torch.exp2(torch.ceil(torch.log2(scales)))
+        scales = round_up_to_power_of_two(scales)
     x_e4m3 = (blocks / scales.unsqueeze(2)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     x_e4m3 = x_e4m3.view(tokens, hidden)
     if use_ue8m0:
@@ -91,7 +110,8 @@ def unpack_ue8m0(packed: torch.Tensor) -> torch.Tensor:
 
 
 def per_token_cast_back(x_e4m3: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Dequantise FP8: ``[T, H]`` e4m3 and float32 ``[T, H/128]`` (or UE8M0 int32 ``[T, H/512]``) → float32 ``[T, H]``."""
+    """Dequantise FP8: ``[T, H]`` e4m3 and float32 ``[T, H/128]`` (or UE8M0 int32 ``[T, H/512]``) → float32
+    ``[T, H]``."""
     if scales.dtype == torch.int32:
         scales = unpack_ue8m0(scales)
     tokens, hidden = x_e4m3.shape
@@ -112,7 +132,7 @@ def per_token_cast_to_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     """
     _check_2d_float(x, "x")
     values = x.float()
-    scales = values.abs().amax(dim=1).clamp(min=AMAX_FLOOR) / INT8_MAX
+    scales = _divide(values.abs().amax(dim=1).clamp(min=AMAX_FLOOR), INT8_MAX)
     quantised = torch.round(values / scales.unsqueeze(1)).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     return quantised, scales
 

@@ -2,10 +2,15 @@
 
 Every rank builds every rank's inputs from one seed, so each can compute the global reference
 (:mod:`ascend_dualpath.reference.moe`) and compare its own outputs with it.
+
+Value checks are soft (:meth:`Checks.expect` records and carries on), so a wrong value never leaves a check's
+remaining collectives unpaired and every check reports. Only an exception (a timeout, a crash) may leave peers
+inside a collective; after one, the ranks agree over a side gloo group to skip the remaining checks.
 """
 
 from __future__ import annotations
 
+import datetime
 import traceback
 
 import torch
@@ -28,6 +33,10 @@ COMBINE_DIFF = 5e-6
 NVL_BYTES = 1 << 24
 # Bound of every collective wait: a rank that diverges makes its peers fail fast instead of hanging.
 WAIT_S = 15
+# Bound of the side-channel vote after each check (a peer may first sit out one WAIT_S timeout).
+VOTE_S = 4 * WAIT_S
+# Failed expectations kept per check (row loops could otherwise report hundreds).
+MAX_REPORTED_FAILURES = 8
 
 
 def make_inputs(world: int, seed: int = 0):
@@ -144,6 +153,17 @@ class Checks:
         self.xs, self.idxs, self.weights, self.experts = make_inputs(world)
         self.expected = ref.dispatch(self.xs, self.idxs, self.weights, self.experts)
         self.mine = self.expected[rank]
+        self.failures: list[str] = []
+        self.num_failures = 0
+
+    def expect(self, condition, message) -> None:
+        """Record a failed expectation (the first few with their call site) and carry on."""
+        if bool(condition):
+            return
+        self.num_failures += 1
+        if len(self.failures) < MAX_REPORTED_FAILURES:
+            site = traceback.extract_stack(limit=2)[0]
+            self.failures.append(f"line {site.lineno} ({site.line}): {message}")
 
     def dispatch(self, x, **kwargs):
         args = _layout_args(self.buffer, self.idxs[self.rank], self.experts)
@@ -157,36 +177,42 @@ class Checks:
         want = ref.dispatch_layout(self.idxs[self.rank], self.experts, self.world, self.ranks_per_node)
         for name, g, w in zip(("per_rank", "per_rdma_rank", "per_expert", "is_token_in_rank"), got[:4], want):
             if w is None:
-                assert g is None, f"{name}: expected None on one node"
+                self.expect(g is None, f"{name}: expected None on one node")
             else:
-                assert torch.equal(g, w), f"{name}: {g} != {w}"
+                self.expect(torch.equal(g, w), f"{name}: {g} != {w}")
         if self.world >= 4:
-            assert got[1] is not None and got[1].shape == (self.world // 2,)
+            self.expect(got[1] is not None and got[1].shape == (self.world // 2,),
+                        'got[1] is not None and got[1].shape == (self.world // 2,)')
 
     def check_dispatch_bf16(self) -> None:
         recv_x, recv_idx, recv_w, counts, handle, event = self.dispatch(self.xs[self.rank])
         event.current_stream_wait()
-        assert recv_x.shape[0] == len(self.mine.src_idx)
-        assert torch.equal(handle.rank_prefix_matrix, self.mine.rank_prefix_matrix)
+        self.expect(recv_x.shape[0] == len(self.mine.src_idx), 'recv_x.shape[0] == len(self.mine.src_idx)')
+        self.expect(torch.equal(handle.rank_prefix_matrix, self.mine.rank_prefix_matrix),
+                    'torch.equal(handle.rank_prefix_matrix, self.mine.rank_prefix_matrix)')
         prefix = [0] + handle.rank_prefix_matrix[:, self.rank].tolist()
         for row in range(recv_x.shape[0]):
             src = next(s for s in range(self.world) if prefix[s] <= row < prefix[s + 1])
             src_idx = int(handle.recv_src_idx[row])
-            assert torch.equal(_bits(recv_x[row]), _bits(self.xs[src][src_idx])), f"row {row} != source row"
-        assert torch.equal(_bits(recv_x), _bits(self.mine.x)), "receive order differs from (source, index) order"
-        assert torch.equal(recv_idx, self.mine.topk_idx)
-        assert bool(((recv_idx == -1) | ((recv_idx >= 0) & (recv_idx < EXPERTS_PER_RANK))).all())
-        assert torch.equal(recv_w, self.mine.topk_weights)
-        assert bool((recv_w[recv_idx == -1] == 0).all())
-        assert counts == self.mine.num_recv_tokens_per_expert
-        assert counts == [int((recv_idx == e).sum()) for e in range(EXPERTS_PER_RANK)]
+            self.expect(torch.equal(_bits(recv_x[row]), _bits(self.xs[src][src_idx])), f"row {row} != source row")
+        self.expect(torch.equal(_bits(recv_x), _bits(self.mine.x)), "receive order differs from (source, index) order")
+        self.expect(torch.equal(recv_idx, self.mine.topk_idx), 'torch.equal(recv_idx, self.mine.topk_idx)')
+        self.expect(bool(((recv_idx == -1) | ((recv_idx >= 0) & (recv_idx < EXPERTS_PER_RANK))).all()),
+                    'bool(((recv_idx == -1) | ((recv_idx >= 0) & (recv_idx < EXPERTS_PER_RANK))).all())')
+        self.expect(torch.equal(recv_w, self.mine.topk_weights), 'torch.equal(recv_w, self.mine.topk_weights)')
+        self.expect(bool((recv_w[recv_idx == -1] == 0).all()), 'bool((recv_w[recv_idx == -1] == 0).all())')
+        self.expect(counts == self.mine.num_recv_tokens_per_expert, 'counts == self.mine.num_recv_tokens_per_expert')
+        self.expect(counts == [int((recv_idx == e).sum()) for e in range(EXPERTS_PER_RANK)],
+                    'counts == [int((recv_idx == e).sum()) for e in range(EXPERTS_PER_RANK)]')
         global_counts = sum(ref.dispatch_layout(i, self.experts, self.world)[2] for i in self.idxs)
-        assert counts == global_counts[self.rank * EXPERTS_PER_RANK:(self.rank + 1) * EXPERTS_PER_RANK].tolist()
+        self.expect(counts == global_counts[self.rank * EXPERTS_PER_RANK:(self.rank + 1) * EXPERTS_PER_RANK].tolist(),
+                    'counts == global_counts[self.rank * EXPERTS_PER_RANK:(self.rank + 1) * EXPERTS_PER_RANK].tolist()')
 
     def check_expert_alignment(self) -> None:
         *_, counts, _, _ = self.dispatch(self.xs[self.rank], expert_alignment=4)
         want = ref.dispatch(self.xs, self.idxs, self.weights, self.experts, expert_alignment=4)[self.rank]
-        assert counts == want.num_recv_tokens_per_expert and all(c % 4 == 0 for c in counts)
+        self.expect(counts == want.num_recv_tokens_per_expert and all(c % 4 == 0 for c in counts),
+                    'counts == want.num_recv_tokens_per_expert and all(c % 4 == 0 for c in counts)')
 
     def check_dispatch_quantised(self) -> None:
         variants = {
@@ -199,30 +225,34 @@ class Checks:
             xs_q = [cast(x) for x in self.xs]
             want = ref.dispatch(xs_q, self.idxs, self.weights, self.experts)[self.rank]
             recv_x, *_ = self.dispatch(xs_q[self.rank])
-            assert isinstance(recv_x, tuple), name
+            self.expect(isinstance(recv_x, tuple), name)
             for got, exp in zip(recv_x, want.x):
-                assert got.dtype == exp.dtype and torch.equal(_bits(got), _bits(exp)), name
+                self.expect(got.dtype == exp.dtype and torch.equal(_bits(got), _bits(exp)), name)
 
     def check_worst_tokens(self) -> None:
         exact = self.dispatch(self.xs[self.rank])
         worst = BASE_TOKENS * self.world
         recv_x, recv_idx, recv_w, counts, _, _ = self.dispatch(self.xs[self.rank], num_worst_tokens=worst)
         n = exact[0].shape[0]
-        assert recv_x.shape[0] == recv_idx.shape[0] == recv_w.shape[0] == worst
-        assert counts == []
-        assert torch.equal(_bits(recv_x[:n]), _bits(exact[0]))
-        assert torch.equal(recv_idx[:n], exact[1]) and torch.equal(recv_w[:n], exact[2])
-        assert bool((recv_idx[n:] == -1).all()) and bool((recv_w[n:] == 0).all())
+        self.expect(recv_x.shape[0] == recv_idx.shape[0] == recv_w.shape[0] == worst,
+                    'recv_x.shape[0] == recv_idx.shape[0] == recv_w.shape[0] == worst')
+        self.expect(counts == [], 'counts == []')
+        self.expect(torch.equal(_bits(recv_x[:n]), _bits(exact[0])), 'torch.equal(_bits(recv_x[:n]), _bits(exact[0]))')
+        self.expect(torch.equal(recv_idx[:n], exact[1]) and torch.equal(recv_w[:n], exact[2]),
+                    'torch.equal(recv_idx[:n], exact[1]) and torch.equal(recv_w[:n], exact[2])')
+        self.expect(bool((recv_idx[n:] == -1).all()) and bool((recv_w[n:] == 0).all()),
+                    'bool((recv_idx[n:] == -1).all()) and bool((recv_w[n:] == 0).all())')
 
     def check_cached_dispatch(self) -> None:
         recv_x, _, _, _, handle, _ = self.dispatch(self.xs[self.rank])
         cached = self.buffer.dispatch(self.xs[self.rank], handle=handle)
-        assert cached[1:5] == (None, None, None, None)
-        assert torch.equal(_bits(cached[0]), _bits(recv_x))
+        self.expect(cached[1:5] == (None, None, None, None), 'cached[1:5] == (None, None, None, None)')
+        self.expect(torch.equal(_bits(cached[0]), _bits(recv_x)), 'torch.equal(_bits(cached[0]), _bits(recv_x))')
         fp8 = quant.per_token_cast_to_fp8(self.xs[self.rank])
         cached_fp8 = self.buffer.dispatch(fp8, handle=handle)[0]
         want = ref.dispatch([quant.per_token_cast_to_fp8(x) for x in self.xs], self.idxs, None, self.experts)
-        assert all(torch.equal(_bits(g), _bits(w)) for g, w in zip(cached_fp8, want[self.rank].x))
+        self.expect(all(torch.equal(_bits(g), _bits(w)) for g, w in zip(cached_fp8, want[self.rank].x)),
+                    'all(torch.equal(_bits(g), _bits(w)) for g, w in zip(cached_fp8, want[self.rank].x))')
 
     def check_combine(self) -> None:
         recv_x, _, recv_w, _, handle, _ = self.dispatch(self.xs[self.rank])
@@ -238,18 +268,18 @@ class Checks:
             biases.append((torch.randn(t, HIDDEN, generator=gr).to(torch.bfloat16), torch.ones(t, HIDDEN,
                                                                                               dtype=torch.bfloat16)))
         want = ref.combine([e.x for e in self.expected], self.expected, [x.shape[0] for x in self.xs], biases)
-        assert torch.equal(_bits(combined), _bits(want[self.rank])), "combine differs from fixed-order reference"
+        self.expect(torch.equal(_bits(combined), _bits(want[self.rank])), "combine differs from fixed-order reference")
         masked = torch.where(self.idxs[self.rank] >= 0, self.weights[self.rank], 0.0)
-        assert torch.equal(combined_w, masked)
-        assert not bool(combined.isnan().any())
+        self.expect(torch.equal(combined_w, masked), 'torch.equal(combined_w, masked)')
+        self.expect(not bool(combined.isnan().any()), 'not bool(combined.isnan().any())')
         # DeepEP's check: identity experts, no bias, divided by the number of destination ranks.
         plain, _, _ = self.buffer.combine(recv_x, handle)
         in_rank = handle.is_token_in_rank.sum(dim=1, keepdim=True)
         routed = in_rank.squeeze(1) > 0
         if bool(routed.any()):
             diff = ref.calc_diff((plain.float() / in_rank.clamp(min=1))[routed], self.xs[self.rank].float()[routed])
-            assert diff < COMBINE_DIFF, diff
-        assert bool((plain[~routed] == 0).all()), "a token routed nowhere must combine to zero"
+            self.expect(diff < COMBINE_DIFF, diff)
+        self.expect(bool((plain[~routed] == 0).all()), "a token routed nowhere must combine to zero")
 
     def check_weighted_combine(self) -> None:
         recv_x, _, recv_w, _, handle, _ = self.dispatch(self.xs[self.rank])
@@ -258,7 +288,8 @@ class Checks:
         masked = torch.where(self.idxs[self.rank] >= 0, self.weights[self.rank], 0.0).double()
         want = self.xs[self.rank].double() * masked.sum(dim=1, keepdim=True)
         # Each rank's scaled row is rounded to bf16 once and the sum once more: 2 bf16 ulps relative.
-        assert torch.allclose(combined.double(), want, rtol=2 * 2 ** -8, atol=1e-6)
+        self.expect(torch.allclose(combined.double(), want, rtol=2 * 2 ** -8, atol=1e-6),
+                    'torch.allclose(combined.double(), want, rtol=2 * 2 ** -8, atol=1e-6)')
 
     # ------------------------------------------------------------------ low latency
     def _ll(self, **kwargs):
@@ -274,24 +305,28 @@ class Checks:
             (recv_x, recv_count, handle, _, hook), stats = self._ll(
                 use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0, return_recv_hook=hook_mode)
             if hook_mode:
-                assert int(recv_count.sum()) == 0, "receive half ran before hook()"
+                self.expect(int(recv_count.sum()) == 0, "receive half ran before hook()")
                 hook()
             src_info, layout_range, max_tokens, hidden, experts = handle
-            assert (max_tokens, hidden, experts) == (LL_MAX_TOKENS, HIDDEN, self.experts)
+            self.expect((max_tokens, hidden, experts) == (LL_MAX_TOKENS, HIDDEN, self.experts),
+                        '(max_tokens, hidden, experts) == (LL_MAX_TOKENS, HIDDEN, self.experts)')
             values = recv_x[0] if use_fp8 else recv_x
-            assert values.shape == (EXPERTS_PER_RANK, self.world * LL_MAX_TOKENS, HIDDEN)
+            self.expect(values.shape == (EXPERTS_PER_RANK, self.world * LL_MAX_TOKENS, HIDDEN),
+                        'values.shape == (EXPERTS_PER_RANK, self.world * LL_MAX_TOKENS, HIDDEN)')
             if use_fp8:
                 scales = recv_x[1]
                 blocks = HIDDEN // 128 // (4 if use_ue8m0 else 1)
-                assert scales.shape == (EXPERTS_PER_RANK, self.world * LL_MAX_TOKENS, blocks)
-                assert scales.dtype == (torch.int32 if use_ue8m0 else torch.float32)
-                assert scales.stride(1) == 1, "scales must be column-major in the last two dims"
+                self.expect(scales.shape == (EXPERTS_PER_RANK, self.world * LL_MAX_TOKENS, blocks),
+                            'scales.shape == (EXPERTS_PER_RANK, self.world * LL_MAX_TOKENS, blocks)')
+                self.expect(scales.dtype == (torch.int32 if use_ue8m0 else torch.float32),
+                            'scales.dtype == (torch.int32 if use_ue8m0 else torch.float32)')
+                self.expect(scales.stride(1) == 1, "scales must be column-major in the last two dims")
             for expert in range(EXPERTS_PER_RANK):
                 want = sources[expert].sources
                 count = int(recv_count[expert])
-                assert count == len(want) == int(stats[expert])
+                self.expect(count == len(want) == int(stats[expert]), 'count == len(want) == int(stats[expert])')
                 ranges = layout_range[expert]
-                assert int((ranges & 0xFFFFFFFF).sum()) == count
+                self.expect(int((ranges & 0xFFFFFFFF).sum()) == count, 'int((ranges & 0xFFFFFFFF).sum()) == count')
                 got = []
                 for src in range(self.world):
                     begin, n = int(ranges[src] >> 32), int(ranges[src] & 0xFFFFFFFF)
@@ -300,12 +335,15 @@ class Checks:
                         got.append((src, t))
                         if use_fp8:
                             q, s = quant.per_token_cast_to_fp8(self.xs[src][t:t + 1], round_scale, use_ue8m0)
-                            assert torch.equal(_bits(values[expert, row]), _bits(q[0]))
-                            assert torch.equal(_bits(recv_x[1][expert, row]), _bits(s[0]))
+                            self.expect(torch.equal(_bits(values[expert, row]), _bits(q[0])),
+                                        'torch.equal(_bits(values[expert, row]), _bits(q[0]))')
+                            self.expect(torch.equal(_bits(recv_x[1][expert, row]), _bits(s[0])),
+                                        'torch.equal(_bits(recv_x[1][expert, row]), _bits(s[0]))')
                         else:
-                            assert torch.equal(_bits(values[expert, row]), _bits(self.xs[src][t]))
-                assert sorted(got) == sorted(want)
-                assert bool((_bits(values[expert, count:]) == 0).all()), "rows past the count must stay zero"
+                            self.expect(torch.equal(_bits(values[expert, row]), _bits(self.xs[src][t])),
+                                        'torch.equal(_bits(values[expert, row]), _bits(self.xs[src][t]))')
+                self.expect(sorted(got) == sorted(want), 'sorted(got) == sorted(want)')
+                self.expect(bool((_bits(values[expert, count:]) == 0).all()), "rows past the count must stay zero")
 
     def check_low_latency_combine(self) -> None:
         for use_fp8, limit in ((False, LL_COMBINE_DIFF_BF16), (True, LL_COMBINE_DIFF_FP8)):
@@ -319,8 +357,8 @@ class Checks:
             poison = torch.full((self.xs[self.rank].shape[0], HIDDEN), float("nan"), dtype=torch.bfloat16)
             out, _, _ = self.buffer.low_latency_combine(simulated, self.idxs[self.rank], self.weights[self.rank],
                                                         handle, out=poison)
-            assert out.data_ptr() == poison.data_ptr()
-            assert not bool(out.isnan().any())
+            self.expect(out.data_ptr() == poison.data_ptr(), 'out.data_ptr() == poison.data_ptr()')
+            self.expect(not bool(out.isnan().any()), 'not bool(out.isnan().any())')
             idx, w = self.idxs[self.rank], self.weights[self.rank]
             if use_fp8:
                 deq = quant.per_token_cast_back(*quant.per_token_cast_to_fp8(self.xs[self.rank])).to(torch.bfloat16)
@@ -328,10 +366,10 @@ class Checks:
                 deq = self.xs[self.rank]
             want = ref.low_latency_combine(lambda t, e: deq[t], idx, w)
             if want is None:
-                assert out.numel() == 0 or bool((out == 0).all())
+                self.expect(out.numel() == 0 or bool((out == 0).all()), 'out.numel() == 0 or bool((out == 0).all())')
                 continue
             diff = ref.calc_diff(out, want)
-            assert diff < limit, f"use_fp8={use_fp8}: calc_diff {diff} >= {limit}"
+            self.expect(diff < limit, f"use_fp8={use_fp8}: calc_diff {diff} >= {limit}")
 
     def check_repeatable(self) -> None:
         def once():
@@ -345,7 +383,7 @@ class Checks:
         first = once()
         for i in range(REPEATS - 1):
             again = once()
-            assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(first, again)), f"run {i + 2} differs"
+            self.expect(all(torch.equal(_bits(a), _bits(b)) for a, b in zip(first, again)), f"run {i + 2} differs")
 
     # ------------------------------------------------------------------ bad input (R = 2 only)
     def check_bad_input(self) -> None:
@@ -356,9 +394,9 @@ class Checks:
             try:
                 fn()
             except error as exc:
-                assert all(word in str(exc) for word in words), f"{exc!r} lacks {words}"
+                self.expect(all(word in str(exc) for word in words), f"{exc!r} lacks {words}")
                 return
-            raise AssertionError(f"{fn} did not raise {error.__name__}")
+            self.expect(False, f"{fn} did not raise {error.__name__}")
 
         bad_idx = idx.clone()
         bad_idx[1, 0] = self.experts
@@ -382,33 +420,57 @@ class Checks:
         raises(PayloadTooLarge, lambda: b.low_latency_dispatch(x, idx, x.shape[0] - 1, self.experts,
                                                                cumulative_local_expert_recv_stats=stats),
                str(x.shape[0] - 1))
-        assert bool((stats == 7).all()), "a rejected call must leave the stats intact"
+        self.expect(bool((stats == 7).all()), "a rejected call must leave the stats intact")
         raises(ConfigError, lambda: b.low_latency_dispatch(x, idx, LL_MAX_TOKENS, self.experts,
                                                            async_finish=True, return_recv_hook=True), "exclusive")
         raises(AlignmentError, lambda: Buffer(None, num_nvl_bytes=100), "128")
         (ll_x, _, ll_handle, _, _), _ = self._ll(use_fp8=False)
         poison = torch.full((x.shape[0], HIDDEN), float("nan"), dtype=torch.bfloat16)
         raises(ConfigError, lambda: b.low_latency_combine(ll_x, idx, w[:, :1], ll_handle, out=poison), "shape")
-        assert bool(poison.isnan().all()), "a rejected combine must not write out="
+        self.expect(bool(poison.isnan().all()), "a rejected combine must not write out=")
         # Nothing above reached the wire: a valid dispatch on the same group still pairs up across ranks.
         self.check_dispatch_bf16()
 
 
-def run_all(rank: int, world: int, strategy: str = "alltoall", device: str = "cpu") -> dict:
-    checks = Checks(rank, world, strategy, device)
+def run_all(rank: int, world: int, strategy: str = "alltoall", device: str = "cpu", checks_class: type = None) -> dict:
+    """Run every check (of ``checks_class``, default :class:`Checks`); returns check name -> "ok", the failed
+    expectations, or a traceback."""
+    import torch.distributed as dist
+
+    checks = (checks_class or Checks)(rank, world, strategy, device)
+    side = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=VOTE_S))
     names = [n for n in dir(checks) if n.startswith("check_") and (world == 2 or n != "check_bad_input")]
     results: dict[str, str] = {}
-    failed = None
-    # Bad input last: its failure would otherwise leave the data checks unrun.
+    aborted = None
+    # Bad input last: it ends with a dispatch that shows nothing before it reached the wire.
     for name in sorted(names, key=lambda n: (n == "check_bad_input", n)):
-        if failed is not None:
-            # A failed check may have left peers inside a collective; later checks would only time out.
-            results[name] = f"not run: {failed} failed first on this rank"
+        if aborted is not None:
+            results[name] = f"not run: {aborted}"
             continue
+        checks.failures, checks.num_failures = [], 0
+        raised = None
         try:
             getattr(checks, name)()
-            results[name] = "ok"
         except Exception:
-            results[name] = traceback.format_exc()
-            failed = name
+            raised = traceback.format_exc()
+        if raised is not None:
+            results[name] = raised
+        elif checks.num_failures:
+            results[name] = f"{checks.num_failures} failed expectation(s):\n" + "\n".join(checks.failures)
+        else:
+            results[name] = "ok"
+        votes: list = [None] * world
+        dist.all_gather_object(votes, raised is not None, group=side)
+        if any(votes):
+            ranks = [r for r, v in enumerate(votes) if v]
+            aborted = f"{name} raised on rank(s) {ranks}, so peers may still be inside its collectives"
     return results
+
+
+class InjectedFailureChecks(Checks):
+    """Checks plus one that fails a value expectation after communicating: every other check must still run."""
+
+    def check_aaa_injected_failure(self) -> None:
+        recv_x, *_ = self.dispatch(self.xs[self.rank])
+        self.expect(recv_x.shape[0] < 0, "injected failure")
+        self.expect(True, "a met expectation records nothing")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.moe import _spawn, conformance_worker
 from tests.moe.conftest import conformance_results
 
 CHECKS = ["layout", "dispatch_bf16", "expert_alignment", "dispatch_quantised", "worst_tokens", "cached_dispatch",
@@ -23,3 +24,14 @@ def test_bad_input_raises_before_communication() -> None:
     for rank, result in enumerate(conformance_results(2)):
         assert "__fatal__" not in result, result.get("__fatal__")
         assert result["check_bad_input"] == "ok", f"rank {rank}:\n{result['check_bad_input']}"
+
+
+@pytest.mark.slow
+def test_a_failed_expectation_leaves_every_other_check_running():
+    results = _spawn.run_ranks(2, conformance_worker.run_all, "alltoall", "cpu",
+                               conformance_worker.InjectedFailureChecks)
+    for result in results:
+        assert result["check_aaa_injected_failure"].startswith("1 failed expectation(s):"), result
+        assert "injected failure" in result["check_aaa_injected_failure"]
+        others = {name: value for name, value in result.items() if name != "check_aaa_injected_failure"}
+        assert others and all(value == "ok" for value in others.values()), others

@@ -13,6 +13,8 @@ from ascend_dualpath.moe import quant
 # e4m3 keeps 3 mantissa bits: rounding error <= 2^-4 relative to the value, plus the block's subnormal step.
 FP8_REL_ERROR = 2 ** -4
 INT8_ABS_ERROR_IN_SCALES = 0.5
+# float32 rounding of x / scale and of q * scale: one float32 ulp (2^-24 relative) each.
+FLOAT32_ROUNDINGS = 2 * 2 ** -24
 
 
 def _rows(seed: int, tokens: int, blocks: int, spread: float) -> torch.Tensor:
@@ -56,9 +58,7 @@ def test_int8_per_token_round_trip(seed, tokens, hidden):
     assert q.dtype == torch.int8 and scales.shape == (tokens,)
     assert bool((q.abs() <= 127).all())
     back = quant.per_token_cast_back_int8(q, scales).double()
-    # half a quantisation step, plus float32 rounding of x / scale and of q * scale (relative 2^-23 each)
-    float32_slack = 2.0**-22 * x.double().abs()
-    bound = INT8_ABS_ERROR_IN_SCALES * scales.double().unsqueeze(1) + float32_slack
+    bound = INT8_ABS_ERROR_IN_SCALES * scales.double().unsqueeze(1) + FLOAT32_ROUNDINGS * x.double().abs()
     assert bool(((back - x.double()).abs() <= bound).all())
 
 
@@ -73,3 +73,26 @@ def test_bad_quantisation_input_names_the_value():
         quant.pack_ue8m0(torch.full((1, 4), 3.0))
     with pytest.raises(ConfigError, match="int64"):
         quant.per_token_cast_to_int8(torch.ones(2, 4, dtype=torch.int64))
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31), tokens=st.integers(1, 5), blocks=st.integers(1, 4),
+       spread=st.sampled_from([1e-3, 1.0, 300.0]))
+def test_scales_follow_the_documented_rounding_rule(seed, tokens, blocks, spread):
+    """Scales equal the float64 quotient rounded once to float32 (exact for one division), and round_scale
+    equals the float64 power of two at or above it: the rule a GPU kernel reproduces bit for bit."""
+    x = _rows(seed, tokens, blocks, spread)
+    amax = x.double().view(tokens, blocks, 128).abs().amax(dim=2).clamp(min=quant.AMAX_FLOOR)
+    _, scales = quant.per_token_cast_to_fp8(x)
+    assert torch.equal(scales, (amax / quant.FP8_E4M3_MAX).float())
+    _, rounded = quant.per_token_cast_to_fp8(x, round_scale=True)
+    exact = (amax / quant.FP8_E4M3_MAX).float().double()
+    assert torch.equal(rounded.double(), torch.exp2(torch.ceil(torch.log2(exact))))
+    _, int8_scales = quant.per_token_cast_to_int8(x)
+    assert torch.equal(int8_scales, (x.double().abs().amax(dim=1).clamp(min=quant.AMAX_FLOOR) / quant.INT8_MAX).float())
+
+
+def test_power_of_two_rounding_at_the_boundaries():
+    exact = torch.tensor([1.0, 2.0 ** -20, 3.0, 2.0 ** 10 * (1 + 2 ** -23), 0.75], dtype=torch.float32)
+    want = torch.tensor([1.0, 2.0 ** -20, 4.0, 2.0 ** 11, 1.0], dtype=torch.float32)
+    assert torch.equal(quant.round_up_to_power_of_two(exact), want)

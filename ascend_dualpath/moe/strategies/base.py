@@ -21,7 +21,8 @@ class NormalPlan:
     ----------
     is_token_in_rank : bool [T, R]
     count_matrix : int64 [R, R] on the CPU; ``[i, j]`` = tokens rank ``i`` sends to rank ``j``
-    send_order : int64 [S]: token indices grouped by destination rank, ascending within a rank
+    send_order : int64 [S]: token indices grouped by destination rank, ascending within a rank (computed on
+        first use: strategies that place rows by slot never need it, and it costs a host sync)
     recv_src_idx : int32 [N] or None until received: each received row's token index on its source rank
     private : strategy-specific state (e.g. destination slots), or None
     """
@@ -29,9 +30,15 @@ class NormalPlan:
     rank: int
     is_token_in_rank: torch.Tensor
     count_matrix: torch.Tensor
-    send_order: torch.Tensor
     recv_src_idx: torch.Tensor | None = None
     private: Any = None
+    _send_order: torch.Tensor | None = None
+
+    @property
+    def send_order(self) -> torch.Tensor:
+        if self._send_order is None:
+            self._send_order = self.is_token_in_rank.t().nonzero()[:, 1]
+        return self._send_order
 
     @property
     def send_counts(self) -> list[int]:
@@ -44,6 +51,14 @@ class NormalPlan:
     @property
     def num_recv_tokens(self) -> int:
         return int(self.count_matrix[:, self.rank].sum())
+
+
+def to_device_async(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a small CPU tensor to ``device`` without a host sync (through pinned memory on CUDA; a pageable
+    copy would wait for the stream's earlier work)."""
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 class PendingRows:

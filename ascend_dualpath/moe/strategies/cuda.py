@@ -1,13 +1,24 @@
-"""``cuda``: intranode dispatch/combine over NVLink with Triton copy kernels and torch symmetric memory.
+"""``cuda``: intranode dispatch/combine over NVLink with Triton kernels and torch symmetric memory.
 
-Every rank owns one symmetric-memory buffer, mapped into every peer (``torch.distributed._symmetric_memory``).
-Normal dispatch: one Triton kernel reads each token row once and stores it to every destination: straight
-into this rank's freshly allocated output for its own tokens, into the peer's buffer at the row's final
-position for the others; a barrier; then each remote block is one contiguous local copy out of the buffer.
-Combine: each rank copies the rows it received back into their source's buffer (one contiguous peer copy per
-source, copy engine), a barrier, then a Triton kernel sums every token's rows in float32 in destination-rank
-order (its own rows straight from the local input) plus the biases. Count exchange and the low-latency ops
-use NCCL collectives (inherited from ``alltoall``).
+Every rank owns one symmetric-memory buffer, mapped into every peer (``torch.distributed._symmetric_memory``):
+a header of signal words, two count-exchange slots and two data halves, used alternately (by the parity of
+the op's epoch) so that no op waits for peers to finish reading the previous one. Kernels (``_cuda_kernels``):
+
+- layout: one kernel computes every count, ``is_token_in_rank`` and the id range (one host sync, for the
+  bounds check);
+- count exchange: one single-CTA kernel stores this rank's row into every peer's count slot, signals, waits;
+  one host copy reads the matrix (DeepEP also syncs once for the receive count);
+- dispatch: a push kernel reads each token row once and stores it to its final row on every destination:
+  this rank's output for its own tokens, the peer's buffer otherwise, all parts (x, scales, top-k, index) in
+  one launch; its last CTA signals each peer once. A receive kernel waits for the peers' signals and copies
+  their rows from the buffer into the fresh output;
+- combine: a push kernel writes each received row back into its source's buffer and signals; a reduce kernel
+  waits, then sums each token's rows in float32 in destination-rank order (its own rows read in place from
+  the input), then the biases.
+
+Waits run on the device, bounded by ``timeout_s`` (GPU global timer); one that expires sets an error word,
+reported as :class:`~ascend_dualpath.errors.WaitTimeout` at the strategy's next host synchronisation.
+The low-latency ops use the inherited ``alltoall`` row exchange over NCCL (with this count exchange).
 
 The kernels' grid (SMs) comes from :func:`choose_num_sms`, a bandwidth model after DeepEP V2's: enough SMs
 that their read and write throughput keeps the NVLink busy, with 25 % headroom.
@@ -17,24 +28,41 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
+import warnings
 from typing import Any
 
 import torch
 
-from ascend_dualpath.errors import BackendUnavailable
+from ascend_dualpath import _env
+from ascend_dualpath.errors import BackendUnavailable, WaitTimeout
 from ascend_dualpath.moe.strategies.alltoall import AllToAllStrategy
-from ascend_dualpath.moe.strategies.base import NormalPlan
+from ascend_dualpath.moe.strategies.base import NormalPlan, to_device_async
 
 MAX_PEERS = 8
 # Per-direction NVLink bandwidth of an H200 SXM pair (NV18: 18 links x 26.56 GB/s), the model's default.
 NVLINK_GBS = 478.0
-# What one SM sustains reading local HBM and writing (local or remote) memory, DeepEP V2's figures.
+# What one SM sustains reading local HBM (DeepEP V2's figure) and writing rows (measured: `bench moe`'s SM
+# calibration, cached BF16 dispatch at 8 SMs on 2x H200, 2026-11-30: 18 GB/s of rows written per SM).
 SM_READ_GBS = 200.0
-SM_WRITE_GBS = 50.0
+SM_WRITE_GBS = 18.0
 SM_HEADROOM = 1.25
 MIN_SMS = 4
 REGION_ALIGN_BYTES = 256
-ROW_BLOCK = 1024
+HEADER_BYTES = 256
+# Count-exchange slot: room for R = 8 rows of (8 rank counts + 8192 expert counts + 8 statistics) int32.
+COUNT_SLOT_BYTES = 266240
+DATA_OFFSET = HEADER_BYTES + 2 * COUNT_SLOT_BYTES
+MAX_PARTS = 5
+# Copy kernels: TILE rows x up to COPY_BLOCK_WORDS words per CTA iteration (16 warps: 128 bytes in flight per
+# thread); the reduce: TILE tokens x REDUCE_BLOCK elements.
+COPY_BLOCK_WORDS = 4096
+COPY_TILE = 4
+COPY_WARPS = 16
+REDUCE_BLOCK = 2048
+REDUCE_TILE = 4
+REDUCE_WARPS = 16
+LAYOUT_BLOCK_TOKENS = 64
 
 
 def expected_ranks_per_token(num_experts: int, num_topk: int, num_ranks: int) -> float:
@@ -86,15 +114,32 @@ def availability(group: Any) -> tuple[bool, str]:
 def _kernels():
     from ascend_dualpath.moe.strategies import _cuda_kernels
 
-    return _cuda_kernels.push_rows, _cuda_kernels.reduce_rows
+    return _cuda_kernels
 
 
-def _wire_view(t: torch.Tensor) -> torch.Tensor:
-    """A 2-D contiguous view with a dtype Triton moves bit-exactly (FP8 and bool travel as uint8)."""
-    t = t.contiguous().reshape(t.shape[0], -1) if t.shape[0] else t.reshape(0, math.prod(t.shape[1:]))
-    if t.dtype in (torch.float8_e4m3fn, torch.bool):
-        t = t.view(torch.uint8)
-    return t
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """A 2-D contiguous int32 view of a wire tensor (every wire row is a multiple of 4 bytes)."""
+    row_bytes = math.prod(t.shape[1:]) * t.element_size()
+    if t.dtype == torch.bool:
+        t = t.to(torch.uint8)
+    return t.contiguous().view(torch.uint8).reshape(t.shape[0], row_bytes).view(torch.int32)
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << (max(1, n) - 1).bit_length()
+
+
+def _pow2_block(words: int, cap: int) -> int:
+    return min(cap, _next_power_of_2(words))
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _timed() -> bool:
+    """Device waits use the GPU global timer, except under the Triton interpreter (spin count)."""
+    return os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 
 class CudaStrategy(AllToAllStrategy):
@@ -109,38 +154,60 @@ class CudaStrategy(AllToAllStrategy):
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.device_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.fixed_num_sms = num_sms
-        self._push, self._reduce = _kernels()
-        self._symm: tuple[torch.Tensor, Any] | None = None
+        self.kernels = _kernels()
+        self.timeout_ns = int(timeout_s * 1e9)
+        self._symm: Any = None  # (local uint8 tensor, handle, peers int64 [R], signals int32 header view)
+        # Send and receive halves in one launch (all CTAs resident: grid <= SMs), unless ADP_MOE_FUSED=0.
+        self.fused = _env.moe_fused()
+        self._epoch = 0
+        self._count_epoch = 0
 
     # ------------------------------------------------------------------ symmetric buffer
-    def _buffer(self, nbytes: int):
-        """The symmetric buffer, grown collectively (every rank computes the same ``nbytes``)."""
-        if self._symm is None or self._symm[0].numel() < nbytes:
+    def _buffer(self, half_bytes: int):
+        """The symmetric buffer with data halves of at least ``half_bytes`` (every rank passes the same)."""
+        needed = DATA_OFFSET + 2 * half_bytes
+        if self._symm is None or self._symm[0].numel() < needed:
             import torch.distributed._symmetric_memory as symm_mem
 
             self._symm = None
-            capacity = 1 << max(20, (nbytes - 1).bit_length())
+            capacity = 1 << max(21, (needed - 1).bit_length())
             local = symm_mem.empty(capacity, dtype=torch.uint8, device=self.device)
+            local[:HEADER_BYTES].zero_()
+            # The zeroed header must be in place before any peer, returning from the rendezvous, signals here.
+            torch.cuda.current_stream(self.device).synchronize()
             if hasattr(symm_mem, "enable_symm_mem_for_group"):
-                symm_mem.enable_symm_mem_for_group(self.group.group_name)
-            self._symm = (local, symm_mem.rendezvous(local, self.group.group_name))
+                with warnings.catch_warnings():  # deprecated (not needed) from torch 2.11 on, needed before
+                    warnings.simplefilter("ignore", FutureWarning)
+                    symm_mem.enable_symm_mem_for_group(self.group.group_name)
+            handle = symm_mem.rendezvous(local, self.group.group_name)
+            bases = [local.data_ptr() if r == self.rank
+                     else handle.get_buffer(r, (capacity,), torch.uint8, 0).data_ptr() for r in range(self.world)]
+            peers = torch.tensor(bases, dtype=torch.int64, device=self.device)
+            self._symm = (local, handle, peers, local[:HEADER_BYTES].view(torch.int32))
         return self._symm
 
-    def _barrier(self) -> None:
-        self._symm[1].barrier(channel=0, timeout_ms=int(self.timeout_s * 1000))
+    def _half(self, epoch: int) -> int:
+        """Byte offset of the data half used by the op of this epoch."""
+        local = self._symm[0]
+        return DATA_OFFSET + (epoch % 2) * ((local.numel() - DATA_OFFSET) // 2 // REGION_ALIGN_BYTES
+                                            * REGION_ALIGN_BYTES)
 
-    def _regions(self, parts: list[torch.Tensor], rows: int) -> tuple[list[int], int]:
+    @staticmethod
+    def _regions(widths_bytes: list[int], rows: int) -> tuple[list[int], int]:
         offsets, total = [], 0
-        for part in parts:
+        for width in widths_bytes:
             offsets.append(total)
-            total += -(-rows * part.shape[1] * part.element_size() // REGION_ALIGN_BYTES) * REGION_ALIGN_BYTES
+            total += -(-rows * width // REGION_ALIGN_BYTES) * REGION_ALIGN_BYTES
         return offsets, total
 
-    def _peer_view(self, peer: int, like: torch.Tensor, rows: int, byte_offset: int) -> torch.Tensor:
-        if peer == self.rank:
-            flat = self._symm[0][byte_offset:byte_offset + rows * like.shape[1] * like.element_size()]
-            return flat.view(like.dtype).view(rows, like.shape[1])
-        return self._symm[1].get_buffer(peer, (rows, like.shape[1]), like.dtype, byte_offset // like.element_size())
+    def _local_view(self, byte_offset: int, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+        size = rows * cols * torch.empty((), dtype=dtype).element_size()
+        return self._symm[0][byte_offset:byte_offset + size].view(dtype).view(rows, cols)
+
+    def _check_device_error(self, error_word: int) -> None:
+        if error_word:
+            raise WaitTimeout(f"a device-side wait of the cuda MoE strategy exceeded {self.timeout_s:g} s (a peer "
+                              f"did not signal its rows); this buffer cannot be used further")
 
     def num_sms_for(self, plan: NormalPlan) -> int:
         override = (plan.private or {}).get("num_sms") or self.fixed_num_sms
@@ -148,89 +215,170 @@ class CudaStrategy(AllToAllStrategy):
             return min(override, self.device_sms)
         return plan.private["model_sms"]
 
+    # ------------------------------------------------------------------ layout and counts
+    def dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, num_ranks: int, ranks_per_node: int):
+        """The layout in one kernel; returns ``(layout 4-tuple, (min id, max id))`` (the range clamped at 0)."""
+        tokens, topk = topk_idx.shape
+        num_nodes = num_ranks // ranks_per_node if num_ranks > ranks_per_node else 1
+        extra = num_nodes if num_nodes > 1 else 0
+        counts = torch.zeros(num_ranks + extra + num_experts + 2, dtype=torch.int32, device=topk_idx.device)
+        in_rank = torch.empty(tokens, num_ranks, dtype=torch.bool, device=topk_idx.device)
+        if tokens:
+            grid = (_cdiv(tokens, LAYOUT_BLOCK_TOKENS),)
+            self.kernels.dispatch_layout[grid](
+                topk_idx.contiguous(), counts, in_rank.view(torch.uint8), tokens, topk, num_experts // num_ranks,
+                num_experts, NUM_RANKS=num_ranks, RANKS_PAD=_next_power_of_2(num_ranks),
+                RANKS_PER_NODE=ranks_per_node, NUM_NODES=num_nodes, NODES_PAD=_next_power_of_2(num_nodes),
+                TOPK_PAD=_next_power_of_2(topk), BLOCK_T=LAYOUT_BLOCK_TOKENS)
+        below, above = counts[-2:].tolist()
+        per_rank = counts[:num_ranks]
+        per_node = counts[num_ranks:num_ranks + extra] if num_nodes > 1 else None
+        per_expert = counts[num_ranks + extra:num_ranks + extra + num_experts]
+        return (per_rank, per_node, per_expert, in_rank), (-below, above)
+
+    def exchange_counts(self, counts: torch.Tensor, what: str) -> torch.Tensor:
+        """Device-side all-gather through the count slots; one host copy. Values travel as int32 (clamped)."""
+        width = counts.numel()
+        if self.world * width * 4 > COUNT_SLOT_BYTES:
+            return super().exchange_counts(counts, what)
+        _, _, peers, signals = self._buffer(0)
+        self._count_epoch += 1
+        area = HEADER_BYTES + (self._count_epoch % 2) * COUNT_SLOT_BYTES
+        row = counts.to(torch.int64).clamp(-(2 ** 31), 2 ** 31 - 1).to(torch.int32).contiguous()
+        self.kernels.exchange_counts[(1,)](peers, signals, row, self.rank, self._count_epoch, width, area // 4,
+                                           self.timeout_ns, NUM_RANKS=self.world,
+                                           BLOCK=_pow2_block(width, 1024), TIMED=_timed())
+        matrix = self._local_view(area, self.world, width, torch.int32)
+        host = torch.cat([signals[self.kernels.ERROR_WORD:self.kernels.ERROR_WORD + 1], matrix.reshape(-1)]).cpu()
+        self._check_device_error(int(host[0]))
+        return host[1:].view(self.world, width).to(torch.int64)
+
     # ------------------------------------------------------------------ plans
     def prepare_plan(self, plan: NormalPlan) -> None:
         in_rank = plan.is_token_in_rank
         counts = plan.count_matrix
+        world, me = self.world, self.rank
+        recv_prefix = [0] + torch.cumsum(counts[:, me], 0).tolist()
+        # All small tables in one asynchronous copy: [0:R] rows from lower source ranks at each destination,
+        # [R:2R] rows this rank sends to lower destinations, [2R:3R+1] receive prefix by source, [3R+1:4R+1]
+        # where each source keeps the rows it sent to this rank (after those it sent to lower ranks).
+        host = torch.cat([counts[:me].sum(dim=0), torch.cumsum(counts[me], 0) - counts[me],
+                          torch.tensor(recv_prefix), counts[:, :me].sum(dim=1)]).to(torch.int32)
+        tables = to_device_async(host, in_rank.device)
         # Row of token t in rank r's receive order: rows from lower source ranks first, then t's rank among
         # this rank's tokens going to r.
-        before_me = counts[:self.rank].sum(dim=0).to(in_rank.device)
         position = in_rank.to(torch.int32).cumsum(dim=0, dtype=torch.int32) - 1
-        dispatch_slots = torch.where(in_rank, position + before_me.to(torch.int32), -1).to(torch.int32).contiguous()
+        dispatch_slots = torch.where(in_rank, position + tables[:world], -1).to(torch.int32).contiguous()
         # Combine: this rank reads token t's row from destination r at its place in the send order (rows
         # sent to lower ranks first), or, for its own rows, at the received row index.
-        sent_before = torch.cumsum(counts[self.rank], 0) - counts[self.rank]
-        gather_rows = torch.where(in_rank, position + sent_before.to(in_rank.device).to(torch.int32), -1)
-        gather_rows[:, self.rank] = dispatch_slots[:, self.rank]
+        gather_rows = torch.where(in_rank, position + tables[world:2 * world], -1)
+        gather_rows[:, me] = dispatch_slots[:, me]
         private = dict(plan.private or {})
-        private.update(dispatch_slots=dispatch_slots, gather_rows=gather_rows.to(torch.int32).contiguous())
-        private["model_sms"] = choose_num_sms(private["num_experts"], private["num_topk"], self.world,
-                                              self.device_sms)
+        private.update(dispatch_slots=dispatch_slots, gather_rows=gather_rows.to(torch.int32).contiguous(),
+                       recv_prefix=recv_prefix, recv_prefix_dev=tables[2 * world:3 * world + 1],
+                       slot_base_dev=tables[3 * world + 1:], max_recv=int(counts.sum(dim=0).max()),
+                       max_send=int(counts.sum(dim=1).max()))
+        private["model_sms"] = choose_num_sms(private["num_experts"], private["num_topk"], world, self.device_sms)
         plan.private = private
 
     # ------------------------------------------------------------------ normal dispatch
     def dispatch_rows(self, plan: NormalPlan, parts: list[torch.Tensor], what: str) -> list[torch.Tensor]:
-        wire = [_wire_view(p) for p in parts]
-        max_recv = int(plan.count_matrix.sum(dim=0).max())
-        offsets, total = self._regions(wire, max_recv)
-        self._buffer(total)
+        if len(parts) > MAX_PARTS:
+            return super().dispatch_rows(plan, parts, what)
+        private = plan.private
+        wire = [_words(p) for p in parts]
+        widths = [w.shape[1] for w in wire]
+        max_recv = private["max_recv"]
+        offsets, total = self._regions([4 * w for w in widths], max_recv)
+        _, _, peers, signals = self._buffer(total)
+        self._epoch += 1
+        half = self._half(self._epoch)
         num_recv = plan.num_recv_tokens
-        outs = [torch.empty(num_recv, w.shape[1], dtype=w.dtype, device=self.device) for w in wire]
-        slots = plan.private["dispatch_slots"]
+        outs = [torch.empty(num_recv, w, dtype=torch.int32, device=self.device) for w in widths]
+        slots = private["dispatch_slots"]
         tokens = slots.shape[0]
-        grid = (max(1, min(self.num_sms_for(plan), tokens)),)
-        self._barrier()  # peers have finished reading what the previous op left in their buffers
-        for w, out, offset in zip(wire, outs, offsets):
-            if tokens == 0 or w.shape[1] == 0:
-                continue
-            dsts = [out if r == self.rank else self._peer_view(r, w, max_recv, offset) for r in range(self.world)]
-            dsts += [w] * (MAX_PEERS - len(dsts))
-            self._push[grid](w, slots, *dsts, tokens, w.shape[1], NUM_DST=self.world, BLOCK=ROW_BLOCK)
-        self._barrier()
-        prefix = [0] + torch.cumsum(plan.count_matrix[:, self.rank], 0).tolist()
-        for w, out, offset in zip(wire, outs, offsets):
-            mine = self._peer_view(self.rank, w, max_recv, offset)
-            for src in range(self.world):
-                if src != self.rank and prefix[src + 1] > prefix[src]:
-                    out[prefix[src]:prefix[src + 1]].copy_(mine[prefix[src]:prefix[src + 1]])
-        return [o.view(p.dtype).reshape(num_recv, *p.shape[1:]) if p.dtype != torch.bool
-                else o.view(torch.bool).reshape(num_recv, *p.shape[1:]) for o, p in zip(outs, parts)]
+        sms = self.num_sms_for(plan)
+        pad = MAX_PARTS - len(wire)
+        blocks = [_pow2_block(w, COPY_BLOCK_WORDS) for w in widths] + [1] * pad
+        send_args, recv_args = [], []
+        for w, out, width, offset in zip(wire, outs, widths, offsets):
+            mine = self._local_view(half + offset, max_recv, width, torch.int32)
+            send_args += [w, out, width, (half + offset) // 4, mine]
+            recv_args += [mine, out, width]
+        send_args += [wire[0], outs[0], 0, 0, outs[0]] * pad
+        recv_args += [outs[0], outs[0], 0] * pad
+        prefix = private["recv_prefix"]
+        own_begin, own_end = prefix[self.rank], prefix[self.rank + 1]
+        remote = num_recv - (own_end - own_begin)
+        work = max(_cdiv(tokens, COPY_TILE), _cdiv(remote, COPY_TILE)) if self.fused else _cdiv(tokens, COPY_TILE)
+        constants = dict(NUM_RANKS=self.world, NUM_PARTS=len(wire), B0=blocks[0], B1=blocks[1], B2=blocks[2],
+                         B3=blocks[3], B4=blocks[4], TILE=COPY_TILE, TIMED=_timed(), num_warps=COPY_WARPS)
+        self.kernels.push_rows[(max(1, min(sms, work)),)](
+            peers, signals, slots, tokens, self.rank, self._epoch, num_recv, own_begin, own_end, self.timeout_ns,
+            *send_args, FUSED=self.fused, **constants)
+        if not self.fused:
+            self.kernels.receive_rows[(max(1, min(sms, _cdiv(remote, COPY_TILE))),)](
+                signals, self.rank, self._epoch, num_recv, own_begin, own_end, self.timeout_ns, *recv_args,
+                **constants)
+        results = []
+        for out, part in zip(outs, parts):
+            dtype = torch.uint8 if part.dtype == torch.bool else part.dtype
+            value = out.view(torch.uint8).view(dtype).reshape(num_recv, *part.shape[1:])
+            results.append(value.view(torch.bool) if part.dtype == torch.bool else value)
+        return results
 
     # ------------------------------------------------------------------ normal combine
     def combine_rows(self, plan: NormalPlan, x: torch.Tensor, weights: torch.Tensor | None,
                      biases: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
+        private = plan.private
         parts = [x.contiguous()] + ([] if weights is None else [weights.contiguous()])
-        max_send = int(plan.count_matrix.sum(dim=1).max())
-        offsets, total = self._regions(parts, max_send)
-        self._buffer(total)
-        recv_prefix = [0] + torch.cumsum(plan.count_matrix[:, self.rank], 0).tolist()
-        self._barrier()
-        for part, offset in zip(parts, offsets):
-            for src in range(self.world):
-                begin, end = recv_prefix[src], recv_prefix[src + 1]
-                if src == self.rank or end == begin:
-                    continue
-                # Rows of source src go where src keeps the rows it sent to this rank: after those sent lower.
-                sent_before = int(plan.count_matrix[src, :self.rank].sum())
-                peer = self._peer_view(src, part, max_send, offset)
-                peer[sent_before:sent_before + end - begin].copy_(part[begin:end])
-        self._barrier()
-        gather_rows = plan.private["gather_rows"]
+        wire = [_words(p) for p in parts]
+        widths = [w.shape[1] for w in wire]
+        max_send = private["max_send"]
+        offsets, total = self._regions([4 * w for w in widths], max_send)
+        _, _, peers, signals = self._buffer(total)
+        self._epoch += 1
+        half = self._half(self._epoch)
+        sms = self.num_sms_for(plan)
+        num_recv = plan.num_recv_tokens
+        blocks = [_pow2_block(w, COPY_BLOCK_WORDS) for w in widths] + [1]
+        back_args = []
+        for w, width, offset in zip(wire, widths, offsets):
+            back_args += [w, width, (half + offset) // 4]
+        if len(wire) == 1:
+            back_args += [wire[0], 0, 0]
+        prefix = private["recv_prefix"]
+        remote = num_recv - (prefix[self.rank + 1] - prefix[self.rank])
+        gather_rows = private["gather_rows"]
         tokens = gather_rows.shape[0]
-        grid = (max(1, min(self.num_sms_for(plan), tokens)),)
-        results = []
-        for index, (part, offset) in enumerate(zip(parts, offsets)):
-            out = torch.empty(tokens, part.shape[1], dtype=part.dtype, device=self.device)
-            results.append(out)
-            if tokens == 0:
-                continue
-            mine = self._peer_view(self.rank, part, max_send, offset)
-            srcs = [part if r == self.rank else mine for r in range(self.world)]
-            srcs += [part] * (MAX_PEERS - len(srcs))
-            bias0, bias1 = (biases + (None, None))[:2] if index == 0 else (None, None)
-            self._reduce[grid](out, gather_rows, *srcs, bias0 if bias0 is not None else out,
-                               bias1 if bias1 is not None else out, tokens, part.shape[1], NUM_SRC=self.world,
-                               HAS_BIAS0=bias0 is not None, HAS_BIAS1=bias1 is not None, BLOCK=ROW_BLOCK)
+        outs = [torch.empty(tokens, part.shape[1], dtype=part.dtype, device=self.device) for part in parts]
+        mines = [self._local_view(half + offset, max_send, part.shape[1], part.dtype)
+                 for part, offset in zip(parts, offsets)]
+        bias0, bias1 = (tuple(biases) + (None, None))[:2]
+        reduce_x = dict(HAS_BIAS0=bias0 is not None, HAS_BIAS1=bias1 is not None,
+                        TIMED=_timed(), num_warps=REDUCE_WARPS)
+        x_args = (outs[0], gather_rows, parts[0], mines[0], outs[0] if bias0 is None else bias0,
+                  outs[0] if bias1 is None else bias1, tokens, parts[0].shape[1])
+        x_block = _pow2_block(parts[0].shape[1], REDUCE_BLOCK)
+        work = _cdiv(remote, COPY_TILE)
+        if self.fused:
+            work = max(work, _cdiv(tokens, REDUCE_TILE))
+        self.kernels.push_back[(max(1, min(sms, work)),)](
+            peers, signals, private["recv_prefix_dev"], private["slot_base_dev"], self.rank, self._epoch, num_recv,
+            *back_args, self.timeout_ns, *x_args, NUM_RANKS=self.world, NUM_PARTS=len(wire), B0=blocks[0],
+            B1=blocks[1], TILE=COPY_TILE, FUSED=self.fused, RBLOCK=x_block, RTILE=REDUCE_TILE, **reduce_x)
+        grid = (max(1, min(sms, _cdiv(tokens, REDUCE_TILE))),)
+        if not self.fused:
+            self.kernels.reduce_rows[grid](signals, self.rank, self._epoch, self.timeout_ns, *x_args,
+                                           NUM_RANKS=self.world, WAIT=True, BLOCK=x_block, TILE=REDUCE_TILE,
+                                           **reduce_x)
+        if weights is not None:  # after the x reduction on the stream, so the peers' rows are known to be here
+            self.kernels.reduce_rows[grid](
+                signals, self.rank, self._epoch, self.timeout_ns, outs[1], gather_rows, parts[1], mines[1], outs[1],
+                outs[1], tokens, parts[1].shape[1], NUM_RANKS=self.world, HAS_BIAS0=False, HAS_BIAS1=False,
+                WAIT=False, BLOCK=_pow2_block(parts[1].shape[1], REDUCE_BLOCK), TILE=REDUCE_TILE, TIMED=_timed(),
+                num_warps=REDUCE_WARPS)
+        results = outs
         combined_weights = results[1].float() if weights is not None else None
         return results[0], combined_weights
 

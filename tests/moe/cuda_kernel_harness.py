@@ -1,0 +1,221 @@
+"""The ``cuda`` strategy's kernels under the Triton interpreter (CPU): R emulated ranks in one process.
+
+Run as ``TRITON_INTERPRET=1 python -m tests.moe.cuda_kernel_harness R``; prints ``ok`` or raises. Each rank is a
+:class:`CudaStrategy` whose symmetric buffer is a CPU tensor (peers reach it through its address, as on the
+GPU). One process runs kernels one after another, so the kernels that wait for peers (receive, reduce) are
+queued and run after every rank has issued its send kernels; the count exchange, which sends and waits in one
+kernel, is checked for its timeout on the first rank and for its data on the last.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from ascend_dualpath.errors import WaitTimeout
+from ascend_dualpath.moe import quant
+from ascend_dualpath.moe.strategies import cuda as cuda_strategy
+from ascend_dualpath.moe.strategies.base import NormalPlan
+from ascend_dualpath.reference import moe as ref
+from tests.moe.conformance_worker import HIDDEN, make_inputs
+
+BUFFER_BYTES = cuda_strategy.DATA_OFFSET + (4 << 20)
+POISON = 0xAB
+WAITING_KERNELS = ("receive_rows", "reduce_rows")
+
+
+class _Queued:
+    def __init__(self, kernel, queue: list) -> None:
+        self.kernel, self.queue = kernel, queue
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.queue.append((self.kernel, grid, args, kwargs))
+
+
+class _Kernels:
+    """The kernel module, with the waiting kernels queued instead of launched."""
+
+    def __init__(self, kernels, queue: list) -> None:
+        self.kernels, self.queue = kernels, queue
+
+    def __getattr__(self, name):
+        kernel = getattr(self.kernels, name)
+        return _Queued(kernel, self.queue) if name in WAITING_KERNELS else kernel
+
+
+class EmulatedRank(cuda_strategy.CudaStrategy):
+    """A CudaStrategy without process group or GPU: its buffer is ``buffers[rank]``, peers by address."""
+
+    def __init__(self, rank: int, world: int, buffers: list[torch.Tensor], queue: list, num_sms: int = 3) -> None:
+        self.group, self.timeout_s, self.rank, self.world = None, 1.0, rank, world
+        self.device, self.device_sms, self.fixed_num_sms = torch.device("cpu"), 8, num_sms
+        self.kernels = _Kernels(cuda_strategy._kernels(), queue)
+        self.timeout_ns = int(1e9)
+        self._epoch = self._count_epoch = 0
+        self.fused = False  # one process runs the ranks in turn: the waiting halves must be separate launches
+        local = buffers[rank]
+        peers = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
+        self._symm = (local, None, peers, local[:cuda_strategy.HEADER_BYTES].view(torch.int32))
+
+    def _buffer(self, half_bytes: int):
+        assert cuda_strategy.DATA_OFFSET + 2 * half_bytes <= self._symm[0].numel(), "harness buffer too small"
+        return self._symm
+
+
+def _buffers(world: int) -> list[torch.Tensor]:
+    buffers = [torch.full((BUFFER_BYTES,), POISON, dtype=torch.uint8) for _ in range(world)]
+    for b in buffers:
+        b[:cuda_strategy.HEADER_BYTES] = 0
+    return buffers
+
+
+def _flush(queue: list) -> None:
+    while queue:
+        kernel, grid, args, kwargs = queue.pop(0)
+        kernel[grid](*args, **kwargs)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def check_layout(world: int) -> None:
+    queue: list = []
+    rank = EmulatedRank(0, world, _buffers(world), queue)
+    _, idxs, _, experts = make_inputs(world, seed=3)
+    for ranks_per_node in (8, 1):
+        for idx in idxs:
+            layout, (low, high) = rank.dispatch_layout(idx, experts, world, ranks_per_node)
+            want = ref.dispatch_layout(idx, experts, world, ranks_per_node)
+            for got, exp in zip(layout, want):
+                assert (got is None) == (exp is None) and (exp is None or torch.equal(got, exp)), (got, exp)
+            # The range is clamped at 0 on both sides: enough to check ids against [-1, num_experts).
+            want_range = (min(0, int(idx.min())), max(0, int(idx.max()))) if idx.numel() else (0, 0)
+            assert (low, high) == want_range, ((low, high), want_range)
+    bad = idxs[0].clone()
+    bad[1, 0], bad[2, 1] = experts + 5, -7
+    layout, (low, high) = rank.dispatch_layout(bad, experts, world, 8)
+    assert (low, high) == (-7, experts + 5), (low, high)
+    clean = bad.clone()
+    clean[1, 0] = clean[2, 1] = -1
+    want = ref.dispatch_layout(clean, experts, world, 8)
+    assert torch.equal(layout[2], want[2]) and torch.equal(layout[3], want[3]), "out-of-range ids must count nowhere"
+
+
+def check_count_exchange(world: int) -> None:
+    queue: list = []
+    buffers = _buffers(world)
+    ranks = [EmulatedRank(r, world, buffers, queue) for r in range(world)]
+    rows = [torch.arange(5, dtype=torch.int64) * 10 + r for r in range(world)]
+    for r in range(world - 1):
+        try:
+            ranks[r].exchange_counts(rows[r], "test counts")
+        except WaitTimeout as exc:
+            assert "exceeded" in str(exc)
+        else:
+            raise AssertionError(f"rank {r} waited for peers that had not written, yet did not time out")
+    matrix = ranks[-1].exchange_counts(rows[-1], "test counts")
+    assert torch.equal(matrix, torch.stack(rows)), matrix
+
+
+def _plans(ranks, idxs, experts, layouts):
+    world = len(ranks)
+    count_matrix = torch.stack([layout[0].to(torch.int64) for layout in layouts])
+    plans = []
+    for r, strategy in enumerate(ranks):
+        plan = NormalPlan(r, layouts[r][3], count_matrix, private={"num_sms": 0, "num_experts": experts,
+                                                                   "num_topk": idxs[r].shape[1]})
+        strategy.prepare_plan(plan)
+        plans.append(plan)
+    assert all(p.num_recv_tokens >= 0 for p in plans) and world == len(plans)
+    return plans
+
+
+def check_dispatch_and_combine(world: int) -> None:
+    queue: list = []
+    buffers = _buffers(world)
+    ranks = [EmulatedRank(r, world, buffers, queue) for r in range(world)]
+    xs, idxs, weights, experts = make_inputs(world)
+    layouts = [ranks[0].dispatch_layout(idx, experts, world, 8)[0] for idx in idxs]
+    plans = _plans(ranks, idxs, experts, layouts)
+    expected = ref.dispatch(xs, idxs, weights, experts)
+
+    # Dispatch with every part Buffer sends on a fresh dispatch (x, top-k ids, weights, source index).
+    received = []
+    for r, strategy in enumerate(ranks):
+        payload = [xs[r], idxs[r], weights[r], torch.arange(xs[r].shape[0], dtype=torch.int32)]
+        received.append(strategy.dispatch_rows(plans[r], payload, "test dispatch"))
+    _flush(queue)
+    for r, (recv_x, recv_idx, recv_w, recv_src) in enumerate(received):
+        want = expected[r]
+        assert torch.equal(_bits(recv_x), _bits(want.x)), f"rank {r}: x rows"
+        assert torch.equal(recv_src, torch.tensor(want.src_idx, dtype=torch.int32)), f"rank {r}: source index"
+        local = experts // world
+        here = (recv_idx >= r * local) & (recv_idx < (r + 1) * local)
+        assert torch.equal(torch.where(here, recv_idx - r * local, -1), want.topk_idx), f"rank {r}: top-k ids"
+        assert torch.equal(torch.where(here, recv_w, 0.0), want.topk_weights), f"rank {r}: weights"
+
+    # FP8 (values, scales): two parts of different widths.
+    fp8 = [quant.per_token_cast_to_fp8(x) for x in xs]
+    want_fp8 = ref.dispatch(fp8, idxs, None, experts)
+    received = [strategy.dispatch_rows(plans[r], list(fp8[r]), "test fp8") for r, strategy in enumerate(ranks)]
+    _flush(queue)
+    for r, parts in enumerate(received):
+        for got, exp in zip(parts, want_fp8[r].x):
+            assert torch.equal(_bits(got), _bits(exp)), f"rank {r}: fp8 part"
+
+    # Combine with both biases and the weights part, against the fixed-order float32 reference.
+    g = torch.Generator().manual_seed(7)
+    biases = [(torch.randn(x.shape[0], HIDDEN, generator=g).to(torch.bfloat16),
+               torch.ones(x.shape[0], HIDDEN, dtype=torch.bfloat16)) for x in xs]
+    combined = [strategy.combine_rows(plans[r], expected[r].x, expected[r].topk_weights, biases[r])
+                for r, strategy in enumerate(ranks)]
+    _flush(queue)
+    want = ref.combine([e.x for e in expected], expected, [x.shape[0] for x in xs], biases)
+    for r, (out, out_w) in enumerate(combined):
+        assert torch.equal(_bits(out), _bits(want[r])), f"rank {r}: combine differs from the reference"
+        assert out_w.shape == weights[r].shape
+    for r, b in enumerate(buffers):
+        assert int(b[:cuda_strategy.HEADER_BYTES].view(torch.int32)[cuda_strategy._kernels().ERROR_WORD]) == 0
+        assert bool((b[-4096:] == POISON).all()), f"rank {r}: bytes past the used regions were written"
+
+
+def check_fused_launches(world: int) -> None:
+    """The one-launch dispatch and combine (the GPU path). Ranks run in turn, so only the last rank finds every
+    peer's rows in place (the others time out waiting, which sets their error word): check that rank."""
+    queue: list = []
+    buffers = _buffers(world)
+    ranks = [EmulatedRank(r, world, buffers, queue) for r in range(world)]
+    for strategy in ranks:
+        strategy.fused = True
+    xs, idxs, weights, experts = make_inputs(world, seed=5)
+    xs[-1] = torch.randn(6, HIDDEN).to(torch.bfloat16)  # the last rank needs tokens to check the combine
+    idxs[-1] = torch.randint(0, experts, (6, idxs[0].shape[1]))
+    weights[-1] = torch.rand(6, idxs[0].shape[1])
+    layouts = [ranks[0].dispatch_layout(idx, experts, world, 8)[0] for idx in idxs]
+    plans = _plans(ranks, idxs, experts, layouts)
+    expected = ref.dispatch(xs, idxs, weights, experts)
+    received = [strategy.dispatch_rows(plans[r], [xs[r]], "fused dispatch")[0] for r, strategy in enumerate(ranks)]
+    assert not queue, "fused launches queue nothing"
+    last = world - 1
+    assert torch.equal(_bits(received[last]), _bits(expected[last].x)), "fused dispatch rows (last rank)"
+    combined = [strategy.combine_rows(plans[r], expected[r].x, None, ())[0] for r, strategy in enumerate(ranks)]
+    want = ref.combine([e.x for e in expected], expected, [x.shape[0] for x in xs], [() for _ in xs])
+    assert torch.equal(_bits(combined[last]), _bits(want[last])), "fused combine (last rank)"
+    assert int(buffers[last][:cuda_strategy.HEADER_BYTES].view(torch.int32)[cuda_strategy._kernels().ERROR_WORD]) == 0
+    assert int(buffers[0][:cuda_strategy.HEADER_BYTES].view(torch.int32)[cuda_strategy._kernels().ERROR_WORD]) == 1
+
+
+def main(world: int) -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run under TRITON_INTERPRET=1"
+    check_layout(world)
+    check_count_exchange(world)
+    check_dispatch_and_combine(world)
+    check_fused_launches(world)
+    print("ok")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))
