@@ -4,7 +4,7 @@ Importing the package touches no device, loads no compiled code and needs no tor
 the compiled ``_C`` module and torch_npu are loaded lazily, on first use.
 """
 
-from ascend_dualpath.version import __version__
 from ascend_dualpath.backends import Backend, get_backend
+from ascend_dualpath.version import __version__
 
 __all__ = ["Backend", "get_backend", "__version__"]

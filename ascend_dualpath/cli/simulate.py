@@ -46,7 +46,12 @@ def run(args: argparse.Namespace) -> int:
 
     from ascend_dualpath.sim.cluster import ClusterConfig, ClusterSim, Mode
     from ascend_dualpath.sim.experiments import (
-        agentic_agents, online_capacity, plot_figures, reductions_vs_basic, run_ablation, snic_max_over_avg,
+        agentic_agents,
+        online_capacity,
+        plot_figures,
+        reductions_vs_basic,
+        run_ablation,
+        snic_max_over_avg,
     )
     from ascend_dualpath.sim.models import get_model
     from ascend_dualpath.sim.traces import load_mooncake

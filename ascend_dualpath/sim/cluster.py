@@ -31,7 +31,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ascend_dualpath.dualpath.scheduler import (
-    DEFAULT_COMPUTE_QUOTA_S, Assignment, EngineState, GroupReport, PrefillWork, ReadPath, Request, Scheduler,
+    DEFAULT_COMPUTE_QUOTA_S,
+    Assignment,
+    EngineState,
+    GroupReport,
+    PrefillWork,
+    ReadPath,
+    Request,
+    Scheduler,
     plan_prefill_batch,
 )
 from ascend_dualpath.errors import CapacityError, ConfigError

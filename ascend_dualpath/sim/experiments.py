@@ -146,8 +146,9 @@ def plot_figures(out_dir, sweep: dict[Mode, list[tuple[int, float]]], ablation: 
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from pathlib import Path
+
+    import matplotlib.pyplot as plt
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -3,8 +3,19 @@ from __future__ import annotations
 import pytest
 
 from ascend_dualpath.dualpath.scheduler import (
-    EngineProfile, EngineState, GroupReport, PrefillWork, ReadPath, Request, Scheduler, choose_read_path,
-    decode_token_threshold, plan_decode, plan_decode_groups, plan_prefill, plan_prefill_batch,
+    EngineProfile,
+    EngineState,
+    GroupReport,
+    PrefillWork,
+    ReadPath,
+    Request,
+    Scheduler,
+    choose_read_path,
+    decode_token_threshold,
+    plan_decode,
+    plan_decode_groups,
+    plan_prefill,
+    plan_prefill_batch,
 )
 from ascend_dualpath.errors import ConfigError
 

@@ -5,7 +5,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ascend_dualpath.dualpath.traffic import (
-    ClassQos, OpensmQos, QosPolicy, TrafficClass, WeightedArbiter, validate_service_level, validate_traffic_class,
+    ClassQos,
+    OpensmQos,
+    QosPolicy,
+    TrafficClass,
+    WeightedArbiter,
+    validate_service_level,
+    validate_traffic_class,
 )
 from ascend_dualpath.errors import ConfigError, PayloadTooLarge
 

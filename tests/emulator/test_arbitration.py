@@ -5,9 +5,8 @@ import numpy as np
 import pytest
 
 from ascend_dualpath import errors
-from tests.conftest import poll_all
-
 from ascend_dualpath.dualpath.traffic import QosPolicy
+from tests.conftest import poll_all
 
 POLICY = QosPolicy()
 MODEL_SL, KV_SL = POLICY.model.service_level, POLICY.kv.service_level

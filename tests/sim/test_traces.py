@@ -10,7 +10,12 @@ from ascend_dualpath.errors import ConfigError
 from ascend_dualpath.sim.cluster import ClusterConfig, ClusterSim, Mode
 from ascend_dualpath.sim.models import DS_660B, MODELS, cache_compute_ratio
 from ascend_dualpath.sim.traces import (
-    TABLE2, Round, default_mooncake_path, generate_trajectories, load_mooncake, replay,
+    TABLE2,
+    Round,
+    default_mooncake_path,
+    generate_trajectories,
+    load_mooncake,
+    replay,
 )
 
 
