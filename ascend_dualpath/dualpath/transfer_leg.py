@@ -115,19 +115,32 @@ class HcclTransferLeg:
 
         Returns at once; :meth:`wait` on the ticket re-raises any failure as :class:`TransferFailed`.
         """
+        self._check(layer, segments, notify_slot, magic)
+        descs = [self._C.OneSideDesc(seg.src_addr, dst_addr + seg.dst_offset, seg.nbytes, 0) for seg in segments]
+
+        def move() -> float:
+            return self.comm.batch_put(dst_peer, descs, self.timeout_s) if descs else self.last_vtime_ns
+
+        return self._queue(layer, segments, dst_peer, dst_addr, move, notify_slot, magic)
+
+    @staticmethod
+    def _check(layer: int, segments: Sequence[Segment], notify_slot: int | None, magic: int | None) -> None:
         if (notify_slot is None) != (magic is None):
             raise ProtocolError(f"layer {layer}: notify_slot and magic go together, got {notify_slot} and {magic}")
         for seg in segments:
             if seg.nbytes < 1 or seg.dst_offset < 0:
                 raise BoundsError(f"layer {layer}: segment of {seg.nbytes} bytes at destination offset "
                                   f"{seg.dst_offset}; needs >= 1 byte at offset >= 0")
-        descs = [self._C.OneSideDesc(seg.src_addr, dst_addr + seg.dst_offset, seg.nbytes, 0) for seg in segments]
+
+    def _queue(self, layer: int, segments: Sequence[Segment], dst_peer: int, dst_addr: int, move: Callable[[], float],
+               notify_slot: int | None, magic: int | None) -> TransferTicket:
+        """Run ``move`` (returns its virtual completion time) on the worker, then the notify, then accounting."""
         nbytes = sum(seg.nbytes for seg in segments)
-        what = f"layer {layer} ({len(descs)} segments, {nbytes} bytes) to rank {dst_peer} at {dst_addr:#x}"
+        what = f"layer {layer} ({len(segments)} segments, {nbytes} bytes) to rank {dst_peer} at {dst_addr:#x}"
 
         def run() -> float:
-            vtime = self.comm.batch_put(dst_peer, descs, self.timeout_s) if descs else self.last_vtime_ns
-            if notify_slot is not None:
+            vtime = move()
+            if notify_slot is not None:  # only after every byte of the layer completed
                 self.comm.notify_record(dst_peer, notify_slot, magic, self.timeout_s)
             with self._lock:
                 self.bytes_sent += nbytes
@@ -215,44 +228,28 @@ class TransportTransferLeg(HcclTransferLeg):
 
     def submit(self, layer: int, segments: Sequence[Segment], dst_peer: int, dst_addr: int,
                notify_slot: int | None = None, magic: int | None = None) -> TransferTicket:
-        if (notify_slot is None) != (magic is None):
-            raise ProtocolError(f"layer {layer}: notify_slot and magic go together, got {notify_slot} and {magic}")
-        requests: list[tuple[list, Any]] = []  # (sources, remote slot) per back-to-back run of segments
-        run_start, run_sources, cursor = None, [], None
+        self._check(layer, segments, notify_slot, magic)
+        runs: list[tuple[int, list]] = []  # (destination offset, sources) per back-to-back run of segments
+        cursor = None
         for seg in segments:
-            if seg.nbytes < 1 or seg.dst_offset < 0:
-                raise BoundsError(f"layer {layer}: segment of {seg.nbytes} bytes at destination offset "
-                                  f"{seg.dst_offset}; needs >= 1 byte at offset >= 0")
-            if cursor != seg.dst_offset and run_sources:
-                requests.append((run_sources, run_start))
-                run_sources = []
-            if not run_sources:
-                run_start = seg.dst_offset
-            run_sources.append(self._source(layer, seg.src_addr, seg.nbytes))
+            if cursor != seg.dst_offset:
+                runs.append((seg.dst_offset, []))
+            runs[-1][1].append(self._source(layer, seg.src_addr, seg.nbytes))
             cursor = seg.dst_offset + seg.nbytes
-        if run_sources:
-            requests.append((run_sources, run_start))
-        slots = [(sources, self._slot(layer, dst_peer, dst_addr + start, sum(s.nbytes for s in sources)))
-                 for sources, start in requests]  # validated before anything is queued
-        nbytes = sum(seg.nbytes for seg in segments)
-        what = f"layer {layer} ({len(segments)} segments, {nbytes} bytes) to rank {dst_peer} at {dst_addr:#x}"
+        requests = [(sources, self._slot(layer, dst_peer, dst_addr + offset, sum(s.nbytes for s in sources)))
+                    for offset, sources in runs]  # every address is checked before anything is queued
         engine = self._engines[dst_peer]
 
-        def run() -> float:
+        def move() -> float:
             vtime = self.last_vtime_ns
-            for sources, slot in slots:
+            for sources, slot in requests:
                 result = engine.transfer(sources, slot, timeout=self.timeout_s)
                 vtime = max(vtime, result.complete_vtime_ns)
                 with self._lock:
                     self.kinds_used[result.kind.value] = self.kinds_used.get(result.kind.value, 0) + 1
-            if notify_slot is not None:
-                self.comm.notify_record(dst_peer, notify_slot, magic, self.timeout_s)
-            with self._lock:
-                self.bytes_sent += nbytes
-                self.last_vtime_ns = max(self.last_vtime_ns, vtime)
             return vtime
 
-        return TransferTicket(layer, nbytes, what, self._worker.submit(run))
+        return self._queue(layer, segments, dst_peer, dst_addr, move, notify_slot, magic)
 
 
 class FaultInjectingLeg:
