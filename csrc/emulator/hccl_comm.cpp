@@ -433,7 +433,9 @@ void HcclComm::aicpu_server() {
             std::string error;
             ErrorKind kind = ErrorKind::kGeneric;
             try {
-                done = run_requests(aicpu_, requests, cost.aicpu_issue_ns, cost.aicpu_wqe_ns, aicpu_vtime_ns_, 30.0);
+                // the AICPU's own bound on one issue: hcclExecTimeOut when the config sets it
+                const double timeout_s = config_.hcclExecTimeOut > 0 ? double(config_.hcclExecTimeOut) : kDefaultExecTimeoutS;
+                done = run_requests(aicpu_, requests, cost.aicpu_issue_ns, cost.aicpu_wqe_ns, aicpu_vtime_ns_, timeout_s);
             } catch (const Error& e) {
                 error = e.what();
                 kind = e.kind();

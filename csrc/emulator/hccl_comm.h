@@ -72,6 +72,7 @@ struct RankInfo {
 class HcclComm {
    public:
     static constexpr uint32_t kNotifySlots = 1024;
+    static constexpr double kDefaultExecTimeoutS = 30.0;  // AICPU server's bound per issue when hcclExecTimeOut is unset
     static constexpr uint32_t kNotifySlotBytes = 32;  // "32 B per notify" (CANN AIV communication resources)
 
     HcclComm(std::shared_ptr<Device> device, uint32_t rank, uint32_t world_size, HcclCommConfig config);
