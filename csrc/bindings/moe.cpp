@@ -206,8 +206,9 @@ void register_moe(py::module_& m) {
                 kernel_name, block_dim, ub_bytes, timeout_s, comm.get(), [raw, combine, ptr] {
                     auto* tiling = reinterpret_cast<uint8_t*>(&raw->tiling);
                     if (combine)
-                        moe_combine(tiling, ptr(raw->peers), ptr(raw->in_parts), reinterpret_cast<uint8_t*>(&raw->reduce),
-                                    ptr(raw->send_index), ptr(raw->queues), ptr(raw->status));
+                        moe_combine(tiling, ptr(raw->peers), ptr(raw->in_parts),
+                                    reinterpret_cast<uint8_t*>(&raw->reduce), ptr(raw->send_index), ptr(raw->queues),
+                                    ptr(raw->status));
                     else
                         moe_dispatch(tiling, ptr(raw->peers), ptr(raw->in_parts), ptr(raw->out_parts),
                                      ptr(raw->send_index), ptr(raw->queues), ptr(raw->status));
