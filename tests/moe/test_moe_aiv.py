@@ -52,17 +52,25 @@ def _packed_rows(receive, idxs, weights, xs) -> bytes:
 
 
 def _dataplane_worker(rank: int, world: int, env: dict) -> dict:
-    """Dispatch and combine once; report which dataplane moved the rows and whether the results are exact."""
+    """Dispatch, combine, low-latency dispatch and combine once each; report which dataplane moved the rows and
+    whether the results are exact."""
     os.environ.update(env)
     from ascend_dualpath.moe import Buffer
     from ascend_dualpath.reference import moe as ref
 
-    buffer = Buffer(None, num_nvl_bytes=1 << 22, strategy="aiv", timeout_s=WAIT_S)
-    xs, idxs, weights, experts = _inputs(world, 7, [9, 5, 0, 6][:world], 256, 3, 2, torch.bfloat16)
+    hidden, local_experts, max_tokens = 256, 2, 16
+    buffer = Buffer(None, num_nvl_bytes=1 << 22, num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(
+        max_tokens, hidden, world, local_experts * world), low_latency_mode=True, strategy="aiv", timeout_s=WAIT_S)
+    xs, idxs, weights, experts = _inputs(world, 7, [9, 5, 0, 6][:world], hidden, 3, local_experts, torch.bfloat16)
     want = ref.dispatch(xs, idxs, weights, experts)
     recv_x, _, _, _, handle, _ = _dispatch(buffer, xs[rank], idxs[rank], weights[rank], experts)
     combined, _, _ = buffer.combine(recv_x, handle)
     want_combined = ref.combine([r.x for r in want], want, [x.shape[0] for x in xs])[rank]
+    ll_x, ll_count, ll_handle, _, _ = buffer.low_latency_dispatch(xs[rank], idxs[rank], max_tokens, experts,
+                                                                  use_fp8=False)
+    ll_out, _, _ = buffer.low_latency_combine(ll_x, idxs[rank], weights[rank], ll_handle)
+    want_ll = [len(e.sources) for e in ref.low_latency_dispatch(idxs, experts)[rank]]
+    want_ll_out = ref.low_latency_combine(lambda t, e: xs[rank][t], idxs[rank], weights[rank])
     strategy = buffer.strategy
     comm = strategy.comm
     out = {
@@ -73,6 +81,8 @@ def _dataplane_worker(rank: int, world: int, env: dict) -> dict:
         "nic_wqes": strategy.device.nic.wqes_executed,
         "dispatch_exact": torch.equal(recv_x.view(torch.int16), want[rank].x.view(torch.int16)),
         "combine_exact": torch.equal(combined.view(torch.int16), want_combined.view(torch.int16)),
+        "ll_counts": ll_count.tolist() == want_ll,
+        "ll_combine": want_ll_out is None or ref.calc_diff(ll_out, want_ll_out) < 1e-5,
     }
     buffer.destroy()
     return out
@@ -87,13 +97,14 @@ def test_rows_move_on_the_selected_dataplane(env: dict, dataplane: str) -> None:
         assert "__fatal__" not in result, result["__fatal__"]
         assert result["strategy"] == "aiv" and result["dataplane"] == dataplane, result
         assert result["dispatch_exact"] and result["combine_exact"], result
-        # every peer got at least its notify WQE over the NIC, in both ops
-        assert result["nic_wqes"] >= 2 * (world - 1), result
+        assert result["ll_counts"] and result["ll_combine"], result
+        # every peer got at least its notify WQE over the NIC, in each of the four ops
+        assert result["nic_wqes"] >= 4 * (world - 1), result
         if dataplane == "aiv":
             assert result["batch_write_issues"] == 0, result
-            assert result["aiv_wqes_posted"] >= 2 * (world - 1), result
+            assert result["aiv_wqes_posted"] >= 4 * (world - 1), result
         else:
-            assert result["batch_write_issues"] == 2, result  # one BatchWrite per op, from core 0
+            assert result["batch_write_issues"] == 4, result  # one BatchWrite per op, from core 0
             assert result["aiv_wqes_posted"] == 0, result
 
 

@@ -14,8 +14,9 @@ emulated RDMA dataplane only:
   rows over destination ranks 0..R-1, then the biases, rounded to nearest-even (bit-exact with
   :meth:`Strategy.combine_rows`). The weighted (MC2) combine arrives here with the rows already scaled.
 
-Counts and layouts are exchanged over the process group (inherited from ``alltoall``), as are the
-low-latency ops' rows (no low-latency kernel yet). Receive windows have two halves used by alternate ops:
+The low-latency ops' rows (already grouped by destination by ``Buffer``) go through ``moe_dispatch`` too
+(:meth:`AivStrategy.exchange_rows`; the per-expert packing stays on the host). Counts and layouts are
+exchanged over the process group (inherited from ``alltoall``). Receive windows have two halves used by alternate ops:
 a rank returns from op k only after every peer's notify of op k arrived, i.e. after every peer finished op
 k - 1, so op k + 1 never writes a half a peer still reads. The magic of source ``s`` in op ``k`` is
 ``0x4D << 56 | s << 32 | k``: a flag left by an earlier op never satisfies a later wait.
@@ -30,9 +31,9 @@ import numpy as np
 import torch
 
 from ascend_dualpath import _env, _ext
-from ascend_dualpath.errors import AdpError, BackendUnavailable, ConfigError, QueueError, WaitTimeout
+from ascend_dualpath.errors import AdpError, BackendUnavailable, ConfigError, ProtocolError, QueueError, WaitTimeout
 from ascend_dualpath.moe.strategies.alltoall import AllToAllStrategy
-from ascend_dualpath.moe.strategies.base import NormalPlan
+from ascend_dualpath.moe.strategies.base import NormalPlan, PendingRows
 
 # Vector cores per launch (destinations and sources are shared out over them): more cores than ranks
 # would idle, and on the CPU emulator every core is a thread.
@@ -181,6 +182,23 @@ class AivStrategy(AllToAllStrategy):
         outs = [torch.empty((received, *p.shape[1:]), dtype=p.dtype, device=p.device) for p in parts]
         self._exchange("moe_dispatch", counts, parts, plan.send_order.to(torch.int32), outs, None, what)
         return outs
+
+    def exchange_rows(self, parts: list[torch.Tensor], send_counts: list[int], recv_counts: list[int],
+                      what: str) -> PendingRows:
+        """The low-latency ops' row exchange through ``moe_dispatch`` (rows already grouped by destination).
+
+        The kernel needs every rank's counts (where its block lands at each peer, the window size), so the
+        send counts are all-gathered over the process group first; the rows move when this is called.
+        """
+        sends = self.exchange_counts(torch.tensor(send_counts, dtype=torch.int64), f"{what} (counts)").numpy()
+        if sends[:, self.rank].tolist() != list(recv_counts):
+            raise ProtocolError(f"{what}: this rank expects {list(recv_counts)} rows from ranks 0..{self.world - 1}, "
+                                f"but they send {sends[:, self.rank].tolist()}")
+        parts = [p.contiguous() for p in parts]
+        outs = [torch.empty((sum(recv_counts), *p.shape[1:]), dtype=p.dtype, device=p.device) for p in parts]
+        send_index = torch.arange(sum(send_counts), dtype=torch.int32)
+        self._exchange("moe_dispatch", sends, parts, send_index, outs, None, what)
+        return PendingRows(lambda: outs)
 
     def combine_rows(self, plan: NormalPlan, x: torch.Tensor, weights: torch.Tensor | None,
                      biases: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
