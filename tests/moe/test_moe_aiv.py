@@ -181,6 +181,57 @@ def test_notify_wait_is_bounded_and_names_the_silent_rank(env: dict) -> None:
     assert results[0] == {"timeout": "ok", "elapsed": "ok"}, results
 
 
+def _bad_remote_worker(rank: int, world: int, env: dict) -> dict:
+    """Rank 0's table points its block for rank 1 past rank 1's receive window: rank 0 gets the dataplane's bounds
+    error (a failed WQE, or the AICPU server rejecting the item), nothing lands at rank 1, whose wait for rank 0's
+    notify ends in WaitTimeout; the queues stay usable for the peers' next op."""
+    import torch.distributed as dist
+
+    os.environ.update(env)
+    from ascend_dualpath.errors import BoundsError, NotRegistered, WaitTimeout
+    from ascend_dualpath.moe import Buffer
+
+    buffer = Buffer(None, num_nvl_bytes=1 << 20, strategy="aiv", timeout_s=2)
+    xs, idxs, weights, experts = _inputs(world, 5, [6, 6], 64, 2, 2, torch.bfloat16)
+    idxs = [torch.full_like(i, -1) for i in idxs]
+    idxs[0][:, 0] = 2  # every token of rank 0 goes to rank 1 only: rank 0 receives nothing
+    _, _, _, _, handle, _ = _dispatch(buffer, xs[rank], idxs[rank], weights[rank], experts)
+    strategy = buffer.strategy
+    window = np.frombuffer(strategy.comm.windows_in, dtype=np.uint8)
+    window[:] = POISON
+    dist.barrier()
+    out = {}
+    if rank == 0:
+        good = strategy._peer_in[1]
+        strategy._peer_in[1] = type(good)(good.addr + good.size, good.size, good.rkey)
+        try:
+            buffer.dispatch(xs[rank], handle=handle)
+            out["sender"] = "the dispatch into an unregistered range returned"
+        except (BoundsError, NotRegistered) as exc:
+            # the NIC's completion names the check; the AICPU server names the peer whose memory it is not
+            words = "REMOTE_OUT_OF_BOUNDS" if strategy.dataplane == "aiv" else "rank 1 registered"
+            out["sender"] = "ok" if words in str(exc) else str(exc)
+        strategy._peer_in[1] = good
+        out["queues"] = "ok" if all(strategy.comm.aiv_qp(p).state.name == "READY_TO_SEND" for p in range(world)) \
+            else "a queue pair stayed in ERROR"
+    else:
+        try:
+            buffer.dispatch(xs[rank], handle=handle)
+            out["receiver"] = "returned without rank 0's rows"
+        except WaitTimeout as exc:
+            out["receiver"] = "ok" if "rank(s) [0]" in str(exc) else str(exc)
+        out["window"] = "ok" if (window == POISON).all() else "rows landed although the sender failed"
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("env", [{}, AICPU_ENV], ids=["aiv", "aicpu"])
+def test_a_bad_remote_address_fails_on_the_sender_and_times_out_the_receiver(env: dict) -> None:
+    sender, receiver = _spawn.run_ranks(2, _bad_remote_worker, env, timeout_s=60)
+    assert sender == {"sender": "ok", "queues": "ok"}, sender
+    assert receiver == {"receiver": "ok", "window": "ok"}, receiver
+
+
 def _property_worker(rank: int, world: int, env: dict) -> dict:
     """Hypothesis draws shapes, dtypes and routing; both ranks draw the same examples (derandomised), so their
     collectives pair up. Dispatch must equal the reference bitwise, combine the fixed-order reference bitwise."""

@@ -293,10 +293,13 @@ class AivStrategy(AllToAllStrategy):
                 raise WaitTimeout(f"waited {self.timeout_s:g} s for the completions of {what} ({self.name} "
                                   f"strategy): {len(completions)} of {expected} notify WQEs completed")
             completions += got
-        errors = [c for c in completions + cq.poll(4096, 0) if c.status != 0]
+        errors = [c for c in completions if c.status != 0]
         if errors:
+            # ERROR -> ready-to-send once the NIC flushed every posted WQE; then the CQ holds every completion
+            # of this op (the failed WQE, possibly unsignaled, and the flushed ones behind it): drain them all.
             for peer in range(self.world):
                 self.comm.aiv_qp(peer).reset(self.timeout_s)
+            errors += [c for c in cq.poll(cq.depth, 0) if c.status != 0]
             error: AdpError = completion_error(next((c for c in errors if c.syndrome != SYNDROME_FLUSHED), errors[0]))
             raise error
         return max((c.vtime_ns for c in completions), default=0.0)
