@@ -154,6 +154,10 @@ void register_moe(py::module_& m) {
                 e.recv_count = uint32_t(table(p, 7));
                 e.item_begin = uint32_t(table(p, 8));
                 e.expect_magic = uint64_t(table(p, 9));
+                if (p != comm->rank() && (e.remote_notify == 0 || e.expect_magic == 0) &&
+                    (e.send_count || e.recv_count || e.remote_notify || e.expect_magic))
+                    fail(ErrorKind::kConfig, "peer ", p, " is skipped (no notify address or no expected magic) but ",
+                         "has ", e.send_count, " rows to send and ", e.recv_count, " to receive");
                 if (uint64_t(e.send_begin) + e.send_count > uint64_t(send_index.size()))
                     fail(ErrorKind::kBounds, "peer ", p, " sends rows [", e.send_begin, ", +", e.send_count,
                          ") of a send index of ", send_index.size());

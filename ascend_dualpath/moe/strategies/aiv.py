@@ -1,4 +1,4 @@
-"""``aiv``: normal dispatch/combine with our AscendC kernels on the emulated device (fullmesh).
+"""``aiv``: normal dispatch/combine with our AscendC kernels on the emulated device (fullmesh or two-hop).
 
 Each rank opens an emulated NPU on one fabric shared by the group (rank 0 creates it, the others attach)
 and an emulated HCCL communicator over it (windows, notify area and queue-pair numbers exchanged through
@@ -16,10 +16,13 @@ emulated RDMA dataplane only:
 
 The low-latency ops' rows (already grouped by destination by ``Buffer``) go through ``moe_dispatch`` too
 (:meth:`AivStrategy.exchange_rows`; the per-expert packing stays on the host). Counts and layouts are
-exchanged over the process group (inherited from ``alltoall``). Receive windows have two halves used by alternate ops:
-a rank returns from op k only after every peer's notify of op k arrived, i.e. after every peer finished op
-k - 1, so op k + 1 never writes a half a peer still reads. The magic of source ``s`` in op ``k`` is
-``0x4D << 56 | s << 32 | k``: a flag left by an earlier op never satisfies a later wait.
+exchanged over the process group (inherited from ``alltoall``). With ``ranks_per_node`` < R, normal ops take
+two hops (RDMA to the same-index rank of the target node, then intra-node; :meth:`AivStrategy._routes`).
+
+Receive windows have two halves used by alternate ops: a rank returns from op k only after every peer's notify
+of op k arrived, i.e. after every peer finished op k - 1, so op k + 1 never writes a half a peer still reads.
+The magic of source ``s`` in op ``k`` is ``0x4D << 56 | s << 32 | k``: a wait for op k is satisfied by it or a
+later one of the same source (``notify_reached`` in ``moe_exchange.h``), never by an earlier flag.
 """
 
 from __future__ import annotations
@@ -91,12 +94,14 @@ class AivStrategy(AllToAllStrategy):
         Vector cores per launch (default ``min(R, 4)``).
     max_payload : int
         Largest piece one WQE or BatchWrite item carries.
+    ranks_per_node : int or None
+        Ranks per node; fewer than R makes normal ops two-hop (hierarchy). Default R: fullmesh.
     """
 
     name = "aiv"
 
     def __init__(self, group: Any, timeout_s: float, block_dim: int | None = None,
-                 max_payload: int = MAX_SINGLE_PAYLOAD) -> None:
+                 max_payload: int = MAX_SINGLE_PAYLOAD, ranks_per_node: int | None = None) -> None:
         super().__init__(group, timeout_s)
         import torch.distributed as dist
 
@@ -104,12 +109,18 @@ class AivStrategy(AllToAllStrategy):
 
         self._C = _ext.load()
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.ranks_per_node = ranks_per_node or self.world
+        if self.ranks_per_node < 1 or self.world % self.ranks_per_node:
+            raise ConfigError(f"ranks_per_node={self.ranks_per_node} must be >= 1 and divide the group size "
+                              f"{self.world}")
         self.block_dim = block_dim or min(self.world, MAX_BLOCK_DIM)
         self.max_payload = max_payload
         names: list = [None] * self.world
         fabric = emulator.create_fabric(emulator.new_fabric_name("moe")) if self.rank == 0 else None
         dist.all_gather_object(names, fabric.name if fabric else None, group=group)
         self.fabric = fabric or emulator.attach_fabric(names[0], timeout_s)
+        # rank 0 must not unlink the fabric's name (close) before every rank attached
+        dist.barrier(group=group)
         overrides = {}
         bitmap = _env.emu_capability_bitmap()
         if bitmap is not None:
@@ -175,13 +186,97 @@ class AivStrategy(AllToAllStrategy):
         return (MAGIC_TAG << 56) | (source << 32) | (epoch & 0xFFFFFFFF)
 
     # ------------------------------------------------------------------ ops
+    @property
+    def hierarchy(self) -> bool:
+        """Whether normal ops take two hops (RDMA to the same-index rank of the target node, then intra-node)."""
+        return self.ranks_per_node < self.world
+
     def dispatch_rows(self, plan: NormalPlan, parts: list[torch.Tensor], what: str) -> list[torch.Tensor]:
         parts = [p.contiguous() for p in parts]
         counts = plan.count_matrix.numpy()
         received = int(counts[:, self.rank].sum())
+        if self.hierarchy:
+            return self._dispatch_hierarchy(plan, parts, received, what)
         outs = [torch.empty((received, *p.shape[1:]), dtype=p.dtype, device=p.device) for p in parts]
         self._exchange("moe_dispatch", counts, parts, plan.send_order.to(torch.int32), outs, None, what)
         return outs
+
+    def _routes(self, plan: NormalPlan) -> dict:
+        """The two-hop routes of ``plan`` (kept in it for cached dispatch and combine).
+
+        Hop 1 (RDMA): source s sends each token once per target node n, to relay ``n * P + s % P``. Hop 2
+        (intra-node): relay r forwards each row to the ranks of its node the token goes to. Row counts, for every
+        pair of ranks (every rank computes the same matrices): ``hop1[s, r]`` = tokens of s for node(r) when
+        s % P == r % P; ``hop2[r, d]`` = Σ over the sources s relayed by r of ``C[s, d]`` when r, d share a node.
+        """
+        private = plan.private if isinstance(plan.private, dict) else {}
+        if "aiv_routes" in private:
+            return private["aiv_routes"]
+        ranks_per_node, me = self.ranks_per_node, self.rank
+        nodes = self.world // ranks_per_node
+        counts = plan.count_matrix.numpy()
+        in_rank = plan.is_token_in_rank
+        to_node = in_rank.view(in_rank.shape[0], nodes, ranks_per_node).any(dim=2)
+        node_counts = self.exchange_counts(to_node.sum(dim=0), "hierarchical dispatch node counts").numpy()
+        ranks = np.arange(self.world)
+        node, same_local = ranks // ranks_per_node, (ranks % ranks_per_node)[:, None] == (ranks % ranks_per_node)
+        same_node = node[:, None] == node[None, :]
+        hop1 = np.where(same_local, node_counts[:, node], 0)
+        hop2 = np.where(same_node, same_local.astype(np.int64) @ counts, 0)
+        send1 = torch.cat([to_node[:, n].nonzero()[:, 0] for n in range(nodes)]).to(torch.int32)
+        # combine sends every (token, destination) row back over hop 1: back1[r, s] = Σ_{d in node(r)} C[s, d]
+        back1 = np.where(same_local, (counts @ same_node.astype(np.int64)).T, 0)
+        routes = {"hop1": hop1, "hop2": hop2, "back1": back1, "send1": send1, "same_local": same_local,
+                  "same_node": same_node,
+                  "src1": np.repeat(ranks, hop1[:, me]), "mine": ranks[node == node[me]]}
+        # where hop-2 rows land in the receive order (source rank, ascending token): relays in rank order, each
+        # relaying its sources in rank order, each source's rows in token order
+        recv_begin = _prefix(counts[:, me])
+        final = [recv_begin[s] + np.arange(counts[s, me]) for r in routes["mine"] for s in ranks[same_local[r]]]
+        routes["final"] = torch.from_numpy(np.concatenate(final).astype(np.int64))
+        private["aiv_routes"] = routes
+        if isinstance(plan.private, dict):
+            plan.private = private
+        return routes
+
+    def _dispatch_hierarchy(self, plan: NormalPlan, parts: list[torch.Tensor], received: int,
+                            what: str) -> list[torch.Tensor]:
+        routes, me = self._routes(plan), self.rank
+        # hop 1 carries each token's destination mask, so that the relay knows where to forward it
+        hop1_parts = parts + [plan.is_token_in_rank.to(torch.uint8).contiguous()]
+        relayed = int(routes["hop1"][:, me].sum())
+        hop1_out = [torch.empty((relayed, *p.shape[1:]), dtype=p.dtype) for p in hop1_parts]
+        self._exchange("moe_dispatch", routes["hop1"], hop1_parts, routes["send1"], hop1_out, None, f"{what} (hop 1)",
+                       routes["same_local"])
+        mask = hop1_out.pop().bool()
+        if "send2" not in routes:
+            routes["send2"] = torch.cat([mask[:, d].nonzero()[:, 0] for d in routes["mine"]]).to(torch.int32)
+        hop2_out = [torch.empty((received, *p.shape[1:]), dtype=p.dtype) for p in parts]
+        self._exchange("moe_dispatch", routes["hop2"], hop1_out, routes["send2"], hop2_out, None, f"{what} (hop 2)",
+                       routes["same_node"])
+        outs = [torch.empty_like(p) for p in hop2_out]
+        for out, rows in zip(outs, hop2_out, strict=True):  # as bytes: index_copy_ has no FP8 kernel
+            out.reshape(out.shape[0], -1).view(torch.uint8).index_copy_(
+                0, routes["final"], rows.reshape(rows.shape[0], -1).view(torch.uint8))
+        return outs
+
+    def _combine_hierarchy(self, plan: NormalPlan, parts: list[torch.Tensor], reduce: dict) -> None:
+        """Hop 2 in reverse (rows back to their relays), then hop 1 in reverse with the reduce of moe_combine.
+
+        The relays only forward: every (token, destination) row reaches its source, which sums them in
+        destination-rank order like the fullmesh combine (partial sums at the relays would change the order of the
+        float32 additions).
+        """
+        routes, me = self._routes(plan), self.rank
+        back2 = int(routes["hop2"][me].sum())
+        hop2_out = [torch.empty((back2, *p.shape[1:]), dtype=p.dtype) for p in parts]
+        self._exchange("moe_dispatch", routes["hop2"].T.copy(), parts, routes["final"].to(torch.int32), hop2_out,
+                       None, "combine rows (hop 2)", routes["same_node"])
+        # relay's rows come back per destination (rank order), each in its forward order; return them per source
+        source_of_row = routes["src1"][routes["send2"].numpy()]
+        order = torch.from_numpy(np.argsort(source_of_row, kind="stable").astype(np.int32))
+        self._exchange("moe_combine", routes["back1"], hop2_out, order, [], reduce, "combine rows (hop 1)",
+                       routes["same_local"])
 
     def exchange_rows(self, parts: list[torch.Tensor], send_counts: list[int], recv_counts: list[int],
                       what: str) -> PendingRows:
@@ -222,15 +317,21 @@ class AivStrategy(AllToAllStrategy):
                       out_w=0 if out_w is None else out_w.data_ptr(),
                       bias0=bias[0].data_ptr() if bias[0] is not None else 0,
                       bias1=bias[1].data_ptr() if bias[1] is not None else 0)
-        send_index = torch.arange(x.shape[0], dtype=torch.int32)
-        self._exchange("moe_combine", counts.T.copy(), parts, send_index, [], reduce, "combine rows")
+        if self.hierarchy:
+            self._combine_hierarchy(plan, parts, reduce)
+        else:
+            send_index = torch.arange(x.shape[0], dtype=torch.int32)
+            self._exchange("moe_combine", counts.T.copy(), parts, send_index, [], reduce, "combine rows")
         return out_x, out_w
 
     def _exchange(self, kernel: str, sends: np.ndarray, in_parts: list[torch.Tensor], send_index: torch.Tensor,
-                  out_parts: list[torch.Tensor], reduce: dict | None, what: str) -> None:
+                  out_parts: list[torch.Tensor], reduce: dict | None, what: str,
+                  links: np.ndarray | None = None) -> None:
         """Run ``kernel``, which moves ``sends[i, j]`` rows from rank i to rank j through the emulated NICs.
 
-        The kernel reads and writes the tensors by address: the caller keeps them alive until this returns.
+        ``links`` (bool ``[R, R]``, default all): the pairs that exchange in this op (data and notify); a two-hop
+        route links only the ranks of one node, or the same-index ranks of all nodes. The kernel reads and
+        writes the tensors by address: the caller keeps them alive until this returns.
         """
         if self._broken:
             raise QueueError(f"the aiv strategy is unusable after an earlier failure: {self._broken}")
@@ -240,10 +341,17 @@ class AivStrategy(AllToAllStrategy):
         comm, rank, epoch = self.comm, self.rank, self._epoch
         half = (comm.windows_in.size // 2 // HALF_ALIGN * HALF_ALIGN) * (epoch % 2)
         mine = sends[rank]
+        linked = np.ones(self.world, dtype=bool) if links is None else links[rank].copy()
+        linked[rank] = False
+        unlinked = ~linked
+        unlinked[rank] = False
+        if mine[unlinked].any() or sends[unlinked, rank].any():
+            raise ProtocolError(f"{what}: rows routed between rank {rank} and ranks "
+                                f"{np.flatnonzero(unlinked).tolist()}, which this op does not link")
         send_begin, recv_begin = _prefix(mine), _prefix(sends[:, rank])
         # where this rank's block goes at peer j: after the blocks of ranks 0..rank-1 to j
         remote_offset = _prefix(sends.T)[:, rank]
-        pieces = np.where(np.arange(self.world) == rank, 0, -(-(mine * row) // self.max_payload) + 1)
+        pieces = np.where(linked, -(-(mine * row) // self.max_payload) + 1, 0)
         item_begin = _prefix(pieces)
         table = np.zeros((self.world, 10), dtype=np.int64)
         for peer in range(self.world):
@@ -251,6 +359,8 @@ class AivStrategy(AllToAllStrategy):
                            self._peer_notify[peer].addr + rank * NOTIFY_SLOT_BYTES, self._peer_in[peer].rkey,
                            self._peer_notify[peer].rkey, send_begin[peer], mine[peer], recv_begin[peer],
                            sends[peer, rank], item_begin[peer], self.magic(peer, epoch)]
+            if not linked[peer] and peer != rank:
+                table[peer, 1] = table[peer, 9] = 0  # no notify either way
         aicpu = not comm.aiv_dataplane
         params = dict(row_bytes=row, max_payload=self.max_payload, total_items=int(pieces.sum()) if aicpu else 0,
                       send_window=comm.windows_out.addr + STAGING_BYTES, recv_window=comm.windows_in.addr + half,
@@ -272,7 +382,7 @@ class AivStrategy(AllToAllStrategy):
             raise QueueError(f"{what} ({self.name} strategy): the SQs towards ranks {stuck} stayed full for "
                              f"{self.timeout_s:g} s")
         if not aicpu:
-            self.last_vtime_ns = self._collect(self.world - 1, what)
+            self.last_vtime_ns = self._collect(int(linked.sum()), what)
         else:
             self.last_vtime_ns = run.hccl_done_vtime_ns
         silent = sorted(s["detail"] for s in status if s["code"] == self._C.CORE_NOTIFY_TIMEOUT)

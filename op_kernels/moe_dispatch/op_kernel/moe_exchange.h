@@ -60,6 +60,8 @@ struct ExchangePeer {
     uint32_t reserved;
     uint64_t expect_magic;   // the magic this peer raises in this rank's slot for this op
 };
+// A peer this op does not exchange with (a two-hop route skips it) has remote_notify == 0 and
+// expect_magic == 0 (and no rows either way): no WQE, no item, no wait.
 
 struct RowPart {
     uint64_t addr;       // row r of the part is at addr + r * row_bytes
@@ -279,7 +281,7 @@ __aicore__ inline void send_phase(const ExchangeTiling& t, const ExchangePeer* p
                                         : t.send_window + uint64_t(peer.send_begin) * w;
             for (uint32_t j = 0; j < peer.send_count; ++j)
                 mover.Pack(uint64_t(send_index[peer.send_begin + j]), block + uint64_t(j) * w);
-            if (self) continue;
+            if (self || peer.remote_notify == 0) continue;
             AscendC::SetFlag<AscendC::HardEvent::MTE3_S>(0);  // packed rows in GM before the WQEs name them
             AscendC::WaitFlag<AscendC::HardEvent::MTE3_S>(0);
             const uint64_t bytes = uint64_t(peer.send_count) * w;
@@ -361,7 +363,7 @@ __aicore__ inline void receive_phase(const ExchangeTiling& t, const ExchangePeer
     for (uint64_t s = core; s < t.world; s += cores) {
         if (outcome->code != adp::xfer::kCoreOk) return;
         const ExchangePeer& peer = peers[s];
-        if (s != t.rank && !wait_notify(t, peer, s)) {
+        if (s != t.rank && peer.expect_magic != 0 && !wait_notify(t, peer, s)) {
             outcome->code = kCoreNotifyTimeout;
             outcome->detail = uint32_t(s);
             return;
