@@ -163,6 +163,7 @@ def _silent_peer_worker(rank: int, world: int, env: dict) -> dict:
     dist.barrier()
     if rank == 1:
         time.sleep(3)  # past rank 0's bound (2 s): rank 0 must give up on its own
+        buffer.destroy()
         return {"peer": "ok"}
     start = time.monotonic()
     try:
@@ -171,6 +172,8 @@ def _silent_peer_worker(rank: int, world: int, env: dict) -> dict:
         message = str(exc)
         return {"timeout": "ok" if "no notify" in message and "rank(s) [1]" in message else message,
                 "elapsed": "ok" if time.monotonic() - start < 4.5 else f"took {time.monotonic() - start:.1f} s"}
+    finally:
+        buffer.destroy()
     return {"timeout": "the cached dispatch returned although rank 1 never sent"}
 
 
@@ -221,6 +224,7 @@ def _bad_remote_worker(rank: int, world: int, env: dict) -> dict:
         except WaitTimeout as exc:
             out["receiver"] = "ok" if "rank(s) [0]" in str(exc) else str(exc)
         out["window"] = "ok" if (window == POISON).all() else "rows landed although the sender failed"
+    buffer.destroy()
     return out
 
 
