@@ -96,6 +96,12 @@ class AivStrategy(AllToAllStrategy):
         Largest piece one WQE or BatchWrite item carries.
     ranks_per_node : int or None
         Ranks per node; fewer than R makes normal ops two-hop (hierarchy). Default R: fullmesh.
+
+    Attributes
+    ----------
+    last_vtime_ns : float
+        Emulator virtual time at which the last launch's sends completed (latest notify CQE, or the AICPU
+        server's BatchWrite completion).
     """
 
     name = "aiv"
