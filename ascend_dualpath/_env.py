@@ -3,19 +3,21 @@
 Explicit arguments always beat these: each accessor returns ``None`` (or the documented default)
 when the variable is unset, and callers use the value only when the caller passed nothing.
 
-=========================  =====================================================================
-variable                   meaning
-=========================  =====================================================================
-``ADP_BACKEND``            default backend for ``get_backend("auto")``: ``npu``, ``cuda``, ``emulator``
-``ADP_EMU_PRODUCT``        emulated product profile: ``A2`` (default) or ``A3``
-``ADP_TIMEOUT_S``          default bound, in seconds, for every wait (default 30)
-``ADP_FAST_DEBUG``         ``1`` shortens every default wait to 2 s, to fail fast while debugging
-``ADP_MOE_FUSED``          ``0`` runs the cuda MoE strategy's send and receive halves as two launches (default 1: one)
-``ADP_TRACE_DIR``          where the simulator finds shared traces (default ``<repo>/../shared/traces``)
-``ADP_WITH_NPU``           build flag read by ``setup.py``: ``0`` skips the NPU part, ``1`` requires it
-``ADP_WITH_CUDA``          build flag read by ``setup.py``: ``0`` skips CUDA sources, ``1`` requires them
-``ADP_DEBUG``              build flag read by ``setup.py``: ``1`` builds with ``-O0 -g``
-=========================  =====================================================================
+=============================  =====================================================================
+variable                       meaning
+=============================  =====================================================================
+``ADP_BACKEND``                default backend for ``get_backend("auto")``: ``npu``, ``cuda``, ``emulator``
+``ADP_EMU_PRODUCT``            emulated product profile: ``A2`` (default) or ``A3``
+``ADP_EMU_CAPABILITY_BITMAP``  capability bitmap of the ``aiv`` MoE strategy's emulated devices (``0`` clears
+                               the AIV dataplane bit 0x04: the AICPU BatchWrite path); default: the product's
+``ADP_TIMEOUT_S``              default bound, in seconds, for every wait (default 30)
+``ADP_FAST_DEBUG``             ``1`` shortens every default wait to 2 s, to fail fast while debugging
+``ADP_MOE_FUSED``              ``0`` runs the cuda MoE strategy's send and receive halves as two launches (default 1: one)
+``ADP_TRACE_DIR``              where the simulator finds shared traces (default ``<repo>/../shared/traces``)
+``ADP_WITH_NPU``               build flag read by ``setup.py``: ``0`` skips the NPU part, ``1`` requires it
+``ADP_WITH_CUDA``              build flag read by ``setup.py``: ``0`` skips CUDA sources, ``1`` requires them
+``ADP_DEBUG``                  build flag read by ``setup.py``: ``1`` builds with ``-O0 -g``
+=============================  =====================================================================
 
 HCCL's own variables (``HCCL_BUFFSIZE``, ``HCCL_RDMA_TC``, ``HCCL_RDMA_SL``,
 ``HCCL_OP_EXPANSION_MODE``) are not ours: the emulated communicator reads them exactly where HCCL
@@ -41,6 +43,20 @@ def backend() -> str | None:
 
 def emu_product() -> str | None:
     return _get("ADP_EMU_PRODUCT")
+
+
+def emu_capability_bitmap() -> int | None:
+    """``ADP_EMU_CAPABILITY_BITMAP`` as an int (decimal or ``0x`` hex), or None when unset."""
+    raw = _get("ADP_EMU_CAPABILITY_BITMAP")
+    if raw is None:
+        return None
+    try:
+        value = int(raw, 0)
+    except ValueError:
+        raise ValueError(f"ADP_EMU_CAPABILITY_BITMAP must be an integer, got {raw!r}") from None
+    if not 0 <= value <= 0xFFFFFFFF:
+        raise ValueError(f"ADP_EMU_CAPABILITY_BITMAP={raw} is outside [0, 0xffffffff]")
+    return value
 
 
 def trace_dir() -> str | None:

@@ -15,6 +15,7 @@ namespace py = pybind11;
 using namespace adp::emu;
 
 void register_transfer(py::module_& m);  // csrc/bindings/transfer.cpp
+void register_moe(py::module_& m);       // csrc/bindings/moe.cpp
 namespace wqe = adp::wqe;
 
 namespace {
@@ -98,6 +99,7 @@ PYBIND11_MODULE(_C, m) {
     });
 
     register_transfer(m);
+    register_moe(m);
 
     m.def("compiled_backends", [] {
         std::vector<std::string> out{"emulator"};

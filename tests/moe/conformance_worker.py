@@ -464,7 +464,16 @@ def run_all(rank: int, world: int, strategy: str = "alltoall", device: str = "cp
         if any(votes):
             ranks = [r for r, v in enumerate(votes) if v]
             aborted = f"{name} raised on rank(s) {ranks}, so peers may still be inside its collectives"
+    checks.buffer.destroy()  # local: releases what the strategy holds (the aiv strategy's emulated device)
     return results
+
+
+def run_all_with_env(rank: int, world: int, env: dict, *args) -> dict:
+    """:func:`run_all` with ``env`` set in this rank's environment first (e.g. ``ADP_EMU_CAPABILITY_BITMAP``)."""
+    import os
+
+    os.environ.update(env)
+    return run_all(rank, world, *args)
 
 
 class InjectedFailureChecks(Checks):

@@ -1,4 +1,5 @@
-"""DeepEP conformance of ``Buffer`` over the ``alltoall`` strategy on 2, 4 and 8 gloo ranks (CPU)."""
+"""DeepEP conformance of ``Buffer`` over the CPU strategies (``alltoall``, ``aiv`` on both dataplanes) on 2, 4 and 8
+gloo ranks."""
 
 from __future__ import annotations
 
@@ -13,15 +14,15 @@ CHECKS = ["layout", "dispatch_bf16", "expert_alignment", "dispatch_quantised", "
 
 @pytest.mark.slow
 @pytest.mark.parametrize("check", CHECKS)
-def test_conformance(world: int, check: str) -> None:
-    for rank, result in enumerate(conformance_results(world)):
+def test_conformance(world: int, strategy: str, check: str) -> None:
+    for rank, result in enumerate(conformance_results(world, strategy)):
         assert "__fatal__" not in result, result.get("__fatal__")
         assert result[f"check_{check}"] == "ok", f"rank {rank}/{world}:\n{result[f'check_{check}']}"
 
 
 @pytest.mark.slow
-def test_bad_input_raises_before_communication() -> None:
-    for rank, result in enumerate(conformance_results(2)):
+def test_bad_input_raises_before_communication(strategy: str) -> None:
+    for rank, result in enumerate(conformance_results(2, strategy)):
         assert "__fatal__" not in result, result.get("__fatal__")
         assert result["check_bad_input"] == "ok", f"rank {rank}:\n{result['check_bad_input']}"
 
