@@ -107,8 +107,8 @@ class CopyPlan:
         (tiles, 3) int64 on the copier's GPU: src address, dst address, elements of ``elem_bytes``.
     tiles, segments, nbytes : int
         Tiles in the table, segments planned, bytes copied per run.
-    elem_bytes, tile_bytes, programs : int
-        Element width (16/8/4/1), bytes per tile, programs in the grid.
+    elem_bytes, tile_bytes, programs, num_warps : int
+        Element width (16/8/4/1), bytes per tile, programs in the grid, warps per program.
     state : torch.Tensor
         int64[2] on the GPU: programs arrived in the running launch, last published graph epoch.
     """
@@ -123,6 +123,7 @@ class CopyPlan:
     state: object
     kernel: object
     constexprs: dict
+    num_warps: int
     launcher: object = None  # Triton's compiled launcher for this grid, or None: launch through the JIT
 
 
@@ -153,7 +154,15 @@ class DeviceCopier:
         self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.max_programs = programs_per_sm * self.sm_count
 
-    def plan(self, src_addrs, dst_addrs, nbytes, tile_bytes: int | None = None) -> CopyPlan:
+    def plan(
+        self,
+        src_addrs,
+        dst_addrs,
+        nbytes,
+        tile_bytes: int | None = None,
+        programs_per_sm: int | None = None,
+        num_warps: int = NUM_WARPS,
+    ) -> CopyPlan:
         """Build and upload the tile table for one segment pattern (host work, once per pattern).
 
         Parameters
@@ -163,12 +172,23 @@ class DeviceCopier:
         nbytes : sequence of int
             Length of each segment in bytes (>= 1).
         tile_bytes : int or None
-            Bytes per tile; default :func:`choose_tile_bytes` of the request size.
+            Bytes per tile (a power of two >= 64); default :func:`choose_tile_bytes` of the request size.
+        programs_per_sm : int or None
+            Grid bound per SM for this plan; default the copier's.
+        num_warps : int
+            Warps per program (1, 2, 4, 8 or 16).
         """
         torch = self.torch
         width = element_bytes(src_addrs, dst_addrs, nbytes)
         total = int(np.asarray(nbytes, np.int64).sum())
         tile_bytes = tile_bytes or choose_tile_bytes(total, self.sm_count)
+        if tile_bytes < 64 or tile_bytes & (tile_bytes - 1):
+            raise E.ConfigError(f"tile_bytes {tile_bytes} is not a power of two >= 64")
+        if num_warps not in (1, 2, 4, 8, 16):
+            raise E.ConfigError(f"num_warps {num_warps} is not one of 1, 2, 4, 8, 16")
+        max_programs = self.max_programs if programs_per_sm is None else programs_per_sm * self.sm_count
+        if max_programs < 1:
+            raise E.ConfigError(f"programs_per_sm must be >= 1, got {programs_per_sm}")
         table = tile_table(src_addrs, dst_addrs, nbytes, width, tile_bytes)
         tiles = table.shape[0]
         words, bytes_kernel = _copy_kernels()
@@ -183,10 +203,11 @@ class DeviceCopier:
             nbytes=total,
             elem_bytes=width,
             tile_bytes=tile_bytes,
-            programs=min(self.max_programs, tiles),
+            programs=min(max_programs, tiles),
             state=torch.zeros(2, dtype=torch.int64, device=self.device),
             kernel=kernel,
             constexprs=constexprs,
+            num_warps=num_warps,
         )
 
     def run(self, plan: CopyPlan, flag_value: int) -> None:
@@ -205,7 +226,7 @@ class DeviceCopier:
             except TypeError:  # the launcher parses its arguments before launching: nothing was enqueued
                 plan.launcher = None  # this Triton's launcher wants another argument layout: use the JIT
         args = (plan.table, plan.tiles, plan.state, self.flag, flag_value)
-        compiled = plan.kernel[(plan.programs,)](*args, **plan.constexprs, FROM_EPOCH=False, num_warps=NUM_WARPS)
+        compiled = plan.kernel[(plan.programs,)](*args, **plan.constexprs, FROM_EPOCH=False, num_warps=plan.num_warps)
         plan.launcher = _fast_launcher(compiled, plan.programs)
 
     def copy(self, src_addrs, dst_addrs, nbytes, flag_value: int) -> CopyPlan:
@@ -224,7 +245,7 @@ class DeviceCopier:
         args = (plan.table, plan.tiles, plan.state, self.flag, 1 << 40, *plan.constexprs.values(), True)
         with torch.cuda.device(self.device):
             # compile outside the capture; the scalars are unspecialised, so the placeholders do not matter
-            compiled = plan.kernel.warmup(*args, grid=(plan.programs,), num_warps=NUM_WARPS)
+            compiled = plan.kernel.warmup(*args, grid=(plan.programs,), num_warps=plan.num_warps)
             launcher = _fast_launcher(compiled, plan.programs)
             plan.state[1].fill_(first_flag_value - 1)
             graph = torch.cuda.CUDAGraph()
@@ -232,7 +253,9 @@ class DeviceCopier:
                 if launcher is not None:
                     launcher(*args)
                 else:
-                    plan.kernel[(plan.programs,)](*args[:5], **plan.constexprs, FROM_EPOCH=True, num_warps=NUM_WARPS)
+                    plan.kernel[(plan.programs,)](
+                        *args[:5], **plan.constexprs, FROM_EPOCH=True, num_warps=plan.num_warps
+                    )
         return GraphedCopy(graph, plan, first_flag_value)
 
 
@@ -258,6 +281,7 @@ def plan_facts(plan: CopyPlan) -> dict:
         "tile_bytes": plan.tile_bytes,
         "elem_bytes": plan.elem_bytes,
         "programs": plan.programs,
+        "num_warps": plan.num_warps,
         "fast_launch": plan.launcher is not None,
     }
 
@@ -291,6 +315,19 @@ def _sleep_cycles_per_us(torch) -> float:
     return 2_000_000 / (start.elapsed_time(end) * 1e3)
 
 
+def parse_kind(kind: str) -> tuple[str, dict]:
+    """``device`` / ``graph`` may carry a kernel configuration: ``device:TILE_KIB:PROGRAMS_PER_SM:WARPS``."""
+    base, *params = kind.split(":")
+    if base not in BENCH_KINDS or (params and (base not in ("device", "graph") or len(params) != 3)):
+        raise E.ConfigError(
+            f"unknown cuda kind {kind!r}; known: {', '.join(BENCH_KINDS)}, or device/graph:TILE_KIB:PER_SM:WARPS"
+        )
+    if not params:
+        return base, {}
+    tile_kib, per_sm, warps = (int(p) for p in params)
+    return base, {"tile_bytes": tile_kib * 1024, "programs_per_sm": per_sm, "num_warps": warps}
+
+
 def _submitter(kind, torch, copier, case, srcs, dsts, src, dst, flag_base):
     """(submit, plan): ``submit(value)`` enqueues one request of ``kind`` and returns the value to expect in
     the flag (None for kinds without one); ``plan`` is the kind's cached plan, if any. Plans and graphs are
@@ -298,8 +335,9 @@ def _submitter(kind, torch, copier, case, srcs, dsts, src, dst, flag_base):
     s_addrs = [t.data_ptr() for t in srcs]
     d_addrs = [t.data_ptr() for t in dsts]
     sizes = [case.size] * case.count
+    kind, config = parse_kind(kind)
     if kind == "device":
-        plan = copier.plan(s_addrs, d_addrs, sizes)
+        plan = copier.plan(s_addrs, d_addrs, sizes, **config)
 
         def submit(value):
             copier.run(plan, value)
@@ -307,7 +345,7 @@ def _submitter(kind, torch, copier, case, srcs, dsts, src, dst, flag_base):
 
         return submit, plan
     if kind == "graph":
-        plan = copier.plan(s_addrs, d_addrs, sizes)
+        plan = copier.plan(s_addrs, d_addrs, sizes, **config)
         graphed = copier.capture(plan, flag_base)
         return lambda value: graphed.replay(), plan
     if kind == "device-new":
@@ -325,18 +363,17 @@ def _submitter(kind, torch, copier, case, srcs, dsts, src, dst, flag_base):
             torch._foreach_copy_(dsts, srcs, non_blocking=True)  # returns the list: not a flag value
 
         return submit, None
-    if kind == "staged":
-        pinned = src.cpu().pin_memory()
-        staging = torch.empty_like(src)
-        plan = copier.plan([staging.data_ptr() + i * case.size for i in range(case.count)], d_addrs, sizes)
+    # staged: the only kind left after parse_kind
+    pinned = src.cpu().pin_memory()
+    staging = torch.empty_like(src)
+    plan = copier.plan([staging.data_ptr() + i * case.size for i in range(case.count)], d_addrs, sizes)
 
-        def submit(value):
-            staging.copy_(pinned, non_blocking=True)
-            copier.run(plan, value)
-            return value
+    def submit(value):
+        staging.copy_(pinned, non_blocking=True)
+        copier.run(plan, value)
+        return value
 
-        return submit, plan
-    raise E.ConfigError(f"unknown cuda kind {kind!r}; known: {', '.join(BENCH_KINDS)}")
+    return submit, plan
 
 
 def _measure(torch, kind, case, copier, flag, buffers, graph_base, magic, repeats, sync, cycles_per_us):
@@ -415,6 +452,8 @@ def run_bench(cases, kinds: list[str], repeats: int, progress, peer: bool | None
     """
     import torch
 
+    for kind in kinds:
+        parse_kind(kind)  # a typo fails here, not after minutes of GPU time
     if not torch.cuda.is_available():
         raise E.BackendUnavailable("the cuda transfer benchmark needs a CUDA GPU")
     src_dev = torch.device("cuda:0")

@@ -19,6 +19,7 @@ from ascend_dualpath.transport.cuda import (
     SMALL_TILE_BYTES,
     choose_tile_bytes,
     element_bytes,
+    parse_kind,
     tile_table,
 )
 
@@ -61,6 +62,14 @@ def test_small_requests_get_small_tiles_until_two_waves_of_large_tiles():
     assert choose_tile_bytes(61 * 42 * 1024, sms) == SMALL_TILE_BYTES
     assert choose_tile_bytes(threshold - 1, sms) == SMALL_TILE_BYTES
     assert choose_tile_bytes(threshold, sms) == LARGE_TILE_BYTES
+
+
+def test_bench_kinds_may_carry_a_kernel_configuration():
+    assert parse_kind("host") == ("host", {})
+    assert parse_kind("graph:64:4:8") == ("graph", {"tile_bytes": 65536, "programs_per_sm": 4, "num_warps": 8})
+    for bad in ("devic", "host:4:8:4", "device:4:8"):
+        with pytest.raises(errors.ConfigError, match=f"unknown cuda kind '{bad}'"):
+            parse_kind(bad)
 
 
 def test_ready_flag_must_be_an_int64_cuda_tensor():
@@ -243,5 +252,9 @@ def test_bad_flag_value_is_refused_before_anything_moves():
     for bad in (0, -3, FLAG_MAX + 1):
         with pytest.raises(errors.ConfigError, match=f"flag_value {bad} is outside"):
             copier.run(plan, bad)
+    with pytest.raises(errors.ConfigError, match="tile_bytes 3000 is not a power of two"):
+        copier.plan(s_addrs, d_addrs, [4096] * 4, tile_bytes=3000)
+    with pytest.raises(errors.ConfigError, match="num_warps 3 is not one of"):
+        copier.plan(s_addrs, d_addrs, [4096] * 4, num_warps=3)
     torch.cuda.synchronize()
     assert (dst == 0xA5).all() and int(flag.item()) == 0
