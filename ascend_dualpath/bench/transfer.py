@@ -206,14 +206,14 @@ def format_table(rows: list[Row]) -> str:
     """One line per row; with GPU times (CUDA) the submit and GPU columns come first, GB/s is from GPU time."""
     gpu = any(r.gpu_us_p50 is not None for r in rows)
     head = (
-        f"{'kind':<10} {'case':<27} {'submit/seg us':>13} "
+        f"{'kind':<14} {'case':<27} {'submit/seg us':>13} "
         + (f"{'submit us':>10} {'gpu p50 us':>10} {'gpu p99 us':>10} " if gpu else "")
         + f"{'p50 us':>10} {'p99 us':>10} {'GB/s':>8} {'cpu us':>9} {'stage peak':>11} {'submit share':>12}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r.kind:<10} {r.case:<27} {r.submit_us_per_segment:>13.3f} "
+            f"{r.kind:<14} {r.case:<27} {r.submit_us_per_segment:>13.3f} "
             + (f"{r.submit_us:>10.1f} {r.gpu_us_p50 or 0:>10.1f} {r.gpu_us_p99 or 0:>10.1f} " if gpu else "")
             + f"{r.latency_us_p50:>10.1f} {r.latency_us_p99:>10.1f} {r.bandwidth_gbps:>8.2f} {r.host_cpu_us:>9.0f} "
             f"{r.staging_peak_bytes:>11} {r.submit_share:>12.1%}"
@@ -222,7 +222,7 @@ def format_table(rows: list[Row]) -> str:
 
 
 def progress_line(r: Row) -> str:
-    line = f"  {r.kind:<10} {r.case:<27} p50 {r.latency_us_p50:10.1f} us"
+    line = f"  {r.kind:<14} {r.case:<27} p50 {r.latency_us_p50:10.1f} us"
     if r.gpu_us_p50 is not None:
         line += f"  submit {r.submit_us:9.1f} us ({r.submit_us_per_segment:.3f}/seg)  gpu {r.gpu_us_p50:9.1f} us"
         line += f"  {r.bandwidth_gbps:8.1f} GB/s"
