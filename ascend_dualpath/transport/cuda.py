@@ -163,7 +163,9 @@ class DeviceCopier:
         programs_per_sm: int | None = None,
         num_warps: int = NUM_WARPS,
     ) -> CopyPlan:
-        """Build and upload the tile table for one segment pattern (host work, once per pattern).
+        """Build the tile table for one segment pattern and enqueue its upload (host work, once per pattern).
+
+        The upload goes on the current stream: run the plan on that stream, or synchronize first.
 
         Parameters
         ----------
@@ -197,7 +199,8 @@ class DeviceCopier:
         else:
             kernel, constexprs = words, {"TILE": tile_bytes // 4, "WORDS": width // 4}
         return CopyPlan(
-            table=torch.from_numpy(table).to(self.device),  # pageable source: the copy is done on return
+            # pinned source, asynchronous upload: torch's host allocator keeps the block until the copy is done
+            table=torch.from_numpy(table).pin_memory().to(self.device, non_blocking=True),
             tiles=tiles,
             segments=int(np.asarray(nbytes).size),
             nbytes=total,
@@ -230,7 +233,7 @@ class DeviceCopier:
         plan.launcher = _fast_launcher(compiled, plan.programs)
 
     def copy(self, src_addrs, dst_addrs, nbytes, flag_value: int) -> CopyPlan:
-        """Plan and run a pattern seen once (its table is uploaded synchronously); returns the plan."""
+        """Plan and run a pattern seen once (table built and uploaded on every call); returns the plan."""
         if not 0 < flag_value <= FLAG_MAX:
             raise E.ConfigError(f"flag_value {flag_value} is outside [1, {FLAG_MAX}]")
         plan = self.plan(src_addrs, dst_addrs, nbytes)
