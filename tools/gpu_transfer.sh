@@ -35,7 +35,7 @@ CUDA_VISIBLE_DEVICES="${GPU0:-0}" $(limit "${SWEEP_LIMIT_1GPU:-${SWEEP_LIMIT:-0}
   --json "$OUT/transfer_cuda_1gpu.json" --plot "$OUT/transfer_cuda_1gpu.png" 2>&1 | tee "$OUT/bench_1gpu.txt"
 
 TUNE_KINDS="${TUNE_KINDS:-device:4:8:1,device:4:16:2,device:16:4:4,device:16:16:4,device:32:8:8,device:64:4:8}"
-TUNE_CASES="${TUNE_CASES:-1x64M,64x1M,61x42K layer blocks,4096x72K MLA blocks}"
+TUNE_CASES="${TUNE_CASES:-1x64M,64x1M,61x42K layer blocks,4096x4K,4096x72K MLA blocks}"
 if [[ "${TUNE:-1}" == 1 ]]; then
   if [[ "$(nvidia-smi -L | wc -l)" -ge 2 ]]; then
     $(limit "${TUNE_LIMIT:-0}") python3 -m ascend_dualpath.bench.transfer --backend cuda "${extra[@]}" \

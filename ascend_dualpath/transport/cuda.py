@@ -83,9 +83,11 @@ def element_bytes(src_addrs, dst_addrs, nbytes) -> int:
     return 1
 
 
-def choose_tile_bytes(total_bytes: int, sm_count: int) -> int:
-    """Large tiles once the request fills two waves of large-tile programs, small tiles below that."""
-    return LARGE_TILE_BYTES if total_bytes >= 2 * sm_count * LARGE_TILE_BYTES else SMALL_TILE_BYTES
+def choose_tile_bytes(total_bytes: int, largest_segment: int, sm_count: int) -> int:
+    """Large tiles once the request fills two waves of large-tile programs, small tiles below that; never
+    wider than the largest segment rounded up to a power of two (a tile's lanes past its segment idle)."""
+    tile = LARGE_TILE_BYTES if total_bytes >= 2 * sm_count * LARGE_TILE_BYTES else SMALL_TILE_BYTES
+    return max(SMALL_TILE_BYTES, min(tile, 1 << (largest_segment - 1).bit_length()))
 
 
 def _copy_kernels():
@@ -182,8 +184,9 @@ class DeviceCopier:
         """
         torch = self.torch
         width = element_bytes(src_addrs, dst_addrs, nbytes)
-        total = int(np.asarray(nbytes, np.int64).sum())
-        tile_bytes = tile_bytes or choose_tile_bytes(total, self.sm_count)
+        sizes = np.asarray(nbytes, np.int64)
+        total = int(sizes.sum())
+        tile_bytes = tile_bytes or choose_tile_bytes(total, int(sizes.max(initial=1)), self.sm_count)
         if tile_bytes < 64 or tile_bytes & (tile_bytes - 1):
             raise E.ConfigError(f"tile_bytes {tile_bytes} is not a power of two >= 64")
         if num_warps not in (1, 2, 4, 8, 16):
@@ -202,7 +205,7 @@ class DeviceCopier:
             # pinned source, asynchronous upload: torch's host allocator keeps the block until the copy is done
             table=torch.from_numpy(table).pin_memory().to(self.device, non_blocking=True),
             tiles=tiles,
-            segments=int(np.asarray(nbytes).size),
+            segments=int(sizes.size),
             nbytes=total,
             elem_bytes=width,
             tile_bytes=tile_bytes,

@@ -57,11 +57,19 @@ def test_element_width_and_alignment_errors():
 
 
 def test_small_requests_get_small_tiles_until_two_waves_of_large_tiles():
-    sms = 132
+    sms, big = 132, 1 << 20
     threshold = 2 * sms * LARGE_TILE_BYTES
-    assert choose_tile_bytes(61 * 42 * 1024, sms) == SMALL_TILE_BYTES
-    assert choose_tile_bytes(threshold - 1, sms) == SMALL_TILE_BYTES
-    assert choose_tile_bytes(threshold, sms) == LARGE_TILE_BYTES
+    assert choose_tile_bytes(61 * 42 * 1024, 42 * 1024, sms) == SMALL_TILE_BYTES
+    assert choose_tile_bytes(threshold - 1, big, sms) == SMALL_TILE_BYTES
+    assert choose_tile_bytes(threshold, big, sms) == LARGE_TILE_BYTES
+
+
+def test_tiles_are_no_wider_than_the_largest_segment_rounded_up():
+    sms = 132
+    assert choose_tile_bytes(4096 * 4096, 4096, sms) == 4096  # 4096 x 4 KiB: one full tile per segment
+    assert choose_tile_bytes(4096 * 8192 + 1, 8193, sms) == LARGE_TILE_BYTES
+    assert choose_tile_bytes(4096 * 8000, 8000, sms) == 8192
+    assert choose_tile_bytes(1, 1, sms) == SMALL_TILE_BYTES
 
 
 def test_bench_kinds_may_carry_a_kernel_configuration():
