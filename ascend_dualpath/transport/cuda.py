@@ -250,8 +250,12 @@ class DeviceCopier:
         torch = self.torch
         args = (plan.table, plan.tiles, plan.state, self.flag, 1 << 40, *plan.constexprs.values(), True)
         with torch.cuda.device(self.device):
-            # compile outside the capture; the scalars are unspecialised, so the placeholders do not matter
-            compiled = plan.kernel.warmup(*args, grid=(plan.programs,), num_warps=plan.num_warps)
+            # compile outside the capture with a launch that copies no tile and flags a scratch word; the
+            # scalars are unspecialised, so the kernel it returns serves the real arguments
+            scratch = torch.zeros(3, dtype=torch.int64, device=self.device)
+            compiled = plan.kernel[(1,)](
+                plan.table, 0, scratch[:2], scratch[2:], 1, **plan.constexprs, FROM_EPOCH=True, num_warps=plan.num_warps
+            )
             launcher = _fast_launcher(compiled, plan.programs)
             plan.state[1].fill_(first_flag_value - 1)
             graph = torch.cuda.CUDAGraph()
@@ -262,16 +266,17 @@ class DeviceCopier:
                     plan.kernel[(plan.programs,)](
                         *args[:5], **plan.constexprs, FROM_EPOCH=True, num_warps=plan.num_warps
                     )
-        return GraphedCopy(graph, plan, first_flag_value)
+        return GraphedCopy(graph, plan, first_flag_value, fast_launch=launcher is not None)
 
 
 class GraphedCopy:
     """A captured launch of one plan: :meth:`replay` is the whole host work of a request."""
 
-    def __init__(self, graph, plan: CopyPlan, first_flag_value: int):
+    def __init__(self, graph, plan: CopyPlan, first_flag_value: int, fast_launch: bool):
         self.graph = graph
         self.plan = plan
         self.next_value = first_flag_value
+        self.fast_launch = fast_launch  # captured through Triton's compiled launcher (else through the JIT)
 
     def replay(self) -> int:
         """Enqueue the copy on the current stream; returns the flag value it publishes."""
@@ -335,9 +340,9 @@ def parse_kind(kind: str) -> tuple[str, dict]:
 
 
 def _submitter(kind, torch, copier, case, srcs, dsts, src, dst, flag_base):
-    """(submit, plan): ``submit(value)`` enqueues one request of ``kind`` and returns the value to expect in
-    the flag (None for kinds without one); ``plan`` is the kind's cached plan, if any. Plans and graphs are
-    built here, outside the timing."""
+    """(submit, facts): ``submit(value)`` enqueues one request of ``kind`` and returns the value to expect in
+    the flag (None for kinds without one); ``facts()`` describes the kind's cached plan for the row. Plans and
+    graphs are built here, outside the timing."""
     s_addrs = [t.data_ptr() for t in srcs]
     d_addrs = [t.data_ptr() for t in dsts]
     sizes = [case.size] * case.count
@@ -349,26 +354,26 @@ def _submitter(kind, torch, copier, case, srcs, dsts, src, dst, flag_base):
             copier.run(plan, value)
             return value
 
-        return submit, plan
+        return submit, lambda: plan_facts(plan)
     if kind == "graph":
         plan = copier.plan(s_addrs, d_addrs, sizes, **config)
         graphed = copier.capture(plan, flag_base)
-        return lambda value: graphed.replay(), plan
+        return lambda value: graphed.replay(), lambda: {**plan_facts(plan), "fast_launch": graphed.fast_launch}
     if kind == "device-new":
 
         def submit(value):
             copier.copy(s_addrs, d_addrs, sizes, value)
             return value
 
-        return submit, None
+        return submit, dict
     if kind == "host":
-        return lambda value: host_copy(dsts, srcs), None
+        return lambda value: host_copy(dsts, srcs), dict
     if kind == "foreach":
 
         def submit(value):
             torch._foreach_copy_(dsts, srcs, non_blocking=True)  # returns the list: not a flag value
 
-        return submit, None
+        return submit, dict
     # staged: the only kind left after parse_kind
     pinned = src.cpu().pin_memory()
     staging = torch.empty_like(src)
@@ -379,7 +384,7 @@ def _submitter(kind, torch, copier, case, srcs, dsts, src, dst, flag_base):
         copier.run(plan, value)
         return value
 
-    return submit, plan
+    return submit, lambda: plan_facts(plan)
 
 
 def _measure(torch, kind, case, copier, flag, buffers, graph_base, magic, repeats, sync, cycles_per_us):
@@ -387,7 +392,7 @@ def _measure(torch, kind, case, copier, flag, buffers, graph_base, magic, repeat
     from ascend_dualpath.bench.transfer import Row, percentile
 
     srcs, dsts, src, dst = buffers
-    submit, plan = _submitter(kind, torch, copier, case, srcs, dsts, src, dst, graph_base)
+    submit, facts = _submitter(kind, torch, copier, case, srcs, dsts, src, dst, graph_base)
     dst.zero_()
     for _ in range(2):  # the first compiles kernels and maps peers; the second's submit time sizes the hold
         sync()
@@ -441,7 +446,7 @@ def _measure(torch, kind, case, copier, flag, buffers, graph_base, magic, repeat
         {
             "hold_us": hold_cycles / cycles_per_us,
             "warm_submit_us": warm_submit_us,
-            **(plan_facts(plan) if plan is not None else {}),
+            **facts(),
         },
         gpu_p50,
         percentile(gpu_ms, 99) * 1e3,

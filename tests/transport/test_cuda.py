@@ -157,6 +157,11 @@ _INTERPRETED = textwrap.dedent(
             assert torch.equal(dst, expected), (trial, launch)
             assert int(flag) == (41 if from_epoch else 77 + launch), (trial, launch, int(flag))
             assert int(state[0]) == 0 and int(state[1]) == (40 if launch == 0 else 41), (trial, launch)
+        # the compile-only launch before a graph capture: no tile, a scratch flag gets the next epoch
+        dst[:] = 0xA5
+        scratch = torch.zeros(3, dtype=torch.int64)
+        K.copy_bytes[(1,)](table, 0, scratch[:2], scratch[2:], 1, TILE=tile, FROM_EPOCH=True)
+        assert (dst == 0xA5).all() and scratch.tolist() == [0, 1, 1], scratch
     print("interpreted ok")
     """
 )
@@ -164,7 +169,8 @@ _INTERPRETED = textwrap.dedent(
 
 def test_copy_kernels_under_the_triton_interpreter_are_exact_and_publish_the_flag():
     """On the CPU (TRITON_INTERPRET=1): the word and byte kernels copy scattered segments exactly, leave
-    poisoned gaps alone, publish the explicit value or the next epoch, and reset the arrival counter."""
+    poisoned gaps alone, publish the explicit value or the next epoch, and reset the arrival counter; a launch
+    with no tile moves nothing."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.getcwd())
     result = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=120)
