@@ -129,6 +129,18 @@ class CopyPlan:
     launcher: object = None  # Triton's compiled launcher for this grid, or None: launch through the JIT
 
 
+def enable_peer_access(device_a, device_b) -> None:
+    """Let each of two GPUs address the other's memory (Triton's launcher refuses a peer pointer before this).
+
+    torch enables peer access on the first copy between two devices, so one word is copied each way.
+    """
+    import torch
+
+    a, b = torch.device(device_a), torch.device(device_b)
+    torch.ones(1, device=a).copy_(torch.ones(1, device=b))
+    torch.ones(1, device=b).copy_(torch.ones(1, device=a))
+
+
 class DeviceCopier:
     """Device-initiated multi-segment copy from one GPU: one launch per request, plus a ready flag.
 
@@ -138,7 +150,8 @@ class DeviceCopier:
         The GPU that runs the kernel (the sources' GPU); it must be the current device when launching.
     flag : torch.Tensor
         int64 tensor whose first element receives the request's flag value once every byte landed;
-        may live on a peer GPU.
+        may live on a peer GPU (peer access to it is enabled here; destinations on any other GPU need
+        :func:`enable_peer_access` first).
     programs_per_sm : int
         Upper bound of programs in the grid per SM.
     """
@@ -153,6 +166,8 @@ class DeviceCopier:
         if programs_per_sm < 1:
             raise E.ConfigError(f"programs_per_sm must be >= 1, got {programs_per_sm}")
         self.flag = flag
+        if flag.device != self.device:
+            enable_peer_access(self.device, flag.device)
         self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.max_programs = programs_per_sm * self.sm_count
 
@@ -472,8 +487,7 @@ def run_bench(cases, kinds: list[str], repeats: int, progress, peer: bool | None
     peer = torch.cuda.device_count() > 1 if peer is None else peer
     dst_dev = torch.device("cuda:1" if peer else "cuda:0")
     if peer:
-        torch.ones(1, device=src_dev).copy_(torch.ones(1, device=dst_dev))  # enables peer access both ways
-        torch.ones(1, device=dst_dev).copy_(torch.ones(1, device=src_dev))
+        enable_peer_access(src_dev, dst_dev)
     devices = {src_dev, dst_dev}
 
     def sync():
