@@ -17,6 +17,8 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 
+from ascend_dualpath.errors import ConfigError
+
 KIB, MIB = 1024, 1024 * 1024
 STOP_SHARE = 0.05  # the seed's stop condition: submit under 5% of the critical path => keep the host path
 MLA_BLOCK_BYTES = 64 * 576 * 2  # 64 tokens of DeepSeek-V3 MLA KV (512 latent + 64 rope, bf16) per layer
@@ -63,6 +65,8 @@ class Row:
     submit_share: float
     clock: str
     extra: dict = field(default_factory=dict)
+    gpu_us_p50: float | None = None  # CUDA only: the copy alone on the GPU (stream held during submission)
+    gpu_us_p99: float | None = None
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -199,18 +203,34 @@ def verdicts(rows: list[Row]) -> list[dict]:
 
 
 def format_table(rows: list[Row]) -> str:
+    """One line per row; with GPU times (CUDA) the submit and GPU columns come first, GB/s is from GPU time."""
+    gpu = any(r.gpu_us_p50 is not None for r in rows)
     head = (
-        f"{'kind':<9} {'case':<27} {'submit/seg us':>13} {'p50 us':>10} {'p99 us':>10} {'GB/s':>8} "
-        f"{'cpu us':>9} {'stage peak':>11} {'submit share':>12}"
+        f"{'kind':<14} {'case':<27} {'submit/seg us':>13} "
+        + (f"{'submit us':>10} {'gpu p50 us':>10} {'gpu p99 us':>10} " if gpu else "")
+        + f"{'p50 us':>10} {'p99 us':>10} {'GB/s':>8} {'cpu us':>9} {'stage peak':>11} {'submit share':>12}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r.kind:<9} {r.case:<27} {r.submit_us_per_segment:>13.3f} {r.latency_us_p50:>10.1f} "
-            f"{r.latency_us_p99:>10.1f} {r.bandwidth_gbps:>8.2f} {r.host_cpu_us:>9.0f} "
+            f"{r.kind:<14} {r.case:<27} {r.submit_us_per_segment:>13.3f} "
+            + (f"{r.submit_us:>10.1f} {r.gpu_us_p50 or 0:>10.1f} {r.gpu_us_p99 or 0:>10.1f} " if gpu else "")
+            + f"{r.latency_us_p50:>10.1f} {r.latency_us_p99:>10.1f} {r.bandwidth_gbps:>8.2f} {r.host_cpu_us:>9.0f} "
             f"{r.staging_peak_bytes:>11} {r.submit_share:>12.1%}"
         )
     return "\n".join(lines)
+
+
+def progress_line(r: Row) -> str:
+    line = f"  {r.kind:<14} {r.case:<27} p50 {r.latency_us_p50:10.1f} us"
+    if r.gpu_us_p50 is not None:
+        line += f"  submit {r.submit_us:9.1f} us ({r.submit_us_per_segment:.3f}/seg)  gpu {r.gpu_us_p50:9.1f} us"
+        line += f"  {r.bandwidth_gbps:8.1f} GB/s"
+    return line
+
+
+def _time_us(r: Row) -> float:
+    return r.gpu_us_p50 if r.gpu_us_p50 is not None else r.latency_us_p50
 
 
 def plot(rows: list[Row], path: str, title: str) -> None:
@@ -222,10 +242,12 @@ def plot(rows: list[Row], path: str, title: str) -> None:
     fig, (ax_count, ax_size) = plt.subplots(1, 2, figsize=(12, 4.5))
     for kind in dict.fromkeys(r.kind for r in rows):
         sweep = sorted((r for r in rows if r.kind == kind and r.size == 4 * KIB), key=lambda r: r.count)
-        ax_count.plot([r.count for r in sweep], [r.latency_us_p50 for r in sweep], marker="o", label=kind)
+        ax_count.plot([r.count for r in sweep], [_time_us(r) for r in sweep], marker="o", label=kind)
         sizes = sorted((r for r in rows if r.kind == kind and r.count == 1), key=lambda r: r.size)
         ax_size.plot([r.size for r in sizes], [r.bandwidth_gbps for r in sizes], marker="o", label=kind)
-    ax_count.set(xscale="log", yscale="log", xlabel="segments of 4 KiB", ylabel="completion latency p50 (us)")
+    gpu = any(r.gpu_us_p50 is not None for r in rows)
+    ylabel = "GPU time p50 (us)" if gpu else "completion latency p50 (us)"
+    ax_count.set(xscale="log", yscale="log", xlabel="segments of 4 KiB", ylabel=ylabel)
     ax_size.set(xscale="log", xlabel="one segment of N bytes", ylabel="effective bandwidth (GB/s)")
     for ax in (ax_count, ax_size):
         ax.grid(True, which="both", alpha=0.3)
@@ -243,6 +265,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kinds", default=None, help="comma-separated kinds (default: all of the backend)")
     parser.add_argument("--repeats", type=int, default=5, help="runs per case (p50/p99 over them)")
     parser.add_argument("--quick", action="store_true", help="a few small cases only (smoke test)")
+    parser.add_argument("--cases", default=None, help="comma-separated case names to keep (default: all)")
     parser.add_argument("--block-dim", type=int, default=8, help="emulated vector cores (emulator)")
     parser.add_argument("--max-aiv-payload", type=int, default=1 * MIB, help="max single AIV payload in bytes")
     parser.add_argument("--json", default=None, help="write results to this JSON file")
@@ -253,6 +276,12 @@ def run(args: argparse.Namespace) -> int:
     cases = standard_cases()
     if args.quick:
         cases = [Case("16x4K", 16, 4 * KIB), Case("1x1M", 1, MIB), Case("61x42K layer blocks", 61, 42 * KIB)]
+    if args.cases:
+        wanted = args.cases.split(",")
+        unknown = [w for w in wanted if w not in {c.name for c in cases}]
+        if unknown:
+            raise ConfigError(f"unknown case(s) {unknown}; known: {[c.name for c in cases]}")
+        cases = [c for c in cases if c.name in wanted]
     if args.backend == "emulator":
         kinds = args.kinds.split(",") if args.kinds else list(EMULATOR_KINDS)
         rows, params = run_emulator(
@@ -261,7 +290,7 @@ def run(args: argparse.Namespace) -> int:
             args.repeats,
             args.block_dim,
             args.max_aiv_payload,
-            progress=lambda r: print(f"  {r.kind:<9} {r.case:<27} p50 {r.latency_us_p50:10.1f} us", flush=True),
+            progress=lambda r: print(progress_line(r), flush=True),
         )
         meta = {
             "backend": "emulator",
@@ -279,7 +308,7 @@ def run(args: argparse.Namespace) -> int:
             cases,
             kinds,
             args.repeats,
-            progress=lambda r: print(f"  {r.kind:<9} {r.case:<27} p50 {r.latency_us_p50:10.1f} us", flush=True),
+            progress=lambda r: print(progress_line(r), flush=True),
         )
     meta["date_utc"] = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
     table = format_table(rows)
@@ -303,8 +332,11 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": [asdict(r) for r in rows], "verdicts": decided}, f, indent=1)
     if args.plot:
-        plot(rows, args.plot, f"layer-block transfers, {meta['backend']} ({meta['clock']} clock)")
-    return 0
+        clock = "measured" if meta["backend"] == "cuda" else meta["clock"]
+        plot(rows, args.plot, f"layer-block transfers, {meta['backend']} ({clock} clock)")
+    for failure in meta.get("failures", []):
+        print(f"FAILED {failure}")
+    return 1 if meta.get("failures") else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,28 +1,36 @@
 """CUDA analogues of the transfer kinds, so the AIV-direct question gets real-silicon numbers.
 
 - ``device`` (analogue of ``aiv``): one Triton kernel launch copies every segment into peer or local
-  memory, reading a tile table (src, dst, bytes) from device memory, and the last program to finish
+  memory, reading a tile table (src, dst, elements) from device memory, and the last program to finish
   publishes a ready flag with release semantics (system scope, so a peer GPU may poll it).
+  DualPath sends the same layer pattern every request, so the work is split: :meth:`DeviceCopier.plan`
+  builds and uploads the tile table once per pattern, :meth:`DeviceCopier.run` is one kernel launch per
+  request with no other host work, and :meth:`DeviceCopier.capture` records that launch in a CUDA graph
+  whose replays publish successive flag values.
 - ``host`` (analogue of the host path): one ``cudaMemcpyAsync`` per segment (``copy_(non_blocking=True)``).
 - ``foreach``: ``torch._foreach_copy_`` over all segments (torch's own batched copy), as a baseline.
 - ``staged`` (analogue of ``staging``): pinned host buffer -> device staging buffer (one H2D copy),
   then the device-initiated kernel scatters into the destination.
 
-Import needs neither CUDA nor Triton; they are loaded when used. Status: not yet run on a GPU.
+Import needs neither CUDA nor Triton; they are loaded when used.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from ascend_dualpath import errors as E
 
-TILE_BYTES = 64 * 1024  # bytes one program copies per loop iteration
-BENCH_KINDS = ("device", "host", "foreach", "staged")
-_FLAG_DTYPE_BYTES = 8
+LARGE_TILE_BYTES = 16 * 1024  # bytes one program copies per loop iteration (8 x 16 B per thread at 4 warps)
+SMALL_TILE_BYTES = 4 * 1024  # small requests: more, smaller tiles so every SM has bytes in flight
+PROGRAMS_PER_SM = 8
+NUM_WARPS = 4
+BENCH_KINDS = ("device", "graph", "device-new", "host", "foreach", "staged")
+FLAG_MAX = (1 << 63) - 1
 
 
 def tile_table(
@@ -30,7 +38,7 @@ def tile_table(
     dst_addrs: Sequence[int],
     nbytes: Sequence[int],
     elem_bytes: int,
-    tile_bytes: int = TILE_BYTES,
+    tile_bytes: int = LARGE_TILE_BYTES,
 ) -> np.ndarray:
     """Tiles of at most ``tile_bytes`` covering every segment: an int64 array of shape (tiles, 3)
     holding (src address, dst address, elements of ``elem_bytes``).
@@ -75,103 +83,242 @@ def element_bytes(src_addrs, dst_addrs, nbytes) -> int:
     return 1
 
 
-_kernel = None
+def choose_tile_bytes(total_bytes: int, largest_segment: int, sm_count: int) -> int:
+    """Large tiles once the request fills two waves of large-tile programs, small tiles below that; never
+    wider than the largest segment rounded up to a power of two (a tile's lanes past its segment idle)."""
+    tile = LARGE_TILE_BYTES if total_bytes >= 2 * sm_count * LARGE_TILE_BYTES else SMALL_TILE_BYTES
+    return max(SMALL_TILE_BYTES, min(tile, 1 << (largest_segment - 1).bit_length()))
 
 
-def _copy_kernel():
-    global _kernel
-    if _kernel is None:
-        import triton
-        import triton.language as tl
+def _copy_kernels():
+    """(word kernel, byte kernel); imported here so that importing this module needs no Triton."""
+    from ascend_dualpath.transport import cuda_kernels
 
-        @triton.jit
-        def copy_tiles(table, n_tiles, counter, flag, flag_value, TILE: tl.constexpr, WORDS: tl.constexpr):
-            # elements are int32 words; WORDS words per element (4 -> 16-byte vectors)
-            pid = tl.program_id(0)
-            nprog = tl.num_programs(0)
-            offs = tl.arange(0, TILE)
-            for t in range(pid, n_tiles, nprog):
-                src = tl.load(table + t * 3).to(tl.pointer_type(tl.int32))
-                dst = tl.load(table + t * 3 + 1).to(tl.pointer_type(tl.int32))
-                n = tl.load(table + t * 3 + 2) * WORDS
-                src = tl.multiple_of(src, 4 * WORDS)
-                dst = tl.multiple_of(dst, 4 * WORDS)
-                mask = offs < n
-                tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
-            # the last program to finish publishes the flag after everybody's stores
-            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="sys")
-            if done == nprog - 1:
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="sys")
-                tl.atomic_xchg(flag, flag_value, sem="release", scope="sys")
+    return cuda_kernels.copy_words, cuda_kernels.copy_bytes
 
-        @triton.jit
-        def copy_tiles_bytes(table, n_tiles, counter, flag, flag_value, TILE: tl.constexpr):
-            pid = tl.program_id(0)
-            nprog = tl.num_programs(0)
-            offs = tl.arange(0, TILE)
-            for t in range(pid, n_tiles, nprog):
-                src = tl.load(table + t * 3).to(tl.pointer_type(tl.int8))
-                dst = tl.load(table + t * 3 + 1).to(tl.pointer_type(tl.int8))
-                n = tl.load(table + t * 3 + 2)
-                mask = offs < n
-                tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
-            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="sys")
-            if done == nprog - 1:
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="sys")
-                tl.atomic_xchg(flag, flag_value, sem="release", scope="sys")
 
-        _kernel = (copy_tiles, copy_tiles_bytes)
-    return _kernel
+@dataclass(eq=False)
+class CopyPlan:
+    """A segment pattern ready to launch: its tile table lives in device memory.
+
+    One plan must not run on two streams at once (its arrival counter is shared by its launches).
+
+    Attributes
+    ----------
+    table : torch.Tensor
+        (tiles, 3) int64 on the copier's GPU: src address, dst address, elements of ``elem_bytes``.
+    tiles, segments, nbytes : int
+        Tiles in the table, segments planned, bytes copied per run.
+    elem_bytes, tile_bytes, programs, num_warps : int
+        Element width (16/8/4/1), bytes per tile, programs in the grid, warps per program.
+    state : torch.Tensor
+        int64[2] on the GPU: programs arrived in the running launch, last published graph epoch.
+    """
+
+    table: object
+    tiles: int
+    segments: int
+    nbytes: int
+    elem_bytes: int
+    tile_bytes: int
+    programs: int
+    state: object
+    kernel: object
+    constexprs: dict
+    num_warps: int
+    launcher: object = None  # Triton's compiled launcher for this grid, or None: launch through the JIT
+
+
+def enable_peer_access(device_a, device_b) -> None:
+    """Let each of two GPUs address the other's memory (Triton's launcher refuses a peer pointer before this).
+
+    torch enables peer access on the first copy between two devices, so one word is copied each way.
+    """
+    import torch
+
+    a, b = torch.device(device_a), torch.device(device_b)
+    torch.ones(1, device=a).copy_(torch.ones(1, device=b))
+    torch.ones(1, device=b).copy_(torch.ones(1, device=a))
 
 
 class DeviceCopier:
-    """Device-initiated multi-segment copy on one GPU: one launch per request, plus a ready flag.
+    """Device-initiated multi-segment copy from one GPU: one launch per request, plus a ready flag.
 
     Parameters
     ----------
     device : torch.device
-        The GPU that runs the kernel (the sources' GPU).
+        The GPU that runs the kernel (the sources' GPU); it must be the current device when launching.
     flag : torch.Tensor
-        int64 scalar tensor that receives ``flag_value`` when every byte landed; may live on a peer GPU.
-    programs : int or None
-        Programs in the grid (default: 4 per SM).
+        int64 tensor whose first element receives the request's flag value once every byte landed;
+        may live on a peer GPU (peer access to it is enabled here; destinations on any other GPU need
+        :func:`enable_peer_access` first).
+    programs_per_sm : int
+        Upper bound of programs in the grid per SM.
     """
 
-    def __init__(self, device, flag, programs: int | None = None):
+    def __init__(self, device, flag, programs_per_sm: int = PROGRAMS_PER_SM):
         import torch
 
         self.torch = torch
         self.device = torch.device(device)
+        if flag.dtype != torch.int64 or flag.device.type != "cuda":
+            raise E.ConfigError(f"the ready flag must be an int64 CUDA tensor, got {flag.dtype} on {flag.device}")
+        if programs_per_sm < 1:
+            raise E.ConfigError(f"programs_per_sm must be >= 1, got {programs_per_sm}")
         self.flag = flag
-        props = torch.cuda.get_device_properties(self.device)
-        self.programs = programs or 4 * props.multi_processor_count
-        self.counter = torch.zeros(1, dtype=torch.int32, device=self.device)
-        self._table = torch.empty((0, 3), dtype=torch.int64, device=self.device)
-        self._pinned = torch.empty((0, 3), dtype=torch.int64, pin_memory=True)
-        self._table_copied = None  # event: the pinned table may be rewritten once the last upload finished
+        if flag.device != self.device:
+            enable_peer_access(self.device, flag.device)
+        self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.max_programs = programs_per_sm * self.sm_count
 
-    def copy(self, src_addrs, dst_addrs, nbytes, flag_value: int) -> int:
-        """Enqueue the copy on the current stream; returns the number of tiles."""
+    def plan(
+        self,
+        src_addrs,
+        dst_addrs,
+        nbytes,
+        tile_bytes: int | None = None,
+        programs_per_sm: int | None = None,
+        num_warps: int = NUM_WARPS,
+    ) -> CopyPlan:
+        """Build the tile table for one segment pattern and enqueue its upload (host work, once per pattern).
+
+        The upload goes on the current stream: run the plan on that stream, or synchronize first.
+
+        Parameters
+        ----------
+        src_addrs, dst_addrs : sequence of int
+            Device addresses of each segment's source (on this GPU) and destination (here or on a peer).
+        nbytes : sequence of int
+            Length of each segment in bytes (>= 1).
+        tile_bytes : int or None
+            Bytes per tile (a power of two >= 64); default :func:`choose_tile_bytes` of the request size.
+        programs_per_sm : int or None
+            Grid bound per SM for this plan; default the copier's.
+        num_warps : int
+            Warps per program (1, 2, 4, 8 or 16).
+        """
+        torch = self.torch
         width = element_bytes(src_addrs, dst_addrs, nbytes)
-        elem = 1 if width == 1 else width
-        table = tile_table(src_addrs, dst_addrs, nbytes, elem)
-        n = table.shape[0]
-        if self._pinned.shape[0] < n:  # grow geometrically: no allocation on the steady path
-            self._pinned = self.torch.empty((2 * n, 3), dtype=self.torch.int64, pin_memory=True)
-            self._table = self.torch.empty((2 * n, 3), dtype=self.torch.int64, device=self.device)
-        if self._table_copied is not None:
-            self._table_copied.synchronize()
-        self._pinned[:n].numpy()[:] = table
-        self._table[:n].copy_(self._pinned[:n], non_blocking=True)
-        self._table_copied = self.torch.cuda.Event()
-        self._table_copied.record()
-        words, bytes_kernel = _copy_kernel()
-        grid = (min(self.programs, n),)
+        sizes = np.asarray(nbytes, np.int64)
+        total = int(sizes.sum())
+        tile_bytes = tile_bytes or choose_tile_bytes(total, int(sizes.max(initial=1)), self.sm_count)
+        if tile_bytes < 64 or tile_bytes & (tile_bytes - 1):
+            raise E.ConfigError(f"tile_bytes {tile_bytes} is not a power of two >= 64")
+        if num_warps not in (1, 2, 4, 8, 16):
+            raise E.ConfigError(f"num_warps {num_warps} is not one of 1, 2, 4, 8, 16")
+        max_programs = self.max_programs if programs_per_sm is None else programs_per_sm * self.sm_count
+        if max_programs < 1:
+            raise E.ConfigError(f"programs_per_sm must be >= 1, got {programs_per_sm}")
+        table = tile_table(src_addrs, dst_addrs, nbytes, width, tile_bytes)
+        tiles = table.shape[0]
+        words, bytes_kernel = _copy_kernels()
         if width == 1:
-            bytes_kernel[grid](self._table, n, self.counter, self.flag, flag_value, TILE=TILE_BYTES)
+            kernel, constexprs = bytes_kernel, {"TILE": tile_bytes}
         else:
-            words[grid](self._table, n, self.counter, self.flag, flag_value, TILE=TILE_BYTES // 4, WORDS=width // 4)
-        return n
+            kernel, constexprs = words, {"TILE": tile_bytes // 4, "WORDS": width // 4}
+        return CopyPlan(
+            # pinned source, asynchronous upload: torch's host allocator keeps the block until the copy is done
+            table=torch.from_numpy(table).pin_memory().to(self.device, non_blocking=True),
+            tiles=tiles,
+            segments=int(sizes.size),
+            nbytes=total,
+            elem_bytes=width,
+            tile_bytes=tile_bytes,
+            programs=min(max_programs, tiles),
+            state=torch.zeros(2, dtype=torch.int64, device=self.device),
+            kernel=kernel,
+            constexprs=constexprs,
+            num_warps=num_warps,
+        )
+
+    def run(self, plan: CopyPlan, flag_value: int) -> None:
+        """Enqueue ``plan`` on the current stream; the flag becomes ``flag_value`` after every byte landed.
+
+        ``flag_value`` must be in [1, 2**63 - 1] (0 is the flag's idle value).
+        """
+        if not 0 < flag_value <= FLAG_MAX:
+            raise E.ConfigError(f"flag_value {flag_value} is outside [1, {FLAG_MAX}]")
+        if plan.launcher is not None:
+            try:
+                plan.launcher(
+                    plan.table, plan.tiles, plan.state, self.flag, flag_value, *plan.constexprs.values(), False
+                )
+                return
+            except TypeError:  # the launcher parses its arguments before launching: nothing was enqueued
+                plan.launcher = None  # this Triton's launcher wants another argument layout: use the JIT
+        args = (plan.table, plan.tiles, plan.state, self.flag, flag_value)
+        compiled = plan.kernel[(plan.programs,)](*args, **plan.constexprs, FROM_EPOCH=False, num_warps=plan.num_warps)
+        plan.launcher = _fast_launcher(compiled, plan.programs)
+
+    def copy(self, src_addrs, dst_addrs, nbytes, flag_value: int) -> CopyPlan:
+        """Plan and run a pattern seen once (table built and uploaded on every call); returns the plan."""
+        if not 0 < flag_value <= FLAG_MAX:
+            raise E.ConfigError(f"flag_value {flag_value} is outside [1, {FLAG_MAX}]")
+        plan = self.plan(src_addrs, dst_addrs, nbytes)
+        self.run(plan, flag_value)
+        return plan
+
+    def capture(self, plan: CopyPlan, first_flag_value: int) -> GraphedCopy:
+        """Record one launch of ``plan`` in a CUDA graph; replay ``k`` (from 0) publishes ``first_flag_value + k``."""
+        if not 0 < first_flag_value <= FLAG_MAX:
+            raise E.ConfigError(f"first_flag_value {first_flag_value} is outside [1, {FLAG_MAX}]")
+        torch = self.torch
+        args = (plan.table, plan.tiles, plan.state, self.flag, 1 << 40, *plan.constexprs.values(), True)
+        with torch.cuda.device(self.device):
+            # compile outside the capture with a launch that copies no tile and flags a scratch word; the
+            # scalars are unspecialised, so the kernel it returns serves the real arguments
+            scratch = torch.zeros(3, dtype=torch.int64, device=self.device)
+            compiled = plan.kernel[(1,)](
+                plan.table, 0, scratch[:2], scratch[2:], 1, **plan.constexprs, FROM_EPOCH=True, num_warps=plan.num_warps
+            )
+            launcher = _fast_launcher(compiled, plan.programs)
+            plan.state[1].fill_(first_flag_value - 1)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                if launcher is not None:
+                    launcher(*args)
+                else:
+                    plan.kernel[(plan.programs,)](
+                        *args[:5], **plan.constexprs, FROM_EPOCH=True, num_warps=plan.num_warps
+                    )
+        return GraphedCopy(graph, plan, first_flag_value, fast_launch=launcher is not None)
+
+
+class GraphedCopy:
+    """A captured launch of one plan: :meth:`replay` is the whole host work of a request."""
+
+    def __init__(self, graph, plan: CopyPlan, first_flag_value: int, fast_launch: bool):
+        self.graph = graph
+        self.plan = plan
+        self.next_value = first_flag_value
+        self.fast_launch = fast_launch  # captured through Triton's compiled launcher (else through the JIT)
+
+    def replay(self) -> int:
+        """Enqueue the copy on the current stream; returns the flag value it publishes."""
+        self.graph.replay()
+        self.next_value += 1
+        return self.next_value - 1
+
+
+def plan_facts(plan: CopyPlan) -> dict:
+    """What a benchmark row records about a plan."""
+    return {
+        "tiles": plan.tiles,
+        "tile_bytes": plan.tile_bytes,
+        "elem_bytes": plan.elem_bytes,
+        "programs": plan.programs,
+        "num_warps": plan.num_warps,
+        "fast_launch": plan.launcher is not None,
+    }
+
+
+def _fast_launcher(compiled, programs: int):
+    """Triton's compiled-kernel launcher for a fixed grid (skips the JIT's per-call argument binding),
+    or None where this Triton has no such entry point."""
+    try:
+        return compiled[(programs, 1, 1)]
+    except (AttributeError, TypeError):
+        return None
 
 
 def host_copy(dsts, srcs) -> None:
@@ -183,98 +330,215 @@ def host_copy(dsts, srcs) -> None:
 # ---- benchmark -------------------------------------------------------------------------------------
 
 
-def run_bench(cases, kinds: list[str], repeats: int, progress, peer: bool | None = None):
-    """Measure every kind on the current GPU(s); destination on cuda:1 when there are two GPUs."""
-    import torch
+def _sleep_cycles_per_us(torch) -> float:
+    """GPU clock cycles per microsecond of ``torch.cuda._sleep``, measured with CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1000)
+    start.record()
+    torch.cuda._sleep(2_000_000)
+    end.record()
+    end.synchronize()
+    return 2_000_000 / (start.elapsed_time(end) * 1e3)
 
+
+def parse_kind(kind: str) -> tuple[str, dict]:
+    """``device`` / ``graph`` may carry a kernel configuration: ``device:TILE_KIB:PROGRAMS_PER_SM:WARPS``."""
+    base, *params = kind.split(":")
+    if base not in BENCH_KINDS or (params and (base not in ("device", "graph") or len(params) != 3)):
+        raise E.ConfigError(
+            f"unknown cuda kind {kind!r}; known: {', '.join(BENCH_KINDS)}, or device/graph:TILE_KIB:PER_SM:WARPS"
+        )
+    if not params:
+        return base, {}
+    tile_kib, per_sm, warps = (int(p) for p in params)
+    return base, {"tile_bytes": tile_kib * 1024, "programs_per_sm": per_sm, "num_warps": warps}
+
+
+def _submitter(kind, torch, copier, case, srcs, dsts, src, dst, flag_base):
+    """(submit, facts): ``submit(value)`` enqueues one request of ``kind`` and returns the value to expect in
+    the flag (None for kinds without one); ``facts()`` describes the kind's cached plan for the row. Plans and
+    graphs are built here, outside the timing."""
+    s_addrs = [t.data_ptr() for t in srcs]
+    d_addrs = [t.data_ptr() for t in dsts]
+    sizes = [case.size] * case.count
+    kind, config = parse_kind(kind)
+    if kind == "device":
+        plan = copier.plan(s_addrs, d_addrs, sizes, **config)
+
+        def submit(value):
+            copier.run(plan, value)
+            return value
+
+        return submit, lambda: plan_facts(plan)
+    if kind == "graph":
+        plan = copier.plan(s_addrs, d_addrs, sizes, **config)
+        graphed = copier.capture(plan, flag_base)
+        return lambda value: graphed.replay(), lambda: {**plan_facts(plan), "fast_launch": graphed.fast_launch}
+    if kind == "device-new":
+
+        def submit(value):
+            copier.copy(s_addrs, d_addrs, sizes, value)
+            return value
+
+        return submit, dict
+    if kind == "host":
+        return lambda value: host_copy(dsts, srcs), dict
+    if kind == "foreach":
+
+        def submit(value):
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)  # returns the list: not a flag value
+
+        return submit, dict
+    # staged: the only kind left after parse_kind
+    pinned = src.cpu().pin_memory()
+    staging = torch.empty_like(src)
+    plan = copier.plan([staging.data_ptr() + i * case.size for i in range(case.count)], d_addrs, sizes)
+
+    def submit(value):
+        staging.copy_(pinned, non_blocking=True)
+        copier.run(plan, value)
+        return value
+
+    return submit, lambda: plan_facts(plan)
+
+
+def _measure(torch, kind, case, copier, flag, buffers, graph_base, magic, repeats, sync, cycles_per_us):
+    """One benchmark row: ``repeats`` timed requests of ``kind`` after two warm-ups; returns (row, last magic)."""
     from ascend_dualpath.bench.transfer import Row, percentile
 
+    srcs, dsts, src, dst = buffers
+    submit, facts = _submitter(kind, torch, copier, case, srcs, dsts, src, dst, graph_base)
+    dst.zero_()
+    for _ in range(2):  # the first compiles kernels and maps peers; the second's submit time sizes the hold
+        sync()
+        magic += 1
+        t0 = time.perf_counter()
+        expected = submit(magic)
+        warm_submit_us = (time.perf_counter() - t0) * 1e6
+    sync()
+    hold_cycles = int(min(200_000, 1.5 * warm_submit_us + 50) * cycles_per_us)
+    submit_s, cpu_s, latency_ms, gpu_ms = [], [], [], []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        magic += 1
+        start.record()
+        t0, c0 = time.perf_counter(), time.process_time()
+        expected = submit(magic)
+        t1, c1 = time.perf_counter(), time.process_time()
+        end.record()
+        sync()
+        submit_s.append(t1 - t0)
+        cpu_s.append(c1 - c0)
+        latency_ms.append(start.elapsed_time(end))
+        magic += 1
+        torch.cuda._sleep(hold_cycles)  # the stream is busy while the request is enqueued
+        start.record()
+        expected = submit(magic)
+        end.record()
+        sync()
+        gpu_ms.append(start.elapsed_time(end))
+    if not torch.equal(dst, src.to(dst.device)):
+        raise AssertionError(f"{kind} {case.name}: destination differs from the source")
+    if expected is not None and int(flag.item()) != expected:
+        raise AssertionError(f"{kind} {case.name}: ready flag {int(flag.item())} != {expected}")
+    submit_us = percentile(submit_s, 50) * 1e6
+    p50 = percentile(latency_ms, 50) * 1e3
+    gpu_p50 = percentile(gpu_ms, 50) * 1e3
+    row = Row(
+        kind,
+        case.name,
+        case.count,
+        case.size,
+        submit_us / case.count,
+        submit_us,
+        p50,
+        percentile(latency_ms, 99) * 1e3,
+        case.nbytes / (gpu_p50 * 1e3),
+        percentile(cpu_s, 50) * 1e6,
+        case.nbytes if kind == "staged" else 0,
+        submit_us / p50 if p50 else 0.0,
+        "measured",
+        {
+            "hold_us": hold_cycles / cycles_per_us,
+            "warm_submit_us": warm_submit_us,
+            **facts(),
+        },
+        gpu_p50,
+        percentile(gpu_ms, 99) * 1e3,
+    )
+    return row, magic
+
+
+def run_bench(cases, kinds: list[str], repeats: int, progress, peer: bool | None = None):
+    """Measure every kind on the current GPU(s); destination on cuda:1 when there are two GPUs.
+
+    Per request, three clocks: host submit time (``perf_counter`` around the enqueue), end-to-end latency
+    (CUDA events from an idle GPU, so it includes the submission) and GPU time (CUDA events with the
+    stream held by a ``torch.cuda._sleep`` that outlasts the submission, so it is the copy alone).
+    """
+    import torch
+
+    for kind in kinds:
+        parse_kind(kind)  # a typo fails here, not after minutes of GPU time
     if not torch.cuda.is_available():
         raise E.BackendUnavailable("the cuda transfer benchmark needs a CUDA GPU")
     src_dev = torch.device("cuda:0")
+    torch.cuda.set_device(src_dev)
     peer = torch.cuda.device_count() > 1 if peer is None else peer
     dst_dev = torch.device("cuda:1" if peer else "cuda:0")
     if peer:
-        torch.ones(1, device=src_dev).copy_(torch.ones(1, device=dst_dev))  # enables peer access both ways
-        torch.ones(1, device=dst_dev).copy_(torch.ones(1, device=src_dev))
+        enable_peer_access(src_dev, dst_dev)
+    devices = {src_dev, dst_dev}
+
+    def sync():
+        for d in devices:
+            torch.cuda.synchronize(d)
+
+    cycles_per_us = _sleep_cycles_per_us(torch)
     flag = torch.zeros(1, dtype=torch.int64, device=dst_dev)
     copier = DeviceCopier(src_dev, flag)
-    rows = []
+    rows, failures = [], []
     magic = 0
-    for case in cases:
+    for case_index, case in enumerate(cases):
         src = torch.randint(0, 256, (case.nbytes,), dtype=torch.uint8, device=src_dev)
         dst = torch.empty(case.nbytes, dtype=torch.uint8, device=dst_dev)
         srcs = [src[i * case.size : (i + 1) * case.size] for i in range(case.count)]
         dsts = [dst[i * case.size : (i + 1) * case.size] for i in range(case.count)]
-        s_addrs = [t.data_ptr() for t in srcs]
-        d_addrs = [t.data_ptr() for t in dsts]
-        sizes = [case.size] * case.count
-        pinned = staging = None
         for kind in kinds:
-            if kind == "staged":
-                pinned = pinned if pinned is not None else src.cpu().pin_memory()
-                staging = staging if staging is not None else torch.empty_like(src)
-            dst.zero_()
-            submit_s, cpu_s, gpu_ms = [], [], []
-            for rep in range(repeats + 1):  # the first run warms up (Triton compile, peer mappings)
-                torch.cuda.synchronize(src_dev)
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                t0, c0 = time.perf_counter(), time.process_time()
-                magic += 1
-                if kind == "device":
-                    copier.copy(s_addrs, d_addrs, sizes, magic)
-                elif kind == "host":
-                    host_copy(dsts, srcs)
-                elif kind == "foreach":
-                    torch._foreach_copy_(dsts, srcs, non_blocking=True)
-                elif kind == "staged":
-                    staging.copy_(pinned, non_blocking=True)
-                    copier.copy([staging.data_ptr() + i * case.size for i in range(case.count)], d_addrs, sizes, magic)
-                else:
-                    raise E.ConfigError(f"unknown cuda kind {kind!r}; known: {', '.join(BENCH_KINDS)}")
-                t1, c1 = time.perf_counter(), time.process_time()
-                end.record()
-                torch.cuda.synchronize(src_dev)
-                torch.cuda.synchronize(dst_dev)
-                if rep:
-                    submit_s.append(t1 - t0)
-                    cpu_s.append(c1 - c0)
-                    gpu_ms.append(start.elapsed_time(end))
-            if not torch.equal(dst.cpu(), src.cpu()):
-                raise AssertionError(f"{kind} {case.name}: destination differs from the source")
-            if kind in ("device", "staged") and int(flag.item()) != magic:
-                raise AssertionError(f"{kind} {case.name}: ready flag {int(flag.item())} != {magic}")
-            submit_us = percentile(submit_s, 50) * 1e6
-            p50 = percentile(gpu_ms, 50) * 1e3
-            rows.append(
-                Row(
-                    kind,
-                    case.name,
-                    case.count,
-                    case.size,
-                    submit_us / case.count,
-                    submit_us,
-                    p50,
-                    percentile(gpu_ms, 99) * 1e3,
-                    case.nbytes / (p50 * 1e3),
-                    percentile(cpu_s, 50) * 1e6,
-                    case.nbytes if kind == "staged" else 0,
-                    submit_us / p50 if p50 else 0.0,
-                    "measured",
-                    {"peer": peer},
+            graph_base = (1 << 40) + (case_index << 20)  # graph replays count up from here
+            try:
+                buffers = (srcs, dsts, src, dst)
+                row, magic = _measure(
+                    torch, kind, case, copier, flag, buffers, graph_base, magic, repeats, sync, cycles_per_us
                 )
-            )
-            progress(rows[-1])
-        del src, dst, pinned, staging
+            except Exception as exc:  # noqa: BLE001 - one broken kind must not lose the rest of a GPU session
+                failures.append(f"{kind} {case.name}: {type(exc).__name__}: {exc}")
+                print(f"  FAILED {failures[-1]}", flush=True)
+                continue
+            row.extra["peer"] = peer
+            rows.append(row)
+            progress(row)
+        del src, dst, srcs, dsts
         torch.cuda.empty_cache()
     meta = {
         "backend": "cuda",
-        "clock": "measured (CUDA events; host submit by perf_counter)",
+        "clock": "measured (host submit: perf_counter; latency: CUDA events from an idle GPU; "
+        "GPU time: CUDA events behind a sleep that outlasts the submission)",
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
         "peer": peer,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
+        "triton": _triton_version(),
+        "sm_count": copier.sm_count,
+        "programs_per_sm": copier.max_programs // copier.sm_count,
         "repeats": repeats,
+        "sleep_cycles_per_us": cycles_per_us,
+        "failures": failures,
     }
     return rows, meta
+
+
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__

@@ -1,6 +1,12 @@
-"""CUDA analogues: the tile table (anywhere) and the device-initiated copy with its ready flag (GPU only)."""
+"""CUDA analogues: the tile table, the copy kernels (compiled for sm_90, and run by Triton's CPU interpreter),
+and the planned / graphed device-initiated copy with its ready flag (GPU only)."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -8,7 +14,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ascend_dualpath import errors
-from ascend_dualpath.transport.cuda import element_bytes, tile_table
+from ascend_dualpath.transport.cuda import (
+    LARGE_TILE_BYTES,
+    SMALL_TILE_BYTES,
+    choose_tile_bytes,
+    element_bytes,
+    parse_kind,
+    tile_table,
+)
 
 
 @given(k=st.integers(1, 20), extra=st.sampled_from([0, 16]), tile_kib=st.sampled_from([1, 4, 64]))
@@ -43,52 +56,219 @@ def test_element_width_and_alignment_errors():
         tile_table([0], [0], [0], 1)
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("count,size", [(1, 1), (61, 42 * 1024), (300, 4096 + 16), (7, 3 * 65536 + 1)])
-def test_device_initiated_copy_is_exact_and_flags_ready(count, size):
+def test_small_requests_get_small_tiles_until_two_waves_of_large_tiles():
+    sms, big = 132, 1 << 20
+    threshold = 2 * sms * LARGE_TILE_BYTES
+    assert choose_tile_bytes(61 * 42 * 1024, 42 * 1024, sms) == SMALL_TILE_BYTES
+    assert choose_tile_bytes(threshold - 1, big, sms) == SMALL_TILE_BYTES
+    assert choose_tile_bytes(threshold, big, sms) == LARGE_TILE_BYTES
+
+
+def test_tiles_are_no_wider_than_the_largest_segment_rounded_up():
+    sms = 132
+    assert choose_tile_bytes(4096 * 4096, 4096, sms) == 4096  # 4096 x 4 KiB: one full tile per segment
+    assert choose_tile_bytes(4096 * 8192 + 1, 8193, sms) == LARGE_TILE_BYTES
+    assert choose_tile_bytes(4096 * 8000, 8000, sms) == 8192
+    assert choose_tile_bytes(1, 1, sms) == SMALL_TILE_BYTES
+
+
+def test_bench_kinds_may_carry_a_kernel_configuration():
+    assert parse_kind("host") == ("host", {})
+    assert parse_kind("graph:64:4:8") == ("graph", {"tile_bytes": 65536, "programs_per_sm": 4, "num_warps": 8})
+    for bad in ("devic", "host:4:8:4", "device:4:8"):
+        with pytest.raises(errors.ConfigError, match=f"unknown cuda kind '{bad}'"):
+            parse_kind(bad)
+
+
+def test_ready_flag_must_be_an_int64_cuda_tensor():
     torch = pytest.importorskip("torch")
-    pytest.importorskip("triton")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
     from ascend_dualpath.transport.cuda import DeviceCopier
 
-    dev = torch.device("cuda:0")
-    src = torch.randint(0, 256, (count * size + 64,), dtype=torch.uint8, device=dev)
-    dst = torch.full((count * size + 64,), 0xA5, dtype=torch.uint8, device=dev)
-    flag = torch.zeros(1, dtype=torch.int64, device=dev)
-    copier = DeviceCopier(dev, flag)
-    copier.copy(
-        [src.data_ptr() + i * size for i in range(count)],
-        [dst.data_ptr() + 32 + i * size for i in range(count)],
-        [size] * count,
-        77,
-    )
-    torch.cuda.synchronize()
-    assert int(flag.item()) == 77
-    assert torch.equal(dst[32 : 32 + count * size], src[: count * size])
-    assert (dst[:32] == 0xA5).all() and (dst[32 + count * size :] == 0xA5).all()
+    with pytest.raises(errors.ConfigError, match="int64 CUDA tensor, got torch.int32 on cpu"):
+        DeviceCopier("cuda:0", torch.zeros(1, dtype=torch.int32))
 
 
-def test_device_copy_kernel_compiles_to_vectorized_ptx_with_a_system_scope_release_flag(monkeypatch):
-    """Without a GPU: Triton compiles the kernel for sm_90; copies are 16-byte vectors and the flag is a release."""
+_PTX_SIGNATURE = {
+    "table": "*i64",
+    "n_tiles": "i32",
+    "state": "*i64",
+    "flag": "*i64",
+    "flag_value": "i64",
+    "TILE": "constexpr",
+    "WORDS": "constexpr",
+    "FROM_EPOCH": "constexpr",
+}
+
+
+@pytest.mark.parametrize("tile_bytes", [SMALL_TILE_BYTES, LARGE_TILE_BYTES])
+@pytest.mark.parametrize("from_epoch", [False, True])
+def test_copy_kernel_compiles_to_vectorized_ptx_with_a_system_scope_release_flag(monkeypatch, tile_bytes, from_epoch):
+    """Without a GPU: Triton compiles the kernel for sm_90; copies are 16-byte vectors (tile / 2 KiB of them
+    per thread at 4 warps), nothing spills, and the flag is a system-scope release after the arrival count."""
     triton = pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # silences Triton 3.9's notice; the kernel has no floats
     from triton.backends.compiler import GPUTarget
 
-    from ascend_dualpath.transport.cuda import _copy_kernel
+    from ascend_dualpath.transport.cuda_kernels import copy_words
 
-    words, _ = _copy_kernel()
-    signature = {
-        "table": "*i64",
-        "n_tiles": "i32",
-        "counter": "*i32",
-        "flag": "*i64",
-        "flag_value": "i64",
-        "TILE": "constexpr",
-        "WORDS": "constexpr",
-    }
-    source = triton.compiler.ASTSource(fn=words, signature=signature, constexprs={"TILE": 16384, "WORDS": 4})
-    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
-    assert "ld.global.v4" in ptx and "st.global.v4" in ptx
-    assert "atom.global.sys.acq_rel.add" in ptx and "atom.global.sys.release.exch.b64" in ptx
-    assert ptx.index("bar.sync") < ptx.index("atom.global.sys.acq_rel.add")  # every thread's stores first
+    constexprs = {"TILE": tile_bytes // 4, "WORDS": 4, "FROM_EPOCH": from_epoch}
+    source = triton.compiler.ASTSource(fn=copy_words, signature=_PTX_SIGNATURE, constexprs=constexprs)
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    vectors_per_thread = tile_bytes // (4 * 32 * 16)
+    assert ptx.count("ld.global.v4") == vectors_per_thread and ptx.count("st.global.v4") == vectors_per_thread
+    assert ".local" not in ptx
+    arrival = ptx.index("atom.global.sys.acq_rel.add")
+    assert ptx.index("bar.sync") < arrival < ptx.index("atom.global.sys.release.exch.b64")
+    assert ("atom.global.gpu.relaxed.add" in ptx) == from_epoch
+
+
+_INTERPRETED = textwrap.dedent(
+    """
+    import numpy as np, torch
+    from ascend_dualpath.transport import cuda, cuda_kernels as K
+
+    rng = np.random.default_rng(5)
+    for trial in range(6):
+        unit = (16, 4, 1)[trial % 3]
+        sizes = [int(unit * rng.integers(1, 700)) for _ in range(int(rng.integers(1, 6)))]
+        gaps = [int(unit * rng.integers(0, 4)) for _ in sizes]
+        src_offs = np.cumsum([0] + [s + g for s, g in zip(sizes, gaps)])[:-1] + unit
+        dst_offs = np.cumsum([0] + sizes[:-1]) + 2 * unit
+        src = torch.randint(0, 256, (int(src_offs[-1]) + sizes[-1] + 64,), dtype=torch.uint8)
+        dst = torch.full((int(dst_offs[-1]) + sizes[-1] + 64,), 0xA5, dtype=torch.uint8)
+        width = cuda.element_bytes(src.data_ptr() + src_offs, dst.data_ptr() + dst_offs, sizes)
+        tile = 1024
+        table = torch.from_numpy(cuda.tile_table(src.data_ptr() + src_offs, dst.data_ptr() + dst_offs, sizes,
+                                                 width, tile))
+        state = torch.tensor([0, 40], dtype=torch.int64)
+        flag = torch.zeros(1, dtype=torch.int64)
+        programs = int(rng.integers(1, len(table) + 2))
+        for launch, from_epoch in enumerate((False, True, False)):
+            dst[:] = 0xA5
+            if width == 1:
+                K.copy_bytes[(programs,)](table, len(table), state, flag, 77 + launch, TILE=tile,
+                                          FROM_EPOCH=from_epoch)
+            else:
+                K.copy_words[(programs,)](table, len(table), state, flag, 77 + launch, TILE=tile // 4,
+                                          WORDS=width // 4, FROM_EPOCH=from_epoch)
+            expected = torch.full_like(dst, 0xA5)
+            for s, d, n in zip(src_offs, dst_offs, sizes):
+                expected[d : d + n] = src[s : s + n]
+            assert torch.equal(dst, expected), (trial, launch)
+            assert int(flag) == (41 if from_epoch else 77 + launch), (trial, launch, int(flag))
+            assert int(state[0]) == 0 and int(state[1]) == (40 if launch == 0 else 41), (trial, launch)
+        # the compile-only launch before a graph capture: no tile, a scratch flag gets the next epoch
+        dst[:] = 0xA5
+        scratch = torch.zeros(3, dtype=torch.int64)
+        K.copy_bytes[(1,)](table, 0, scratch[:2], scratch[2:], 1, TILE=tile, FROM_EPOCH=True)
+        assert (dst == 0xA5).all() and scratch.tolist() == [0, 1, 1], scratch
+    print("interpreted ok")
+    """
+)
+
+
+def test_copy_kernels_under_the_triton_interpreter_are_exact_and_publish_the_flag():
+    """On the CPU (TRITON_INTERPRET=1): the word and byte kernels copy scattered segments exactly, leave
+    poisoned gaps alone, publish the explicit value or the next epoch, and reset the arrival counter; a launch
+    with no tile moves nothing."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.getcwd())
+    result = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "interpreted ok" in result.stdout
+
+
+# ---- on a GPU ----------------------------------------------------------------------------------------
+
+
+def _gpu():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    return torch
+
+
+def _segments(torch, count, size, src_dev, dst_dev):
+    src = torch.randint(0, 256, (count * size + 64,), dtype=torch.uint8, device=src_dev)
+    dst = torch.full((count * size + 64,), 0xA5, dtype=torch.uint8, device=dst_dev)
+    s_addrs = [src.data_ptr() + i * size for i in range(count)]
+    d_addrs = [dst.data_ptr() + 32 + i * size for i in range(count)]
+    return src, dst, s_addrs, d_addrs
+
+
+def _assert_landed(torch, src, dst, count, size):
+    n = count * size
+    assert torch.equal(dst[32 : 32 + n], src[:n].to(dst.device))
+    assert (dst[:32] == 0xA5).all() and (dst[32 + n :] == 0xA5).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("count,size", [(1, 1), (61, 42 * 1024), (300, 4096 + 16), (7, 3 * 65536 + 1), (2, 9 << 20)])
+def test_device_initiated_copy_is_exact_and_flags_ready(count, size):
+    torch = _gpu()
+    from ascend_dualpath.transport.cuda import DeviceCopier
+
+    dev = torch.device("cuda:0")
+    torch.cuda.set_device(dev)
+    src, dst, s_addrs, d_addrs = _segments(torch, count, size, dev, dev)
+    flag = torch.zeros(1, dtype=torch.int64, device=dev)
+    copier = DeviceCopier(dev, flag)
+    plan = copier.copy(s_addrs, d_addrs, [size] * count, 77)
+    torch.cuda.synchronize()
+    assert int(flag.item()) == 77
+    _assert_landed(torch, src, dst, count, size)
+    for value in (78, 1 << 40):  # the cached plan again, through the compiled launcher
+        dst.fill_(0xA5)
+        copier.run(plan, value)
+        torch.cuda.synchronize()
+        assert int(flag.item()) == value
+        _assert_landed(torch, src, dst, count, size)
+
+
+@pytest.mark.cuda
+def test_graph_replays_copy_again_and_publish_successive_values_to_a_peer_flag():
+    torch = _gpu()
+    from ascend_dualpath.transport.cuda import DeviceCopier
+
+    src_dev = torch.device("cuda:0")
+    dst_dev = torch.device("cuda:1" if torch.cuda.device_count() > 1 else "cuda:0")
+    torch.cuda.set_device(src_dev)
+    count, size = 61, 42 * 1024
+    src, dst, s_addrs, d_addrs = _segments(torch, count, size, src_dev, dst_dev)
+    flag = torch.zeros(1, dtype=torch.int64, device=dst_dev)
+    copier = DeviceCopier(src_dev, flag)
+    graphed = copier.capture(copier.plan(s_addrs, d_addrs, [size] * count), 1000)
+    torch.cuda.synchronize()
+    assert int(flag.item()) == 0 and (dst == 0xA5).all()  # capturing runs nothing
+    for expected in (1000, 1001, 1002):
+        dst.fill_(0xA5)
+        src.random_(0, 256)
+        torch.cuda.synchronize()
+        assert graphed.replay() == expected
+        torch.cuda.synchronize(src_dev)
+        torch.cuda.synchronize(dst_dev)
+        assert int(flag.item()) == expected
+        _assert_landed(torch, src, dst, count, size)
+
+
+@pytest.mark.cuda
+def test_bad_flag_value_is_refused_before_anything_moves():
+    torch = _gpu()
+    from ascend_dualpath.transport.cuda import FLAG_MAX, DeviceCopier
+
+    dev = torch.device("cuda:0")
+    torch.cuda.set_device(dev)
+    src, dst, s_addrs, d_addrs = _segments(torch, 4, 4096, dev, dev)
+    flag = torch.zeros(1, dtype=torch.int64, device=dev)
+    copier = DeviceCopier(dev, flag)
+    plan = copier.plan(s_addrs, d_addrs, [4096] * 4)
+    for bad in (0, -3, FLAG_MAX + 1):
+        with pytest.raises(errors.ConfigError, match=f"flag_value {bad} is outside"):
+            copier.run(plan, bad)
+    with pytest.raises(errors.ConfigError, match="tile_bytes 3000 is not a power of two"):
+        copier.plan(s_addrs, d_addrs, [4096] * 4, tile_bytes=3000)
+    with pytest.raises(errors.ConfigError, match="num_warps 3 is not one of"):
+        copier.plan(s_addrs, d_addrs, [4096] * 4, num_warps=3)
+    torch.cuda.synchronize()
+    assert (dst == 0xA5).all() and int(flag.item()) == 0

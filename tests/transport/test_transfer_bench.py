@@ -37,3 +37,30 @@ def test_verdict_follows_the_stop_condition():
     assert pays["verdict"] == "aiv pays off: 50% lower latency than host" and pays["speedup_vs_per_segment_host"] == 4.0
     [slower] = bench.verdicts([row("aiv", 150.0, 0.01), row("host", 100.0, 0.30)])
     assert slower["verdict"] == "keep host path (aiv is 50% slower than host)"
+
+
+def test_table_and_progress_show_submit_and_gpu_time_when_measured():
+    row = bench.Row(
+        "device",
+        "61x42K layer blocks",
+        61,
+        43008,
+        0.1,
+        6.1,
+        20.0,
+        25.0,
+        262.4,
+        6.0,
+        0,
+        0.305,
+        "measured",
+        {},
+        10.0,
+        12.0,
+    )
+    table = bench.format_table([row])
+    assert "gpu p50 us" in table.splitlines()[0]
+    assert "      6.1       10.0       12.0       20.0" in table.splitlines()[2]
+    assert "submit       6.1 us (0.100/seg)  gpu      10.0 us     262.4 GB/s" in bench.progress_line(row)
+    emulated = bench.Row("aiv", "c", 1, 1, 0.0, 1.0, 2.0, 3.0, 0.0, 0.0, 0, 0.5, "virtual")
+    assert "gpu" not in bench.format_table([emulated]) and "gpu" not in bench.progress_line(emulated)
