@@ -41,3 +41,68 @@ def test_sm_model_uses_the_calibrated_write_speed():
     assert choose_num_sms(256, 8, 8, 132) % 2 == 0
     assert choose_num_sms(256, 8, 2, 40) == 40
     assert choose_num_sms(8, 8, 1, 132) == 4
+
+
+class _FakeCompiled:
+    """A compiled binary: records direct launches; ``refuse`` makes its launcher reject the arguments."""
+
+    def __init__(self, log: list, refuse: bool) -> None:
+        self.log, self.refuse = log, refuse
+
+    def __getitem__(self, grid):
+        def run(*args):
+            if self.refuse:
+                raise TypeError("function takes exactly 9 arguments")
+            self.log.append(("direct", grid, args))
+        return run
+
+
+class _FakeKernel:
+    """A JIT kernel ``k(a, b, n, X: constexpr, Y: constexpr)``: records launches through Triton."""
+
+    arg_names = ["a", "b", "n", "X", "Y"]
+
+    def __init__(self, refuse: bool = False) -> None:
+        self.log: list = []
+        self.refuse = refuse
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.log.append(("triton", grid, args, kwargs))
+            return _FakeCompiled(self.log, self.refuse)
+        return run
+
+
+def test_launch_site_calls_the_compiled_launcher_directly_after_the_first_launch(monkeypatch):
+    """Later launches of a site skip Triton's binding: all parameters in declaration order, the constexprs
+    after the call's arguments and no launch options; a different pointer alignment or a launcher that
+    refuses the call goes back through Triton (the refusal also for every later site)."""
+    from ascend_dualpath.moe.strategies import cuda
+
+    monkeypatch.setattr(cuda, "_timed", lambda: True)
+    monkeypatch.setattr(cuda._Launch, "direct", True)
+    kernel = _FakeKernel()
+    launch = cuda._Launch(kernel, 7, dict(X=4, Y=True, num_warps=16))
+    a, b = torch.zeros(8, dtype=torch.int32), torch.zeros(8, dtype=torch.int32)
+    aligned = cuda._aligned(a)
+    launch(aligned, a, b, 3)
+    launch(aligned, a, b, 3)
+    assert kernel.log[0] == ("triton", (7,), (a, b, 3), dict(X=4, Y=True, num_warps=16))
+    assert kernel.log[1] == ("direct", (7, 1, 1), (a, b, 3, 4, True))
+    shifted = a[1:]  # 4 bytes off: Triton specialised the binary on a 16-byte-aligned pointer
+    assert cuda._aligned(shifted) == (False,)
+    launch(cuda._aligned(shifted), shifted, b, 3)
+    assert kernel.log[2][0] == "triton" and kernel.log[2][2][0] is shifted
+    assert len(kernel.log) == 3
+
+    refusing = _FakeKernel(refuse=True)
+    site = cuda._Launch(refusing, 2, dict(X=1, Y=False))
+    site(aligned, a, b, 3)
+    site(aligned, a, b, 3)  # the direct call raises before launching: relaunched through Triton
+    assert [entry[0] for entry in refusing.log] == ["triton", "triton"]
+    assert cuda._Launch.direct is False
+    other = _FakeKernel()
+    later = cuda._Launch(other, 2, dict(X=1, Y=False))
+    later(aligned, a, b, 3)
+    later(aligned, a, b, 3)
+    assert [entry[0] for entry in other.log] == ["triton", "triton"]

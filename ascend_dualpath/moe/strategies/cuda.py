@@ -136,6 +136,11 @@ def _typed(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return value.view(torch.bool) if like.dtype == torch.bool else value
 
 
+def _aligned(*tensors: torch.Tensor | None) -> tuple:
+    """Which of the tensors start at a multiple of 16 bytes: what Triton specialises a pointer argument on."""
+    return tuple(t is None or t.data_ptr() % 16 == 0 for t in tensors)
+
+
 class _Launch:
     """One launch site: a kernel whose grid, integer arguments and compile-time constants are fixed (one plan,
     part layout and data half), called with varying tensors.
@@ -143,8 +148,10 @@ class _Launch:
     The first call goes through Triton (``kernel[grid](...)``: binds and specialises the arguments, finds or
     compiles the binary, launches it and returns it). Later calls hand the arguments straight to that binary's
     launcher (``compiled[grid](*args)``), skipping Triton's per-call binding, key hashing and cache lookup. The
-    binary was specialised on the tensors' 16-byte alignment (and on the integers, fixed here), so a call whose
-    tensors align differently goes through Triton again. Under the interpreter every call goes through Triton.
+    binary was specialised on the pointers' 16-byte alignment (and on the integers, fixed here): the caller
+    passes the alignment of the caller-supplied tensors (:func:`_aligned`), and a call whose alignment differs
+    goes through Triton again. The other tensors are the site's own or fresh from the caching allocator (whose
+    blocks are 512-byte aligned). Under the interpreter every call goes through Triton.
     """
 
     direct = True  # cleared (for the process) if a Triton version's launcher refuses the direct call
@@ -153,14 +160,10 @@ class _Launch:
         self.kernel, self.grid, self.constants = kernel, (grid,), constants
         self.runner: Any = None
         self.tail: list = []
-        self.tensor_slots: list[int] = []
         self.alignment: tuple = ()
 
-    def _alignment(self, args: tuple) -> tuple:
-        return tuple(args[i].data_ptr() % 16 == 0 for i in self.tensor_slots)
-
-    def __call__(self, *args: Any) -> None:
-        if self.runner is not None and self._alignment(args) == self.alignment:
+    def __call__(self, alignment: tuple, *args: Any) -> None:
+        if self.runner is not None and alignment == self.alignment:
             try:
                 self.runner(*args, *self.tail)
                 return
@@ -171,11 +174,9 @@ class _Launch:
         if not (_Launch.direct and _timed() and hasattr(compiled, "__getitem__")):
             return
         try:
-            names = self.kernel.arg_names[len(args):]
-            self.tail = [self.constants[name] for name in names]
-            self.tensor_slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-            self.alignment = self._alignment(args)
+            self.tail = [self.constants[name] for name in self.kernel.arg_names[len(args):]]
             self.runner = compiled[(self.grid[0], 1, 1)]
+            self.alignment = alignment
         except (AttributeError, KeyError, TypeError):
             _Launch.direct = False
             self.runner = None
@@ -293,8 +294,9 @@ class CudaStrategy(AllToAllStrategy):
                     NUM_RANKS=num_ranks, RANKS_PAD=_next_power_of_2(num_ranks), RANKS_PER_NODE=ranks_per_node,
                     NUM_NODES=num_nodes, NODES_PAD=_next_power_of_2(num_nodes), TOPK_PAD=_next_power_of_2(topk),
                     BLOCK_T=LAYOUT_BLOCK_TOKENS))
-            launch(topk_idx.contiguous(), counts, in_rank.view(torch.uint8), tokens, topk, num_experts // num_ranks,
-                   num_experts)
+            topk_idx = topk_idx.contiguous()
+            launch(_aligned(topk_idx), topk_idx, counts, in_rank.view(torch.uint8), tokens, topk,
+                   num_experts // num_ranks, num_experts)
         below, above = counts[-2:].tolist()
         per_rank = counts[:num_ranks]
         per_node = counts[num_ranks:num_ranks + extra] if num_nodes > 1 else None
@@ -399,9 +401,10 @@ class CudaStrategy(AllToAllStrategy):
         pad = MAX_PARTS - len(wire)
         send_args += (wire[0], outs[0], 0, 0, outs[0]) * pad
         recv_args += (outs[0], outs[0], 0) * pad
-        site["push"](*send_args)
+        alignment = _aligned(*wire)
+        site["push"](alignment, *send_args)
         if site["receive"] is not None:
-            site["receive"](*recv_args)
+            site["receive"](alignment, *recv_args)
         return [_typed(out, part) for out, part in zip(outs, parts)]
 
     # ------------------------------------------------------------------ normal combine
@@ -471,12 +474,13 @@ class CudaStrategy(AllToAllStrategy):
         out = outs[0]
         x_args = (out, site["gather_rows"], parts[0], site["mines"][0], out if bias0 is None else bias0,
                   out if bias1 is None else bias1, tokens, parts[0].shape[1])
-        site["push"](*site["head"], *back_args, self.timeout_ns, *x_args)
+        alignment = _aligned(*parts, bias0, bias1)
+        site["push"](alignment, *site["head"], *back_args, self.timeout_ns, *x_args)
         if site["reduce"] is not None:
-            site["reduce"](*site["reduce_head"], *x_args)
+            site["reduce"](alignment, *site["reduce_head"], *x_args)
         if weights is not None:  # after the x reduction on the stream, so the peers' rows are known to be here
-            site["reduce_weights"](*site["reduce_head"], outs[1], site["gather_rows"], parts[1], site["mines"][1],
-                                   outs[1], outs[1], tokens, parts[1].shape[1])
+            site["reduce_weights"](alignment, *site["reduce_head"], outs[1], site["gather_rows"], parts[1],
+                                   site["mines"][1], outs[1], outs[1], tokens, parts[1].shape[1])
         return out, (outs[1].float() if weights is not None else None)
 
     # ------------------------------------------------------------------ CUDA graphs
