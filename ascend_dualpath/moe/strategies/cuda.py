@@ -171,7 +171,7 @@ class _Launch:
                 _Launch.direct = False
                 self.runner = None
         compiled = self.kernel[self.grid](*args, **self.constants)
-        if not (_Launch.direct and _timed() and hasattr(compiled, "__getitem__")):
+        if not (_Launch.direct and _timed() and _env.moe_direct_launch() and hasattr(compiled, "__getitem__")):
             return
         try:
             self.tail = [self.constants[name] for name in self.kernel.arg_names[len(args):]]
