@@ -20,6 +20,11 @@ Waits run on the device, bounded by ``timeout_s`` (GPU global timer); one that e
 reported as :class:`~ascend_dualpath.errors.WaitTimeout` at the strategy's next host synchronisation.
 The low-latency ops use the inherited ``alltoall`` row exchange over NCCL (with this count exchange).
 
+Host path: the epoch of a data op lives on the device (signal word ``EPOCH``), so a launch's arguments are fixed
+per (plan, part layout, data half); they are built once into a :class:`_Launch` site kept in the plan, whose
+later launches call the compiled binary directly. Cached dispatch and combine can be recorded as CUDA graphs
+(:meth:`ascend_dualpath.moe.Buffer.capture_graph`).
+
 The kernels' grid (SMs) comes from :func:`choose_num_sms`, a bandwidth model after DeepEP V2's: enough SMs
 that their read and write throughput keeps the NVLink busy, with 25 % headroom.
 """
