@@ -248,6 +248,9 @@ class Checks:
         cached = self.buffer.dispatch(self.xs[self.rank], handle=handle)
         self.expect(cached[1:5] == (None, None, None, None), 'cached[1:5] == (None, None, None, None)')
         self.expect(torch.equal(_bits(cached[0]), _bits(recv_x)), 'torch.equal(_bits(cached[0]), _bits(recv_x))')
+        for i in range(3):  # the same handle again, in both data halves (cuda: the launch sites' direct path)
+            again = self.buffer.dispatch(self.xs[self.rank], handle=handle)[0]
+            self.expect(torch.equal(_bits(again), _bits(recv_x)), f"cached dispatch repeated ({i + 2})")
         fp8 = quant.per_token_cast_to_fp8(self.xs[self.rank])
         cached_fp8 = self.buffer.dispatch(fp8, handle=handle)[0]
         want = ref.dispatch([quant.per_token_cast_to_fp8(x) for x in self.xs], self.idxs, None, self.experts)
@@ -274,6 +277,9 @@ class Checks:
         self.expect(not bool(combined.isnan().any()), 'not bool(combined.isnan().any())')
         # DeepEP's check: identity experts, no bias, divided by the number of destination ranks.
         plain, _, _ = self.buffer.combine(recv_x, handle)
+        for i in range(3):  # repeated on the same handle, in both data halves
+            again, _, _ = self.buffer.combine(recv_x, handle)
+            self.expect(torch.equal(_bits(again), _bits(plain)), f"combine repeated ({i + 2})")
         in_rank = handle.is_token_in_rank.sum(dim=1, keepdim=True)
         routed = in_rank.squeeze(1) > 0
         if bool(routed.any()):
