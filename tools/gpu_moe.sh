@@ -3,7 +3,7 @@
 # alltoall-over-nccl conformance with whatever time is left. Every step has its own bound so that a run cut short
 # still leaves the earlier steps' results under $OUT. Run from a copy of the worktree (PYTHONPATH points at it).
 # Knobs: TOTAL_S (whole script, default 225), PYTEST_S (cuda conformance, 95), BENCH_S (bench, 100),
-# NUM_SMS (bench SM counts, "0,48,24"; 0 = bandwidth model), ITERS (20).
+# NUM_SMS (bench SM counts, "0,48,24,8"; 0 = bandwidth model, 8 calibrates the per-SM speed), ITERS (20).
 set -uo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$here"
@@ -36,7 +36,7 @@ echo "ADP_MOE_FUSED=${ADP_MOE_FUSED:-1} ADP_MOE_DIRECT_LAUNCH=${ADP_MOE_DIRECT_L
 bench_s=${BENCH_S:-100}
 if [ "$(left)" -lt "$bench_s" ]; then bench_s=$(left); fi
 ADP_TIMEOUT_S=10 timeout "$bench_s" python3 -m ascend_dualpath.bench.moe --strategies cuda,alltoall \
-  --num-sms "${NUM_SMS:-0,48,24}" --iters "${ITERS:-20}" --warmup 3 --deadline-s $((bench_s - 8)) \
+  --num-sms "${NUM_SMS:-0,48,24,8}" --iters "${ITERS:-20}" --warmup 3 --deadline-s $((bench_s - 8)) \
   --json "$OUT/bench_moe.json" > "$OUT/bench_moe.txt" 2>&1
 echo "== bench ($((SECONDS - start)) s)"; grep -vE "^\s*(File|warnings|  )" "$OUT/bench_moe.txt" | tail -45
 
