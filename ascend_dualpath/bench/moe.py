@@ -248,8 +248,8 @@ def run(args: argparse.Namespace) -> int:
     result["args"] = vars(args)
     result["sm_calibration"] = sm_calibration(result["rows"])
     if result["sm_calibration"]:
-        print("sm calibration: {per_sm_write_gbs:.1f} GB/s written per SM (device time of the cached BF16 dispatch at {num_sms} SMs)"
-              .format(**result["sm_calibration"]))
+        print("sm calibration: {per_sm_write_gbs:.1f} GB/s written per SM (device time of the cached BF16 "
+              "dispatch at {num_sms} SMs)".format(**result["sm_calibration"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
