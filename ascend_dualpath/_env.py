@@ -86,6 +86,15 @@ def moe_fused() -> bool:
     return raw != "0"
 
 
+def moe_direct_launch() -> bool:
+    """Whether the cuda MoE strategy calls a launch site's compiled Triton binary directly after its first launch
+    (``ADP_MOE_DIRECT_LAUNCH``, default 1; 0 sends every launch through Triton's ``kernel[grid](...)``)."""
+    raw = _get("ADP_MOE_DIRECT_LAUNCH")
+    if raw not in (None, "0", "1"):
+        raise ValueError(f"ADP_MOE_DIRECT_LAUNCH must be 0 or 1, got {raw!r}")
+    return raw != "0"
+
+
 def build_flag(name: str) -> bool | None:
     """Tri-state build flag ``ADP_<name>``: True for 1, False for 0, None when unset."""
     raw = _get(f"ADP_{name}")

@@ -1,10 +1,18 @@
 """``bench moe``: dispatch/combine time and bandwidth of MoE strategies, against ``alltoall`` in the same run.
 
 Spawns one process per GPU (nccl) or ``--ranks`` CPU processes (gloo). Every timed call is preceded by a
-barrier and an L2 flush; a call's time is the slowest rank's. Bandwidth is reported two ways:
-``logical`` counts every received row, a rank's own tokens included (DeepEP's convention), ``cross``
-counts only rows that crossed between devices. ``host us`` is the median time until the Python call returns
-(GPU work may still be running then): where it nears the timed figure, host overhead is what bounds the op.
+barrier and an L2 flush; a call's time is the slowest rank's. Three times per op, each the median of
+``--iters`` calls:
+
+- ``median us``: CUDA events around the call on an idle GPU: what a caller waits, host enqueue included;
+- ``gpu us``: the same, with the stream first held by a sleep kernel so the whole call is enqueued before
+  the GPU reaches it: device time alone (for ops that synchronise with the host, such as the layout's bounds
+  check and a fresh dispatch's count exchange, the host work after the sync is still included);
+- ``host us``: CPU time until the call returned (idle-GPU run).
+
+Bandwidth is reported two ways: ``logical`` counts every received row, a rank's own tokens included (DeepEP's
+convention), ``cross`` counts only rows that crossed between devices. Rows ``(graph)`` replay the cached
+dispatch or combine recorded with :meth:`~ascend_dualpath.moe.Buffer.capture_graph` (cuda strategy).
 """
 
 from __future__ import annotations
@@ -28,9 +36,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--num-sms", default="0", help="comma-separated SM counts for cuda; 0 = bandwidth model")
     parser.add_argument("--json", default="", help="write all results here")
+    parser.add_argument("--deadline-s", type=float, default=540, help="print what was measured by then and stop")
+    parser.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph replay rows")
+
+
+# Cycles the sleep kernel holds the stream for (about 2.5 ms on an H200): longer than any sync-free enqueue.
+PRELOAD_CYCLES = 5_000_000
 
 
 def _time(fn, iters, warmup, device, group):
+    """Returns (end-to-end seconds, device seconds, host seconds) per call; the first two are the slowest rank's."""
+    import time
+
     import torch
     import torch.distributed as dist
 
@@ -38,31 +55,36 @@ def _time(fn, iters, warmup, device, group):
         fn()
     cuda = device.type == "cuda"
     flush = torch.empty(256 << 20, dtype=torch.int8, device=device) if cuda else None
-    import time
-
-    samples, host = [], []
+    samples, device_samples, host = [], [], []
     for _ in range(iters):
-        dist.barrier(group)
-        if cuda:
-            flush.zero_()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            t0 = time.perf_counter()
-            fn()
-            host.append(time.perf_counter() - t0)
-            end.record()
-            torch.cuda.synchronize()
-            seconds = start.elapsed_time(end) / 1e3
-        else:
-            t0 = time.perf_counter()
-            fn()
-            seconds = time.perf_counter() - t0
-            host.append(seconds)
-        slowest = torch.tensor([seconds], dtype=torch.float64, device=device)
+        pair = []
+        for preload in ((False, True) if cuda else (False,)):
+            dist.barrier(group)
+            if cuda:
+                flush.zero_()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize()
+                if preload:
+                    torch.cuda._sleep(PRELOAD_CYCLES)
+                start.record()
+                t0 = time.perf_counter()
+                fn()
+                spent = time.perf_counter() - t0
+                end.record()
+                torch.cuda.synchronize()
+                seconds = start.elapsed_time(end) / 1e3
+            else:
+                t0 = time.perf_counter()
+                fn()
+                seconds = spent = time.perf_counter() - t0
+            if not preload:
+                host.append(spent)
+            pair.append(seconds)
+        slowest = torch.tensor(pair, dtype=torch.float64, device=device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-        samples.append(float(slowest))
-    return samples, host
+        samples.append(float(slowest[0]))
+        device_samples.append(float(slowest[-1]))
+    return samples, device_samples, host
 
 
 def _worker(rank, world, store, args, queue):
@@ -78,6 +100,9 @@ def _worker(rank, world, store, args, queue):
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             **({"device_id": device} if cuda else {}))
     group = dist.group.WORLD
+    if rank == 0:
+        queue.put(("meta", dict(world=world, device=torch.cuda.get_device_name(0) if cuda else "cpu",
+                                torch=torch.__version__)))
     g = torch.Generator(device=device).manual_seed(rank)
     x = torch.randn(args.tokens, args.hidden, device=device, generator=g).to(torch.bfloat16)
     scores = torch.randn(args.tokens, args.experts, device=device, generator=g).abs() + 1
@@ -85,7 +110,6 @@ def _worker(rank, world, store, args, queue):
     topk_weights = torch.rand(args.tokens, args.topk, device=device, generator=g)
     x_fp8 = quant.per_token_cast_to_fp8(x)
     ll_x, ll_idx, ll_w = x[:args.ll_tokens], topk_idx[:args.ll_tokens], topk_weights[:args.ll_tokens]
-    rows = []
     for strategy in args.strategies.split(","):
         sm_list = [int(s) for s in args.num_sms.split(",")] if strategy == "cuda" else [0]
         for num_sms in sm_list:
@@ -101,13 +125,27 @@ def _worker(rank, world, store, args, queue):
             used_sms = handle.plan.private.get("model_sms") if not num_sms else num_sms
             bf16_row, fp8_row = args.hidden * 2, args.hidden + args.hidden // 128 * 4
 
-            def op(name, fn, row_bytes):
-                samples, host = _time(fn, args.iters, args.warmup, device, group)
-                rows.append(dict(strategy=strategy, num_sms=used_sms if strategy == "cuda" else None, op=name,
-                                 mean_us=statistics.mean(samples) * 1e6, median_us=statistics.median(samples) * 1e6,
-                                 min_us=min(samples) * 1e6, host_us=statistics.median(host) * 1e6,
-                                 logical_bytes=logical_rows * row_bytes,
-                                 cross_bytes=cross_rows * row_bytes))
+            def op(name, fn, row_bytes, ll_valid=None):
+                samples, device_samples, host = _time(fn, args.iters, args.warmup, device, group)
+                row = dict(strategy=strategy, num_sms=used_sms if strategy == "cuda" else None, op=name,
+                           mean_us=statistics.mean(samples) * 1e6, median_us=statistics.median(samples) * 1e6,
+                           min_us=min(samples) * 1e6, gpu_us=statistics.median(device_samples) * 1e6,
+                           host_us=statistics.median(host) * 1e6, logical_bytes=logical_rows * row_bytes,
+                           cross_bytes=cross_rows * row_bytes)
+                if ll_valid is not None:  # LL bytes: one message per valid (token, expert) received
+                    row.update(logical_bytes=ll_valid * row_bytes, cross_bytes=None)
+                if rank == 0:
+                    queue.put(("row", row))
+
+            def graph_op(name, fn, row_bytes):
+                """Capture ``fn`` (collective) and time its replay; a failed capture is reported as a row."""
+                try:
+                    graph = buffer.capture_graph(fn)
+                except Exception as exc:  # every rank fails the same way (same calls): report, go on
+                    if rank == 0:
+                        queue.put(("row", dict(strategy=strategy, num_sms=used_sms, op=name, error=repr(exc)[:300])))
+                    return
+                op(name, graph.replay, row_bytes)
 
             op("layout", lambda: buffer.get_dispatch_layout(topk_idx, args.experts), 0)
             op("dispatch bf16 (cached)", lambda: buffer.dispatch(x, handle=handle, config=config), bf16_row)
@@ -116,46 +154,54 @@ def _worker(rank, world, store, args, queue):
                 x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3], num_tokens_per_expert=layout[2],
                 topk_idx=topk_idx, topk_weights=topk_weights, config=config), bf16_row)
             op("combine bf16", lambda: buffer.combine(recv_x, handle, config=config), bf16_row)
+            if strategy == "cuda" and cuda and not args.no_graphs:
+                graph_op("dispatch bf16 (cached, graph)", lambda: buffer.dispatch(x, handle=handle)[0], bf16_row)
+                graph_op("dispatch fp8 (cached, graph)", lambda: buffer.dispatch(x_fp8, handle=handle)[0], fp8_row)
+                graph_op("combine bf16 (graph)", lambda: buffer.combine(recv_x, handle)[0], bf16_row)
             if num_sms == sm_list[0]:
                 ll = buffer.low_latency_dispatch(ll_x, ll_idx, args.ll_tokens, args.experts, use_fp8=True)
                 ll_bf16 = torch.zeros_like(ll[0][0], dtype=torch.bfloat16)
                 valid = int(ll[1].sum())
-                before = len(rows)
                 op("ll dispatch fp8", lambda: buffer.low_latency_dispatch(ll_x, ll_idx, args.ll_tokens, args.experts,
-                                                                         use_fp8=True), fp8_row + 16)
-                op("ll combine bf16", lambda: buffer.low_latency_combine(ll_bf16, ll_idx, ll_w, ll[2]), bf16_row)
-                for row in rows[before:]:  # LL bytes: one message per valid (token, expert) received
-                    row["logical_bytes"] = valid * (fp8_row + 16 if "dispatch" in row["op"] else bf16_row)
-                    row["cross_bytes"] = None
+                                                                         use_fp8=True), fp8_row + 16, valid)
+                op("ll combine bf16", lambda: buffer.low_latency_combine(ll_bf16, ll_idx, ll_w, ll[2]), bf16_row,
+                   valid)
             buffer.destroy()
     if rank == 0:
-        queue.put(dict(world=world, device=torch.cuda.get_device_name(0) if cuda else "cpu",
-                       torch=torch.__version__, rows=rows))
+        queue.put(("done", None))
     dist.barrier(group)
     dist.destroy_process_group()
 
 
+def _line(r: dict) -> str:
+    if "error" in r:
+        return f"{r['strategy']:<9} {str(r['num_sms'] or '-'):>4} {r['op']:<40} failed: {r['error']}"
+    t = r["median_us"] / 1e6
+    logical = f"{r['logical_bytes'] / t / 1e9:.0f}" if r["logical_bytes"] else "-"
+    cross = f"{r['cross_bytes'] / t / 1e9:.0f}" if r.get("cross_bytes") else "-"
+    return (f"{r['strategy']:<9} {str(r['num_sms'] or '-'):>4} {r['op']:<40} {r['median_us']:>10.1f} "
+            f"{r['gpu_us']:>9.1f} {r['host_us']:>8.1f} {r['mean_us']:>10.1f} {logical:>12} {cross:>10}")
+
+
+HEADER = (f"{'strategy':<9} {'sms':>4} {'op':<40} {'median us':>10} {'gpu us':>9} {'host us':>8} {'mean us':>10} "
+          f"{'logical GB/s':>12} {'cross GB/s':>10}")
+
+
 def _table(result) -> str:
-    lines = [f"{'strategy':<9} {'sms':>4} {'op':<40} {'median us':>10} {'mean us':>10} {'host us':>8} "
-             f"{'logical GB/s':>12} {'cross GB/s':>10}"]
-    for r in result["rows"]:
-        t = r["median_us"] / 1e6
-        logical = f"{r['logical_bytes'] / t / 1e9:.0f}" if r["logical_bytes"] else "-"
-        cross = f"{r['cross_bytes'] / t / 1e9:.0f}" if r.get("cross_bytes") else "-"
-        lines.append(f"{r['strategy']:<9} {str(r['num_sms'] or '-'):>4} {r['op']:<40} {r['median_us']:>10.1f} "
-                     f"{r['mean_us']:>10.1f} {r['host_us']:>8.1f} {logical:>12} {cross:>10}")
-    return "\n".join(lines)
+    return "\n".join([HEADER] + [_line(r) for r in result["rows"]])
 
 
 def sm_calibration(rows: list[dict]) -> dict | None:
-    """Per-SM write throughput of the cuda strategy's copy kernels, from the cached BF16 dispatch at the
-    smallest SM count measured (where the SMs, not NVLink, bound it): every written row (own and peer)
-    per second per SM. This is the figure ``choose_num_sms`` takes as ``sm_write_gbs``."""
-    runs = [r for r in rows if r["strategy"] == "cuda" and r["op"] == "dispatch bf16 (cached)" and r["num_sms"]]
+    """Per-SM write throughput of the cuda strategy's copy kernels, from the device time (``gpu_us``) of the
+    cached BF16 dispatch at the smallest SM count measured (where the SMs, not NVLink, bound it): every
+    written row (own and peer) per second per SM. This is the figure ``choose_num_sms`` takes as
+    ``sm_write_gbs``."""
+    runs = [r for r in rows if r["strategy"] == "cuda" and r["op"] == "dispatch bf16 (cached)" and r["num_sms"]
+            and "error" not in r]
     if not runs:
         return None
     fewest = min(runs, key=lambda r: r["num_sms"])
-    per_sm = fewest["logical_bytes"] / (fewest["median_us"] / 1e6) / 1e9 / fewest["num_sms"]
+    per_sm = fewest["logical_bytes"] / (fewest["gpu_us"] / 1e6) / 1e9 / fewest["num_sms"]
     return dict(num_sms=fewest["num_sms"], per_sm_write_gbs=per_sm)
 
 
@@ -173,32 +219,41 @@ def run(args: argparse.Namespace) -> int:
     import queue as queue_module
     import time
 
-    result, deadline = None, time.monotonic() + 540
+    result, finished = dict(rows=[]), False
+    deadline = time.monotonic() + args.deadline_s
+    print(HEADER, flush=True)
     try:
-        while result is None and time.monotonic() < deadline:
+        while not finished and time.monotonic() < deadline:
             try:
-                result = queue.get(timeout=2)
+                kind, payload = queue.get(timeout=2)
             except queue_module.Empty:
                 if any(p.exitcode not in (None, 0) for p in procs):
                     break  # a rank failed; its traceback is on stderr
+                continue
+            if kind == "meta":
+                result.update(payload)
+            elif kind == "row":
+                result["rows"].append(payload)
+                print(_line(payload), flush=True)  # as measured, so a run cut short still shows its rows
+            else:
+                finished = True
     finally:
         for p in procs:
-            p.join(timeout=60)
+            p.join(timeout=30 if finished else 1)
             if p.is_alive():
                 p.kill()
-    if result is None:
-        print("bench moe: no result (a rank failed or the run exceeded 540 s)", file=sys.stderr)
-        return 1
+    if not finished:
+        print(f"bench moe: incomplete (a rank failed or the run exceeded {args.deadline_s:g} s); "
+              f"{len(result['rows'])} rows measured", file=sys.stderr)
     result["args"] = vars(args)
     result["sm_calibration"] = sm_calibration(result["rows"])
-    print(_table(result))
     if result["sm_calibration"]:
-        print("sm calibration: {per_sm_write_gbs:.1f} GB/s written per SM (cached BF16 dispatch at {num_sms} SMs)"
-              .format(**result["sm_calibration"]))
+        print("sm calibration: {per_sm_write_gbs:.1f} GB/s written per SM (device time of the cached BF16 "
+              "dispatch at {num_sms} SMs)".format(**result["sm_calibration"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
-    return 0 if all(p.exitcode == 0 for p in procs) else 1
+    return 0 if finished and all(p.exitcode == 0 for p in procs) else 1
 
 
 if __name__ == "__main__":

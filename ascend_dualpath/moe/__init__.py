@@ -5,7 +5,7 @@ Importing this package touches no device and imports no torch.distributed backen
 
 from __future__ import annotations
 
-from ascend_dualpath.moe.buffer import Buffer, Config, DispatchHandle
+from ascend_dualpath.moe.buffer import Buffer, CapturedGraph, Config, DispatchHandle
 from ascend_dualpath.moe.event import EventOverlap
 
-__all__ = ["Buffer", "Config", "DispatchHandle", "EventOverlap"]
+__all__ = ["Buffer", "CapturedGraph", "Config", "DispatchHandle", "EventOverlap"]

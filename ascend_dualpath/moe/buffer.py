@@ -491,12 +491,14 @@ class Buffer:
         _check_tensor(x, "x", SUPPORTED_X_DTYPES, (None, None))
         if x.shape[0] < num_recv:
             raise ConfigError(f"combine: x has {x.shape[0]} rows but this rank received {num_recv} tokens")
-        x = x[:num_recv]
+        if x.shape[0] > num_recv:
+            x = x[:num_recv]
         if topk_weights is not None:
             _check_tensor(topk_weights, "topk_weights", torch.float32, (None, None))
             if topk_weights.shape[0] < num_recv:
                 raise ConfigError(f"combine: topk_weights has {topk_weights.shape[0]} rows, fewer than {num_recv}")
-            topk_weights = topk_weights[:num_recv]
+            if topk_weights.shape[0] > num_recv:
+                topk_weights = topk_weights[:num_recv]
         if weighted and topk_weights is None:
             raise ConfigError("weighted combine needs topk_weights (the dispatch's recv_topk_weights)")
         biases = bias if isinstance(bias, tuple) else (bias,)
@@ -513,6 +515,71 @@ class Buffer:
             x = (x.float() * topk_weights.sum(dim=1, keepdim=True)).to(x.dtype)
         combined, combined_weights = self.strategy.combine_rows(plan, x, topk_weights, biases)
         return combined, combined_weights, self._finish_event(x.device, async_finish)
+
+    # ----------------------------------------------------------------- CUDA graphs
+    def capture_graph(self, fn: Callable[[], Any]) -> "CapturedGraph":
+        """Record ``fn``, a fixed sequence of cached dispatches and combines on this buffer, as CUDA graphs.
+
+        Replaying costs one graph launch of host time instead of the Python and kernel-launch work of every op
+        (DeepEP supports CUDA graphs for its low-latency ops; here the normal cached ops can be captured).
+        Collective: every rank calls it at the same point with the same sequence of ops, and later replays
+        in the same order as its peers (mixed freely with eager ops, as long as every rank does the same).
+
+        ``fn`` first runs twice eagerly (compiles the kernels, sizes the symmetric buffer), then is captured
+        once for each parity of the epoch of its first op (the two data halves; the epoch itself lives on the
+        device, so the recorded kernels need no per-call argument).
+
+        Parameters
+        ----------
+        fn : callable, no arguments
+            Calls ``dispatch(x, handle=...)`` and/or ``combine(...)`` of this buffer (no layout and no fresh
+            dispatch: those synchronise with the host). Inputs are read, at replay, from the tensors ``fn``
+            used: write new data into them in place.
+
+        Returns
+        -------
+        CapturedGraph whose :meth:`CapturedGraph.replay` runs the ops on the current stream and returns what
+        ``fn`` returned while that variant was captured: static tensors, overwritten by a later replay.
+
+        Raises
+        ------
+        ConfigError : the strategy cannot be captured (only ``cuda``), ``fn`` issues no data op, needs a count
+            exchange or a host synchronisation, or the capture fails.
+        """
+        self._check_alive()
+        strategy = self.strategy
+        if not getattr(strategy, "graph_capturable", False) or not torch.cuda.is_available():
+            raise ConfigError(f"capture_graph needs the cuda strategy on a GPU; this buffer uses "
+                              f"{self.strategy_name!r}")
+        for _ in range(2):
+            first, counts_before = strategy.data_epoch, strategy.count_epoch
+            fn()
+            num_ops = strategy.data_epoch - first
+            if strategy.count_epoch != counts_before:
+                raise ConfigError("capture_graph: fn exchanged counts (a dispatch without handle); only cached "
+                                  "dispatch and combine can be captured")
+            if num_ops == 0:
+                raise ConfigError("capture_graph: fn issued no cached dispatch or combine on this buffer")
+        torch.cuda.synchronize()
+        generation, resume = strategy.generation, strategy.data_epoch
+        graphs, outputs = [], []
+        for parity in (0, 1):
+            # No kernel runs during capture, so the device epoch stays put; the host copy is moved only so
+            # that the ops pick the data halves of this variant, then restored.
+            strategy.data_epoch = resume + (parity - resume - 1) % 2
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph):
+                    outputs.append(fn())
+            except RuntimeError as exc:
+                raise ConfigError(f"capture_graph: capturing fn failed ({exc}); fn may only issue cached "
+                                  f"dispatches and combines") from exc
+            finally:
+                strategy.data_epoch = resume
+            if strategy.generation != generation:
+                raise ConfigError("capture_graph: the symmetric buffer grew during capture; run fn eagerly first")
+            graphs.append(graph)
+        return CapturedGraph(self, graphs, outputs, num_ops, generation)
 
     # ----------------------------------------------------------------- low latency
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
@@ -714,6 +781,26 @@ class Buffer:
         experts = topk_idx[token_of, slot_of]
         order = torch.sort(experts, stable=True).indices
         return token_of[order], slot_of[order], experts[order]
+
+
+class CapturedGraph:
+    """Cached dispatches/combines recorded by :meth:`Buffer.capture_graph`, one CUDA graph per epoch parity."""
+
+    def __init__(self, buffer: Buffer, graphs: list, outputs: list, num_ops: int, generation: int) -> None:
+        self._buffer, self._graphs, self._outputs = buffer, graphs, outputs
+        self.num_ops, self._generation = num_ops, generation
+
+    def replay(self) -> Any:
+        """Run the recorded ops on the current stream; returns the captured outputs of the variant replayed."""
+        self._buffer._check_alive()
+        strategy = self._buffer.strategy
+        if strategy.generation != self._generation:
+            raise ConfigError("the buffer's symmetric memory was replaced after capture (an op needed more room); "
+                              "capture again")
+        parity = (strategy.data_epoch + 1) % 2
+        self._graphs[parity].replay()
+        strategy.data_epoch += self.num_ops
+        return self._outputs[parity]
 
 
 class _OnceHook:

@@ -248,6 +248,9 @@ class Checks:
         cached = self.buffer.dispatch(self.xs[self.rank], handle=handle)
         self.expect(cached[1:5] == (None, None, None, None), 'cached[1:5] == (None, None, None, None)')
         self.expect(torch.equal(_bits(cached[0]), _bits(recv_x)), 'torch.equal(_bits(cached[0]), _bits(recv_x))')
+        for i in range(3):  # the same handle again, in both data halves (cuda: the launch sites' direct path)
+            again = self.buffer.dispatch(self.xs[self.rank], handle=handle)[0]
+            self.expect(torch.equal(_bits(again), _bits(recv_x)), f"cached dispatch repeated ({i + 2})")
         fp8 = quant.per_token_cast_to_fp8(self.xs[self.rank])
         cached_fp8 = self.buffer.dispatch(fp8, handle=handle)[0]
         want = ref.dispatch([quant.per_token_cast_to_fp8(x) for x in self.xs], self.idxs, None, self.experts)
@@ -274,6 +277,9 @@ class Checks:
         self.expect(not bool(combined.isnan().any()), 'not bool(combined.isnan().any())')
         # DeepEP's check: identity experts, no bias, divided by the number of destination ranks.
         plain, _, _ = self.buffer.combine(recv_x, handle)
+        for i in range(3):  # repeated on the same handle, in both data halves
+            again, _, _ = self.buffer.combine(recv_x, handle)
+            self.expect(torch.equal(_bits(again), _bits(plain)), f"combine repeated ({i + 2})")
         in_rank = handle.is_token_in_rank.sum(dim=1, keepdim=True)
         routed = in_rank.squeeze(1) > 0
         if bool(routed.any()):
@@ -290,6 +296,51 @@ class Checks:
         # Each rank's scaled row is rounded to bf16 once and the sum once more: 2 bf16 ulps relative.
         self.expect(torch.allclose(combined.double(), want, rtol=2 * 2 ** -8, atol=1e-6),
                     'torch.allclose(combined.double(), want, rtol=2 * 2 ** -8, atol=1e-6)')
+
+    def check_graph_replay(self) -> None:
+        """cuda: cached dispatch + combine captured as CUDA graphs, replayed with new inputs (written in place)
+        and interleaved with eager ops, bit-exact against the reference. Other strategies refuse to capture."""
+        buffer = getattr(self.buffer, "buffer", self.buffer)  # the Buffer behind a DeviceProxy
+        if buffer.strategy_name != "cuda":
+            try:
+                buffer.capture_graph(lambda: None)
+            except ConfigError as exc:
+                self.expect("cuda strategy" in str(exc), str(exc))
+            else:
+                self.expect(False, "capture_graph did not raise on a strategy without graphs")
+            return
+        device = torch.device("cuda", torch.cuda.current_device())
+        idx, w = self.idxs[self.rank].to(device), self.weights[self.rank].to(device)
+        static_x = self.xs[self.rank].to(device)
+        layout = buffer.get_dispatch_layout(idx, self.experts)
+        recv_x, _, _, _, handle, _ = buffer.dispatch(static_x, num_tokens_per_rank=layout[0],
+                                                     is_token_in_rank=layout[3], num_tokens_per_expert=layout[2],
+                                                     topk_idx=idx, topk_weights=w)
+        try:  # a fresh dispatch exchanges counts with a host sync: refused (after its eager warm-up run)
+            buffer.capture_graph(lambda: buffer.dispatch(static_x, num_tokens_per_rank=layout[0],
+                                                         is_token_in_rank=layout[3], num_tokens_per_expert=layout[2],
+                                                         topk_idx=idx, topk_weights=w))
+            self.expect(False, "capturing a fresh dispatch did not raise")
+        except ConfigError as exc:
+            self.expect("cached" in str(exc), str(exc))
+        static_back = recv_x.clone()
+        graph = buffer.capture_graph(lambda: (buffer.dispatch(static_x, handle=handle)[0],
+                                              buffer.combine(static_back, handle)[0]))
+        self.expect(graph.num_ops == 2, f"graph.num_ops == {graph.num_ops}")
+        tokens = [x.shape[0] for x in self.xs]
+        for round_ in range(4):
+            g = torch.Generator().manual_seed(1000 + round_)
+            xs = [torch.randn(x.shape, generator=g).to(torch.bfloat16) for x in self.xs]
+            want = ref.dispatch(xs, self.idxs, None, self.experts)
+            want_combined = ref.combine([e.x for e in want], want, tokens, [() for _ in xs])[self.rank]
+            static_x.copy_(xs[self.rank])
+            static_back.copy_(want[self.rank].x)
+            got_x, got_combined = graph.replay()
+            self.expect(torch.equal(_bits(got_x), _bits(want[self.rank].x)), f"replay {round_}: dispatch rows")
+            self.expect(torch.equal(_bits(got_combined), _bits(want_combined)), f"replay {round_}: combine")
+            if round_ % 2 == 0:  # one eager op flips the data half the next replay starts in
+                eager = buffer.dispatch(static_x, handle=handle)[0]
+                self.expect(torch.equal(_bits(eager), _bits(want[self.rank].x)), f"eager after replay {round_}")
 
     # ------------------------------------------------------------------ low latency
     def _ll(self, **kwargs):

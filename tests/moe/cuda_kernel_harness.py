@@ -53,7 +53,8 @@ class EmulatedRank(cuda_strategy.CudaStrategy):
         self.device, self.device_sms, self.fixed_num_sms = torch.device("cpu"), 8, num_sms
         self.kernels = _Kernels(cuda_strategy._kernels(), queue)
         self.timeout_ns = int(1e9)
-        self._epoch = self._count_epoch = 0
+        self._epoch = self._count_epoch = self._generation = 0
+        self._layout_sites = {}
         self.fused = False  # one process runs the ranks in turn: the waiting halves must be separate launches
         local = buffers[rank]
         peers = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
@@ -177,8 +178,23 @@ def check_dispatch_and_combine(world: int) -> None:
     for r, (out, out_w) in enumerate(combined):
         assert torch.equal(_bits(out), _bits(want[r])), f"rank {r}: combine differs from the reference"
         assert out_w.shape == weights[r].shape
-    for r, b in enumerate(buffers):
-        assert int(b[:cuda_strategy.HEADER_BYTES].view(torch.int32)[cuda_strategy._kernels().ERROR_WORD]) == 0
+    # Launch sites are cached per plan, part layout and data half: two more dispatches of new data use the
+    # other half, then the cached site of the first of them (with other input and output tensors).
+    for round_ in range(3):
+        sites_before = [len(plan.private["sites"]) for plan in plans]
+        new_xs = [torch.randn(x.shape, generator=g).to(torch.bfloat16) for x in xs]
+        received = [strategy.dispatch_rows(plans[r], [new_xs[r]], "test cached site")[0]
+                    for r, strategy in enumerate(ranks)]
+        _flush(queue)
+        want_new = ref.dispatch(new_xs, idxs, None, experts)
+        for r, got in enumerate(received):
+            assert torch.equal(_bits(got), _bits(want_new[r].x)), f"rank {r}: cached-site dispatch {round_}"
+        if round_ == 2:
+            assert [len(plan.private["sites"]) for plan in plans] == sites_before, "the third reused a site"
+    for r, (strategy, b) in enumerate(zip(ranks, buffers)):
+        header = b[:cuda_strategy.HEADER_BYTES].view(torch.int32)
+        assert int(header[cuda_strategy._kernels().ERROR_WORD]) == 0
+        assert int(header[cuda_strategy._kernels().EPOCH_WORD]) == strategy.data_epoch == 6, "device epoch"
         assert bool((b[-4096:] == POISON).all()), f"rank {r}: bytes past the used regions were written"
 
 

@@ -9,7 +9,7 @@ from tests.moe import _spawn, conformance_worker
 from tests.moe.conftest import conformance_results
 
 CHECKS = ["layout", "dispatch_bf16", "expert_alignment", "dispatch_quantised", "worst_tokens", "cached_dispatch",
-          "combine", "weighted_combine", "low_latency_dispatch", "low_latency_combine", "repeatable"]
+          "combine", "weighted_combine", "low_latency_dispatch", "low_latency_combine", "repeatable", "graph_replay"]
 
 
 @pytest.mark.slow

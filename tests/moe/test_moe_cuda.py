@@ -41,3 +41,153 @@ def test_sm_model_uses_the_calibrated_write_speed():
     assert choose_num_sms(256, 8, 8, 132) % 2 == 0
     assert choose_num_sms(256, 8, 2, 40) == 40
     assert choose_num_sms(8, 8, 1, 132) == 4
+
+
+class _FakeCompiled:
+    """A compiled binary: records direct launches; ``refuse`` makes its launcher reject the arguments."""
+
+    def __init__(self, log: list, refuse: bool) -> None:
+        self.log, self.refuse = log, refuse
+
+    def __getitem__(self, grid):
+        def run(*args):
+            if self.refuse:
+                raise TypeError("function takes exactly 9 arguments")
+            self.log.append(("direct", grid, args))
+        return run
+
+
+class _FakeKernel:
+    """A JIT kernel ``k(a, b, n, X: constexpr, Y: constexpr)``: records launches through Triton."""
+
+    arg_names = ["a", "b", "n", "X", "Y"]
+
+    def __init__(self, refuse: bool = False) -> None:
+        self.log: list = []
+        self.refuse = refuse
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.log.append(("triton", grid, args, kwargs))
+            return _FakeCompiled(self.log, self.refuse)
+        return run
+
+
+def test_launch_site_calls_the_compiled_launcher_directly_after_the_first_launch(monkeypatch):
+    """Later launches of a site skip Triton's binding: all parameters in declaration order, the constexprs
+    after the call's arguments and no launch options; a different pointer alignment or a launcher that
+    refuses the call goes back through Triton (the refusal also for every later site)."""
+    from ascend_dualpath.moe.strategies import cuda
+
+    monkeypatch.setattr(cuda, "_timed", lambda: True)
+    monkeypatch.setattr(cuda._Launch, "direct", True)
+    kernel = _FakeKernel()
+    launch = cuda._Launch(kernel, 7, dict(X=4, Y=True, num_warps=16))
+    a, b = torch.zeros(8, dtype=torch.int32), torch.zeros(8, dtype=torch.int32)
+    aligned = cuda._aligned(a)
+    launch(aligned, a, b, 3)
+    launch(aligned, a, b, 3)
+    assert kernel.log[0] == ("triton", (7,), (a, b, 3), dict(X=4, Y=True, num_warps=16))
+    assert kernel.log[1] == ("direct", (7, 1, 1), (a, b, 3, 4, True))
+    shifted = a[1:]  # 4 bytes off: Triton specialised the binary on a 16-byte-aligned pointer
+    assert cuda._aligned(shifted) == (False,)
+    launch(cuda._aligned(shifted), shifted, b, 3)
+    assert kernel.log[2][0] == "triton" and kernel.log[2][2][0] is shifted
+    assert len(kernel.log) == 3
+
+    refusing = _FakeKernel(refuse=True)
+    site = cuda._Launch(refusing, 2, dict(X=1, Y=False))
+    site(aligned, a, b, 3)
+    site(aligned, a, b, 3)  # the direct call raises before launching: relaunched through Triton
+    assert [entry[0] for entry in refusing.log] == ["triton", "triton"]
+    assert cuda._Launch.direct is False
+    other = _FakeKernel()
+    later = cuda._Launch(other, 2, dict(X=1, Y=False))
+    later(aligned, a, b, 3)
+    later(aligned, a, b, 3)
+    assert [entry[0] for entry in other.log] == ["triton", "triton"]
+
+
+class _FakeGraphStrategy:
+    """Host bookkeeping of the cuda strategy (no GPU): each data op takes the next epoch; records its half."""
+
+    graph_capturable = True
+
+    def __init__(self) -> None:
+        self.data_epoch = self.count_epoch = 0
+        self.generation = 1
+        self.halves: list[int] = []
+
+    def op(self) -> int:
+        self.data_epoch += 1
+        self.halves.append(self.data_epoch % 2)
+        return self.data_epoch % 2
+
+
+class _FakeGraph:
+    def __init__(self) -> None:
+        self.ops: list = []
+
+    def replay(self) -> None:
+        self.ops.append("replay")
+
+
+def _graph_buffer(monkeypatch):
+    from ascend_dualpath.moe import buffer as buffer_module
+
+    captured: list = []
+
+    class Capture:
+        def __init__(self, graph) -> None:
+            captured.append(graph)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            return None
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", Capture)
+    buffer = buffer_module.Buffer.__new__(buffer_module.Buffer)
+    buffer.strategy, buffer.strategy_name, buffer._destroyed = _FakeGraphStrategy(), "cuda", False
+    return buffer, captured
+
+
+def test_capture_graph_records_one_variant_per_data_half_and_replays_the_matching_one(monkeypatch):
+    """Host side of Buffer.capture_graph (the GPU side runs in the conformance check graph_replay): two eager
+    warm-ups, one capture per parity of the first op's epoch with the host epoch restored, and replay picking
+    the variant for the current epoch and advancing it by the ops recorded."""
+    from ascend_dualpath.errors import ConfigError
+
+    buffer, captured = _graph_buffer(monkeypatch)
+    strategy = buffer.strategy
+    strategy.data_epoch = 6
+    graph = buffer.capture_graph(lambda: (strategy.op(), strategy.op(), strategy.op()))
+    # warm-ups: epochs 7..12 (halves 1 0 1 0 1 0); captures start in half 0, then half 1; the epoch is restored
+    assert strategy.halves == [1, 0, 1, 0, 1, 0] + [0, 1, 0] + [1, 0, 1]
+    assert strategy.data_epoch == 12 and graph.num_ops == 3 and len(captured) == 2
+    assert graph.replay() == (1, 0, 1)  # next epoch 13: half 1
+    assert strategy.data_epoch == 15
+    strategy.op()  # an eager op in between
+    assert graph.replay() == (1, 0, 1) and strategy.data_epoch == 19
+    assert graph.replay() == (0, 1, 0) and strategy.data_epoch == 22
+    assert captured[0].ops == ["replay"] and captured[1].ops == ["replay", "replay"]
+    strategy.generation += 1
+    with pytest.raises(ConfigError, match="capture again"):
+        graph.replay()
+    assert strategy.data_epoch == 22
+
+    def fresh_dispatch():
+        strategy.count_epoch += 1
+        strategy.op()
+
+    with pytest.raises(ConfigError, match="only cached"):
+        buffer.capture_graph(fresh_dispatch)
+    with pytest.raises(ConfigError, match="no cached dispatch or combine"):
+        buffer.capture_graph(lambda: None)
+    buffer._destroyed = True
+    with pytest.raises(ConfigError, match="destroyed"):
+        graph.replay()

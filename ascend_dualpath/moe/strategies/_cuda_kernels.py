@@ -7,13 +7,17 @@ starts with a header of int32 words, ``signals`` being a rank's own header:
 - ``SIG_DATA + src``: epoch of the last data op whose rows ``src`` finished writing into this buffer;
 - ``SIG_COUNT + src``: the same for the count exchange;
 - ``DONE``: finished CTAs of this rank's running push kernel (the last one to finish signals the peers);
-- ``ERROR``: set to 1 when a device-side wait gave up after ``timeout_ns``.
+- ``ERROR``: set to 1 when a device-side wait gave up after ``timeout_ns``;
+- ``EPOCH``: epoch of the last data op this rank started. A push kernel runs as epoch ``EPOCH + 1`` and its last
+  CTA stores that back, so the epoch lives on the device: launches take no per-call argument and can be
+  recorded in a CUDA graph and replayed (the host keeps a copy of the count only to pick the data half).
 
 Ordering: each CTA's stores, then a CTA barrier and a system-scope release increment of ``DONE``; the CTA that
 finishes last acquires it and release-stores the epoch into every peer's signal word; a receiver acquire-polls
-that word. ``epoch`` changes on every call, so it is not specialised (Triton would otherwise compile a variant
-the first time it is 1 or a multiple of 16: a compile stall in the middle of a run). Waits are bounded by the GPU
-global timer (by a spin count in the interpreter).
+that word. Every CTA reads ``EPOCH`` before its release increment of ``DONE``, so the last CTA's store of the new
+epoch cannot overtake any CTA's read. The count exchange keeps a host-passed epoch (it ends in a host sync
+anyway), not specialised (Triton would otherwise compile a variant the first time it is 1 or a multiple of 16).
+Waits are bounded by the GPU global timer (by a spin count in the interpreter).
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ SIG_DATA = tl.constexpr(0)
 SIG_COUNT = tl.constexpr(16)
 DONE = tl.constexpr(32)
 ERROR = tl.constexpr(ERROR_WORD)
+EPOCH_WORD = 34  # for the host
+EPOCH = tl.constexpr(EPOCH_WORD)
 INTERPRETER_SPINS = tl.constexpr(1 << 10)
 
 
@@ -64,11 +70,13 @@ def _peer_words(peers, rank):
 
 @triton.jit
 def _signal_peers(peers, signals, me, epoch, SIGNAL: tl.constexpr, NUM_RANKS: tl.constexpr):
-    """Called by every CTA after its stores: the last CTA to finish publishes ``epoch`` to every peer."""
+    """Called by every CTA after its stores: the last CTA to finish publishes ``epoch`` to every peer and
+    records it as this rank's current epoch."""
     tl.debug_barrier()
     finished = tl.atomic_add(signals + DONE, 1, sem="acq_rel", scope="sys")
     if finished == tl.num_programs(0) - 1:
         tl.atomic_xchg(signals + DONE, 0)
+        tl.atomic_xchg(signals + EPOCH, epoch)
         for rank in tl.static_range(NUM_RANKS):
             if rank != me:
                 tl.atomic_xchg(_peer_words(peers, rank) + SIGNAL + me, epoch, sem="release", scope="sys")
@@ -154,17 +162,18 @@ def _push_part(t, live, slots, src, out, words, region, peers, me, NUM_RANKS: tl
                 tl.store(_peer_words(peers, rank) + region + offsets, values, mask=to_rank)
 
 
-@triton.jit(do_not_specialize=["epoch"])
-def push_rows(peers, signals, slots, num_tokens, me, epoch, num_rows, own_begin, own_end, timeout_ns,
+@triton.jit
+def push_rows(peers, signals, slots, num_tokens, me, num_rows, own_begin, own_end, timeout_ns,
               s0, o0, w0, r0, m0, s1, o1, w1, r1, m1, s2, o2, w2, r2, m2, s3, o3, w3, r3, m3, s4, o4, w4, r4, m4,
               NUM_RANKS: tl.constexpr, NUM_PARTS: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
               B2: tl.constexpr, B3: tl.constexpr, B4: tl.constexpr, TILE: tl.constexpr, FUSED: tl.constexpr,
               TIMED: tl.constexpr):
     """Dispatch. Token t's row of part p (int32 words ``s_p`` [T, w_p]) goes to row ``slots[t, r]`` of rank
     r (skipped when < 0): this rank's own output ``o_p`` for r = me, word offset ``r_p`` of peer r's buffer
-    otherwise; the last CTA signals ``epoch`` to every peer. If FUSED, every CTA then does the receive half
-    (:func:`receive_rows`, with ``m_p`` this rank's buffer region of part p): one launch instead of two, which
-    needs all CTAs resident at once (the grid is at most one CTA per SM)."""
+    otherwise; the last CTA signals the op's epoch (``EPOCH`` + 1) to every peer. If FUSED, every CTA then
+    does the receive half (:func:`receive_rows`, with ``m_p`` this rank's buffer region of part p): one launch
+    instead of two, which needs all CTAs resident at once (the grid is at most one CTA per SM)."""
+    epoch = tl.load(signals + EPOCH, volatile=True) + 1
     for first in range(tl.program_id(0).to(tl.int64) * TILE, num_tokens, tl.num_programs(0) * TILE):
         t = first + tl.arange(0, TILE)
         live = t < num_tokens
@@ -214,13 +223,15 @@ def _receive(signals, me, epoch, num_rows, own_begin, own_end, timeout_ns,
             _copy_part(row, live, m4, o4, w4, B4)
 
 
-@triton.jit(do_not_specialize=["epoch"])
-def receive_rows(signals, me, epoch, num_rows, own_begin, own_end, timeout_ns,
+@triton.jit
+def receive_rows(signals, me, num_rows, own_begin, own_end, timeout_ns,
                  m0, o0, w0, m1, o1, w1, m2, o2, w2, m3, o3, w3, m4, o4, w4,
                  NUM_RANKS: tl.constexpr, NUM_PARTS: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
                  B2: tl.constexpr, B3: tl.constexpr, B4: tl.constexpr, TILE: tl.constexpr, TIMED: tl.constexpr):
     """Dispatch receive half: wait for every peer's signal, then copy the peers' rows (all rows but
-    ``[own_begin, own_end)``) of each part from this rank's buffer region ``m_p`` to the output ``o_p``."""
+    ``[own_begin, own_end)``) of each part from this rank's buffer region ``m_p`` to the output ``o_p``. Runs
+    after the push kernel on the stream, so ``EPOCH`` is that push's epoch."""
+    epoch = tl.load(signals + EPOCH, volatile=True)
     _receive(signals, me, epoch, num_rows, own_begin, own_end, timeout_ns, m0, o0, w0, m1, o1, w1, m2, o2, w2,
              m3, o3, w3, m4, o4, w4, NUM_RANKS, NUM_PARTS, B0, B1, B2, B3, B4, TILE, TIMED)
 
@@ -237,16 +248,18 @@ def _return_part(row, live, source, slot, src, words, region, peers, NUM_RANKS: 
             tl.store(_peer_words(peers, rank) + offsets, values, mask=mask & (source == rank)[:, None])
 
 
-@triton.jit(do_not_specialize=["epoch"])
-def push_back(peers, signals, recv_prefix, slot_base, me, epoch, num_rows, s0, w0, r0, s1, w1, r1,
+@triton.jit
+def push_back(peers, signals, recv_prefix, slot_base, me, num_rows, s0, w0, r0, s1, w1, r1,
               timeout_ns, out, gather, local, mine, bias0, bias1, num_tokens, row_elems,
               NUM_RANKS: tl.constexpr, NUM_PARTS: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
               TILE: tl.constexpr, FUSED: tl.constexpr, HAS_BIAS0: tl.constexpr, HAS_BIAS1: tl.constexpr,
               RBLOCK: tl.constexpr, RTILE: tl.constexpr, TIMED: tl.constexpr):
     """Combine send half: received row ``row`` (from source rank s, rows grouped by source as in
     ``recv_prefix`` [R + 1]) goes back to row ``slot_base[s] + row - recv_prefix[s]`` of rank s's buffer.
-    Own rows stay (the reduction reads them in place). The last CTA signals ``epoch``. If FUSED, every CTA
-    then does :func:`reduce_rows` of part 0 (``local`` = part 0 typed, ``mine`` its buffer region)."""
+    Own rows stay (the reduction reads them in place). The last CTA signals the op's epoch (``EPOCH`` + 1).
+    If FUSED, every CTA then does :func:`reduce_rows` of part 0 (``local`` = part 0 typed, ``mine`` its buffer
+    region)."""
+    epoch = tl.load(signals + EPOCH, volatile=True) + 1
     own_begin = tl.load(recv_prefix + me).to(tl.int64)
     own = tl.load(recv_prefix + me + 1).to(tl.int64) - own_begin
     for first in range(tl.program_id(0).to(tl.int64) * TILE, num_rows - own, tl.num_programs(0) * TILE):
@@ -284,12 +297,14 @@ def _add_rows(acc, src, row, live, cols, col_mask, row_elems):
     return acc + tl.load(src + offsets, mask=mask, other=0.0).to(tl.float32)
 
 
-@triton.jit(do_not_specialize=["epoch"])
-def reduce_rows(signals, me, epoch, timeout_ns, out, rows, local, mine, bias0, bias1, num_tokens, row_elems,
+@triton.jit
+def reduce_rows(signals, me, timeout_ns, out, rows, local, mine, bias0, bias1, num_tokens, row_elems,
                 NUM_RANKS: tl.constexpr, HAS_BIAS0: tl.constexpr, HAS_BIAS1: tl.constexpr, WAIT: tl.constexpr,
                 BLOCK: tl.constexpr, TILE: tl.constexpr, TIMED: tl.constexpr):
     """Combine receive half: ``out[t] = Σ_{r ascending} row rows[t, r] of (local if r == me else mine)``
-    (rows < 0 skipped), then + bias0[t] + bias1[t], all in float32; waits for the peers first if WAIT."""
+    (rows < 0 skipped), then + bias0[t] + bias1[t], all in float32; waits for the peers first if WAIT (for the
+    epoch of the push kernel before it on the stream)."""
+    epoch = tl.load(signals + EPOCH, volatile=True)
     _reduce(signals, me, epoch, timeout_ns, out, rows, local, mine, bias0, bias1, num_tokens, row_elems,
             NUM_RANKS, HAS_BIAS0, HAS_BIAS1, WAIT, BLOCK, TILE, TIMED)
 

@@ -8,6 +8,7 @@ low-latency ops on :meth:`Strategy.exchange_counts` and :meth:`Strategy.exchange
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Callable
 
 import torch
@@ -40,17 +41,18 @@ class NormalPlan:
             self._send_order = self.is_token_in_rank.t().nonzero()[:, 1]
         return self._send_order
 
-    @property
-    def send_counts(self) -> list[int]:
-        return self.count_matrix[self.rank].tolist()
+    # The count matrix is fixed once the plan exists: these are computed once (they run on every cached call).
+    @cached_property
+    def send_counts(self) -> tuple[int, ...]:
+        return tuple(self.count_matrix[self.rank].tolist())
 
-    @property
-    def recv_counts(self) -> list[int]:
-        return self.count_matrix[:, self.rank].tolist()
+    @cached_property
+    def recv_counts(self) -> tuple[int, ...]:
+        return tuple(self.count_matrix[:, self.rank].tolist())
 
-    @property
+    @cached_property
     def num_recv_tokens(self) -> int:
-        return int(self.count_matrix[:, self.rank].sum())
+        return sum(self.recv_counts)
 
 
 def to_device_async(host: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -20,6 +20,11 @@ Waits run on the device, bounded by ``timeout_s`` (GPU global timer); one that e
 reported as :class:`~ascend_dualpath.errors.WaitTimeout` at the strategy's next host synchronisation.
 The low-latency ops use the inherited ``alltoall`` row exchange over NCCL (with this count exchange).
 
+Host path: the epoch of a data op lives on the device (signal word ``EPOCH``), so a launch's arguments are fixed
+per (plan, part layout, data half); they are built once into a :class:`_Launch` site kept in the plan, whose
+later launches call the compiled binary directly. Cached dispatch and combine can be recorded as CUDA graphs
+(:meth:`ascend_dualpath.moe.Buffer.capture_graph`).
+
 The kernels' grid (SMs) comes from :func:`choose_num_sms`, a bandwidth model after DeepEP V2's: enough SMs
 that their read and write throughput keeps the NVLink busy, with 25 % headroom.
 """
@@ -119,10 +124,67 @@ def _kernels():
 
 def _words(t: torch.Tensor) -> torch.Tensor:
     """A 2-D contiguous int32 view of a wire tensor (every wire row is a multiple of 4 bytes)."""
+    if t.dim() == 2 and t.dtype != torch.bool and t.is_contiguous():
+        return t if t.dtype == torch.int32 else t.view(torch.int32)  # one view op on the hot path
     row_bytes = math.prod(t.shape[1:]) * t.element_size()
     if t.dtype == torch.bool:
         t = t.to(torch.uint8)
     return t.contiguous().view(torch.uint8).reshape(t.shape[0], row_bytes).view(torch.int32)
+
+
+def _typed(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The int32 rows ``out`` [N, w] viewed with ``like``'s dtype and row shape."""
+    if like.dim() == 2 and like.dtype != torch.bool:
+        return out if like.dtype == torch.int32 else out.view(like.dtype)
+    dtype = torch.uint8 if like.dtype == torch.bool else like.dtype
+    value = out.view(torch.uint8).view(dtype).reshape(out.shape[0], *like.shape[1:])
+    return value.view(torch.bool) if like.dtype == torch.bool else value
+
+
+def _aligned(*tensors: torch.Tensor | None) -> tuple:
+    """Which of the tensors start at a multiple of 16 bytes: what Triton specialises a pointer argument on."""
+    return tuple(t is None or t.data_ptr() % 16 == 0 for t in tensors)
+
+
+class _Launch:
+    """One launch site: a kernel whose grid, integer arguments and compile-time constants are fixed (one plan,
+    part layout and data half), called with varying tensors.
+
+    The first call goes through Triton (``kernel[grid](...)``: binds and specialises the arguments, finds or
+    compiles the binary, launches it and returns it). Later calls hand the arguments straight to that binary's
+    launcher (``compiled[grid](*args)``), skipping Triton's per-call binding, key hashing and cache lookup. The
+    binary was specialised on the pointers' 16-byte alignment (and on the integers, fixed here): the caller
+    passes the alignment of the caller-supplied tensors (:func:`_aligned`), and a call whose alignment differs
+    goes through Triton again. The other tensors are the site's own or fresh from the caching allocator (whose
+    blocks are 512-byte aligned). Under the interpreter every call goes through Triton.
+    """
+
+    direct = True  # cleared (for the process) if a Triton version's launcher refuses the direct call
+
+    def __init__(self, kernel: Any, grid: int, constants: dict) -> None:
+        self.kernel, self.grid, self.constants = kernel, (grid,), constants
+        self.runner: Any = None
+        self.tail: list = []
+        self.alignment: tuple = ()
+
+    def __call__(self, alignment: tuple, *args: Any) -> None:
+        if self.runner is not None and alignment == self.alignment:
+            try:
+                self.runner(*args, *self.tail)
+                return
+            except TypeError:  # argument parsing, before anything was launched
+                _Launch.direct = False
+                self.runner = None
+        compiled = self.kernel[self.grid](*args, **self.constants)
+        if not (_Launch.direct and _timed() and _env.moe_direct_launch() and hasattr(compiled, "__getitem__")):
+            return
+        try:
+            self.tail = [self.constants[name] for name in self.kernel.arg_names[len(args):]]
+            self.runner = compiled[(self.grid[0], 1, 1)]
+            self.alignment = alignment
+        except (AttributeError, KeyError, TypeError):
+            _Launch.direct = False
+            self.runner = None
 
 
 def _next_power_of_2(n: int) -> int:
@@ -159,8 +221,10 @@ class CudaStrategy(AllToAllStrategy):
         self._symm: Any = None  # (local uint8 tensor, handle, peers int64 [R], signals int32 header view)
         # Send and receive halves in one launch (all CTAs resident: grid <= SMs), unless ADP_MOE_FUSED=0.
         self.fused = _env.moe_fused()
-        self._epoch = 0
+        self._epoch = 0  # host copy of the device epoch (signal word EPOCH): picks each data op's half
         self._count_epoch = 0
+        self._generation = 0  # bumped when the symmetric buffer is replaced (cached launch sites then expire)
+        self._layout_sites: dict = {}
 
     # ------------------------------------------------------------------ symmetric buffer
     def _buffer(self, half_bytes: int):
@@ -173,6 +237,8 @@ class CudaStrategy(AllToAllStrategy):
             capacity = 1 << max(21, (needed - 1).bit_length())
             local = symm_mem.empty(capacity, dtype=torch.uint8, device=self.device)
             local[:HEADER_BYTES].zero_()
+            # A new buffer continues the epoch count (the kernels read it from here).
+            local[:HEADER_BYTES].view(torch.int32)[self.kernels.EPOCH_WORD] = self._epoch
             # The zeroed header must be in place before any peer, returning from the rendezvous, signals here.
             torch.cuda.current_stream(self.device).synchronize()
             if hasattr(symm_mem, "enable_symm_mem_for_group"):
@@ -184,6 +250,7 @@ class CudaStrategy(AllToAllStrategy):
                      else handle.get_buffer(r, (capacity,), torch.uint8, 0).data_ptr() for r in range(self.world)]
             peers = torch.tensor(bases, dtype=torch.int64, device=self.device)
             self._symm = (local, handle, peers, local[:HEADER_BYTES].view(torch.int32))
+            self._generation += 1
         return self._symm
 
     def _half(self, epoch: int) -> int:
@@ -224,12 +291,17 @@ class CudaStrategy(AllToAllStrategy):
         counts = torch.zeros(num_ranks + extra + num_experts + 2, dtype=torch.int32, device=topk_idx.device)
         in_rank = torch.empty(tokens, num_ranks, dtype=torch.bool, device=topk_idx.device)
         if tokens:
-            grid = (_cdiv(tokens, LAYOUT_BLOCK_TOKENS),)
-            self.kernels.dispatch_layout[grid](
-                topk_idx.contiguous(), counts, in_rank.view(torch.uint8), tokens, topk, num_experts // num_ranks,
-                num_experts, NUM_RANKS=num_ranks, RANKS_PAD=_next_power_of_2(num_ranks),
-                RANKS_PER_NODE=ranks_per_node, NUM_NODES=num_nodes, NODES_PAD=_next_power_of_2(num_nodes),
-                TOPK_PAD=_next_power_of_2(topk), BLOCK_T=LAYOUT_BLOCK_TOKENS)
+            key = (tokens, topk, num_experts, num_ranks, ranks_per_node)
+            launch = self._layout_sites.get(key)
+            if launch is None:
+                launch = self._layout_sites[key] = _Launch(self.kernels.dispatch_layout,
+                                                           _cdiv(tokens, LAYOUT_BLOCK_TOKENS), dict(
+                    NUM_RANKS=num_ranks, RANKS_PAD=_next_power_of_2(num_ranks), RANKS_PER_NODE=ranks_per_node,
+                    NUM_NODES=num_nodes, NODES_PAD=_next_power_of_2(num_nodes), TOPK_PAD=_next_power_of_2(topk),
+                    BLOCK_T=LAYOUT_BLOCK_TOKENS))
+            topk_idx = topk_idx.contiguous()
+            launch(_aligned(topk_idx), topk_idx, counts, in_rank.view(torch.uint8), tokens, topk,
+                   num_experts // num_ranks, num_experts)
         below, above = counts[-2:].tolist()
         per_rank = counts[:num_ranks]
         per_node = counts[num_ranks:num_ranks + extra] if num_nodes > 1 else None
@@ -282,105 +354,159 @@ class CudaStrategy(AllToAllStrategy):
         plan.private = private
 
     # ------------------------------------------------------------------ normal dispatch
-    def dispatch_rows(self, plan: NormalPlan, parts: list[torch.Tensor], what: str) -> list[torch.Tensor]:
-        if len(parts) > MAX_PARTS:
-            return super().dispatch_rows(plan, parts, what)
+    def _dispatch_site(self, plan: NormalPlan, wire: list[torch.Tensor], parity: int) -> dict:
+        """Everything of a dispatch launch that is fixed for this plan, part layout and data half."""
         private = plan.private
-        wire = [_words(p) for p in parts]
         widths = [w.shape[1] for w in wire]
         max_recv = private["max_recv"]
         offsets, total = self._regions([4 * w for w in widths], max_recv)
         _, _, peers, signals = self._buffer(total)
-        self._epoch += 1
-        half = self._half(self._epoch)
+        key = ("dispatch", tuple(widths), parity, self._generation, self.fused)
+        sites = private.setdefault("sites", {})
+        if key in sites:
+            return sites[key]
+        half = self._half(parity)
         num_recv = plan.num_recv_tokens
-        outs = [torch.empty(num_recv, w, dtype=torch.int32, device=self.device) for w in widths]
         slots = private["dispatch_slots"]
         tokens = slots.shape[0]
         sms = self.num_sms_for(plan)
-        pad = MAX_PARTS - len(wire)
-        blocks = [_pow2_block(w, COPY_BLOCK_WORDS) for w in widths] + [1] * pad
-        send_args, recv_args = [], []
-        for w, out, width, offset in zip(wire, outs, widths, offsets):
-            mine = self._local_view(half + offset, max_recv, width, torch.int32)
-            send_args += [w, out, width, (half + offset) // 4, mine]
-            recv_args += [mine, out, width]
-        send_args += [wire[0], outs[0], 0, 0, outs[0]] * pad
-        recv_args += [outs[0], outs[0], 0] * pad
+        blocks = [_pow2_block(w, COPY_BLOCK_WORDS) for w in widths] + [1] * (MAX_PARTS - len(wire))
         prefix = private["recv_prefix"]
         own_begin, own_end = prefix[self.rank], prefix[self.rank + 1]
         remote = num_recv - (own_end - own_begin)
         work = max(_cdiv(tokens, COPY_TILE), _cdiv(remote, COPY_TILE)) if self.fused else _cdiv(tokens, COPY_TILE)
         constants = dict(NUM_RANKS=self.world, NUM_PARTS=len(wire), B0=blocks[0], B1=blocks[1], B2=blocks[2],
                          B3=blocks[3], B4=blocks[4], TILE=COPY_TILE, TIMED=_timed(), num_warps=COPY_WARPS)
-        self.kernels.push_rows[(max(1, min(sms, work)),)](
-            peers, signals, slots, tokens, self.rank, self._epoch, num_recv, own_begin, own_end, self.timeout_ns,
-            *send_args, FUSED=self.fused, **constants)
+        receive = None
         if not self.fused:
-            self.kernels.receive_rows[(max(1, min(sms, _cdiv(remote, COPY_TILE))),)](
-                signals, self.rank, self._epoch, num_recv, own_begin, own_end, self.timeout_ns, *recv_args,
-                **constants)
-        results = []
-        for out, part in zip(outs, parts):
-            dtype = torch.uint8 if part.dtype == torch.bool else part.dtype
-            value = out.view(torch.uint8).view(dtype).reshape(num_recv, *part.shape[1:])
-            results.append(value.view(torch.bool) if part.dtype == torch.bool else value)
-        return results
+            receive = _Launch(self.kernels.receive_rows, max(1, min(sms, _cdiv(remote, COPY_TILE))), constants)
+        site = dict(
+            num_recv=num_recv, widths=widths, regions=[(half + offset) // 4 for offset in offsets],
+            mines=[self._local_view(half + offset, max_recv, width, torch.int32)
+                   for width, offset in zip(widths, offsets)],
+            push=_Launch(self.kernels.push_rows, max(1, min(sms, work)), dict(constants, FUSED=self.fused)),
+            receive=receive, push_head=(peers, signals, slots, tokens, self.rank, num_recv, own_begin, own_end,
+                                        self.timeout_ns),
+            receive_head=(signals, self.rank, num_recv, own_begin, own_end, self.timeout_ns))
+        sites[key] = site
+        return site
+
+    def dispatch_rows(self, plan: NormalPlan, parts: list[torch.Tensor], what: str) -> list[torch.Tensor]:
+        if len(parts) > MAX_PARTS:
+            return super().dispatch_rows(plan, parts, what)
+        wire = [_words(p) for p in parts]
+        site = self._dispatch_site(plan, wire, (self._epoch + 1) % 2)
+        self._epoch += 1
+        num_recv = site["num_recv"]
+        outs = [torch.empty(num_recv, width, dtype=torch.int32, device=self.device) for width in site["widths"]]
+        send_args, recv_args = list(site["push_head"]), list(site["receive_head"])
+        for w, out, width, region, mine in zip(wire, outs, site["widths"], site["regions"], site["mines"]):
+            send_args += (w, out, width, region, mine)
+            recv_args += (mine, out, width)
+        pad = MAX_PARTS - len(wire)
+        send_args += (wire[0], outs[0], 0, 0, outs[0]) * pad
+        recv_args += (outs[0], outs[0], 0) * pad
+        alignment = _aligned(*wire)
+        site["push"](alignment, *send_args)
+        if site["receive"] is not None:
+            site["receive"](alignment, *recv_args)
+        return [_typed(out, part) for out, part in zip(outs, parts)]
 
     # ------------------------------------------------------------------ normal combine
-    def combine_rows(self, plan: NormalPlan, x: torch.Tensor, weights: torch.Tensor | None,
-                     biases: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _combine_site(self, plan: NormalPlan, parts: list[torch.Tensor], wire: list[torch.Tensor],
+                      has_bias: tuple[bool, bool], parity: int) -> dict:
+        """Everything of a combine launch that is fixed for this plan, part layout, biases and data half."""
         private = plan.private
-        parts = [x.contiguous()] + ([] if weights is None else [weights.contiguous()])
-        wire = [_words(p) for p in parts]
         widths = [w.shape[1] for w in wire]
         max_send = private["max_send"]
         offsets, total = self._regions([4 * w for w in widths], max_send)
         _, _, peers, signals = self._buffer(total)
-        self._epoch += 1
-        half = self._half(self._epoch)
+        key = ("combine", tuple(widths), parts[0].dtype, has_bias, parity, self._generation, self.fused)
+        sites = private.setdefault("sites", {})
+        if key in sites:
+            return sites[key]
+        half = self._half(parity)
         sms = self.num_sms_for(plan)
         num_recv = plan.num_recv_tokens
         blocks = [_pow2_block(w, COPY_BLOCK_WORDS) for w in widths] + [1]
-        back_args = []
-        for w, width, offset in zip(wire, widths, offsets):
-            back_args += [w, width, (half + offset) // 4]
-        if len(wire) == 1:
-            back_args += [wire[0], 0, 0]
         prefix = private["recv_prefix"]
         remote = num_recv - (prefix[self.rank + 1] - prefix[self.rank])
         gather_rows = private["gather_rows"]
         tokens = gather_rows.shape[0]
-        outs = [torch.empty(tokens, part.shape[1], dtype=part.dtype, device=self.device) for part in parts]
         mines = [self._local_view(half + offset, max_send, part.shape[1], part.dtype)
                  for part, offset in zip(parts, offsets)]
-        bias0, bias1 = (tuple(biases) + (None, None))[:2]
-        reduce_x = dict(HAS_BIAS0=bias0 is not None, HAS_BIAS1=bias1 is not None,
-                        TIMED=_timed(), num_warps=REDUCE_WARPS)
-        x_args = (outs[0], gather_rows, parts[0], mines[0], outs[0] if bias0 is None else bias0,
-                  outs[0] if bias1 is None else bias1, tokens, parts[0].shape[1])
+        reduce_x = dict(HAS_BIAS0=has_bias[0], HAS_BIAS1=has_bias[1], TIMED=_timed(), num_warps=REDUCE_WARPS)
         x_block = _pow2_block(parts[0].shape[1], REDUCE_BLOCK)
         work = _cdiv(remote, COPY_TILE)
         if self.fused:
             work = max(work, _cdiv(tokens, REDUCE_TILE))
-        self.kernels.push_back[(max(1, min(sms, work)),)](
-            peers, signals, private["recv_prefix_dev"], private["slot_base_dev"], self.rank, self._epoch, num_recv,
-            *back_args, self.timeout_ns, *x_args, NUM_RANKS=self.world, NUM_PARTS=len(wire), B0=blocks[0],
-            B1=blocks[1], TILE=COPY_TILE, FUSED=self.fused, RBLOCK=x_block, RTILE=REDUCE_TILE, **reduce_x)
-        grid = (max(1, min(sms, _cdiv(tokens, REDUCE_TILE))),)
+        reduce_grid = max(1, min(sms, _cdiv(tokens, REDUCE_TILE)))
+        reduce = reduce_weights = None
         if not self.fused:
-            self.kernels.reduce_rows[grid](signals, self.rank, self._epoch, self.timeout_ns, *x_args,
-                                           NUM_RANKS=self.world, WAIT=True, BLOCK=x_block, TILE=REDUCE_TILE,
-                                           **reduce_x)
+            reduce = _Launch(self.kernels.reduce_rows, reduce_grid, dict(
+                reduce_x, NUM_RANKS=self.world, WAIT=True, BLOCK=x_block, TILE=REDUCE_TILE))
+        if len(parts) > 1:
+            reduce_weights = _Launch(self.kernels.reduce_rows, reduce_grid, dict(
+                NUM_RANKS=self.world, HAS_BIAS0=False, HAS_BIAS1=False, WAIT=False,
+                BLOCK=_pow2_block(parts[1].shape[1], REDUCE_BLOCK), TILE=REDUCE_TILE, TIMED=_timed(),
+                num_warps=REDUCE_WARPS))
+        site = dict(
+            tokens=tokens, widths=widths, regions=[(half + offset) // 4 for offset in offsets], mines=mines,
+            gather_rows=gather_rows, head=(peers, signals, private["recv_prefix_dev"], private["slot_base_dev"],
+                                           self.rank, num_recv),
+            reduce_head=(signals, self.rank, self.timeout_ns),
+            push=_Launch(self.kernels.push_back, max(1, min(sms, work)), dict(
+                reduce_x, NUM_RANKS=self.world, NUM_PARTS=len(wire), B0=blocks[0], B1=blocks[1], TILE=COPY_TILE,
+                FUSED=self.fused, RBLOCK=x_block, RTILE=REDUCE_TILE)),
+            reduce=reduce, reduce_weights=reduce_weights)
+        sites[key] = site
+        return site
+
+    def combine_rows(self, plan: NormalPlan, x: torch.Tensor, weights: torch.Tensor | None,
+                     biases: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
+        parts = [x.contiguous()] if weights is None else [x.contiguous(), weights.contiguous()]
+        wire = [_words(p) for p in parts]
+        bias0, bias1 = (tuple(biases) + (None, None))[:2]
+        site = self._combine_site(plan, parts, wire, (bias0 is not None, bias1 is not None), (self._epoch + 1) % 2)
+        self._epoch += 1
+        tokens = site["tokens"]
+        outs = [torch.empty(tokens, part.shape[1], dtype=part.dtype, device=self.device) for part in parts]
+        back_args = []
+        for w, width, region in zip(wire, site["widths"], site["regions"]):
+            back_args += (w, width, region)
+        if len(wire) == 1:
+            back_args += (wire[0], 0, 0)
+        out = outs[0]
+        x_args = (out, site["gather_rows"], parts[0], site["mines"][0], out if bias0 is None else bias0,
+                  out if bias1 is None else bias1, tokens, parts[0].shape[1])
+        alignment = _aligned(*parts, bias0, bias1)
+        site["push"](alignment, *site["head"], *back_args, self.timeout_ns, *x_args)
+        if site["reduce"] is not None:
+            site["reduce"](alignment, *site["reduce_head"], *x_args)
         if weights is not None:  # after the x reduction on the stream, so the peers' rows are known to be here
-            self.kernels.reduce_rows[grid](
-                signals, self.rank, self._epoch, self.timeout_ns, outs[1], gather_rows, parts[1], mines[1], outs[1],
-                outs[1], tokens, parts[1].shape[1], NUM_RANKS=self.world, HAS_BIAS0=False, HAS_BIAS1=False,
-                WAIT=False, BLOCK=_pow2_block(parts[1].shape[1], REDUCE_BLOCK), TILE=REDUCE_TILE, TIMED=_timed(),
-                num_warps=REDUCE_WARPS)
-        results = outs
-        combined_weights = results[1].float() if weights is not None else None
-        return results[0], combined_weights
+            site["reduce_weights"](alignment, *site["reduce_head"], outs[1], site["gather_rows"], parts[1],
+                                   site["mines"][1], outs[1], outs[1], tokens, parts[1].shape[1])
+        return out, (outs[1].float() if weights is not None else None)
+
+    # ------------------------------------------------------------------ CUDA graphs
+    graph_capturable = True
+
+    @property
+    def data_epoch(self) -> int:
+        """Data ops issued so far (the host copy of the device epoch)."""
+        return self._epoch
+
+    @data_epoch.setter
+    def data_epoch(self, value: int) -> None:
+        self._epoch = value
+
+    @property
+    def count_epoch(self) -> int:
+        return self._count_epoch
+
+    @property
+    def generation(self) -> int:
+        return self._generation
 
     def close(self) -> None:
         self._symm = None
