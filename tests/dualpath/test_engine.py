@@ -16,9 +16,8 @@ from ascend_dualpath.dualpath.engine import (
 )
 from ascend_dualpath.dualpath.workload import synthetic_conversations
 from ascend_dualpath.kv.store import FaultInjector
+from tests.dualpath.fast_config import FAST
 
-FAST = dict(block_tokens=16, max_tokens=256, pe_snic_bytes_per_s=1e9, de_snic_bytes_per_s=1e9, timeout_s=10.0,
-            pe_buffer_bytes=1 << 20, de_buffer_bytes=2 << 20)
 rng = np.random.default_rng(7)
 FIRST = [int(t) for t in rng.integers(0, 512, 40)]
 APPEND = [int(t) for t in rng.integers(0, 512, 12)]

@@ -23,9 +23,7 @@ from ascend_dualpath.dualpath.transfer_leg import (
 from ascend_dualpath.errors import BoundsError, WaitTimeout
 from ascend_dualpath.kv.layout import KVLayout
 from ascend_dualpath.models.tiny_llama import TinyLlamaConfig
-
-FAST = dict(block_tokens=16, max_tokens=256, pe_snic_bytes_per_s=1e9, de_snic_bytes_per_s=1e9, timeout_s=10.0,
-            pe_buffer_bytes=1 << 20, de_buffer_bytes=2 << 20)
+from tests.dualpath.fast_config import FAST
 
 
 def _plan(path: ReadPath, n_hit: int, base: int) -> LoadPlan:
