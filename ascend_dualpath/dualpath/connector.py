@@ -100,22 +100,20 @@ class PrefillConnector:
         self.stats = LoadStats()
 
     # -- PE SNIC reads ----------------------------------------------------------------------------------------------
-    def prefetch(self, request_id: int, block_ids: list[bytes], parents: list[bytes | None]) -> None:
+    def prefetch(self, request_id: int, block_ids: list[bytes]) -> None:
         """Start the PE SNIC reads of a PE-path request early (at admission); never blocks.
 
         A full ``pe_buffer`` is remembered and reported when the request starts, so the DE falls back.
         """
-        self._sync_index(block_ids, parents)
+        self._sync_index(block_ids)
         try:
             self._prefetched[request_id] = self._submit_reads(request_id, block_ids, timeout_s=0)
         except Exception as error:
             self._prefetched[request_id] = error
 
-    def _sync_index(self, block_ids: list[bytes] | tuple, parents: list | tuple) -> None:
-        # Blocks the DE persisted after this PE opened the shared store.
-        for block_id, parent in zip(block_ids, parents):
-            if not self.read_queue.store.contains(block_id):
-                self.read_queue.store.index.add(block_id, parent)
+    def _sync_index(self, block_ids: list[bytes] | tuple) -> None:
+        # Blocks the DE persisted after this PE opened the shared store: adopted from their on-disk headers.
+        self.read_queue.store.refresh(block_ids)
 
     def _submit_reads(self, request_id: int, block_ids: list[bytes] | tuple, timeout_s: float) -> PrefetchedRead:
         fb = self.layout.full_block_bytes
@@ -152,7 +150,7 @@ class PrefillConnector:
                                 f"slots hold {self.slots[0].tensor.numel()}")
         if plan.path is not ReadPath.PE or not plan.hit_block_ids:
             return
-        self._sync_index(plan.hit_block_ids, plan.hit_parents)
+        self._sync_index(plan.hit_block_ids)
         entry = self._prefetched.pop(plan.request_id, None)
         if isinstance(entry, BaseException):
             raise entry

@@ -344,20 +344,19 @@ class DecodeEngine(_Node):
                 path = ReadPath(mode)
             queued[path] += hit * T
             hit_ids = ids[:hit]
-            parents = [None] + ids[: hit - 1] if hit else []
             tickets = None
             if path is ReadPath.DE:
                 tickets = self._submit_reads(hit_ids, lease)
             elif hit:
-                self.channel.send(("prefetch", rid, hit_ids, parents))
-            admitted.append((rid, agent, turn, prompt, gen, hit_ids, parents, path, lease, tickets))
+                self.channel.send(("prefetch", rid, hit_ids))
+            admitted.append((rid, agent, turn, prompt, gen, hit_ids, path, lease, tickets))
         results, read_spans = [], []
         pending = collections.deque(admitted)
         try:
             while pending:
-                rid, agent, turn, prompt, gen, hit_ids, parents, path, lease, tickets = pending[0]
+                rid, agent, turn, prompt, gen, hit_ids, path, lease, tickets = pending[0]
                 try:
-                    result = self._serve(rid, agent, turn, prompt, gen, hit_ids, parents, path, lease, tickets,
+                    result = self._serve(rid, agent, turn, prompt, gen, hit_ids, path, lease, tickets,
                                          start, read_spans)
                 except TurnFailed as error:  # this turn ends with a clear error; the wave goes on
                     result = TurnResult(agent, turn, "failed", len(prompt), 0, 0, 0, time.monotonic() - start, 0.0,
@@ -385,7 +384,7 @@ class DecodeEngine(_Node):
         fb = self.layout.full_block_bytes
         return [self.read_queue.submit(block_id, lease.slice(b * fb, fb).view) for b, block_id in enumerate(hit_ids)]
 
-    def _serve(self, rid, agent, turn, prompt, gen, hit_ids, parents, path, lease, tickets, start, read_spans):
+    def _serve(self, rid, agent, turn, prompt, gen, hit_ids, path, lease, tickets, start, read_spans):
         other = ReadPath.DE if path is ReadPath.PE else ReadPath.PE
         attempts = [(path, hit_ids), (other, hit_ids)] if hit_ids else []
         attempts.append((ReadPath.PE, []))  # recompute: no cached prefix
@@ -394,7 +393,7 @@ class DecodeEngine(_Node):
         for attempt, (attempt_path, ids) in enumerate(attempts):
             label = "recompute" if attempt and not ids else attempt_path.value
             try:
-                return self._attempt(rid, attempt, agent, turn, prompt, gen, ids, parents[: len(ids)], attempt_path,
+                return self._attempt(rid, attempt, agent, turn, prompt, gen, ids, attempt_path,
                                      lease, tickets if attempt == 0 else None, start, read_spans, read_bytes,
                                      errors, label)
             except FALLBACK_ERRORS as error:
@@ -402,7 +401,7 @@ class DecodeEngine(_Node):
                 lease.tensor.zero_()  # no half-written layer survives the failed attempt
         raise TurnFailed(f"agent {agent} turn {turn}: every path failed: " + "; ".join(errors))
 
-    def _attempt(self, rid, attempt, agent, turn, prompt, gen, hit_ids, parents, path, lease, tickets, start,
+    def _attempt(self, rid, attempt, agent, turn, prompt, gen, hit_ids, path, lease, tickets, start,
                  read_spans, read_bytes, errors, label) -> TurnResult:
         cfg, layout = self.config, self.layout
         hit_tokens = len(hit_ids) * layout.block_tokens
@@ -411,7 +410,7 @@ class DecodeEngine(_Node):
             wait_reads(tickets, cfg.timeout_s)
             read_bytes[ReadPath.DE] += len(hit_ids) * layout.full_block_bytes
             read_spans.append((min(t.started_at for t in tickets), max(t.finished_at for t in tickets)))
-        plan = make_plan(self.comm, rid, attempt, path, prompt[hit_tokens:], hit_ids, parents, lease.addr,
+        plan = make_plan(self.comm, rid, attempt, path, prompt[hit_tokens:], hit_ids, lease.addr,
                          layout.num_layers)
         self.channel.send(("prefill", plan))
         times = PathTimes()

@@ -45,7 +45,6 @@ class LoadPlan:
     path: ReadPath
     new_tokens: tuple[int, ...]
     hit_block_ids: tuple[bytes, ...]
-    hit_parents: tuple[bytes | None, ...]
     de_lease_addr: int  # registration address of the DE buffer lease
     hit_magics: tuple[int, ...]  # DE -> PE: hit layer l is in the PE slot (DE path)
     save_magics: tuple[int, ...]  # PE -> DE: layer l is in the DE buffer
@@ -58,11 +57,11 @@ class LoadPlan:
 
 
 def make_plan(comm: Any, request_id: int, attempt: int, path: ReadPath, new_tokens: list[int],
-              hit_block_ids: list[bytes], hit_parents: list[bytes | None], de_lease_addr: int,
+              hit_block_ids: list[bytes], de_lease_addr: int,
               num_layers: int) -> LoadPlan:
     """A plan with fresh magics from ``comm`` (the DE's communicator)."""
     magics = [comm.next_magic() for _ in range(2 * num_layers + 2)]
-    return LoadPlan(request_id, attempt, path, tuple(new_tokens), tuple(hit_block_ids), tuple(hit_parents),
+    return LoadPlan(request_id, attempt, path, tuple(new_tokens), tuple(hit_block_ids),
                     de_lease_addr, tuple(magics[:num_layers]), tuple(magics[num_layers:2 * num_layers]),
                     magics[-2], magics[-1])
 

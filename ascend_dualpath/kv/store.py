@@ -199,6 +199,8 @@ class BlockStore(Protocol):
 
     def longest_prefix(self, block_ids: Sequence[bytes]) -> int: ...
 
+    def refresh(self, block_ids: Sequence[bytes]) -> int: ...
+
     def write_block(self, block_id: bytes, parent_id: bytes | None, payload: Any) -> bool: ...
 
     def read_into(self, block_id: bytes, dest: Any) -> None: ...
@@ -276,21 +278,45 @@ class LocalBlockStore:
 
     def _scan_edges(self) -> list[tuple[bytes, bytes | None]]:
         edges = []
-        fingerprint = self.layout.fingerprint()
         for path in self._blocks_dir.glob(f"*/*{BLOCK_SUFFIX}"):
-            try:
-                with open(path, "rb") as handle:
-                    header = BlockHeader.unpack(handle.read(HEADER_BYTES), str(path))
-            except (OSError, struct.error) as error:
-                log.warning("block store %s: skipping unreadable block file %s (%s)", self.root, path, error)
+            header = self._valid_header(path)
+            if header is None:
                 self.skipped_files += 1
-                continue
-            if header.layout_fingerprint != fingerprint or path.stem != header.block_id.hex():
-                log.warning("block store %s: skipping %s (other layout or misnamed)", self.root, path)
-                self.skipped_files += 1
-                continue
-            edges.append((header.block_id, header.parent_id))
+            else:
+                edges.append((header.block_id, header.parent_id))
         return edges
+
+    def _valid_header(self, path: Path) -> BlockHeader | None:
+        """The header of a block file of this layout named after its id; None (logged) for anything else."""
+        try:
+            with open(path, "rb") as handle:
+                header = BlockHeader.unpack(handle.read(HEADER_BYTES), str(path))
+        except (OSError, struct.error) as error:
+            log.warning("block store %s: skipping unreadable block file %s (%s)", self.root, path, error)
+            return None
+        if header.layout_fingerprint != self.layout.fingerprint() or path.stem != header.block_id.hex():
+            log.warning("block store %s: skipping %s (other layout or misnamed)", self.root, path)
+            return None
+        return header
+
+    def refresh(self, block_ids: Sequence[bytes]) -> int:
+        """Adopt blocks of a hash chain that another process sharing ``root`` persisted after this store opened.
+
+        Walks ``block_ids`` in chain order and indexes each missing block whose file is present and valid, with
+        the parent recorded in its header; stops at the first block that is absent (its descendants would be
+        unreachable). Returns the number of blocks adopted.
+        """
+        adopted = 0
+        for block_id in block_ids:
+            if block_id in self.index:
+                continue
+            path = self.path_of(block_id)
+            header = self._valid_header(path) if path.exists() else None
+            if header is None or (header.parent_id is not None and header.parent_id not in self.index):
+                break
+            self.index.add(block_id, header.parent_id)
+            adopted += 1
+        return adopted
 
     # -- queries --------------------------------------------------------------------------------------------------
     def path_of(self, block_id: bytes) -> Path:

@@ -27,7 +27,7 @@ from tests.dualpath.fast_config import FAST
 
 
 def _plan(path: ReadPath, n_hit: int, base: int) -> LoadPlan:
-    return LoadPlan(0, 0, path, (), tuple(bytes(16) for _ in range(n_hit)), (), base, (), (), 0, 0)
+    return LoadPlan(0, 0, path, (), tuple(bytes(16) for _ in range(n_hit)), base, (), (), 0, 0)
 
 
 @settings(max_examples=40)

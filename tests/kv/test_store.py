@@ -234,6 +234,28 @@ def test_blocks_of_another_layout_are_not_indexed(tmp_path):
     assert not other.contains(ids[0]) and other.skipped_files == 1
 
 
+def test_refresh_adopts_blocks_another_store_wrote_after_open(tmp_path):
+    reader = LocalBlockStore(tmp_path, FP8_LAYOUT)
+    writer = LocalBlockStore(tmp_path, FP8_LAYOUT)
+    blocks = make_blocks(FP8_LAYOUT, 4)
+    ids = write_chain(writer, blocks)
+    assert reader.longest_prefix(ids) == 0  # the index is built at open
+    os.unlink(writer.path_of(ids[2]))  # a gap: the blocks after it stay unreachable
+    assert reader.refresh(ids) == 2
+    assert reader.longest_prefix(ids) == 2 and not reader.contains(ids[3])
+    assert reader.refresh(ids) == 0  # idempotent
+    out = poisoned(FP8_LAYOUT.full_block_bytes)
+    reader.read_into(ids[1], out.numpy())
+    assert torch.equal(out, blocks[1])
+
+
+def test_refresh_ignores_files_of_another_layout(tmp_path):
+    other = LocalBlockStore(tmp_path, GQA_LAYOUT)
+    ids = write_chain(other, make_blocks(GQA_LAYOUT, 2))
+    reader = LocalBlockStore(tmp_path, FP8_LAYOUT)
+    assert reader.refresh(ids) == 0 and reader.longest_prefix(ids) == 0
+
+
 def test_remove_deletes_the_subtree(store):
     ids = write_chain(store, make_blocks(FP8_LAYOUT, 3))
     assert sorted(store.remove(ids[1])) == sorted(ids[1:])
