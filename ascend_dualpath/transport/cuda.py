@@ -21,18 +21,39 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
 from ascend_dualpath import errors as E
 
-LARGE_TILE_BYTES = 16 * 1024  # bytes one program copies per loop iteration (8 x 16 B per thread at 4 warps)
-SMALL_TILE_BYTES = 4 * 1024  # small requests: more, smaller tiles so every SM has bytes in flight
-PROGRAMS_PER_SM = 8
-NUM_WARPS = 4
+TILE_BYTES = 4 * 1024  # bytes one program copies per loop iteration (4 KiB tiles measured best at every size)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Grid and kernel shape of a plan: bytes per tile, grid bound per SM, warps per program, streaming hints."""
+
+    tile_bytes: int
+    programs_per_sm: int
+    num_warps: int
+    streaming: bool
+
+
+# Chosen from the tuning runs on H200 (docs/benchmarks.md): small requests want many programs of 4 warps
+# (latency), large ones 16 programs of 2 warps per SM with streaming cache hints (bandwidth: 1 GPU, 64 MiB and
+# 302 MB 3-5 % faster than 8 x 4 warps; peer to peer every shape sits at the link).
+SMALL_CONFIG = KernelConfig(TILE_BYTES, 8, 4, False)
+LARGE_CONFIG = KernelConfig(TILE_BYTES, 16, 2, True)
+
+
+def choose_config(total_bytes: int, sm_count: int) -> KernelConfig:
+    """LARGE_CONFIG from ``2 * sm_count * 16 KiB`` bytes (4.3 MB on an H200), SMALL_CONFIG below."""
+    return LARGE_CONFIG if total_bytes >= 2 * sm_count * 16 * 1024 else SMALL_CONFIG
+
+
 # kernel switches (cuda_kernels.copy_tiles); plan() takes each as an argument, None meaning these defaults
-STREAMING = False
+# (streaming: from choose_config)
 PREFETCH = False
 ARRIVE_SYS = True
 BENCH_KINDS = ("device", "graph", "device-new", "host", "host-batch", "foreach", "staged", "floor")
@@ -48,7 +69,7 @@ def tile_table(
     dst_addrs: Sequence[int],
     nbytes: Sequence[int],
     elem_bytes: int,
-    tile_bytes: int = LARGE_TILE_BYTES,
+    tile_bytes: int = TILE_BYTES,
 ) -> np.ndarray:
     """Tiles of at most ``tile_bytes`` covering every segment: an int64 array of shape (tiles, 3)
     holding (src address, dst address, elements of ``elem_bytes``).
@@ -91,13 +112,6 @@ def element_bytes(src_addrs, dst_addrs, nbytes) -> int:
         if combined % width == 0:
             return width
     return 1
-
-
-def choose_tile_bytes(total_bytes: int, largest_segment: int, sm_count: int) -> int:
-    """Large tiles once the request fills two waves of large-tile programs, small tiles below that; never
-    wider than the largest segment rounded up to a power of two (a tile's lanes past its segment idle)."""
-    tile = LARGE_TILE_BYTES if total_bytes >= 2 * sm_count * LARGE_TILE_BYTES else SMALL_TILE_BYTES
-    return max(SMALL_TILE_BYTES, min(tile, 1 << (largest_segment - 1).bit_length()))
 
 
 def grid_size(tiles: int, max_programs: int) -> int:
@@ -177,24 +191,24 @@ class DeviceCopier:
         int64 tensor whose first element receives the request's flag value once every byte landed;
         may live on a peer GPU (peer access to it is enabled here; destinations on any other GPU need
         :func:`enable_peer_access` first).
-    programs_per_sm : int
-        Upper bound of programs in the grid per SM.
+    programs_per_sm : int or None
+        Upper bound of programs in the grid per SM for every plan; None: :func:`choose_config` per plan.
     """
 
-    def __init__(self, device, flag, programs_per_sm: int = PROGRAMS_PER_SM):
+    def __init__(self, device, flag, programs_per_sm: int | None = None):
         import torch
 
         self.torch = torch
         self.device = torch.device(device)
         if flag.dtype != torch.int64 or flag.device.type != "cuda":
             raise E.ConfigError(f"the ready flag must be an int64 CUDA tensor, got {flag.dtype} on {flag.device}")
-        if programs_per_sm < 1:
+        if programs_per_sm is not None and programs_per_sm < 1:
             raise E.ConfigError(f"programs_per_sm must be >= 1, got {programs_per_sm}")
         self.flag = flag
+        self.programs_per_sm = programs_per_sm
         if flag.device != self.device:
             enable_peer_access(self.device, flag.device)
         self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self.max_programs = programs_per_sm * self.sm_count
 
     def plan(
         self,
@@ -203,7 +217,7 @@ class DeviceCopier:
         nbytes,
         tile_bytes: int | None = None,
         programs_per_sm: int | None = None,
-        num_warps: int = NUM_WARPS,
+        num_warps: int | None = None,
         streaming: bool | None = None,
         prefetch: bool | None = None,
         arrive_sys: bool | None = None,
@@ -219,15 +233,13 @@ class DeviceCopier:
             Device addresses of each segment's source (on this GPU) and destination (here or on a peer).
         nbytes : sequence of int
             Length of each segment in bytes (>= 1).
-        tile_bytes : int or None
-            Bytes per tile (a power of two >= 64); default :func:`choose_tile_bytes` of the request size.
-        programs_per_sm : int or None
-            Grid bound per SM for this plan; default the copier's.
-        num_warps : int
-            Warps per program (1, 2, 4, 8 or 16).
-        streaming, prefetch, arrive_sys : bool or None
+        tile_bytes, programs_per_sm, num_warps, streaming : int, int, int, bool, or None
+            Bytes per tile (a power of two >= 64), grid bound per SM, warps per program (1, 2, 4, 8 or 16),
+            streaming cache hints; None: the copier's ``programs_per_sm``, else :func:`choose_config` of the
+            request size.
+        prefetch, arrive_sys : bool or None
             Kernel switches (see :mod:`ascend_dualpath.transport.cuda_kernels`); None: the module defaults
-            ``STREAMING``, ``PREFETCH``, ``ARRIVE_SYS``.
+            ``PREFETCH``, ``ARRIVE_SYS``.
         launch_mode : str or None
             How :meth:`run` launches after the first time (:class:`ascend_dualpath._triton_launch.LaunchSite`).
         """
@@ -237,12 +249,17 @@ class DeviceCopier:
         width = element_bytes(src_addrs, dst_addrs, nbytes)
         sizes = np.asarray(nbytes, np.int64)
         total = int(sizes.sum())
-        tile_bytes = tile_bytes or choose_tile_bytes(total, int(sizes.max(initial=1)), self.sm_count)
+        chosen = choose_config(total, self.sm_count)
+        tile_bytes = chosen.tile_bytes if tile_bytes is None else tile_bytes
+        if programs_per_sm is None:
+            programs_per_sm = chosen.programs_per_sm if self.programs_per_sm is None else self.programs_per_sm
+        num_warps = chosen.num_warps if num_warps is None else num_warps
+        streaming = chosen.streaming if streaming is None else streaming
         if tile_bytes < 64 or tile_bytes & (tile_bytes - 1):
             raise E.ConfigError(f"tile_bytes {tile_bytes} is not a power of two >= 64")
         if num_warps not in (1, 2, 4, 8, 16):
             raise E.ConfigError(f"num_warps {num_warps} is not one of 1, 2, 4, 8, 16")
-        max_programs = self.max_programs if programs_per_sm is None else programs_per_sm * self.sm_count
+        max_programs = programs_per_sm * self.sm_count
         if max_programs < 1:
             raise E.ConfigError(f"programs_per_sm must be >= 1, got {programs_per_sm}")
         table = tile_table(src_addrs, dst_addrs, nbytes, width, tile_bytes)
@@ -253,7 +270,7 @@ class DeviceCopier:
             "ELEM_BYTES": width,
             "SINGLE": programs == 1,
             "ARRIVE_SYS": ARRIVE_SYS if arrive_sys is None else arrive_sys,
-            "STREAMING": STREAMING if streaming is None else streaming,
+            "STREAMING": streaming,
             "PREFETCH": PREFETCH if prefetch is None else prefetch,
         }
         # pinned source, asynchronous upload: torch's host allocator keeps the block until the copy is done
@@ -600,10 +617,10 @@ def _run_cases(torch, cases, kinds, repeats, progress, peer, src_dev, dst_dev, s
         "cuda": torch.version.cuda,
         "triton": _triton_version(),
         "sm_count": copier.sm_count,
-        "programs_per_sm": copier.max_programs // copier.sm_count,
+        "configs": {"small": asdict(SMALL_CONFIG), "large": asdict(LARGE_CONFIG)},
         "repeats": repeats,
         "sleep_cycles_per_us": cycles_per_us,
-        "kernel_defaults": {"streaming": STREAMING, "prefetch": PREFETCH, "arrive_sys": ARRIVE_SYS},
+        "kernel_defaults": {"prefetch": PREFETCH, "arrive_sys": ARRIVE_SYS},
         "launch_mode": _default_launch_mode(),
         "cudaMemcpyBatchAsync": _batch_note() if any(k.startswith("host-batch") for k in kinds) else "not run",
         "failures": failures,

@@ -15,9 +15,10 @@ from hypothesis import strategies as st
 
 from ascend_dualpath import errors
 from ascend_dualpath.transport.cuda import (
-    LARGE_TILE_BYTES,
-    SMALL_TILE_BYTES,
-    choose_tile_bytes,
+    LARGE_CONFIG,
+    SMALL_CONFIG,
+    TILE_BYTES,
+    choose_config,
     element_bytes,
     grid_size,
     parse_kind,
@@ -57,20 +58,13 @@ def test_element_width_and_alignment_errors():
         tile_table([0], [0], [0], 1)
 
 
-def test_small_requests_get_small_tiles_until_two_waves_of_large_tiles():
-    sms, big = 132, 1 << 20
-    threshold = 2 * sms * LARGE_TILE_BYTES
-    assert choose_tile_bytes(61 * 42 * 1024, 42 * 1024, sms) == SMALL_TILE_BYTES
-    assert choose_tile_bytes(threshold - 1, big, sms) == SMALL_TILE_BYTES
-    assert choose_tile_bytes(threshold, big, sms) == LARGE_TILE_BYTES
-
-
-def test_tiles_are_no_wider_than_the_largest_segment_rounded_up():
+def test_large_requests_get_the_bandwidth_configuration_from_4_3_mb_on_an_h200():
     sms = 132
-    assert choose_tile_bytes(4096 * 4096, 4096, sms) == 4096  # 4096 x 4 KiB: one full tile per segment
-    assert choose_tile_bytes(4096 * 8192 + 1, 8193, sms) == LARGE_TILE_BYTES
-    assert choose_tile_bytes(4096 * 8000, 8000, sms) == 8192
-    assert choose_tile_bytes(1, 1, sms) == SMALL_TILE_BYTES
+    threshold = 2 * sms * 16 * 1024
+    assert choose_config(61 * 42 * 1024, sms) == SMALL_CONFIG
+    assert choose_config(threshold - 1, sms) == SMALL_CONFIG
+    assert choose_config(threshold, sms) == LARGE_CONFIG == choose_config(64 << 20, sms)
+    assert LARGE_CONFIG.streaming and not SMALL_CONFIG.streaming
 
 
 def test_bench_kinds_may_carry_a_kernel_configuration():
@@ -175,7 +169,7 @@ def _ptx(tile_bytes, **switches):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
 
 
-@pytest.mark.parametrize("tile_bytes", [SMALL_TILE_BYTES, LARGE_TILE_BYTES])
+@pytest.mark.parametrize("tile_bytes", [TILE_BYTES, 4 * TILE_BYTES])
 @pytest.mark.parametrize("from_epoch", [False, True])
 def test_copy_kernel_compiles_to_vectorized_ptx_with_a_system_scope_release_flag(monkeypatch, tile_bytes, from_epoch):
     """Without a GPU: Triton compiles the kernel for sm_90; copies are 16-byte vectors (tile / 2 KiB of them
@@ -194,16 +188,16 @@ def test_kernel_switches_change_exactly_their_instructions(monkeypatch):
     """GPU-scope arrival, a single program (no arrival count, still a barrier before the release), streaming
     cache hints, and the prefetched next row (the table loads of the next tile come before this tile's stores)."""
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
-    gpu = _ptx(SMALL_TILE_BYTES, ARRIVE_SYS=False)
+    gpu = _ptx(TILE_BYTES, ARRIVE_SYS=False)
     assert "atom.global.gpu.acq_rel.add" in gpu and "atom.global.sys.acq_rel" not in gpu
     assert "atom.global.sys.release.exch.b64" in gpu
-    single = _ptx(SMALL_TILE_BYTES, SINGLE=True)
+    single = _ptx(TILE_BYTES, SINGLE=True)
     assert "acq_rel" not in single and single.index("bar.sync") < single.index("atom.global.sys.release.exch.b64")
-    streaming = _ptx(LARGE_TILE_BYTES, STREAMING=True)
+    streaming = _ptx(4 * TILE_BYTES, STREAMING=True)
     assert streaming.count("ld.global.cg.v4") == 8 and streaming.count("st.global.cs.v4") == 8
-    plain = _ptx(LARGE_TILE_BYTES)
+    plain = _ptx(4 * TILE_BYTES)
     assert ".cg" not in plain and ".cs" not in plain
-    prefetched = _ptx(SMALL_TILE_BYTES, PREFETCH=True)
+    prefetched = _ptx(TILE_BYTES, PREFETCH=True)
     assert prefetched.count("ld.global.v4") == 2 and ".local" not in prefetched
 
 
@@ -348,6 +342,8 @@ def test_bad_flag_value_is_refused_before_anything_moves():
         copier.plan(s_addrs, d_addrs, [4096] * 4, tile_bytes=3000)
     with pytest.raises(errors.ConfigError, match="num_warps 3 is not one of"):
         copier.plan(s_addrs, d_addrs, [4096] * 4, num_warps=3)
+    with pytest.raises(errors.ConfigError, match="programs_per_sm must be >= 1, got 0"):
+        copier.plan(s_addrs, d_addrs, [4096] * 4, programs_per_sm=0)
     torch.cuda.synchronize()
     assert (dst == 0xA5).all() and int(flag.item()) == 0
 
