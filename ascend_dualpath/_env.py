@@ -13,6 +13,10 @@ variable                       meaning
 ``ADP_TIMEOUT_S``              default bound, in seconds, for every wait (default 30)
 ``ADP_FAST_DEBUG``             ``1`` shortens every default wait to 2 s, to fail fast while debugging
 ``ADP_MOE_FUSED``              ``0`` runs the cuda MoE strategy's send and receive halves as two launches (default 1: one)
+``ADP_DIRECT_LAUNCH``          ``0`` sends every Triton launch through ``kernel[grid](...)`` instead of calling the
+                               compiled binary's launcher directly after a site's first launch (default 1;
+                               ``ascend_dualpath._triton_launch``)
+``ADP_MOE_DIRECT_LAUNCH``      the same for the cuda MoE strategy alone; when set it wins over ``ADP_DIRECT_LAUNCH``
 ``ADP_TRACE_DIR``              where the simulator finds shared traces (default ``<repo>/../shared/traces``)
 ``ADP_WITH_NPU``               build flag read by ``setup.py``: ``0`` skips the NPU part, ``1`` requires it
 ``ADP_WITH_CUDA``              build flag read by ``setup.py``: ``0`` skips CUDA sources, ``1`` requires them
@@ -86,13 +90,24 @@ def moe_fused() -> bool:
     return raw != "0"
 
 
+def direct_launch(override: str | None = None) -> bool:
+    """Whether Triton launch sites call the compiled binary's launcher directly after their first launch
+    (``ADP_DIRECT_LAUNCH``, default 1; 0 sends every launch through Triton's ``kernel[grid](...)``).
+
+    ``override`` names a narrower variable (e.g. ``ADP_MOE_DIRECT_LAUNCH``) that wins when it is set.
+    """
+    for name in (override, "ADP_DIRECT_LAUNCH"):
+        raw = _get(name) if name else None
+        if raw is not None:
+            if raw not in ("0", "1"):
+                raise ValueError(f"{name} must be 0 or 1, got {raw!r}")
+            return raw == "1"
+    return True
+
+
 def moe_direct_launch() -> bool:
-    """Whether the cuda MoE strategy calls a launch site's compiled Triton binary directly after its first launch
-    (``ADP_MOE_DIRECT_LAUNCH``, default 1; 0 sends every launch through Triton's ``kernel[grid](...)``)."""
-    raw = _get("ADP_MOE_DIRECT_LAUNCH")
-    if raw not in (None, "0", "1"):
-        raise ValueError(f"ADP_MOE_DIRECT_LAUNCH must be 0 or 1, got {raw!r}")
-    return raw != "0"
+    """:func:`direct_launch` for the cuda MoE strategy: ``ADP_MOE_DIRECT_LAUNCH`` if set, else ``ADP_DIRECT_LAUNCH``."""
+    return direct_launch("ADP_MOE_DIRECT_LAUNCH")
 
 
 def build_flag(name: str) -> bool | None:

@@ -7,7 +7,9 @@
   builds and uploads the tile table once per pattern, :meth:`DeviceCopier.run` is one kernel launch per
   request with no other host work, and :meth:`DeviceCopier.capture` records that launch in a CUDA graph
   whose replays publish successive flag values.
-- ``host`` (analogue of the host path): one ``cudaMemcpyAsync`` per segment (``copy_(non_blocking=True)``).
+- ``host`` (analogue of the host path): one ``cudaMemcpyAsync`` per segment (``copy_(non_blocking=True)``);
+  ``host-batch``: one ``cudaMemcpyBatchAsync`` for all segments where the runtime has it
+  (:mod:`ascend_dualpath.transport.cudart`).
 - ``foreach``: ``torch._foreach_copy_`` over all segments (torch's own batched copy), as a baseline.
 - ``staged`` (analogue of ``staging``): pinned host buffer -> device staging buffer (one H2D copy),
   then the device-initiated kernel scatters into the destination.
@@ -19,17 +21,46 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
 from ascend_dualpath import errors as E
 
-LARGE_TILE_BYTES = 16 * 1024  # bytes one program copies per loop iteration (8 x 16 B per thread at 4 warps)
-SMALL_TILE_BYTES = 4 * 1024  # small requests: more, smaller tiles so every SM has bytes in flight
-PROGRAMS_PER_SM = 8
-NUM_WARPS = 4
-BENCH_KINDS = ("device", "graph", "device-new", "host", "foreach", "staged")
+TILE_BYTES = 4 * 1024  # bytes one program copies per loop iteration (4 KiB tiles measured best at every size)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Grid and kernel shape of a plan: bytes per tile, grid bound per SM, warps per program, streaming hints."""
+
+    tile_bytes: int
+    programs_per_sm: int
+    num_warps: int
+    streaming: bool
+
+
+# Chosen from the tuning runs on H200 (docs/benchmarks.md): small requests want many programs of 4 warps
+# (latency), large ones 16 programs of 2 warps per SM with streaming cache hints (bandwidth: 1 GPU, 64 MiB and
+# 302 MB 3-5 % faster than 8 x 4 warps; peer to peer every shape sits at the link).
+SMALL_CONFIG = KernelConfig(TILE_BYTES, 8, 4, False)
+LARGE_CONFIG = KernelConfig(TILE_BYTES, 16, 2, True)
+
+
+def choose_config(total_bytes: int, sm_count: int) -> KernelConfig:
+    """LARGE_CONFIG from ``2 * sm_count * 16 KiB`` bytes (4.3 MB on an H200), SMALL_CONFIG below."""
+    return LARGE_CONFIG if total_bytes >= 2 * sm_count * 16 * 1024 else SMALL_CONFIG
+
+
+# kernel switches (cuda_kernels.copy_tiles); plan() takes each as an argument, None meaning these defaults
+# (streaming: from choose_config)
+PREFETCH = False
+ARRIVE_SYS = True
+BENCH_KINDS = ("device", "graph", "device-new", "host", "host-batch", "foreach", "staged", "floor")
+# not in a default sweep: the device kind launched through Triton's runner or its JIT (host cost of each tier)
+EXTRA_KINDS = ("device-runner", "device-jit")
+KERNEL_OPTIONS = {"stream": ("streaming", True), "nostream": ("streaming", False), "prefetch": ("prefetch", True),
+                  "noprefetch": ("prefetch", False), "sys": ("arrive_sys", True), "gpu": ("arrive_sys", False)}
 FLAG_MAX = (1 << 63) - 1
 
 
@@ -38,7 +69,7 @@ def tile_table(
     dst_addrs: Sequence[int],
     nbytes: Sequence[int],
     elem_bytes: int,
-    tile_bytes: int = LARGE_TILE_BYTES,
+    tile_bytes: int = TILE_BYTES,
 ) -> np.ndarray:
     """Tiles of at most ``tile_bytes`` covering every segment: an int64 array of shape (tiles, 3)
     holding (src address, dst address, elements of ``elem_bytes``).
@@ -83,18 +114,18 @@ def element_bytes(src_addrs, dst_addrs, nbytes) -> int:
     return 1
 
 
-def choose_tile_bytes(total_bytes: int, largest_segment: int, sm_count: int) -> int:
-    """Large tiles once the request fills two waves of large-tile programs, small tiles below that; never
-    wider than the largest segment rounded up to a power of two (a tile's lanes past its segment idle)."""
-    tile = LARGE_TILE_BYTES if total_bytes >= 2 * sm_count * LARGE_TILE_BYTES else SMALL_TILE_BYTES
-    return max(SMALL_TILE_BYTES, min(tile, 1 << (largest_segment - 1).bit_length()))
+def grid_size(tiles: int, max_programs: int) -> int:
+    """Programs for ``tiles`` tiles: at most ``max_programs``, as few as give every program the same number of
+    tiles (4096 tiles over at most 1056 programs: 1024 programs of 4, not 1056 of which 928 take a fourth)."""
+    rounds = -(-tiles // max_programs)
+    return -(-tiles // rounds)
 
 
-def _copy_kernels():
-    """(word kernel, byte kernel); imported here so that importing this module needs no Triton."""
+def _kernels():
+    """The kernels module; imported here so that importing this module needs no Triton."""
     from ascend_dualpath.transport import cuda_kernels
 
-    return cuda_kernels.copy_words, cuda_kernels.copy_bytes
+    return cuda_kernels
 
 
 @dataclass(eq=False)
@@ -113,6 +144,13 @@ class CopyPlan:
         Element width (16/8/4/1), bytes per tile, programs in the grid, warps per program.
     state : torch.Tensor
         int64[2] on the GPU: programs arrived in the running launch, last published graph epoch.
+    constexprs : dict
+        The kernel's compile-time switches for this plan (``FROM_EPOCH`` excluded).
+    site : LaunchSite
+        The launch site of :meth:`DeviceCopier.run` (fixed grid; bound to the binary after the first run).
+    args, fast_args : tuple
+        The run's arguments before the flag value: with tensors (first launch, through Triton) and with plain
+        addresses (later launches, straight to the binary's launcher).
     """
 
     table: object
@@ -123,10 +161,11 @@ class CopyPlan:
     tile_bytes: int
     programs: int
     state: object
-    kernel: object
     constexprs: dict
     num_warps: int
-    launcher: object = None  # Triton's compiled launcher for this grid, or None: launch through the JIT
+    site: object
+    args: tuple
+    fast_args: tuple
 
 
 def enable_peer_access(device_a, device_b) -> None:
@@ -152,24 +191,24 @@ class DeviceCopier:
         int64 tensor whose first element receives the request's flag value once every byte landed;
         may live on a peer GPU (peer access to it is enabled here; destinations on any other GPU need
         :func:`enable_peer_access` first).
-    programs_per_sm : int
-        Upper bound of programs in the grid per SM.
+    programs_per_sm : int or None
+        Upper bound of programs in the grid per SM for every plan; None: :func:`choose_config` per plan.
     """
 
-    def __init__(self, device, flag, programs_per_sm: int = PROGRAMS_PER_SM):
+    def __init__(self, device, flag, programs_per_sm: int | None = None):
         import torch
 
         self.torch = torch
         self.device = torch.device(device)
         if flag.dtype != torch.int64 or flag.device.type != "cuda":
             raise E.ConfigError(f"the ready flag must be an int64 CUDA tensor, got {flag.dtype} on {flag.device}")
-        if programs_per_sm < 1:
+        if programs_per_sm is not None and programs_per_sm < 1:
             raise E.ConfigError(f"programs_per_sm must be >= 1, got {programs_per_sm}")
         self.flag = flag
+        self.programs_per_sm = programs_per_sm
         if flag.device != self.device:
             enable_peer_access(self.device, flag.device)
         self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self.max_programs = programs_per_sm * self.sm_count
 
     def plan(
         self,
@@ -178,7 +217,11 @@ class DeviceCopier:
         nbytes,
         tile_bytes: int | None = None,
         programs_per_sm: int | None = None,
-        num_warps: int = NUM_WARPS,
+        num_warps: int | None = None,
+        streaming: bool | None = None,
+        prefetch: bool | None = None,
+        arrive_sys: bool | None = None,
+        launch_mode: str | None = None,
     ) -> CopyPlan:
         """Build the tile table for one segment pattern and enqueue its upload (host work, once per pattern).
 
@@ -190,65 +233,78 @@ class DeviceCopier:
             Device addresses of each segment's source (on this GPU) and destination (here or on a peer).
         nbytes : sequence of int
             Length of each segment in bytes (>= 1).
-        tile_bytes : int or None
-            Bytes per tile (a power of two >= 64); default :func:`choose_tile_bytes` of the request size.
-        programs_per_sm : int or None
-            Grid bound per SM for this plan; default the copier's.
-        num_warps : int
-            Warps per program (1, 2, 4, 8 or 16).
+        tile_bytes, programs_per_sm, num_warps, streaming : int, int, int, bool, or None
+            Bytes per tile (a power of two >= 64), grid bound per SM, warps per program (1, 2, 4, 8 or 16),
+            streaming cache hints; None: the copier's ``programs_per_sm``, else :func:`choose_config` of the
+            request size.
+        prefetch, arrive_sys : bool or None
+            Kernel switches (see :mod:`ascend_dualpath.transport.cuda_kernels`); None: the module defaults
+            ``PREFETCH``, ``ARRIVE_SYS``.
+        launch_mode : str or None
+            How :meth:`run` launches after the first time (:class:`ascend_dualpath._triton_launch.LaunchSite`).
         """
+        from ascend_dualpath._triton_launch import LaunchSite
+
         torch = self.torch
         width = element_bytes(src_addrs, dst_addrs, nbytes)
         sizes = np.asarray(nbytes, np.int64)
         total = int(sizes.sum())
-        tile_bytes = tile_bytes or choose_tile_bytes(total, int(sizes.max(initial=1)), self.sm_count)
+        chosen = choose_config(total, self.sm_count)
+        tile_bytes = chosen.tile_bytes if tile_bytes is None else tile_bytes
+        if programs_per_sm is None:
+            programs_per_sm = chosen.programs_per_sm if self.programs_per_sm is None else self.programs_per_sm
+        num_warps = chosen.num_warps if num_warps is None else num_warps
+        streaming = chosen.streaming if streaming is None else streaming
         if tile_bytes < 64 or tile_bytes & (tile_bytes - 1):
             raise E.ConfigError(f"tile_bytes {tile_bytes} is not a power of two >= 64")
         if num_warps not in (1, 2, 4, 8, 16):
             raise E.ConfigError(f"num_warps {num_warps} is not one of 1, 2, 4, 8, 16")
-        max_programs = self.max_programs if programs_per_sm is None else programs_per_sm * self.sm_count
+        max_programs = programs_per_sm * self.sm_count
         if max_programs < 1:
             raise E.ConfigError(f"programs_per_sm must be >= 1, got {programs_per_sm}")
         table = tile_table(src_addrs, dst_addrs, nbytes, width, tile_bytes)
         tiles = table.shape[0]
-        words, bytes_kernel = _copy_kernels()
-        if width == 1:
-            kernel, constexprs = bytes_kernel, {"TILE": tile_bytes}
-        else:
-            kernel, constexprs = words, {"TILE": tile_bytes // 4, "WORDS": width // 4}
+        programs = grid_size(tiles, max_programs)
+        constexprs = {
+            "TILE": tile_bytes if width == 1 else tile_bytes // 4,
+            "ELEM_BYTES": width,
+            "SINGLE": programs == 1,
+            "ARRIVE_SYS": ARRIVE_SYS if arrive_sys is None else arrive_sys,
+            "STREAMING": streaming,
+            "PREFETCH": PREFETCH if prefetch is None else prefetch,
+        }
+        # pinned source, asynchronous upload: torch's host allocator keeps the block until the copy is done
+        device_table = torch.from_numpy(table).pin_memory().to(self.device, non_blocking=True)
+        state = torch.zeros(2, dtype=torch.int64, device=self.device)
+        site = LaunchSite(
+            _kernels().copy_tiles, programs, {**constexprs, "FROM_EPOCH": False, "num_warps": num_warps}, launch_mode
+        )
         return CopyPlan(
-            # pinned source, asynchronous upload: torch's host allocator keeps the block until the copy is done
-            table=torch.from_numpy(table).pin_memory().to(self.device, non_blocking=True),
+            table=device_table,
             tiles=tiles,
             segments=int(sizes.size),
             nbytes=total,
             elem_bytes=width,
             tile_bytes=tile_bytes,
-            programs=min(max_programs, tiles),
-            state=torch.zeros(2, dtype=torch.int64, device=self.device),
-            kernel=kernel,
+            programs=programs,
+            state=state,
             constexprs=constexprs,
             num_warps=num_warps,
+            site=site,
+            args=(device_table, tiles, state, self.flag),
+            fast_args=(device_table.data_ptr(), tiles, state.data_ptr(), self.flag.data_ptr()),
         )
 
     def run(self, plan: CopyPlan, flag_value: int) -> None:
         """Enqueue ``plan`` on the current stream; the flag becomes ``flag_value`` after every byte landed.
 
-        ``flag_value`` must be in [1, 2**63 - 1] (0 is the flag's idle value).
+        ``flag_value`` must be in [1, 2**63 - 1] (0 is the flag's idle value). After the plan's first run
+        this is one call of the compiled binary's launcher with the plan's cached arguments.
         """
         if not 0 < flag_value <= FLAG_MAX:
             raise E.ConfigError(f"flag_value {flag_value} is outside [1, {FLAG_MAX}]")
-        if plan.launcher is not None:
-            try:
-                plan.launcher(
-                    plan.table, plan.tiles, plan.state, self.flag, flag_value, *plan.constexprs.values(), False
-                )
-                return
-            except TypeError:  # the launcher parses its arguments before launching: nothing was enqueued
-                plan.launcher = None  # this Triton's launcher wants another argument layout: use the JIT
-        args = (plan.table, plan.tiles, plan.state, self.flag, flag_value)
-        compiled = plan.kernel[(plan.programs,)](*args, **plan.constexprs, FROM_EPOCH=False, num_warps=plan.num_warps)
-        plan.launcher = _fast_launcher(compiled, plan.programs)
+        site = plan.site
+        site(*(plan.fast_args if site.bound else plan.args), flag_value)
 
     def copy(self, src_addrs, dst_addrs, nbytes, flag_value: int) -> CopyPlan:
         """Plan and run a pattern seen once (table built and uploaded on every call); returns the plan."""
@@ -260,29 +316,25 @@ class DeviceCopier:
 
     def capture(self, plan: CopyPlan, first_flag_value: int) -> GraphedCopy:
         """Record one launch of ``plan`` in a CUDA graph; replay ``k`` (from 0) publishes ``first_flag_value + k``."""
+        from ascend_dualpath._triton_launch import LaunchSite
+
         if not 0 < first_flag_value <= FLAG_MAX:
             raise E.ConfigError(f"first_flag_value {first_flag_value} is outside [1, {FLAG_MAX}]")
         torch = self.torch
-        args = (plan.table, plan.tiles, plan.state, self.flag, 1 << 40, *plan.constexprs.values(), True)
+        site = LaunchSite(
+            _kernels().copy_tiles,
+            plan.programs,
+            {**plan.constexprs, "FROM_EPOCH": True, "num_warps": plan.num_warps},
+            plan.site.mode,
+        )
         with torch.cuda.device(self.device):
-            # compile outside the capture with a launch that copies no tile and flags a scratch word; the
-            # scalars are unspecialised, so the kernel it returns serves the real arguments
-            scratch = torch.zeros(3, dtype=torch.int64, device=self.device)
-            compiled = plan.kernel[(1,)](
-                plan.table, 0, scratch[:2], scratch[2:], 1, **plan.constexprs, FROM_EPOCH=True, num_warps=plan.num_warps
-            )
-            launcher = _fast_launcher(compiled, plan.programs)
+            # compile outside the capture (the flag value is unspecialised and unused with FROM_EPOCH)
+            fast = site.prepare(*plan.args, 1 << 40)
             plan.state[1].fill_(first_flag_value - 1)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                if launcher is not None:
-                    launcher(*args)
-                else:
-                    plan.kernel[(plan.programs,)](
-                        *args[:5], **plan.constexprs, FROM_EPOCH=True, num_warps=plan.num_warps
-                    )
-        return GraphedCopy(graph, plan, first_flag_value, fast_launch=launcher is not None)
-
+                site(*(plan.fast_args if fast else plan.args), 1 << 40)
+        return GraphedCopy(graph, plan, first_flag_value, fast_launch=fast)
 
 class GraphedCopy:
     """A captured launch of one plan: :meth:`replay` is the whole host work of a request."""
@@ -308,17 +360,12 @@ def plan_facts(plan: CopyPlan) -> dict:
         "elem_bytes": plan.elem_bytes,
         "programs": plan.programs,
         "num_warps": plan.num_warps,
-        "fast_launch": plan.launcher is not None,
+        "streaming": plan.constexprs["STREAMING"],
+        "prefetch": plan.constexprs["PREFETCH"],
+        "arrive_sys": plan.constexprs["ARRIVE_SYS"],
+        "launch_mode": plan.site.mode,
+        "fast_launch": plan.site.bound,
     }
-
-
-def _fast_launcher(compiled, programs: int):
-    """Triton's compiled-kernel launcher for a fixed grid (skips the JIT's per-call argument binding),
-    or None where this Triton has no such entry point."""
-    try:
-        return compiled[(programs, 1, 1)]
-    except (AttributeError, TypeError):
-        return None
 
 
 def host_copy(dsts, srcs) -> None:
@@ -342,16 +389,28 @@ def _sleep_cycles_per_us(torch) -> float:
 
 
 def parse_kind(kind: str) -> tuple[str, dict]:
-    """``device`` / ``graph`` may carry a kernel configuration: ``device:TILE_KIB:PROGRAMS_PER_SM:WARPS``."""
+    """A bench kind, for ``device`` / ``graph`` with an optional kernel configuration
+    ``device:TILE_KIB:PROGRAMS_PER_SM:WARPS[:OPTIONS]``: ``-`` keeps a field's default, OPTIONS is a ``+``-joined
+    list of ``stream``/``nostream``, ``prefetch``/``noprefetch``, ``sys``/``gpu`` (arrival scope)."""
     base, *params = kind.split(":")
-    if base not in BENCH_KINDS or (params and (base not in ("device", "graph") or len(params) != 3)):
+    known = BENCH_KINDS + EXTRA_KINDS
+    if base not in known or (params and (base not in ("device", "graph") or len(params) not in (3, 4))):
         raise E.ConfigError(
-            f"unknown cuda kind {kind!r}; known: {', '.join(BENCH_KINDS)}, or device/graph:TILE_KIB:PER_SM:WARPS"
+            f"unknown cuda kind {kind!r}; known: {', '.join(known)}, "
+            "or device/graph:TILE_KIB:PER_SM:WARPS[:OPTIONS]"
         )
-    if not params:
-        return base, {}
-    tile_kib, per_sm, warps = (int(p) for p in params)
-    return base, {"tile_bytes": tile_kib * 1024, "programs_per_sm": per_sm, "num_warps": warps}
+    config: dict = {}
+    for name, field, scale in zip(params[:3], ("tile_bytes", "programs_per_sm", "num_warps"), (1024, 1, 1), strict=False):
+        if name != "-":
+            config[field] = int(name) * scale
+    for option in params[3].split("+") if len(params) == 4 else ():
+        if option not in KERNEL_OPTIONS:
+            raise E.ConfigError(f"unknown kernel option {option!r} in {kind!r}; known: {', '.join(KERNEL_OPTIONS)}")
+        field, value = KERNEL_OPTIONS[option]
+        config[field] = value
+    if base in EXTRA_KINDS:
+        base, config = "device", {"launch_mode": base.split("-")[1]}
+    return base, config
 
 
 def _submitter(kind, torch, copier, case, srcs, dsts, src, dst, flag_base):
@@ -383,12 +442,33 @@ def _submitter(kind, torch, copier, case, srcs, dsts, src, dst, flag_base):
         return submit, dict
     if kind == "host":
         return lambda value: host_copy(dsts, srcs), dict
+    if kind == "host-batch":
+        from ascend_dualpath.transport.cudart import MemcpyBatch
+
+        batch = MemcpyBatch(d_addrs, s_addrs, sizes)
+        stream_index = src.device.index
+
+        def submit(value):
+            batch(torch._C._cuda_getCurrentRawStream(stream_index))
+
+        return submit, lambda: {"batched": batch.batched, "cuda_runtime": batch.rt.version}
     if kind == "foreach":
 
         def submit(value):
             torch._foreach_copy_(dsts, srcs, non_blocking=True)  # returns the list: not a flag value
 
         return submit, dict
+    if kind == "floor":
+        from ascend_dualpath._triton_launch import LaunchSite
+
+        site = LaunchSite(_kernels().empty, 1, {"num_warps": 1})
+        site.prepare(copier.flag)
+        flag_ptr = copier.flag.data_ptr()
+
+        def submit(value):
+            site(flag_ptr)
+
+        return submit, lambda: {"fast_launch": site.bound, "note": "empty Triton kernel: moves nothing"}
     # staged: the only kind left after parse_kind
     pinned = src.cpu().pin_memory()
     staging = torch.empty_like(src)
@@ -437,7 +517,7 @@ def _measure(torch, kind, case, copier, flag, buffers, graph_base, magic, repeat
         end.record()
         sync()
         gpu_ms.append(start.elapsed_time(end))
-    if not torch.equal(dst, src.to(dst.device)):
+    if kind != "floor" and not torch.equal(dst, src.to(dst.device)):
         raise AssertionError(f"{kind} {case.name}: destination differs from the source")
     if expected is not None and int(flag.item()) != expected:
         raise AssertionError(f"{kind} {case.name}: ready flag {int(flag.item())} != {expected}")
@@ -494,6 +574,13 @@ def run_bench(cases, kinds: list[str], repeats: int, progress, peer: bool | None
         for d in devices:
             torch.cuda.synchronize(d)
 
+    stream = torch.cuda.Stream(src_dev)  # not the legacy default stream, which cudaMemcpyBatchAsync refuses
+    with torch.cuda.stream(stream):
+        rows, meta = _run_cases(torch, cases, kinds, repeats, progress, peer, src_dev, dst_dev, sync)
+    return rows, meta
+
+
+def _run_cases(torch, cases, kinds, repeats, progress, peer, src_dev, dst_dev, sync):
     cycles_per_us = _sleep_cycles_per_us(torch)
     flag = torch.zeros(1, dtype=torch.int64, device=dst_dev)
     copier = DeviceCopier(src_dev, flag)
@@ -530,12 +617,28 @@ def run_bench(cases, kinds: list[str], repeats: int, progress, peer: bool | None
         "cuda": torch.version.cuda,
         "triton": _triton_version(),
         "sm_count": copier.sm_count,
-        "programs_per_sm": copier.max_programs // copier.sm_count,
+        "configs": {"small": asdict(SMALL_CONFIG), "large": asdict(LARGE_CONFIG)},
         "repeats": repeats,
         "sleep_cycles_per_us": cycles_per_us,
+        "kernel_defaults": {"prefetch": PREFETCH, "arrive_sys": ARRIVE_SYS},
+        "launch_mode": _default_launch_mode(),
+        "cudaMemcpyBatchAsync": _batch_note() if any(k.startswith("host-batch") for k in kinds) else "not run",
         "failures": failures,
     }
     return rows, meta
+
+
+def _default_launch_mode() -> str:
+    from ascend_dualpath._triton_launch import default_mode
+
+    return default_mode()
+
+
+def _batch_note() -> str:
+    from ascend_dualpath.transport.cudart import batch_available
+
+    ok, why = batch_available()
+    return why if ok else f"absent ({why}): host-batch rows are one cudaMemcpyAsync per segment"
 
 
 def _triton_version() -> str:

@@ -15,10 +15,12 @@ from hypothesis import strategies as st
 
 from ascend_dualpath import errors
 from ascend_dualpath.transport.cuda import (
-    LARGE_TILE_BYTES,
-    SMALL_TILE_BYTES,
-    choose_tile_bytes,
+    LARGE_CONFIG,
+    SMALL_CONFIG,
+    TILE_BYTES,
+    choose_config,
     element_bytes,
+    grid_size,
     parse_kind,
     tile_table,
 )
@@ -56,28 +58,84 @@ def test_element_width_and_alignment_errors():
         tile_table([0], [0], [0], 1)
 
 
-def test_small_requests_get_small_tiles_until_two_waves_of_large_tiles():
-    sms, big = 132, 1 << 20
-    threshold = 2 * sms * LARGE_TILE_BYTES
-    assert choose_tile_bytes(61 * 42 * 1024, 42 * 1024, sms) == SMALL_TILE_BYTES
-    assert choose_tile_bytes(threshold - 1, big, sms) == SMALL_TILE_BYTES
-    assert choose_tile_bytes(threshold, big, sms) == LARGE_TILE_BYTES
-
-
-def test_tiles_are_no_wider_than_the_largest_segment_rounded_up():
+def test_large_requests_get_the_bandwidth_configuration_from_4_3_mb_on_an_h200():
     sms = 132
-    assert choose_tile_bytes(4096 * 4096, 4096, sms) == 4096  # 4096 x 4 KiB: one full tile per segment
-    assert choose_tile_bytes(4096 * 8192 + 1, 8193, sms) == LARGE_TILE_BYTES
-    assert choose_tile_bytes(4096 * 8000, 8000, sms) == 8192
-    assert choose_tile_bytes(1, 1, sms) == SMALL_TILE_BYTES
+    threshold = 2 * sms * 16 * 1024
+    assert choose_config(61 * 42 * 1024, sms) == SMALL_CONFIG
+    assert choose_config(threshold - 1, sms) == SMALL_CONFIG
+    assert choose_config(threshold, sms) == LARGE_CONFIG == choose_config(64 << 20, sms)
+    assert LARGE_CONFIG.streaming and not SMALL_CONFIG.streaming
 
 
 def test_bench_kinds_may_carry_a_kernel_configuration():
     assert parse_kind("host") == ("host", {})
     assert parse_kind("graph:64:4:8") == ("graph", {"tile_bytes": 65536, "programs_per_sm": 4, "num_warps": 8})
-    for bad in ("devic", "host:4:8:4", "device:4:8"):
+    assert parse_kind("device:-:2:-:stream+noprefetch+gpu") == (
+        "device", {"programs_per_sm": 2, "streaming": True, "prefetch": False, "arrive_sys": False}
+    )
+    assert parse_kind("device-jit") == ("device", {"launch_mode": "jit"})
+    for bad in ("devic", "host:4:8:4", "device:4:8", "host-batch:4:8:4"):
         with pytest.raises(errors.ConfigError, match=f"unknown cuda kind '{bad}'"):
             parse_kind(bad)
+    with pytest.raises(errors.ConfigError, match="unknown kernel option 'fast' in 'device:4:8:4:fast'"):
+        parse_kind("device:4:8:4:fast")
+
+
+@given(tiles=st.integers(1, 100000), max_programs=st.integers(1, 4096))
+def test_grid_gives_every_program_the_same_number_of_rounds(tiles, max_programs):
+    programs = grid_size(tiles, max_programs)
+    rounds = -(-tiles // max_programs)
+    assert 1 <= programs <= min(tiles, max_programs)
+    assert -(-tiles // programs) == rounds  # no more rounds than the widest grid needs
+    assert grid_size(4096, 1056) == 1024
+
+
+def test_launch_site_checks_its_mode_and_stays_on_the_jit_under_the_interpreter(monkeypatch):
+    from ascend_dualpath import _env
+    from ascend_dualpath._triton_launch import LaunchSite, default_mode
+
+    with pytest.raises(errors.ConfigError, match="launch mode 'fast' is not one of direct, runner, jit"):
+        LaunchSite(object(), 1, {}, "fast")
+    monkeypatch.delenv("ADP_DIRECT_LAUNCH", raising=False)
+    monkeypatch.delenv("ADP_MOE_DIRECT_LAUNCH", raising=False)
+    assert default_mode() == "direct" and _env.moe_direct_launch()
+    monkeypatch.setenv("ADP_DIRECT_LAUNCH", "0")
+    assert default_mode() == "jit" and not _env.moe_direct_launch()
+    monkeypatch.setenv("ADP_MOE_DIRECT_LAUNCH", "1")  # the narrower switch wins
+    assert _env.moe_direct_launch() and not _env.direct_launch()
+    monkeypatch.setenv("ADP_DIRECT_LAUNCH", "yes")
+    with pytest.raises(ValueError, match="ADP_DIRECT_LAUNCH must be 0 or 1, got 'yes'"):
+        default_mode()
+
+    launched = []
+
+    class FakeKernel:  # what the interpreter's kernel[grid] returns: no compiled binary
+        arg_names = ["x"]
+
+        def __getitem__(self, grid):
+            return lambda *args, **constants: launched.append((grid, args, constants))
+
+    monkeypatch.setenv("ADP_DIRECT_LAUNCH", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    site = LaunchSite(FakeKernel(), 3, {"N": 2})
+    site(5)
+    site(6)
+    assert not site.bound and launched == [((3,), (5,), {"N": 2}), ((3,), (6,), {"N": 2})]
+
+
+def test_memcpy_batch_attributes_layout_and_clean_absence():
+    import ctypes
+
+    from ascend_dualpath.transport import cudart
+
+    assert ctypes.sizeof(cudart.MemcpyAttributes) == 24  # enum + two {type, id} locations + unsigned flags
+    assert cudart.MemcpyAttributes.flags.offset == 20
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        ok, why = cudart.batch_available()
+        assert not ok and "needs a CUDA GPU" in why
+        with pytest.raises(errors.BackendUnavailable, match="needs a CUDA GPU"):
+            cudart.MemcpyBatch([0x1000], [0x2000], [16])
 
 
 def test_ready_flag_must_be_an_int64_cuda_tensor():
@@ -94,26 +152,30 @@ _PTX_SIGNATURE = {
     "state": "*i64",
     "flag": "*i64",
     "flag_value": "i64",
-    "TILE": "constexpr",
-    "WORDS": "constexpr",
-    "FROM_EPOCH": "constexpr",
+    **{name: "constexpr" for name in ("TILE", "ELEM_BYTES", "FROM_EPOCH", "SINGLE", "ARRIVE_SYS", "STREAMING",
+                                      "PREFETCH")},
 }
 
 
-@pytest.mark.parametrize("tile_bytes", [SMALL_TILE_BYTES, LARGE_TILE_BYTES])
+def _ptx(tile_bytes, **switches):
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+
+    from ascend_dualpath.transport.cuda_kernels import copy_tiles
+
+    constexprs = {"TILE": tile_bytes // 4, "ELEM_BYTES": 16, "FROM_EPOCH": False, "SINGLE": False, "ARRIVE_SYS": True,
+                  "STREAMING": False, "PREFETCH": False, **switches}
+    source = triton.compiler.ASTSource(fn=copy_tiles, signature=_PTX_SIGNATURE, constexprs=constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+
+
+@pytest.mark.parametrize("tile_bytes", [TILE_BYTES, 4 * TILE_BYTES])
 @pytest.mark.parametrize("from_epoch", [False, True])
 def test_copy_kernel_compiles_to_vectorized_ptx_with_a_system_scope_release_flag(monkeypatch, tile_bytes, from_epoch):
     """Without a GPU: Triton compiles the kernel for sm_90; copies are 16-byte vectors (tile / 2 KiB of them
     per thread at 4 warps), nothing spills, and the flag is a system-scope release after the arrival count."""
-    triton = pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # silences Triton 3.9's notice; the kernel has no floats
-    from triton.backends.compiler import GPUTarget
-
-    from ascend_dualpath.transport.cuda_kernels import copy_words
-
-    constexprs = {"TILE": tile_bytes // 4, "WORDS": 4, "FROM_EPOCH": from_epoch}
-    source = triton.compiler.ASTSource(fn=copy_words, signature=_PTX_SIGNATURE, constexprs=constexprs)
-    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    ptx = _ptx(tile_bytes, FROM_EPOCH=from_epoch)
     vectors_per_thread = tile_bytes // (4 * 32 * 16)
     assert ptx.count("ld.global.v4") == vectors_per_thread and ptx.count("st.global.v4") == vectors_per_thread
     assert ".local" not in ptx
@@ -122,14 +184,31 @@ def test_copy_kernel_compiles_to_vectorized_ptx_with_a_system_scope_release_flag
     assert ("atom.global.gpu.relaxed.add" in ptx) == from_epoch
 
 
+def test_kernel_switches_change_exactly_their_instructions(monkeypatch):
+    """GPU-scope arrival, a single program (no arrival count, still a barrier before the release), streaming
+    cache hints, and the prefetched next row (the table loads of the next tile come before this tile's stores)."""
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    gpu = _ptx(TILE_BYTES, ARRIVE_SYS=False)
+    assert "atom.global.gpu.acq_rel.add" in gpu and "atom.global.sys.acq_rel" not in gpu
+    assert "atom.global.sys.release.exch.b64" in gpu
+    single = _ptx(TILE_BYTES, SINGLE=True)
+    assert "acq_rel" not in single and single.index("bar.sync") < single.index("atom.global.sys.release.exch.b64")
+    streaming = _ptx(4 * TILE_BYTES, STREAMING=True)
+    assert streaming.count("ld.global.cg.v4") == 8 and streaming.count("st.global.cs.v4") == 8
+    plain = _ptx(4 * TILE_BYTES)
+    assert ".cg" not in plain and ".cs" not in plain
+    prefetched = _ptx(TILE_BYTES, PREFETCH=True)
+    assert prefetched.count("ld.global.v4") == 2 and ".local" not in prefetched
+
+
 _INTERPRETED = textwrap.dedent(
     """
     import numpy as np, torch
     from ascend_dualpath.transport import cuda, cuda_kernels as K
 
     rng = np.random.default_rng(5)
-    for trial in range(6):
-        unit = (16, 4, 1)[trial % 3]
+    for trial in range(8):
+        unit = (16, 4, 1, 8)[trial % 4]
         sizes = [int(unit * rng.integers(1, 700)) for _ in range(int(rng.integers(1, 6)))]
         gaps = [int(unit * rng.integers(0, 4)) for _ in sizes]
         src_offs = np.cumsum([0] + [s + g for s, g in zip(sizes, gaps)])[:-1] + unit
@@ -143,34 +222,27 @@ _INTERPRETED = textwrap.dedent(
         state = torch.tensor([0, 40], dtype=torch.int64)
         flag = torch.zeros(1, dtype=torch.int64)
         programs = int(rng.integers(1, len(table) + 2))
+        switches = dict(ELEM_BYTES=width, TILE=tile if width == 1 else tile // 4, SINGLE=programs == 1,
+                        ARRIVE_SYS=bool(trial % 2), STREAMING=trial % 3 == 0, PREFETCH=trial % 4 < 2)
         for launch, from_epoch in enumerate((False, True, False)):
             dst[:] = 0xA5
-            if width == 1:
-                K.copy_bytes[(programs,)](table, len(table), state, flag, 77 + launch, TILE=tile,
-                                          FROM_EPOCH=from_epoch)
-            else:
-                K.copy_words[(programs,)](table, len(table), state, flag, 77 + launch, TILE=tile // 4,
-                                          WORDS=width // 4, FROM_EPOCH=from_epoch)
+            K.copy_tiles[(programs,)](table, len(table), state, flag, 77 + launch, FROM_EPOCH=from_epoch,
+                                      **switches)
             expected = torch.full_like(dst, 0xA5)
             for s, d, n in zip(src_offs, dst_offs, sizes):
                 expected[d : d + n] = src[s : s + n]
             assert torch.equal(dst, expected), (trial, launch)
             assert int(flag) == (41 if from_epoch else 77 + launch), (trial, launch, int(flag))
             assert int(state[0]) == 0 and int(state[1]) == (40 if launch == 0 else 41), (trial, launch)
-        # the compile-only launch before a graph capture: no tile, a scratch flag gets the next epoch
-        dst[:] = 0xA5
-        scratch = torch.zeros(3, dtype=torch.int64)
-        K.copy_bytes[(1,)](table, 0, scratch[:2], scratch[2:], 1, TILE=tile, FROM_EPOCH=True)
-        assert (dst == 0xA5).all() and scratch.tolist() == [0, 1, 1], scratch
     print("interpreted ok")
     """
 )
 
 
-def test_copy_kernels_under_the_triton_interpreter_are_exact_and_publish_the_flag():
-    """On the CPU (TRITON_INTERPRET=1): the word and byte kernels copy scattered segments exactly, leave
-    poisoned gaps alone, publish the explicit value or the next epoch, and reset the arrival counter; a launch
-    with no tile moves nothing."""
+def test_copy_kernel_under_the_triton_interpreter_is_exact_and_publishes_the_flag():
+    """On the CPU (TRITON_INTERPRET=1): the kernel copies scattered segments exactly at every element width and
+    switch combination (single program, arrival scope, streaming hints, prefetch), leaves poisoned gaps alone,
+    publishes the explicit value or the next epoch, and resets the arrival counter."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.getcwd())
     result = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=120)
@@ -270,5 +342,105 @@ def test_bad_flag_value_is_refused_before_anything_moves():
         copier.plan(s_addrs, d_addrs, [4096] * 4, tile_bytes=3000)
     with pytest.raises(errors.ConfigError, match="num_warps 3 is not one of"):
         copier.plan(s_addrs, d_addrs, [4096] * 4, num_warps=3)
+    with pytest.raises(errors.ConfigError, match="programs_per_sm must be >= 1, got 0"):
+        copier.plan(s_addrs, d_addrs, [4096] * 4, programs_per_sm=0)
     torch.cuda.synchronize()
     assert (dst == 0xA5).all() and int(flag.item()) == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["direct", "runner", "jit"])
+def test_every_launch_mode_copies_exactly_and_binds_as_documented(mode):
+    torch = _gpu()
+    from ascend_dualpath.transport.cuda import DeviceCopier
+
+    dev = torch.device("cuda:0")
+    torch.cuda.set_device(dev)
+    count, size = 61, 42 * 1024
+    src, dst, s_addrs, d_addrs = _segments(torch, count, size, dev, dev)
+    flag = torch.zeros(1, dtype=torch.int64, device=dev)
+    copier = DeviceCopier(dev, flag)
+    plan = copier.plan(s_addrs, d_addrs, [size] * count, launch_mode=mode)
+    for value in (5, 6, 7):
+        dst.fill_(0xA5)
+        src.random_(0, 256)
+        copier.run(plan, value)
+        torch.cuda.synchronize()
+        assert int(flag.item()) == value
+        _assert_landed(torch, src, dst, count, size)
+    assert plan.site.bound == (mode != "jit")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("arrive_sys,streaming,prefetch", [(False, True, True), (True, False, True), (False, False, False)])
+def test_kernel_switches_copy_exactly_to_a_peer(arrive_sys, streaming, prefetch):
+    torch = _gpu()
+    from ascend_dualpath.transport.cuda import DeviceCopier, enable_peer_access
+
+    src_dev = torch.device("cuda:0")
+    dst_dev = torch.device("cuda:1" if torch.cuda.device_count() > 1 else "cuda:0")
+    torch.cuda.set_device(src_dev)
+    if dst_dev != src_dev:
+        enable_peer_access(src_dev, dst_dev)
+    count, size = 300, 4096 + 16
+    src, dst, s_addrs, d_addrs = _segments(torch, count, size, src_dev, dst_dev)
+    flag = torch.zeros(1, dtype=torch.int64, device=dst_dev)
+    copier = DeviceCopier(src_dev, flag)
+    plan = copier.plan(s_addrs, d_addrs, [size] * count, arrive_sys=arrive_sys, streaming=streaming,
+                       prefetch=prefetch, programs_per_sm=1)
+    for value in (11, 12):
+        dst.fill_(0xA5)
+        copier.run(plan, value)
+        torch.cuda.synchronize(src_dev)
+        torch.cuda.synchronize(dst_dev)
+        assert int(flag.item()) == value
+        _assert_landed(torch, src, dst, count, size)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("count,size", [(1, 1), (61, 42 * 1024), (300, 4096 + 3)])
+def test_memcpy_batch_delivers_exact_bytes_or_falls_back(count, size):
+    """cudaMemcpyBatchAsync (or, where the runtime lacks it, one cudaMemcpyAsync per copy) moves exactly the
+    bytes asked for, here and to a peer, and leaves the poisoned margins alone."""
+    torch = _gpu()
+    from ascend_dualpath.transport import cudart
+    from ascend_dualpath.transport.cuda import enable_peer_access
+
+    src_dev = torch.device("cuda:0")
+    torch.cuda.set_device(src_dev)
+    peers = ["cuda:0"] + (["cuda:1"] if torch.cuda.device_count() > 1 else [])
+    for dst_name in peers:
+        dst_dev = torch.device(dst_name)
+        if dst_dev != src_dev:
+            enable_peer_access(src_dev, dst_dev)
+        src, dst, s_addrs, d_addrs = _segments(torch, count, size, src_dev, dst_dev)
+        batch = cudart.MemcpyBatch(d_addrs, s_addrs, [size] * count)
+        ok, why = cudart.batch_available()
+        assert batch.batched == ok, why
+        stream = torch.cuda.Stream(src_dev)
+        stream.wait_stream(torch.cuda.current_stream(src_dev))
+        torch.cuda.synchronize(dst_dev)
+        batch(stream.cuda_stream)
+        stream.synchronize()
+        _assert_landed(torch, src, dst, count, size)
+        if batch.batched:
+            with pytest.raises(errors.ConfigError, match="legacy default stream"):
+                batch(0)
+
+
+@pytest.mark.cuda
+def test_memcpy_batch_absent_runtime_refuses_without_fallback(monkeypatch):
+    torch = _gpu()
+    from ascend_dualpath.transport import cudart
+
+    rt = cudart.runtime()
+    monkeypatch.setattr(cudart, "runtime", lambda: cudart.Runtime(rt.path, 12040, rt.lib, None, True))
+    with pytest.raises(errors.BackendUnavailable, match="has no cudaMemcpyBatchAsync"):
+        cudart.MemcpyBatch([0x1000], [0x2000], [16], fallback=False)
+    src = torch.arange(64, dtype=torch.uint8, device="cuda:0")
+    dst = torch.zeros(64, dtype=torch.uint8, device="cuda:0")
+    fallback = cudart.MemcpyBatch([dst.data_ptr()], [src.data_ptr()], [64])
+    assert not fallback.batched
+    fallback(torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    assert torch.equal(dst, src)

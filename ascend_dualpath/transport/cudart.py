@@ -1,0 +1,169 @@
+"""``cudaMemcpyBatchAsync`` (CUDA >= 12.8) through ctypes on the CUDA runtime library torch loaded.
+
+The batch call enqueues many pointer-to-pointer copies with one runtime call. Its signature changed:
+
+- CUDA 12.8 / 12.9: ``(void** dsts, void** srcs, size_t* sizes, size_t count, cudaMemcpyAttributes* attrs,
+  size_t* attrsIdxs, size_t numAttrs, size_t* failIdx, cudaStream_t stream)``
+- CUDA 13: the same without ``failIdx``.
+
+Every copy needs an attribute entry: one entry (``attrsIdxs = {0}``) with ``srcAccessOrder = Stream`` (the
+sources are read in stream order, like ``cudaMemcpyAsync``) and no location hints covers the whole batch.
+The runtime refuses the legacy default stream (handle 0). Where the runtime has no batch call,
+:class:`MemcpyBatch` enqueues one ``cudaMemcpyAsync`` per segment instead (``batched`` says which).
+
+The library is found among the shared objects of this process (``/proc/self/maps``) so that the calls share
+torch's runtime state; nothing is loaded before the first use.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ascend_dualpath import errors as E
+
+BATCH_MIN_VERSION = 12080  # cudaMemcpyBatchAsync appeared in CUDA 12.8
+FAIL_IDX_UNTIL = 13000  # CUDA 12.8 and 12.9 take a failIdx argument; CUDA 13 dropped it
+SRC_ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream
+MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the unified addresses
+
+
+class _MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class MemcpyAttributes(ctypes.Structure):
+    """``struct cudaMemcpyAttributes`` (driver_types.h, same layout in CUDA 12.8 and 13): 24 bytes."""
+
+    _fields_ = [
+        ("srcAccessOrder", ctypes.c_int),
+        ("srcLocHint", _MemLocation),
+        ("dstLocHint", _MemLocation),
+        ("flags", ctypes.c_uint),
+    ]
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """The loaded CUDA runtime: its path, version (e.g. 13000) and the batch entry point if it has one."""
+
+    path: str
+    version: int
+    lib: ctypes.CDLL
+    batch: object  # ctypes function, or None
+    fail_idx: bool  # the batch call takes the CUDA 12.8 failIdx argument
+
+    def error(self, code: int) -> str:
+        name = self.lib.cudaGetErrorName
+        name.restype = ctypes.c_char_p
+        return f"{name(code).decode()} ({code})"
+
+
+def _loaded_cudart() -> str | None:
+    """Path of the libcudart mapped into this process, or None."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rsplit(None, 1)[-1]
+                if "/libcudart.so" in path:
+                    return path
+    except OSError:
+        return None
+    return None
+
+
+@functools.cache
+def runtime() -> Runtime:
+    """The CUDA runtime torch loaded (initialising CUDA through torch first); BackendUnavailable without one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise E.BackendUnavailable("cudaMemcpyBatchAsync needs a CUDA GPU")
+    torch.cuda.init()
+    path = _loaded_cudart()
+    if path is None:
+        raise E.BackendUnavailable("no libcudart is mapped into this process (torch may link the runtime statically)")
+    lib = ctypes.CDLL(path)
+    version = ctypes.c_int(0)
+    if lib.cudaRuntimeGetVersion(ctypes.byref(version)) != 0:
+        raise E.BackendUnavailable(f"cudaRuntimeGetVersion failed in {path}")
+    batch = getattr(lib, "cudaMemcpyBatchAsync", None) if version.value >= BATCH_MIN_VERSION else None
+    fail_idx = version.value < FAIL_IDX_UNTIL
+    if batch is not None:
+        head = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
+                ctypes.c_void_p, ctypes.c_size_t]
+        batch.argtypes = head + ([ctypes.c_void_p] if fail_idx else []) + [ctypes.c_void_p]
+        batch.restype = ctypes.c_int
+    lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    lib.cudaMemcpyAsync.restype = ctypes.c_int
+    return Runtime(path, version.value, lib, batch, fail_idx)
+
+
+def batch_available() -> tuple[bool, str]:
+    """(whether cudaMemcpyBatchAsync can be called here, why not / which runtime)."""
+    try:
+        rt = runtime()
+    except E.BackendUnavailable as exc:
+        return False, str(exc)
+    if rt.batch is None:
+        return False, f"CUDA runtime {rt.version} at {rt.path} has no cudaMemcpyBatchAsync (needs >= 12.8)"
+    return True, f"CUDA runtime {rt.version} at {rt.path}"
+
+
+class MemcpyBatch:
+    """A fixed list of copies, enqueued with one ``cudaMemcpyBatchAsync`` per call (arrays built once).
+
+    Parameters
+    ----------
+    dst_addrs, src_addrs : sequence of int
+        Device (or pinned host) addresses, one per copy.
+    nbytes : sequence of int
+        Bytes per copy (>= 1).
+    fallback : bool
+        Where the runtime has no batch call: True enqueues one ``cudaMemcpyAsync`` per copy, False raises
+        BackendUnavailable.
+    """
+
+    def __init__(self, dst_addrs: Sequence[int], src_addrs: Sequence[int], nbytes: Sequence[int],
+                 fallback: bool = True):
+        if not (len(dst_addrs) == len(src_addrs) == len(nbytes)) or not nbytes:
+            raise E.ConfigError(
+                f"need equal non-empty address and size lists, got {len(dst_addrs)}, {len(src_addrs)}, {len(nbytes)}"
+            )
+        empty = [i for i, n in enumerate(nbytes) if n < 1]
+        if empty:
+            raise E.EmptyTransfer(f"copy {empty[0]} has no bytes")
+        self.rt = runtime()
+        if self.rt.batch is None and not fallback:
+            raise E.BackendUnavailable(batch_available()[1])
+        self.batched = self.rt.batch is not None
+        self.count = len(nbytes)
+        self.copies = list(zip(dst_addrs, src_addrs, nbytes, strict=True))
+        self._dsts = (ctypes.c_void_p * self.count)(*dst_addrs)
+        self._srcs = (ctypes.c_void_p * self.count)(*src_addrs)
+        self._sizes = (ctypes.c_size_t * self.count)(*nbytes)
+        self._attrs = MemcpyAttributes(srcAccessOrder=SRC_ACCESS_ORDER_STREAM)
+        self._attr_index = ctypes.c_size_t(0)
+        self._fail_index = ctypes.c_size_t(0)
+        head = (self._dsts, self._srcs, self._sizes, self.count, ctypes.byref(self._attrs),
+                ctypes.byref(self._attr_index), 1)
+        self._args = head + ((ctypes.byref(self._fail_index),) if self.rt.fail_idx else ())
+
+    def __call__(self, stream: int) -> None:
+        """Enqueue every copy on ``stream`` (a raw ``cudaStream_t`` handle, e.g. ``torch.cuda.Stream().cuda_stream``)."""
+        if not self.batched:
+            copy = self.rt.lib.cudaMemcpyAsync
+            for i, (dst, src, n) in enumerate(self.copies):
+                code = copy(dst, src, n, MEMCPY_DEFAULT, stream)
+                if code:
+                    raise E.QueueError(f"cudaMemcpyAsync of copy {i} of {self.count} failed: {self.rt.error(code)}")
+            return
+        if stream == 0:
+            raise E.ConfigError("cudaMemcpyBatchAsync refuses the legacy default stream (handle 0); "
+                                "enqueue on a torch.cuda.Stream")
+        code = self.rt.batch(*self._args, stream)
+        if code:
+            where = f" at copy {self._fail_index.value}" if self.rt.fail_idx else ""
+            raise E.QueueError(f"cudaMemcpyBatchAsync of {self.count} copies failed{where}: {self.rt.error(code)}")
