@@ -114,19 +114,6 @@ def _align_up(value: int, alignment: int) -> int:
     return -(-value // alignment) * alignment
 
 
-def _routing_stats(topk_idx: torch.Tensor | None, num_tokens_per_rank: torch.Tensor,
-                   is_token_in_rank: torch.Tensor) -> torch.Tensor:
-    """int64 [4] on the inputs' device: (min id, max id) of ``topk_idx`` ((-1, -1) when absent or empty), the
-    sum of ``num_tokens_per_rank`` and the number of True entries of ``is_token_in_rank``."""
-    device = num_tokens_per_rank.device
-    if topk_idx is not None and topk_idx.numel():
-        low_high = torch.stack(torch.aminmax(topk_idx))
-    else:
-        low_high = torch.full((2,), -1, dtype=torch.int64, device=device)
-    sums = torch.stack([num_tokens_per_rank.sum(dtype=torch.int64), is_token_in_rank.sum(dtype=torch.int64)])
-    return torch.cat([low_high.to(device), sums])
-
-
 class Buffer:
     """DeepEP-compatible MoE communication buffer.
 
@@ -305,10 +292,11 @@ class Buffer:
         if fused is None:
             layout = compute_dispatch_layout(topk_idx, num_experts, self.group_size, self.ranks_per_node)
         else:
-            # One kernel computes the layout and the id range; the outputs are fresh, so raising after it
-            # leaves nothing of the caller's modified.
-            layout, (low, high) = fused(topk_idx, num_experts, self.group_size, self.ranks_per_node)
-            _check_id_range(low, high, num_experts)
+            # One kernel computes the layout and the id range. A strategy that returns no host-side range (cuda:
+            # no host sync here) checks it at the count exchange of the fresh dispatch given this layout.
+            layout, id_range = fused(topk_idx, num_experts, self.group_size, self.ranks_per_node)
+            if id_range is not None:
+                _check_id_range(*id_range, num_experts)
         return (*layout, self._finish_event(topk_idx.device, async_finish))
 
     # ----------------------------------------------------------------- normal dispatch
@@ -389,16 +377,14 @@ class Buffer:
         # One exchange carries every rank's counts per rank and per expert and the statistics its inputs are
         # checked with (id range, layout sums), so all ranks raise the same error before any data moves, with
         # a single host synchronisation.
-        stats = _routing_stats(topk_idx, num_tokens_per_rank, is_token_in_rank)
-        table = self.strategy.exchange_counts(
-            torch.cat([num_tokens_per_rank.to(torch.int64), num_tokens_per_expert.to(torch.int64), stats]),
-            "dispatch token counts")
+        table = self.strategy.exchange_dispatch_counts(num_tokens_per_rank, num_tokens_per_expert, topk_idx,
+                                                       is_token_in_rank, "dispatch token counts")
         count_matrix = table[:, :self.group_size]
         expert_table = table[:, self.group_size:self.group_size + num_experts]
         for rank, (low, high, per_rank_sum, in_rank_sum) in enumerate(table[:, -4:].tolist()):
             where = f" on rank {rank}"
-            if topk_idx is not None:
-                _check_id_range(low, high, num_experts, where)
+            # (-1, -1) when the rank had neither top-k ids nor a layout with a device-side id range (cuda)
+            _check_id_range(low, high, num_experts, where)
             if per_rank_sum != in_rank_sum:
                 raise ConfigError(f"num_tokens_per_rank{where} sums to {per_rank_sum} but is_token_in_rank marks "
                                   f"{in_rank_sum} (token, rank) pairs; pass one layout")
@@ -416,7 +402,9 @@ class Buffer:
         payload = list(parts)
         if topk_idx is not None:
             payload += [topk_idx, topk_weights]
-        payload.append(torch.arange(tokens, dtype=torch.int32, device=parts[0].device))
+        source_index = getattr(self.strategy, "source_index", None)
+        payload.append(source_index(tokens, parts[0].device) if source_index is not None
+                       else torch.arange(tokens, dtype=torch.int32, device=parts[0].device))
         recv = self.strategy.dispatch_rows(plan, payload, "dispatch rows")
         plan.recv_src_idx = recv[-1]
         recv_parts = recv[:len(parts)]
@@ -424,12 +412,17 @@ class Buffer:
         counts_list: list[int] = []
         if topk_idx is not None:
             global_idx, weights = recv[len(parts)], recv[len(parts) + 1]
-            local = global_idx - self.rank * local_experts
-            here = (global_idx >= 0) & (local >= 0) & (local < local_experts)
-            recv_topk_idx = torch.where(here, local, torch.full_like(local, -1))
-            recv_topk_weights = torch.where(here, weights, torch.zeros_like(weights))
+            localize = getattr(self.strategy, "localize_topk", None)
+            if localize is not None:  # in place: the received tensors are fresh
+                localize(global_idx, weights, local_experts)
+                recv_topk_idx, recv_topk_weights = global_idx, weights
+            else:
+                local = global_idx - self.rank * local_experts
+                here = (global_idx >= 0) & (local >= 0) & (local < local_experts)
+                recv_topk_idx = torch.where(here, local, torch.full_like(local, -1))
+                recv_topk_weights = torch.where(here, weights, torch.zeros_like(weights))
             mine = expert_table[:, self.rank * local_experts:(self.rank + 1) * local_experts].sum(dim=0)
-            counts_list = [_align_up(int(c), expert_alignment) for c in mine]
+            counts_list = ((mine + expert_alignment - 1) // expert_alignment * expert_alignment).tolist()
         num_recv = plan.num_recv_tokens
         if num_worst_tokens:
             pad = num_worst_tokens - num_recv
@@ -438,7 +431,9 @@ class Buffer:
             recv_topk_weights = torch.cat([recv_topk_weights,
                                            recv_topk_weights.new_zeros((pad, recv_topk_idx.shape[1]))])
             counts_list = []
-        rank_prefix_matrix = to_device_async(count_matrix.cumsum(dim=0).to(torch.int32), parts[0].device)
+        rank_prefix_matrix = (plan.private or {}).get("rank_prefix_matrix")  # made on the device by the strategy
+        if rank_prefix_matrix is None:
+            rank_prefix_matrix = to_device_async(count_matrix.cumsum(dim=0).to(torch.int32), parts[0].device)
         new_handle = DispatchHandle(rank_prefix_matrix, plan.recv_src_idx, is_token_in_rank, plan)
         recv_x = tuple(recv_parts) if isinstance(x, tuple) else recv_parts[0]
         return (recv_x, recv_topk_idx, recv_topk_weights, counts_list, new_handle,
@@ -628,6 +623,17 @@ class Buffer:
             raise ConfigError("dispatch_wait_recv_cost_stats is not supported (no device-side wait to time)")
         num_ranks, slots = self.group_size, self.group_size * num_max_dispatch_tokens_per_rank
         device = x.device
+        ll_dispatch = getattr(self.strategy, "ll_dispatch", None)
+        if ll_dispatch is not None:  # a device kernel (cuda): no host work past the checks above
+            recv_x, recv_count, src_info, layout_range, receive = ll_dispatch(
+                x.contiguous(), topk_idx.contiguous(), num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
+                round_scale, use_ue8m0,
+                cumulative_local_expert_recv_stats, return_recv_hook)
+            hook = _OnceHook(receive if receive is not None else lambda: None, "low-latency dispatch receive")
+            if not return_recv_hook:
+                hook()  # a strategy that launched the halves apart (no fused launch) receives now
+            handle = (src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)
+            return recv_x, recv_count, handle, self._finish_event(device, async_finish), hook
 
         token_of, slot_of, dest_key = self._ll_selections(topk_idx, local_experts)
         dest_rank = dest_key // local_experts
@@ -716,6 +722,25 @@ class Buffer:
             raise ConfigError("combine_wait_recv_cost_stats is not supported (no device-side wait to time)")
         self._check_ll_hidden(hidden, max_tokens, num_experts)
         tokens, device = topk_idx.shape[0], x.device
+        ll_combine = getattr(self.strategy, "ll_combine", None)
+        if ll_combine is not None:  # a device kernel (cuda)
+            _check_tensor(layout_range, "handle layout_range", torch.int64, (local_experts, num_ranks))
+            result = out if out is not None else torch.empty(tokens, hidden, dtype=torch.bfloat16, device=device)
+            target = result if result.is_contiguous() else torch.empty_like(
+                result, memory_format=torch.contiguous_format)
+            receive = ll_combine(x, topk_idx.contiguous(), topk_weights.contiguous(), layout_range, max_tokens,
+                                 num_experts, target, return_recv_hook)
+
+            def finish() -> None:
+                if receive is not None:
+                    receive()
+                if target is not result:
+                    result.copy_(target)
+
+            if not return_recv_hook:
+                finish()
+            hook = _OnceHook(finish if return_recv_hook else lambda: None, "low-latency combine receive")
+            return result, self._finish_event(device, async_finish), hook
 
         token_of, slot_of, dest_key = self._ll_selections(topk_idx, local_experts)
         recv_counts = torch.bincount(dest_key // local_experts, minlength=num_ranks).tolist()

@@ -447,11 +447,24 @@ class Checks:
             except error as exc:
                 self.expect(all(word in str(exc) for word in words), f"{exc!r} lacks {words}")
                 return
-            self.expect(False, f"{fn} did not raise {error.__name__}")
+            self.expect(False, f"{fn} (expecting {words}) did not raise {error.__name__}")
 
         bad_idx = idx.clone()
         bad_idx[1, 0] = self.experts
-        raises(BoundsError, lambda: b.get_dispatch_layout(bad_idx, self.experts), str(self.experts))
+        # The device proxy copies tensors in and out; the layout's own tensors must reach the dispatch here.
+        raw, device = (b.buffer, b.device) if isinstance(b, DeviceProxy) else (b, torch.device("cpu"))
+        try:
+            bad_layout = raw.get_dispatch_layout(bad_idx.to(device), self.experts)
+        except BoundsError as exc:
+            self.expect(str(self.experts) in str(exc), f"{exc!r} lacks {self.experts}")
+        else:
+            # cuda: the layout does not sync with the host; the out-of-range id travels with the layout into the
+            # fresh dispatch's count exchange, where every rank raises before any row moves.
+            self.expect(b.strategy_name == "cuda", f"{b.strategy_name}: get_dispatch_layout accepted id {self.experts}")
+            raises(BoundsError, lambda: raw.dispatch(x.to(device), num_tokens_per_rank=bad_layout[0],
+                                                     is_token_in_rank=bad_layout[3],
+                                                     num_tokens_per_rdma_rank=bad_layout[1],
+                                                     num_tokens_per_expert=bad_layout[2]), str(self.experts))
         raises(BoundsError, lambda: b.dispatch(x, **args, topk_idx=bad_idx, topk_weights=w), "num_experts")
         raises(ConfigError, lambda: b.dispatch(x, **args, topk_idx=idx.int(), topk_weights=w), "int32")
         raises(ConfigError, lambda: b.dispatch(x, **args, topk_idx=idx, topk_weights=w[:, :2]), "shape")

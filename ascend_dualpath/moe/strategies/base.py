@@ -94,6 +94,23 @@ class Strategy:
         """Send ``parts`` (each ``[S, ...]``, rows grouped by destination rank) and receive ``[N, ...]`` rows."""
         raise NotImplementedError
 
+    def exchange_dispatch_counts(self, num_tokens_per_rank: torch.Tensor, num_tokens_per_expert: torch.Tensor,
+                                 topk_idx: torch.Tensor | None, is_token_in_rank: torch.Tensor,
+                                 what: str) -> torch.Tensor:
+        """A fresh dispatch's count exchange: every rank's row of per-rank counts [R], per-expert counts [E] and
+        the statistics its inputs are checked with (min id, max id of ``topk_idx`` ((-1, -1) when absent or
+        empty), the sum of ``num_tokens_per_rank``, the set entries of ``is_token_in_rank``), as a CPU int64
+        ``[R, R + E + 4]`` matrix (row = sender)."""
+        device = num_tokens_per_rank.device
+        if topk_idx is not None and topk_idx.numel():
+            low_high = torch.stack(torch.aminmax(topk_idx))
+        else:
+            low_high = torch.full((2,), -1, dtype=torch.int64, device=device)
+        sums = torch.stack([num_tokens_per_rank.sum(dtype=torch.int64), is_token_in_rank.sum(dtype=torch.int64)])
+        stats = torch.cat([low_high.to(device), sums])
+        return self.exchange_counts(torch.cat([num_tokens_per_rank.to(torch.int64),
+                                               num_tokens_per_expert.to(torch.int64), stats]), what)
+
     def prepare_plan(self, plan: NormalPlan) -> None:
         """Hook to attach strategy-private state to a new plan (default: nothing)."""
 

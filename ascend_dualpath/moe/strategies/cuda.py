@@ -35,6 +35,7 @@ import importlib.util
 import math
 import os
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -68,6 +69,17 @@ REDUCE_BLOCK = 2048
 REDUCE_TILE = 4
 REDUCE_WARPS = 16
 LAYOUT_BLOCK_TOKENS = 64
+PLAN_BLOCK_TOKENS = 1024
+LOCALIZE_GRID = 16
+# Low-latency kernels: at most this many CTAs (all resident: they wait for the peers in the same launch);
+# messages of a (token, expert) pair are stored WORD_BLOCK int32 words at a time, received TILE rows at a time.
+LL_MAX_CTAS = 128
+LL_EXPERT_BLOCK = 64
+LL_TOKEN_CHUNK = 16
+LL_TILE = 4
+LL_WORD_BLOCK = 1024
+LL_COMBINE_BLOCK = 1024
+LL_WARPS = 8
 
 
 def expected_ranks_per_token(num_experts: int, num_topk: int, num_ranks: int) -> float:
@@ -225,6 +237,12 @@ class CudaStrategy(AllToAllStrategy):
         self._count_epoch = 0
         self._generation = 0  # bumped when the symmetric buffer is replaced (cached launch sites then expire)
         self._layout_sites: dict = {}
+        self._layout_ranges: dict = {}  # id(is_token_in_rank) -> (weak ref, device id range of its layout)
+        self._sites: dict = {}  # launch sites of the data ops, by part layout, region size, grid, data half
+        self._count_sites: dict = {}
+        self._plan_sites: dict = {}
+        self._source_index: dict = {}
+        self._fresh_matrix: Any = None  # (count epoch, device count matrix, row width) of the last exchange
 
     # ------------------------------------------------------------------ symmetric buffer
     def _buffer(self, half_bytes: int):
@@ -251,6 +269,8 @@ class CudaStrategy(AllToAllStrategy):
             peers = torch.tensor(bases, dtype=torch.int64, device=self.device)
             self._symm = (local, handle, peers, local[:HEADER_BYTES].view(torch.int32))
             self._generation += 1
+            for sites in (self._sites, self._count_sites, self._plan_sites):
+                sites.clear()
         return self._symm
 
     def _half(self, epoch: int) -> int:
@@ -284,7 +304,13 @@ class CudaStrategy(AllToAllStrategy):
 
     # ------------------------------------------------------------------ layout and counts
     def dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, num_ranks: int, ranks_per_node: int):
-        """The layout in one kernel; returns ``(layout 4-tuple, (min id, max id))`` (the range clamped at 0)."""
+        """The layout in one kernel, no host sync; returns ``(layout 4-tuple, None)``.
+
+        The kernel also writes the ids' range (``max(0, -min id), max(0, max id)``, int32 [2] on the device),
+        kept (see :meth:`layout_range`) under the returned ``is_token_in_rank``: a fresh dispatch given that
+        layout exchanges it with its counts and raises ``BoundsError`` on every rank at the count exchange's
+        host sync, before any row moves. ``None`` tells the caller there is no host-side range to check now.
+        """
         tokens, topk = topk_idx.shape
         num_nodes = num_ranks // ranks_per_node if num_ranks > ranks_per_node else 1
         extra = num_nodes if num_nodes > 1 else 0
@@ -302,11 +328,22 @@ class CudaStrategy(AllToAllStrategy):
             topk_idx = topk_idx.contiguous()
             launch(_aligned(topk_idx), topk_idx, counts, in_rank.view(torch.uint8), tokens, topk,
                    num_experts // num_ranks, num_experts)
-        below, above = counts[-2:].tolist()
+        key = id(in_rank)
+        # Dropped with the tensor (ids are reused only after the object is gone).
+        self._layout_ranges[key] = (weakref.ref(in_rank, lambda _: self._layout_ranges.pop(key, None)),
+                                    counts[-2:])
         per_rank = counts[:num_ranks]
         per_node = counts[num_ranks:num_ranks + extra] if num_nodes > 1 else None
         per_expert = counts[num_ranks + extra:num_ranks + extra + num_experts]
-        return (per_rank, per_node, per_expert, in_rank), (-below, above)
+        return (per_rank, per_node, per_expert, in_rank), None
+
+    def layout_range(self, is_token_in_rank: torch.Tensor) -> torch.Tensor | None:
+        """The device-side id range (int32 [2]: ``max(0, -min id), max(0, max id)``) of the layout that produced
+        ``is_token_in_rank`` (this very tensor), or None."""
+        entry = self._layout_ranges.get(id(is_token_in_rank))
+        if entry is None or entry[0]() is not is_token_in_rank:
+            return None
+        return entry[1]
 
     def exchange_counts(self, counts: torch.Tensor, what: str) -> torch.Tensor:
         """Device-side all-gather through the count slots; one host copy. Values travel as int32 (clamped)."""
@@ -325,70 +362,124 @@ class CudaStrategy(AllToAllStrategy):
         self._check_device_error(int(host[0]))
         return host[1:].view(self.world, width).to(torch.int64)
 
+    def exchange_dispatch_counts(self, num_tokens_per_rank: torch.Tensor, num_tokens_per_expert: torch.Tensor,
+                                 topk_idx: torch.Tensor | None, is_token_in_rank: torch.Tensor,
+                                 what: str) -> torch.Tensor:
+        """A fresh dispatch's count exchange, its statistics computed in the exchange kernel (one launch, one
+        host copy): returns the CPU int64 ``[R, R + E + 4]`` table of ``Buffer.dispatch`` (per-rank counts,
+        per-expert counts, min id, max id, sum of the per-rank counts, set entries of ``is_token_in_rank``).
+        The id range includes the layout's (:meth:`layout_range`), so ids the layout saw out of range raise
+        here even when the dispatch gets no ``topk_idx``."""
+        num_experts = num_tokens_per_expert.numel()
+        width = self.world + num_experts + 4
+        if self.world * width * 4 > COUNT_SLOT_BYTES:
+            return super().exchange_dispatch_counts(num_tokens_per_rank, num_tokens_per_expert, topk_idx,
+                                                    is_token_in_rank, what)
+        _, _, peers, signals = self._buffer(0)
+        self._count_epoch += 1
+        area = HEADER_BYTES + (self._count_epoch % 2) * COUNT_SLOT_BYTES
+        layout_range = self.layout_range(is_token_in_rank)
+        key = (num_experts, topk_idx is not None, layout_range is not None, self._generation)
+        launch = self._count_sites.get(key)
+        if launch is None:
+            launch = self._count_sites[key] = _Launch(self.kernels.exchange_dispatch_counts, 1, dict(
+                NUM_RANKS=self.world, RANKS_PAD=_next_power_of_2(self.world), BLOCK=1024,
+                HAS_TOPK=topk_idx is not None, HAS_LAYOUT_RANGE=layout_range is not None, TIMED=_timed()))
+        in_rank = is_token_in_rank.view(torch.uint8)
+        topk = topk_idx if topk_idx is not None else in_rank
+        launch(_aligned(num_tokens_per_rank, num_tokens_per_expert, topk, in_rank, layout_range),
+               peers, signals, num_tokens_per_rank, num_tokens_per_expert, topk,
+               0 if topk_idx is None else topk_idx.numel(), in_rank, in_rank.numel(),
+               layout_range if layout_range is not None else num_tokens_per_rank, self.rank, self._count_epoch,
+               num_experts, area // 4, self.timeout_ns)
+        matrix = self._local_view(area, self.world, width, torch.int32)
+        host = torch.cat([signals[self.kernels.ERROR_WORD:self.kernels.ERROR_WORD + 1], matrix.reshape(-1)]).cpu()
+        self._check_device_error(int(host[0]))
+        self._fresh_matrix = (self._count_epoch, matrix, width)
+        return host[1:].view(self.world, width).to(torch.int64)
+
     # ------------------------------------------------------------------ plans
     def prepare_plan(self, plan: NormalPlan) -> None:
+        """The plan's tables built on the device by one kernel (:func:`_cuda_kernels.plan_tables`) from the count
+        matrix the count exchange left in this rank's buffer (or, for a plan made elsewhere, a copy of the host
+        matrix); the host keeps only the two maxima that size the buffer regions."""
         in_rank = plan.is_token_in_rank
         counts = plan.count_matrix
-        world, me = self.world, self.rank
-        recv_prefix = [0] + torch.cumsum(counts[:, me], 0).tolist()
-        # All small tables in one asynchronous copy: [0:R] rows from lower source ranks at each destination,
-        # [R:2R] rows this rank sends to lower destinations, [2R:3R+1] receive prefix by source, [3R+1:4R+1]
-        # where each source keeps the rows it sent to this rank (after those it sent to lower ranks).
-        host = torch.cat([counts[:me].sum(dim=0), torch.cumsum(counts[me], 0) - counts[me],
-                          torch.tensor(recv_prefix), counts[:, :me].sum(dim=1)]).to(torch.int32)
-        tables = to_device_async(host, in_rank.device)
-        # Row of token t in rank r's receive order: rows from lower source ranks first, then t's rank among
-        # this rank's tokens going to r.
-        position = in_rank.to(torch.int32).cumsum(dim=0, dtype=torch.int32) - 1
-        dispatch_slots = torch.where(in_rank, position + tables[:world], -1).to(torch.int32).contiguous()
-        # Combine: this rank reads token t's row from destination r at its place in the send order (rows
-        # sent to lower ranks first), or, for its own rows, at the received row index.
-        gather_rows = torch.where(in_rank, position + tables[world:2 * world], -1)
-        gather_rows[:, me] = dispatch_slots[:, me]
+        world = self.world
+        tokens = in_rank.shape[0]
+        fresh, self._fresh_matrix = self._fresh_matrix, None
+        if fresh is not None and fresh[0] == self._count_epoch:
+            matrix, width = fresh[1], fresh[2]
+        else:
+            matrix, width = to_device_async(counts.to(torch.int32).contiguous(), in_rank.device), counts.shape[1]
+        device = in_rank.device
+        slots = torch.empty(tokens, world, dtype=torch.int32, device=device)
+        gather = torch.empty(tokens, world, dtype=torch.int32, device=device)
+        tables = torch.empty(2 * world + 1 + world * world, dtype=torch.int32, device=device)
+        launch = self._plan_sites.get(self._generation)
+        if launch is None:
+            launch = self._plan_sites[self._generation] = _Launch(self.kernels.plan_tables, 1, dict(
+                NUM_RANKS=world, RANKS_PAD=_next_power_of_2(world), BLOCK=PLAN_BLOCK_TOKENS))
+        launch(_aligned(in_rank, matrix), in_rank.view(torch.uint8), matrix, width, self.rank, tokens, slots, gather,
+               tables, tables[world + 1:], tables[2 * world + 1:])
         private = dict(plan.private or {})
-        private.update(dispatch_slots=dispatch_slots, gather_rows=gather_rows.to(torch.int32).contiguous(),
-                       recv_prefix=recv_prefix, recv_prefix_dev=tables[2 * world:3 * world + 1],
-                       slot_base_dev=tables[3 * world + 1:], max_recv=int(counts.sum(dim=0).max()),
+        private.update(dispatch_slots=slots, gather_rows=gather, recv_prefix_dev=tables[:world + 1],
+                       slot_base_dev=tables[world + 1:2 * world + 1], rank_prefix_matrix=tables[2 * world + 1:]
+                       .view(world, world), max_recv=int(counts.sum(dim=0).max()),
                        max_send=int(counts.sum(dim=1).max()))
         private["model_sms"] = choose_num_sms(private["num_experts"], private["num_topk"], world, self.device_sms)
         plan.private = private
 
+    def localize_topk(self, topk_idx: torch.Tensor, topk_weights: torch.Tensor, local_experts: int) -> None:
+        """In place on a fresh dispatch's received top-k: local expert ids (-1 for other ranks' experts), weights
+        of -1 slots zeroed (one kernel instead of a chain of torch ops)."""
+        if not topk_idx.numel():
+            return
+        key = ("localize", local_experts, self._generation)
+        launch = self._plan_sites.get(key)
+        if launch is None:
+            launch = self._plan_sites[key] = _Launch(self.kernels.localize_topk, LOCALIZE_GRID, dict(
+                LOCAL_EXPERTS=local_experts, BLOCK=1024))
+        launch(_aligned(topk_idx, topk_weights), topk_idx, topk_weights, topk_idx.numel(),
+               self.rank * local_experts)
+
+    def source_index(self, tokens: int, device: torch.device) -> torch.Tensor:
+        """``arange(tokens)`` int32, made once per size (only read)."""
+        index = self._source_index.get(tokens)
+        if index is None:
+            index = self._source_index[tokens] = torch.arange(tokens, dtype=torch.int32, device=device)
+        return index
+
     # ------------------------------------------------------------------ normal dispatch
+    @staticmethod
+    def _rows_capacity(rows: int) -> int:
+        """Rows a buffer region is sized for: a power of two, so that plans of similar size share launch sites
+        (the regions' offsets are compile-time-fixed arguments of a site)."""
+        return _next_power_of_2(max(1, rows))
+
     def _dispatch_site(self, plan: NormalPlan, wire: list[torch.Tensor], parity: int) -> dict:
-        """Everything of a dispatch launch that is fixed for this plan, part layout and data half."""
+        """Everything of a dispatch launch that is fixed for a part layout, region size, grid and data half (not
+        for a plan: the plan's tables and counts are per-call arguments, so a fresh dispatch reuses the site)."""
         private = plan.private
-        widths = [w.shape[1] for w in wire]
-        max_recv = private["max_recv"]
-        offsets, total = self._regions([4 * w for w in widths], max_recv)
+        widths = tuple(w.shape[1] for w in wire)
+        rows = self._rows_capacity(private["max_recv"])
+        offsets, total = self._regions([4 * w for w in widths], rows)
         _, _, peers, signals = self._buffer(total)
-        key = ("dispatch", tuple(widths), parity, self._generation, self.fused)
-        sites = private.setdefault("sites", {})
-        if key in sites:
-            return sites[key]
-        half = self._half(parity)
-        num_recv = plan.num_recv_tokens
-        slots = private["dispatch_slots"]
-        tokens = slots.shape[0]
         sms = self.num_sms_for(plan)
+        key = ("dispatch", widths, rows, sms, parity, self._generation, self.fused)
+        site = self._sites.get(key)
+        if site is not None:
+            return site
+        half = self._half(parity)
         blocks = [_pow2_block(w, COPY_BLOCK_WORDS) for w in widths] + [1] * (MAX_PARTS - len(wire))
-        prefix = private["recv_prefix"]
-        own_begin, own_end = prefix[self.rank], prefix[self.rank + 1]
-        remote = num_recv - (own_end - own_begin)
-        work = max(_cdiv(tokens, COPY_TILE), _cdiv(remote, COPY_TILE)) if self.fused else _cdiv(tokens, COPY_TILE)
         constants = dict(NUM_RANKS=self.world, NUM_PARTS=len(wire), B0=blocks[0], B1=blocks[1], B2=blocks[2],
                          B3=blocks[3], B4=blocks[4], TILE=COPY_TILE, TIMED=_timed(), num_warps=COPY_WARPS)
-        receive = None
-        if not self.fused:
-            receive = _Launch(self.kernels.receive_rows, max(1, min(sms, _cdiv(remote, COPY_TILE))), constants)
-        site = dict(
-            num_recv=num_recv, widths=widths, regions=[(half + offset) // 4 for offset in offsets],
-            mines=[self._local_view(half + offset, max_recv, width, torch.int32)
-                   for width, offset in zip(widths, offsets)],
-            push=_Launch(self.kernels.push_rows, max(1, min(sms, work)), dict(constants, FUSED=self.fused)),
-            receive=receive, push_head=(peers, signals, slots, tokens, self.rank, num_recv, own_begin, own_end,
-                                        self.timeout_ns),
-            receive_head=(signals, self.rank, num_recv, own_begin, own_end, self.timeout_ns))
-        sites[key] = site
+        site = self._sites[key] = dict(
+            widths=widths, regions=[(half + offset) // 4 for offset in offsets],
+            mines=[self._local_view(half + offset, rows, width, torch.int32) for width, offset in zip(widths, offsets)],
+            push=_Launch(self.kernels.push_rows, sms, dict(constants, FUSED=self.fused)),
+            receive=None if self.fused else _Launch(self.kernels.receive_rows, sms, constants),
+            peers=peers, signals=signals)
         return site
 
     def dispatch_rows(self, plan: NormalPlan, parts: list[torch.Tensor], what: str) -> list[torch.Tensor]:
@@ -397,16 +488,19 @@ class CudaStrategy(AllToAllStrategy):
         wire = [_words(p) for p in parts]
         site = self._dispatch_site(plan, wire, (self._epoch + 1) % 2)
         self._epoch += 1
-        num_recv = site["num_recv"]
+        private = plan.private
+        num_recv = plan.num_recv_tokens
+        slots, prefix = private["dispatch_slots"], private["recv_prefix_dev"]
         outs = [torch.empty(num_recv, width, dtype=torch.int32, device=self.device) for width in site["widths"]]
-        send_args, recv_args = list(site["push_head"]), list(site["receive_head"])
+        send_args = [site["peers"], site["signals"], slots, slots.shape[0], self.rank, prefix, self.timeout_ns]
+        recv_args = [site["signals"], self.rank, prefix, self.timeout_ns]
         for w, out, width, region, mine in zip(wire, outs, site["widths"], site["regions"], site["mines"]):
             send_args += (w, out, width, region, mine)
             recv_args += (mine, out, width)
         pad = MAX_PARTS - len(wire)
         send_args += (wire[0], outs[0], 0, 0, outs[0]) * pad
         recv_args += (outs[0], outs[0], 0) * pad
-        alignment = _aligned(*wire)
+        alignment = _aligned(*wire, slots, prefix)
         site["push"](alignment, *send_args)
         if site["receive"] is not None:
             site["receive"](alignment, *recv_args)
@@ -415,51 +509,40 @@ class CudaStrategy(AllToAllStrategy):
     # ------------------------------------------------------------------ normal combine
     def _combine_site(self, plan: NormalPlan, parts: list[torch.Tensor], wire: list[torch.Tensor],
                       has_bias: tuple[bool, bool], parity: int) -> dict:
-        """Everything of a combine launch that is fixed for this plan, part layout, biases and data half."""
+        """Everything of a combine launch that is fixed for a part layout, biases, region size, grid and data
+        half (the plan's tables are per-call arguments)."""
         private = plan.private
-        widths = [w.shape[1] for w in wire]
-        max_send = private["max_send"]
-        offsets, total = self._regions([4 * w for w in widths], max_send)
+        widths = tuple(w.shape[1] for w in wire)
+        rows = self._rows_capacity(private["max_send"])
+        offsets, total = self._regions([4 * w for w in widths], rows)
         _, _, peers, signals = self._buffer(total)
-        key = ("combine", tuple(widths), parts[0].dtype, has_bias, parity, self._generation, self.fused)
-        sites = private.setdefault("sites", {})
-        if key in sites:
-            return sites[key]
-        half = self._half(parity)
         sms = self.num_sms_for(plan)
-        num_recv = plan.num_recv_tokens
+        key = ("combine", widths, parts[0].dtype, has_bias, rows, sms, parity, self._generation, self.fused)
+        site = self._sites.get(key)
+        if site is not None:
+            return site
+        half = self._half(parity)
         blocks = [_pow2_block(w, COPY_BLOCK_WORDS) for w in widths] + [1]
-        prefix = private["recv_prefix"]
-        remote = num_recv - (prefix[self.rank + 1] - prefix[self.rank])
-        gather_rows = private["gather_rows"]
-        tokens = gather_rows.shape[0]
-        mines = [self._local_view(half + offset, max_send, part.shape[1], part.dtype)
-                 for part, offset in zip(parts, offsets)]
         reduce_x = dict(HAS_BIAS0=has_bias[0], HAS_BIAS1=has_bias[1], TIMED=_timed(), num_warps=REDUCE_WARPS)
         x_block = _pow2_block(parts[0].shape[1], REDUCE_BLOCK)
-        work = _cdiv(remote, COPY_TILE)
-        if self.fused:
-            work = max(work, _cdiv(tokens, REDUCE_TILE))
-        reduce_grid = max(1, min(sms, _cdiv(tokens, REDUCE_TILE)))
         reduce = reduce_weights = None
         if not self.fused:
-            reduce = _Launch(self.kernels.reduce_rows, reduce_grid, dict(
+            reduce = _Launch(self.kernels.reduce_rows, sms, dict(
                 reduce_x, NUM_RANKS=self.world, WAIT=True, BLOCK=x_block, TILE=REDUCE_TILE))
         if len(parts) > 1:
-            reduce_weights = _Launch(self.kernels.reduce_rows, reduce_grid, dict(
+            reduce_weights = _Launch(self.kernels.reduce_rows, sms, dict(
                 NUM_RANKS=self.world, HAS_BIAS0=False, HAS_BIAS1=False, WAIT=False,
                 BLOCK=_pow2_block(parts[1].shape[1], REDUCE_BLOCK), TILE=REDUCE_TILE, TIMED=_timed(),
                 num_warps=REDUCE_WARPS))
-        site = dict(
-            tokens=tokens, widths=widths, regions=[(half + offset) // 4 for offset in offsets], mines=mines,
-            gather_rows=gather_rows, head=(peers, signals, private["recv_prefix_dev"], private["slot_base_dev"],
-                                           self.rank, num_recv),
-            reduce_head=(signals, self.rank, self.timeout_ns),
-            push=_Launch(self.kernels.push_back, max(1, min(sms, work)), dict(
+        site = self._sites[key] = dict(
+            widths=widths, regions=[(half + offset) // 4 for offset in offsets],
+            mines=[self._local_view(half + offset, rows, part.shape[1], part.dtype)
+                   for part, offset in zip(parts, offsets)],
+            peers=peers, signals=signals,
+            push=_Launch(self.kernels.push_back, sms, dict(
                 reduce_x, NUM_RANKS=self.world, NUM_PARTS=len(wire), B0=blocks[0], B1=blocks[1], TILE=COPY_TILE,
                 FUSED=self.fused, RBLOCK=x_block, RTILE=REDUCE_TILE)),
             reduce=reduce, reduce_weights=reduce_weights)
-        sites[key] = site
         return site
 
     def combine_rows(self, plan: NormalPlan, x: torch.Tensor, weights: torch.Tensor | None,
@@ -469,7 +552,9 @@ class CudaStrategy(AllToAllStrategy):
         bias0, bias1 = (tuple(biases) + (None, None))[:2]
         site = self._combine_site(plan, parts, wire, (bias0 is not None, bias1 is not None), (self._epoch + 1) % 2)
         self._epoch += 1
-        tokens = site["tokens"]
+        private = plan.private
+        gather_rows, prefix, slot_base = private["gather_rows"], private["recv_prefix_dev"], private["slot_base_dev"]
+        tokens = gather_rows.shape[0]
         outs = [torch.empty(tokens, part.shape[1], dtype=part.dtype, device=self.device) for part in parts]
         back_args = []
         for w, width, region in zip(wire, site["widths"], site["regions"]):
@@ -477,16 +562,137 @@ class CudaStrategy(AllToAllStrategy):
         if len(wire) == 1:
             back_args += (wire[0], 0, 0)
         out = outs[0]
-        x_args = (out, site["gather_rows"], parts[0], site["mines"][0], out if bias0 is None else bias0,
+        x_args = (out, gather_rows, parts[0], site["mines"][0], out if bias0 is None else bias0,
                   out if bias1 is None else bias1, tokens, parts[0].shape[1])
-        alignment = _aligned(*parts, bias0, bias1)
-        site["push"](alignment, *site["head"], *back_args, self.timeout_ns, *x_args)
+        alignment = _aligned(*parts, bias0, bias1, gather_rows, prefix, slot_base)
+        site["push"](alignment, site["peers"], site["signals"], prefix, slot_base, self.rank, *back_args,
+                     self.timeout_ns, *x_args)
+        reduce_head = (site["signals"], self.rank, self.timeout_ns)
         if site["reduce"] is not None:
-            site["reduce"](alignment, *site["reduce_head"], *x_args)
+            site["reduce"](alignment, *reduce_head, *x_args)
         if weights is not None:  # after the x reduction on the stream, so the peers' rows are known to be here
-            site["reduce_weights"](alignment, *site["reduce_head"], outs[1], site["gather_rows"], parts[1],
-                                   site["mines"][1], outs[1], outs[1], tokens, parts[1].shape[1])
+            site["reduce_weights"](alignment, *reduce_head, outs[1], gather_rows, parts[1], site["mines"][1], outs[1],
+                                   outs[1], tokens, parts[1].shape[1])
         return out, (outs[1].float() if weights is not None else None)
+
+    # ------------------------------------------------------------------ low latency
+    def _ll_grid(self) -> int:
+        return max(1, min(self.device_sms, LL_MAX_CTAS))
+
+    def ll_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, max_tokens: int, num_experts: int, use_fp8: bool,
+                    round_scale: bool, use_ue8m0: bool, stats: torch.Tensor | None, deferred: bool):
+        """Low-latency dispatch in one launch (:func:`_cuda_kernels.ll_dispatch`), or its send half now and the
+        receive half when the returned function runs (``deferred``: ``return_recv_hook``).
+
+        Returns ``(recv_x, recv_count, src_info, layout_range, receive)`` as ``Buffer.low_latency_dispatch``
+        documents; ``receive`` is None unless deferred. Inputs are validated by the caller.
+        """
+        tokens, hidden = x.shape
+        world, topk = self.world, topk_idx.shape[1]
+        local_experts = num_experts // world
+        slab = world * max_tokens
+        messages = num_experts * max_tokens
+        value_words = hidden // 4 if use_fp8 else hidden // 2
+        scale_words = (hidden // 512 if use_ue8m0 else hidden // 128) if use_fp8 else 0
+        offsets, total = self._packed_regions([messages * value_words * 4, messages * scale_words * 4, messages * 4,
+                                               world * local_experts * 4])
+        _, _, peers, signals = self._buffer(total)
+        parity = (self._epoch + 1) % 2
+        self._epoch += 1
+        epoch = self._epoch
+        half = self._half(parity)
+        fused = self.fused and not deferred
+        key = ("ll_dispatch", hidden, topk, max_tokens, num_experts, use_fp8, round_scale, use_ue8m0,
+               stats is not None, parity, self._generation, fused)
+        sites = self._sites.get(key)
+        if sites is None:
+            blocks_per_chunk = (hidden // 128) & -(hidden // 128)  # largest power of two dividing H / 128 ...
+            blocks_per_chunk = min(blocks_per_chunk, 8)  # ... at most 1024 columns a step
+            constants = dict(
+                NUM_RANKS=world, MAX_TOKENS=max_tokens, LOCAL_EXPERTS=local_experts, TOPK=topk,
+                TOPK_PAD=_next_power_of_2(topk), HIDDEN=hidden, VALUE_WORDS=value_words,
+                SCALE_WORDS=max(1, scale_words), SCALE_PAD=_next_power_of_2(max(1, scale_words)),
+                BLOCKS_PER_CHUNK=blocks_per_chunk, USE_FP8=use_fp8, ROUND_SCALE=round_scale, UE8M0=use_ue8m0,
+                EXPERT_BLOCK=LL_EXPERT_BLOCK, CHUNK=LL_TOKEN_CHUNK, TILE=LL_TILE, WORD_BLOCK=LL_WORD_BLOCK,
+                HAS_STATS=stats is not None, TIMED=_timed(), num_warps=LL_WARPS)
+            grid = self._ll_grid()
+            sites = self._sites[key] = (
+                _Launch(self.kernels.ll_dispatch, grid, dict(constants, SEND=True, RECEIVE=fused)),
+                None if fused else _Launch(self.kernels.ll_dispatch, grid, dict(constants, SEND=False,
+                                                                                   RECEIVE=True)))
+        device = x.device
+        values_dtype = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
+        recv_values = torch.zeros(local_experts, slab, hidden, dtype=values_dtype, device=device)
+        scales_store = torch.zeros(local_experts, max(1, scale_words), slab, dtype=torch.int32, device=device)
+        src_info = torch.full((local_experts, slab), -1, dtype=torch.int32, device=device)
+        recv_count = torch.zeros(local_experts, dtype=torch.int32, device=device)
+        layout_range = torch.zeros(local_experts, world, dtype=torch.int64, device=device)
+        x_words = x.view(torch.int32)  # hidden is a multiple of 128
+        regions = [(half + offset) // 4 for offset in offsets]
+        args = [peers, signals, x_words, x, topk_idx, tokens, self.rank, self.timeout_ns, epoch, *regions,
+                recv_values.view(torch.int32), scales_store, src_info, recv_count, layout_range,
+                stats if stats is not None else recv_count]
+        alignment = _aligned(x, topk_idx, stats)
+        sites[0](alignment, *args)
+        receive = None
+        if sites[1] is not None:
+            def receive() -> None:
+                sites[1](alignment, *args)
+        recv_x = recv_values
+        if use_fp8:
+            scales = scales_store.transpose(1, 2)
+            recv_x = (recv_values, scales if use_ue8m0 else scales.view(torch.float32))
+        return recv_x, recv_count, src_info, layout_range, receive
+
+    @staticmethod
+    def _packed_regions(sizes_bytes: list[int]) -> tuple[list[int], int]:
+        """Byte offsets (in a data half) of consecutive regions of these sizes, each aligned; and the total."""
+        offsets, total = [], 0
+        for size in sizes_bytes:
+            offsets.append(total)
+            total += -(-size // REGION_ALIGN_BYTES) * REGION_ALIGN_BYTES
+        return offsets, total
+
+    def ll_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                   layout_range: torch.Tensor, max_tokens: int, num_experts: int, out: torch.Tensor,
+                   deferred: bool):
+        """Weighted low-latency combine in one launch (:func:`_cuda_kernels.ll_combine`) into ``out``, or its
+        send half now and the reduction when the returned function runs (``deferred``). Returns that function
+        or None."""
+        local_experts, _, hidden = x.shape
+        world, topk = self.world, topk_idx.shape[1]
+        rows = num_experts * max_tokens
+        total = -(-rows * hidden * 2 // REGION_ALIGN_BYTES) * REGION_ALIGN_BYTES
+        _, _, peers, signals = self._buffer(total)
+        parity = (self._epoch + 1) % 2
+        self._epoch += 1
+        epoch = self._epoch
+        half = self._half(parity)
+        fused = self.fused and not deferred
+        key = ("ll_combine", hidden, topk, max_tokens, num_experts, parity, self._generation, fused)
+        sites = self._sites.get(key)
+        if sites is None:
+            constants = dict(NUM_RANKS=world, MAX_TOKENS=max_tokens, LOCAL_EXPERTS=local_experts, TOPK=topk,
+                             TOPK_PAD=_next_power_of_2(topk), HIDDEN=hidden,
+                             BLOCK=_pow2_block(hidden, LL_COMBINE_BLOCK), CHUNK=LL_TOKEN_CHUNK, TILE=LL_TILE,
+                             TIMED=_timed(), num_warps=LL_WARPS)
+            grid = self._ll_grid()
+            sites = self._sites[key] = (
+                _Launch(self.kernels.ll_combine, grid, dict(constants, SEND=True, RECEIVE=fused)),
+                None if fused else _Launch(self.kernels.ll_combine, grid, dict(constants, SEND=False,
+                                                                                  RECEIVE=True)),
+                self._local_view(half, rows, hidden, torch.bfloat16))
+        x = x.contiguous()
+        args = [peers, signals, x.view(torch.int32), layout_range, topk_idx, topk_weights, out, sites[2],
+                topk_idx.shape[0], self.rank, self.timeout_ns, epoch, half // 4]
+        alignment = _aligned(x, layout_range, topk_idx, topk_weights, out)
+        sites[0](alignment, *args)
+        if sites[1] is None:
+            return None
+
+        def receive() -> None:
+            sites[1](alignment, *args)
+        return receive
 
     # ------------------------------------------------------------------ CUDA graphs
     graph_capturable = True
@@ -510,6 +716,8 @@ class CudaStrategy(AllToAllStrategy):
 
     def close(self) -> None:
         self._symm = None
+        for sites in (self._sites, self._count_sites, self._plan_sites, self._layout_ranges):
+            sites.clear()
 
 
 def create(group: Any, timeout_s: float, **options: Any) -> CudaStrategy:
