@@ -74,37 +74,47 @@ class _FakeKernel:
 
 
 def test_launch_site_calls_the_compiled_launcher_directly_after_the_first_launch(monkeypatch):
-    """Later launches of a site skip Triton's binding: all parameters in declaration order, the constexprs
-    after the call's arguments and no launch options; a different pointer alignment or a launcher that
-    refuses the call goes back through Triton (the refusal also for every later site)."""
+    """MoE launch sites (the shared LaunchSite, keyed on pointer alignment): later launches skip Triton's
+    binding, with all parameters in declaration order and the constexprs after the call's arguments; a different
+    pointer alignment or a launcher that refuses the call goes back through Triton (the refusal also for every
+    later site); ``ADP_MOE_DIRECT_LAUNCH=0`` keeps every launch on Triton's JIT."""
+    from ascend_dualpath._triton_launch import LaunchSite
     from ascend_dualpath.moe.strategies import cuda
 
-    monkeypatch.setattr(cuda, "_timed", lambda: True)
-    monkeypatch.setattr(cuda._Launch, "direct", True)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(LaunchSite, "direct_ok", True)
+    monkeypatch.delenv("ADP_MOE_DIRECT_LAUNCH", raising=False)
+    monkeypatch.delenv("ADP_DIRECT_LAUNCH", raising=False)
+    assert cuda._site(_FakeKernel(), 1, {}).mode == "direct"
+    monkeypatch.setenv("ADP_MOE_DIRECT_LAUNCH", "0")
+    assert cuda._site(_FakeKernel(), 1, {}).mode == "jit"
+
     kernel = _FakeKernel()
-    launch = cuda._Launch(kernel, 7, dict(X=4, Y=True, num_warps=16))
+    # "runner" goes through compiled[grid] (the fake's launcher); "direct" differs only in how it reaches the
+    # binary's C launcher, which needs a GPU.
+    launch = LaunchSite(kernel, 7, dict(X=4, Y=True, num_warps=16), mode="runner")
     a, b = torch.zeros(8, dtype=torch.int32), torch.zeros(8, dtype=torch.int32)
     aligned = cuda._aligned(a)
-    launch(aligned, a, b, 3)
-    launch(aligned, a, b, 3)
+    launch(a, b, 3, key=aligned)
+    launch(a, b, 3, key=aligned)
     assert kernel.log[0] == ("triton", (7,), (a, b, 3), dict(X=4, Y=True, num_warps=16))
     assert kernel.log[1] == ("direct", (7, 1, 1), (a, b, 3, 4, True))
     shifted = a[1:]  # 4 bytes off: Triton specialised the binary on a 16-byte-aligned pointer
     assert cuda._aligned(shifted) == (False,)
-    launch(cuda._aligned(shifted), shifted, b, 3)
+    launch(shifted, b, 3, key=cuda._aligned(shifted))
     assert kernel.log[2][0] == "triton" and kernel.log[2][2][0] is shifted
     assert len(kernel.log) == 3
 
     refusing = _FakeKernel(refuse=True)
-    site = cuda._Launch(refusing, 2, dict(X=1, Y=False))
-    site(aligned, a, b, 3)
-    site(aligned, a, b, 3)  # the direct call raises before launching: relaunched through Triton
+    site = LaunchSite(refusing, 2, dict(X=1, Y=False), mode="runner")
+    site(a, b, 3, key=aligned)
+    site(a, b, 3, key=aligned)  # the direct call raises before launching: relaunched through Triton
     assert [entry[0] for entry in refusing.log] == ["triton", "triton"]
-    assert cuda._Launch.direct is False
+    assert LaunchSite.direct_ok is False
     other = _FakeKernel()
-    later = cuda._Launch(other, 2, dict(X=1, Y=False))
-    later(aligned, a, b, 3)
-    later(aligned, a, b, 3)
+    later = LaunchSite(other, 2, dict(X=1, Y=False), mode="runner")
+    later(a, b, 3, key=aligned)
+    later(a, b, 3, key=aligned)
     assert [entry[0] for entry in other.log] == ["triton", "triton"]
 
 

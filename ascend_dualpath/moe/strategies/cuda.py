@@ -21,7 +21,7 @@ reported as :class:`~ascend_dualpath.errors.WaitTimeout` at the strategy's next 
 The low-latency ops use the inherited ``alltoall`` row exchange over NCCL (with this count exchange).
 
 Host path: the epoch of a data op lives on the device (signal word ``EPOCH``), so a launch's arguments are fixed
-per (plan, part layout, data half); they are built once into a :class:`_Launch` site kept in the plan, whose
+per (plan, part layout, data half); they are built once into a :class:`~ascend_dualpath._triton_launch.LaunchSite` kept by the strategy, whose
 later launches call the compiled binary directly. Cached dispatch and combine can be recorded as CUDA graphs
 (:meth:`ascend_dualpath.moe.Buffer.capture_graph`).
 
@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from ascend_dualpath import _env
+from ascend_dualpath._triton_launch import LaunchSite
 from ascend_dualpath.errors import BackendUnavailable, WaitTimeout
 from ascend_dualpath.moe.strategies.alltoall import AllToAllStrategy
 from ascend_dualpath.moe.strategies.base import NormalPlan, to_device_async
@@ -158,45 +159,12 @@ def _aligned(*tensors: torch.Tensor | None) -> tuple:
     return tuple(t is None or t.data_ptr() % 16 == 0 for t in tensors)
 
 
-class _Launch:
-    """One launch site: a kernel whose grid, integer arguments and compile-time constants are fixed (one plan,
-    part layout and data half), called with varying tensors.
-
-    The first call goes through Triton (``kernel[grid](...)``: binds and specialises the arguments, finds or
-    compiles the binary, launches it and returns it). Later calls hand the arguments straight to that binary's
-    launcher (``compiled[grid](*args)``), skipping Triton's per-call binding, key hashing and cache lookup. The
-    binary was specialised on the pointers' 16-byte alignment (and on the integers, fixed here): the caller
-    passes the alignment of the caller-supplied tensors (:func:`_aligned`), and a call whose alignment differs
-    goes through Triton again. The other tensors are the site's own or fresh from the caching allocator (whose
-    blocks are 512-byte aligned). Under the interpreter every call goes through Triton.
-    """
-
-    direct = True  # cleared (for the process) if a Triton version's launcher refuses the direct call
-
-    def __init__(self, kernel: Any, grid: int, constants: dict) -> None:
-        self.kernel, self.grid, self.constants = kernel, (grid,), constants
-        self.runner: Any = None
-        self.tail: list = []
-        self.alignment: tuple = ()
-
-    def __call__(self, alignment: tuple, *args: Any) -> None:
-        if self.runner is not None and alignment == self.alignment:
-            try:
-                self.runner(*args, *self.tail)
-                return
-            except TypeError:  # argument parsing, before anything was launched
-                _Launch.direct = False
-                self.runner = None
-        compiled = self.kernel[self.grid](*args, **self.constants)
-        if not (_Launch.direct and _timed() and _env.moe_direct_launch() and hasattr(compiled, "__getitem__")):
-            return
-        try:
-            self.tail = [self.constants[name] for name in self.kernel.arg_names[len(args):]]
-            self.runner = compiled[(self.grid[0], 1, 1)]
-            self.alignment = alignment
-        except (AttributeError, KeyError, TypeError):
-            _Launch.direct = False
-            self.runner = None
+def _site(kernel: Any, grid: int, constants: dict) -> LaunchSite:
+    """A launch site (:class:`ascend_dualpath._triton_launch.LaunchSite`): later launches call the compiled binary
+    directly, unless ``ADP_MOE_DIRECT_LAUNCH=0`` (then every launch goes through Triton). Its ``key`` is the
+    16-byte alignment of the caller-supplied tensors (:func:`_aligned`); the other tensors are the strategy's own
+    or fresh from the caching allocator (512-byte aligned)."""
+    return LaunchSite(kernel, grid, constants, mode="direct" if _env.moe_direct_launch() else "jit")
 
 
 def _next_power_of_2(n: int) -> int:
@@ -320,14 +288,14 @@ class CudaStrategy(AllToAllStrategy):
             key = (tokens, topk, num_experts, num_ranks, ranks_per_node)
             launch = self._layout_sites.get(key)
             if launch is None:
-                launch = self._layout_sites[key] = _Launch(self.kernels.dispatch_layout,
+                launch = self._layout_sites[key] = _site(self.kernels.dispatch_layout,
                                                            _cdiv(tokens, LAYOUT_BLOCK_TOKENS), dict(
                     NUM_RANKS=num_ranks, RANKS_PAD=_next_power_of_2(num_ranks), RANKS_PER_NODE=ranks_per_node,
                     NUM_NODES=num_nodes, NODES_PAD=_next_power_of_2(num_nodes), TOPK_PAD=_next_power_of_2(topk),
                     BLOCK_T=LAYOUT_BLOCK_TOKENS))
             topk_idx = topk_idx.contiguous()
-            launch(_aligned(topk_idx), topk_idx, counts, in_rank.view(torch.uint8), tokens, topk,
-                   num_experts // num_ranks, num_experts)
+            launch(topk_idx, counts, in_rank.view(torch.uint8), tokens, topk,
+                   num_experts // num_ranks, num_experts, key=_aligned(topk_idx))
         key = id(in_rank)
         # Dropped with the tensor (ids are reused only after the object is gone).
         self._layout_ranges[key] = (weakref.ref(in_rank, lambda _: self._layout_ranges.pop(key, None)),
@@ -382,16 +350,16 @@ class CudaStrategy(AllToAllStrategy):
         key = (num_experts, topk_idx is not None, layout_range is not None, self._generation)
         launch = self._count_sites.get(key)
         if launch is None:
-            launch = self._count_sites[key] = _Launch(self.kernels.exchange_dispatch_counts, 1, dict(
+            launch = self._count_sites[key] = _site(self.kernels.exchange_dispatch_counts, 1, dict(
                 NUM_RANKS=self.world, RANKS_PAD=_next_power_of_2(self.world), BLOCK=1024,
                 HAS_TOPK=topk_idx is not None, HAS_LAYOUT_RANGE=layout_range is not None, TIMED=_timed()))
         in_rank = is_token_in_rank.view(torch.uint8)
         topk = topk_idx if topk_idx is not None else in_rank
-        launch(_aligned(num_tokens_per_rank, num_tokens_per_expert, topk, in_rank, layout_range),
-               peers, signals, num_tokens_per_rank, num_tokens_per_expert, topk,
+        launch(peers, signals, num_tokens_per_rank, num_tokens_per_expert, topk,
                0 if topk_idx is None else topk_idx.numel(), in_rank, in_rank.numel(),
                layout_range if layout_range is not None else num_tokens_per_rank, self.rank, self._count_epoch,
-               num_experts, area // 4, self.timeout_ns)
+               num_experts, area // 4, self.timeout_ns,
+               key=_aligned(num_tokens_per_rank, num_tokens_per_expert, topk, in_rank, layout_range))
         matrix = self._local_view(area, self.world, width, torch.int32)
         host = torch.cat([signals[self.kernels.ERROR_WORD:self.kernels.ERROR_WORD + 1], matrix.reshape(-1)]).cpu()
         self._check_device_error(int(host[0]))
@@ -418,10 +386,10 @@ class CudaStrategy(AllToAllStrategy):
         tables = torch.empty(2 * world + 1 + world * world, dtype=torch.int32, device=device)
         launch = self._plan_sites.get(self._generation)
         if launch is None:
-            launch = self._plan_sites[self._generation] = _Launch(self.kernels.plan_tables, 1, dict(
+            launch = self._plan_sites[self._generation] = _site(self.kernels.plan_tables, 1, dict(
                 NUM_RANKS=world, RANKS_PAD=_next_power_of_2(world), BLOCK=PLAN_BLOCK_TOKENS))
-        launch(_aligned(in_rank, matrix), in_rank.view(torch.uint8), matrix, width, self.rank, tokens, slots, gather,
-               tables, tables[world + 1:], tables[2 * world + 1:])
+        launch(in_rank.view(torch.uint8), matrix, width, self.rank, tokens, slots, gather,
+               tables, tables[world + 1:], tables[2 * world + 1:], key=_aligned(in_rank, matrix))
         private = dict(plan.private or {})
         private.update(dispatch_slots=slots, gather_rows=gather, recv_prefix_dev=tables[:world + 1],
                        slot_base_dev=tables[world + 1:2 * world + 1], rank_prefix_matrix=tables[2 * world + 1:]
@@ -438,10 +406,10 @@ class CudaStrategy(AllToAllStrategy):
         key = ("localize", local_experts, self._generation)
         launch = self._plan_sites.get(key)
         if launch is None:
-            launch = self._plan_sites[key] = _Launch(self.kernels.localize_topk, LOCALIZE_GRID, dict(
+            launch = self._plan_sites[key] = _site(self.kernels.localize_topk, LOCALIZE_GRID, dict(
                 LOCAL_EXPERTS=local_experts, BLOCK=1024))
-        launch(_aligned(topk_idx, topk_weights), topk_idx, topk_weights, topk_idx.numel(),
-               self.rank * local_experts)
+        launch(topk_idx, topk_weights, topk_idx.numel(),
+               self.rank * local_experts, key=_aligned(topk_idx, topk_weights))
 
     def source_index(self, tokens: int, device: torch.device) -> torch.Tensor:
         """``arange(tokens)`` int32, made once per size (only read)."""
@@ -477,8 +445,8 @@ class CudaStrategy(AllToAllStrategy):
         site = self._sites[key] = dict(
             widths=widths, regions=[(half + offset) // 4 for offset in offsets],
             mines=[self._local_view(half + offset, rows, width, torch.int32) for width, offset in zip(widths, offsets)],
-            push=_Launch(self.kernels.push_rows, sms, dict(constants, FUSED=self.fused)),
-            receive=None if self.fused else _Launch(self.kernels.receive_rows, sms, constants),
+            push=_site(self.kernels.push_rows, sms, dict(constants, FUSED=self.fused)),
+            receive=None if self.fused else _site(self.kernels.receive_rows, sms, constants),
             peers=peers, signals=signals)
         return site
 
@@ -501,9 +469,9 @@ class CudaStrategy(AllToAllStrategy):
         send_args += (wire[0], outs[0], 0, 0, outs[0]) * pad
         recv_args += (outs[0], outs[0], 0) * pad
         alignment = _aligned(*wire, slots, prefix)
-        site["push"](alignment, *send_args)
+        site["push"](*send_args, key=alignment)
         if site["receive"] is not None:
-            site["receive"](alignment, *recv_args)
+            site["receive"](*recv_args, key=alignment)
         return [_typed(out, part) for out, part in zip(outs, parts)]
 
     # ------------------------------------------------------------------ normal combine
@@ -527,10 +495,10 @@ class CudaStrategy(AllToAllStrategy):
         x_block = _pow2_block(parts[0].shape[1], REDUCE_BLOCK)
         reduce = reduce_weights = None
         if not self.fused:
-            reduce = _Launch(self.kernels.reduce_rows, sms, dict(
+            reduce = _site(self.kernels.reduce_rows, sms, dict(
                 reduce_x, NUM_RANKS=self.world, WAIT=True, BLOCK=x_block, TILE=REDUCE_TILE))
         if len(parts) > 1:
-            reduce_weights = _Launch(self.kernels.reduce_rows, sms, dict(
+            reduce_weights = _site(self.kernels.reduce_rows, sms, dict(
                 NUM_RANKS=self.world, HAS_BIAS0=False, HAS_BIAS1=False, WAIT=False,
                 BLOCK=_pow2_block(parts[1].shape[1], REDUCE_BLOCK), TILE=REDUCE_TILE, TIMED=_timed(),
                 num_warps=REDUCE_WARPS))
@@ -539,7 +507,7 @@ class CudaStrategy(AllToAllStrategy):
             mines=[self._local_view(half + offset, rows, part.shape[1], part.dtype)
                    for part, offset in zip(parts, offsets)],
             peers=peers, signals=signals,
-            push=_Launch(self.kernels.push_back, sms, dict(
+            push=_site(self.kernels.push_back, sms, dict(
                 reduce_x, NUM_RANKS=self.world, NUM_PARTS=len(wire), B0=blocks[0], B1=blocks[1], TILE=COPY_TILE,
                 FUSED=self.fused, RBLOCK=x_block, RTILE=REDUCE_TILE)),
             reduce=reduce, reduce_weights=reduce_weights)
@@ -565,14 +533,14 @@ class CudaStrategy(AllToAllStrategy):
         x_args = (out, gather_rows, parts[0], site["mines"][0], out if bias0 is None else bias0,
                   out if bias1 is None else bias1, tokens, parts[0].shape[1])
         alignment = _aligned(*parts, bias0, bias1, gather_rows, prefix, slot_base)
-        site["push"](alignment, site["peers"], site["signals"], prefix, slot_base, self.rank, *back_args,
-                     self.timeout_ns, *x_args)
+        site["push"](site["peers"], site["signals"], prefix, slot_base, self.rank, *back_args,
+                     self.timeout_ns, *x_args, key=alignment)
         reduce_head = (site["signals"], self.rank, self.timeout_ns)
         if site["reduce"] is not None:
-            site["reduce"](alignment, *reduce_head, *x_args)
+            site["reduce"](*reduce_head, *x_args, key=alignment)
         if weights is not None:  # after the x reduction on the stream, so the peers' rows are known to be here
-            site["reduce_weights"](alignment, *reduce_head, outs[1], gather_rows, parts[1], site["mines"][1], outs[1],
-                                   outs[1], tokens, parts[1].shape[1])
+            site["reduce_weights"](*reduce_head, outs[1], gather_rows, parts[1], site["mines"][1], outs[1],
+                                   outs[1], tokens, parts[1].shape[1], key=alignment)
         return out, (outs[1].float() if weights is not None else None)
 
     # ------------------------------------------------------------------ low latency
@@ -617,8 +585,8 @@ class CudaStrategy(AllToAllStrategy):
                 HAS_STATS=stats is not None, TIMED=_timed(), num_warps=LL_WARPS)
             grid = self._ll_grid()
             sites = self._sites[key] = (
-                _Launch(self.kernels.ll_dispatch, grid, dict(constants, SEND=True, RECEIVE=fused)),
-                None if fused else _Launch(self.kernels.ll_dispatch, grid, dict(constants, SEND=False,
+                _site(self.kernels.ll_dispatch, grid, dict(constants, SEND=True, RECEIVE=fused)),
+                None if fused else _site(self.kernels.ll_dispatch, grid, dict(constants, SEND=False,
                                                                                    RECEIVE=True)))
         device = x.device
         values_dtype = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
@@ -633,11 +601,11 @@ class CudaStrategy(AllToAllStrategy):
                 recv_values.view(torch.int32), scales_store, src_info, recv_count, layout_range,
                 stats if stats is not None else recv_count]
         alignment = _aligned(x, topk_idx, stats)
-        sites[0](alignment, *args)
+        sites[0](*args, key=alignment)
         receive = None
         if sites[1] is not None:
             def receive() -> None:
-                sites[1](alignment, *args)
+                sites[1](*args, key=alignment)
         recv_x = recv_values
         if use_fp8:
             scales = scales_store.transpose(1, 2)
@@ -678,20 +646,20 @@ class CudaStrategy(AllToAllStrategy):
                              TIMED=_timed(), num_warps=LL_WARPS)
             grid = self._ll_grid()
             sites = self._sites[key] = (
-                _Launch(self.kernels.ll_combine, grid, dict(constants, SEND=True, RECEIVE=fused)),
-                None if fused else _Launch(self.kernels.ll_combine, grid, dict(constants, SEND=False,
+                _site(self.kernels.ll_combine, grid, dict(constants, SEND=True, RECEIVE=fused)),
+                None if fused else _site(self.kernels.ll_combine, grid, dict(constants, SEND=False,
                                                                                   RECEIVE=True)),
                 self._local_view(half, rows, hidden, torch.bfloat16))
         x = x.contiguous()
         args = [peers, signals, x.view(torch.int32), layout_range, topk_idx, topk_weights, out, sites[2],
                 topk_idx.shape[0], self.rank, self.timeout_ns, epoch, half // 4]
         alignment = _aligned(x, layout_range, topk_idx, topk_weights, out)
-        sites[0](alignment, *args)
+        sites[0](*args, key=alignment)
         if sites[1] is None:
             return None
 
         def receive() -> None:
-            sites[1](alignment, *args)
+            sites[1](*args, key=alignment)
         return receive
 
     # ------------------------------------------------------------------ CUDA graphs
