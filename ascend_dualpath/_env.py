@@ -10,6 +10,9 @@ variable                       meaning
 ``ADP_EMU_PRODUCT``            emulated product profile: ``A2`` (default) or ``A3``
 ``ADP_EMU_CAPABILITY_BITMAP``  capability bitmap of the ``aiv`` MoE strategy's emulated devices (``0`` clears
                                the AIV dataplane bit 0x04: the AICPU BatchWrite path); default: the product's
+``ADP_EMU_MTE2_STALL_US``      tests only: every GM -> UB copy of the emulated vector cores of this process takes that
+                               many more microseconds (a slow core; widens cross-rank ordering races), read by the
+                               emulator at each kernel launch (default 0)
 ``ADP_TIMEOUT_S``              default bound, in seconds, for every wait (default 30)
 ``ADP_FAST_DEBUG``             ``1`` shortens every default wait to 2 s, to fail fast while debugging
 ``ADP_MOE_FUSED``              ``0`` runs the cuda MoE strategy's send and receive halves as two launches (default 1: one)

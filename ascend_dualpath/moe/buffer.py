@@ -168,7 +168,9 @@ class Buffer:
         if self.timeout_s <= 0:
             raise ConfigError(f"timeout_s={self.timeout_s} must be > 0")
         self.strategy_name = strategies.resolve(strategy, self.group)
-        self.strategy = strategies.create(self.strategy_name, self.group, self.timeout_s)
+        # aiv takes two hops (RDMA to the same-index rank of the target node, then intra-node) across nodes
+        options = {"ranks_per_node": self.ranks_per_node} if self.strategy_name == "aiv" else {}
+        self.strategy = strategies.create(self.strategy_name, self.group, self.timeout_s, **options)
         self._destroyed = False
 
     # ----------------------------------------------------------------- helpers

@@ -1,6 +1,8 @@
 #include "emulator/kernel_runner.h"
 
 #include <algorithm>
+#include <chrono>
+#include <cstdlib>
 #include <map>
 
 #include "adp/wqe_hns.h"
@@ -175,6 +177,13 @@ Launch::Launch(std::string name, uint32_t block_dim, uint32_t ub_bytes, double t
       timeout_s_(timeout_s),
       hccl_context_(hccl_context) {
     if (block_dim == 0) fail(ErrorKind::kConfig, "kernel ", name_, ": block_dim must be >= 1");
+    if (const char* stall = std::getenv("ADP_EMU_MTE2_STALL_US")) {
+        char* end = nullptr;
+        const unsigned long us = std::strtoul(stall, &end, 10);
+        if (*stall == '\0' || *end != '\0' || us > 1000000)
+            fail(ErrorKind::kConfig, "ADP_EMU_MTE2_STALL_US='", stall, "' must be an integer in [0, 1000000]");
+        mte2_stall_us_ = uint32_t(us);
+    }
     results_.resize(block_dim);
     threads_.reserve(block_dim);
     for (uint32_t i = 0; i < block_dim; ++i) threads_.emplace_back([this, i, body] { run_core(i, body); });
@@ -244,6 +253,10 @@ void Launch::wait(double timeout_s) {
     if (first) std::rethrow_exception(first);
     if (aborted) std::rethrow_exception(aborted);
     if (!hccl_error_.empty()) throw Error(hccl_error_kind_, hccl_error_);
+}
+
+void Launch::stall_mte2() const {
+    if (mte2_stall_us_) std::this_thread::sleep_for(std::chrono::microseconds(mte2_stall_us_));
 }
 
 void Launch::sync_all() {

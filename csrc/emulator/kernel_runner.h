@@ -10,6 +10,9 @@
 //    once none of its lines is dirty. A doorbell rung before the flush yields an UNFLUSHED_WQE CQE.
 //  - SyncAll: a barrier over the launch's cores, bounded by the launch timeout; a core that fails
 //    aborts the launch, so the others leave their barriers and spin loops instead of hanging.
+// Adversarial scheduling (tests only): ADP_EMU_MTE2_STALL_US=N, read at each launch, makes every GM -> UB
+// copy of that launch's cores take N more microseconds of wall time: a core slow to read GM, which real
+// hardware may always be relative to a remote rank. It widens the window of any cross-rank ordering bug.
 // The data cache itself is not modelled: scalar writes land in memory at once; only their
 // visibility to the NIC is gated by the flush. ENTIRE_DATA_CACHE flushes every registered ring.
 #pragma once
@@ -94,6 +97,7 @@ class Launch {
     void check_aborted() const;  // throws when another core of the launch failed
 
     void sync_all();  // SyncAll(): barrier over all cores of the launch
+    void stall_mte2() const;  // the ADP_EMU_MTE2_STALL_US delay of a GM -> UB copy (none when unset)
     void record_hccl_error(const std::string& message, ErrorKind kind);
     double hccl_done_vtime_ns() const { return hccl_done_vtime_ns_.load(); }
     void note_hccl_done_vtime(double t);
@@ -105,6 +109,7 @@ class Launch {
     uint32_t block_dim_, ub_bytes_;
     double timeout_s_;
     void* hccl_context_;
+    uint32_t mte2_stall_us_ = 0;
     std::vector<std::thread> threads_;
     mutable std::mutex mutex_;
     std::condition_variable cv_;

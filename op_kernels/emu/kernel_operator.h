@@ -351,6 +351,7 @@ void DataCopy(const LocalTensor<T>& dst, const GlobalTensor<T>& src, const uint3
     const uint64_t bytes = uint64_t(calCount) * sizeof(T);
     emu_detail::check_copy("DataCopy(GM->UB)", bytes, dst.emu_data());
     dst.emu_check(calCount, "DataCopy(GM->UB)");
+    emu_detail::rt::current_core().launch->stall_mte2();
     std::memcpy(dst.emu_data(), src.GetPhyAddr(), bytes);
 }
 
@@ -382,6 +383,7 @@ void DataCopyPad(const LocalTensor<T>& dst, const GlobalTensor<T>& src, const Da
     const uint64_t ub_step = padded + uint64_t(params.dstStride) * 32;
     const uint64_t gm_step = uint64_t(params.blockLen) + params.srcStride;
     dst.emu_check((uint64_t(params.blockCount) - 1) * ub_step / sizeof(T) + padded / sizeof(T), "DataCopyPad(GM->UB)");
+    emu_detail::rt::current_core().launch->stall_mte2();
     auto* out = reinterpret_cast<uint8_t*>(dst.emu_data());
     const auto* in = reinterpret_cast<const uint8_t*>(src.GetPhyAddr());
     for (uint32_t b = 0; b < params.blockCount; ++b) {

@@ -241,12 +241,9 @@ def _hierarchy_worker(rank: int, world: int, env: dict, ranks_per_node: int) -> 
     and RDMA goes only to the same-index rank of other nodes and to ranks of this node."""
     os.environ.update(env)
     from ascend_dualpath.moe import Buffer, quant
-    from ascend_dualpath.moe.strategies import aiv
     from ascend_dualpath.reference import moe as ref
 
     buffer = Buffer(None, num_nvl_bytes=1 << 22, strategy="aiv", ranks_per_node=ranks_per_node, timeout_s=WAIT_S)
-    buffer.strategy.close()  # Buffer does not pass ranks_per_node to its strategy: put a two-hop one in its place
-    buffer.strategy = aiv.create(buffer.group, WAIT_S, ranks_per_node=ranks_per_node)
     tokens = [11, 3, 0, 8, 6, 1, 9, 4][:world]
     xs, idxs, weights, experts = _inputs(world, 21, tokens, 256, 4, 2, torch.bfloat16)
     want = ref.dispatch(xs, idxs, weights, experts)
@@ -271,26 +268,61 @@ def _hierarchy_worker(rank: int, world: int, env: dict, ranks_per_node: int) -> 
         "combine": torch.equal(combined.view(torch.int16), want_combined.view(torch.int16))
         and torch.equal(combined_w, torch.where(idxs[rank] >= 0, weights[rank], 0.0)),
         "routes": posted <= allowed - {rank} if strategy.dataplane == "aiv" else True,
+        "two_hop": strategy.hierarchy,  # Buffer passes its ranks_per_node to the aiv strategy
     }
     buffer.destroy()
     return out
 
 
-# Known defect: at 8 ranks the two-hop path sometimes returns wrong rows (a race between relays and
-# receivers, seen in CI and in repeated runs; fullmesh is unaffected). Buffer routes `aiv` fullmesh until it is
-# fixed; the test keeps running so a fix shows up as XPASS.
-HIERARCHY_RACE = pytest.mark.xfail(reason="race in the aiv two-hop (hierarchy) path at 8 ranks; see docs/moe.md",
-                                   strict=False)
+@pytest.mark.slow
+@pytest.mark.parametrize("env, world, ranks_per_node", [({}, 4, 2), (AICPU_ENV, 4, 2), ({}, 8, 2), (AICPU_ENV, 8, 4)],
+                         ids=["aiv-R4-P2", "aicpu-R4-P2", "aiv-R8-P2", "aicpu-R8-P4"])
+def test_hierarchy_routes_match_the_reference(env: dict, world: int, ranks_per_node: int) -> None:
+    for result in _spawn.run_ranks(world, _hierarchy_worker, env, ranks_per_node):
+        assert result == {"dispatch": True, "cached_fp8": True, "combine": True, "routes": True, "two_hop": True}, \
+            result
+
+
+# Every GM -> UB copy of rank 0's cores takes this much longer (emulator: ADP_EMU_MTE2_STALL_US).
+SLOW_RECEIVER_STALL_US = 4000
+
+
+def _slow_receiver_worker(rank: int, world: int, env: dict) -> dict:
+    """R=4, P=2 (nodes {0, 1} and {2, 3}). Every token goes to rank 0, whose vector cores read GM slowly, so its
+    unpack of hop 2 is long; relay 1 forwards the rows of sources 1 and 3 to it. Relay 1 returns from hop 2 as soon
+    as rank 0 has posted its notify, runs hop 1 of the next dispatch (which does not link it with rank 0) at full
+    speed, and writes the next hop 2 into rank 0's window while rank 0 is still unpacking: on the old code, with
+    one pair of halves shared by all routes, into the half being unpacked. Each dispatch must equal the
+    reference bitwise."""
+    os.environ.update(env)
+    if rank == 0:
+        os.environ["ADP_EMU_MTE2_STALL_US"] = str(SLOW_RECEIVER_STALL_US)
+    from ascend_dualpath.moe import Buffer
+    from ascend_dualpath.reference import moe as ref
+
+    buffer = Buffer(None, num_nvl_bytes=1 << 22, strategy="aiv", ranks_per_node=2, timeout_s=WAIT_S)
+    tokens = [1, 6, 0, 6]
+    xs, idxs, weights, experts = _inputs(world, 31, tokens, 64, 1, 2, torch.bfloat16)
+    idxs = [torch.zeros_like(i) for i in idxs]  # expert 0: rank 0
+    failures = []
+    recv_x, _, _, _, handle, _ = _dispatch(buffer, xs[rank], idxs[rank], weights[rank], experts)
+    outputs = [(recv_x, xs)]
+    for step in range(1, 4):  # cached dispatches: no collective between them, each with new values
+        step_xs = [x + step for x in xs]
+        outputs.append((buffer.dispatch(step_xs[rank], handle=handle)[0], step_xs))
+    for step, (got, step_xs) in enumerate(outputs):
+        want = ref.dispatch(step_xs, idxs, weights, experts)[rank].x
+        if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
+            failures.append(f"dispatch {step}: {int((got != want).any(dim=1).sum())} of {want.shape[0]} rows differ")
+    buffer.destroy()
+    return {"failures": failures}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("env, world, ranks_per_node", [
-    ({}, 4, 2), (AICPU_ENV, 4, 2),
-    pytest.param({}, 8, 2, marks=HIERARCHY_RACE), pytest.param(AICPU_ENV, 8, 4, marks=HIERARCHY_RACE),
-], ids=["aiv-R4-P2", "aicpu-R4-P2", "aiv-R8-P2", "aicpu-R8-P4"])
-def test_hierarchy_routes_match_the_reference(env: dict, world: int, ranks_per_node: int) -> None:
-    for result in _spawn.run_ranks(world, _hierarchy_worker, env, ranks_per_node):
-        assert result == {"dispatch": True, "cached_fp8": True, "combine": True, "routes": True}, result
+@pytest.mark.parametrize("env", [{}, AICPU_ENV], ids=["aiv", "aicpu"])
+def test_hierarchy_relay_never_overwrites_rows_a_slow_receiver_still_unpacks(env: dict) -> None:
+    for rank, result in enumerate(_spawn.run_ranks(4, _slow_receiver_worker, env)):
+        assert result == {"failures": []}, f"rank {rank}: {result}"
 
 
 def _property_worker(rank: int, world: int, env: dict) -> dict:

@@ -6,8 +6,8 @@ name       what moves the data                                               ava
 mc2        ``torch_npu.npu_moe_distribute_dispatch(_v2)/combine(_v2)``        torch_npu imports, hccl
            for low-latency ops; normal ops over ``alltoall``
 aiv        our AscendC kernels (``moe_dispatch``/``moe_combine``) on the      gloo group (CPU tensors),
-           emulated device: AIV-direct WQEs or AICPU BatchWrite; low-latency  the compiled emulator
-           ops over ``alltoall``
+           emulated device: AIV-direct WQEs or AICPU BatchWrite; fullmesh,    the compiled emulator
+           or two hops when the ranks span several nodes
 cuda       Triton copy kernels writing into NVLink peers' symmetric memory   CUDA group (nccl), 2/4/8
                                                                              ranks, all peers P2P
 alltoall   ``torch.distributed.all_to_all_single`` (gloo, nccl, hccl)        always

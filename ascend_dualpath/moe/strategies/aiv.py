@@ -21,6 +21,13 @@ two hops (RDMA to the same-index rank of the target node, then intra-node; :meth
 
 Receive windows have two halves used by alternate ops: a rank returns from op k only after every peer's notify
 of op k arrived, i.e. after every peer finished op k - 1, so op k + 1 never writes a half a peer still reads.
+That argument needs every op to link every pair. A two-hop op links only a clique of ranks (hop 1: the same-index
+ranks of all nodes; hop 2: the ranks of one node), so each route (fullmesh, hop 1, hop 2) has its own region of
+the window, with two halves used by alternate ops *of that route*: within a clique the argument holds again (a
+rank returns from the route's op n only after every clique peer finished its op n - 1 of the route), and no other
+route writes the region. With one pair of halves shared by all routes, relay A could finish hop 1 of the next
+dispatch (which does not link A with its node peer B) and write hop 2 into the half B was still unpacking from
+the previous hop 2: the race that corrupted rows at 8 ranks.
 The magic of source ``s`` in op ``k`` is ``0x4D << 56 | s << 32 | k``: a wait for op k is satisfied by it or a
 later one of the same source (``notify_reached`` in ``moe_exchange.h``), never by an earlier flag.
 """
@@ -43,6 +50,8 @@ from ascend_dualpath.moe.strategies.base import NormalPlan, PendingRows
 MAX_BLOCK_DIM = 4
 # Largest piece one WQE / BatchWrite item carries (the transfer engine's assumption, no public figure).
 MAX_SINGLE_PAYLOAD = 1 << 20
+# Link patterns of an op; each has its own receive-window region (two halves), see the module docstring.
+ROUTES = ("all", "hop1", "hop2")
 # Head of windows_out holding this rank's magic word (the source of the notify writes).
 STAGING_BYTES = 64
 HALF_ALIGN = 4096
@@ -119,6 +128,13 @@ class AivStrategy(AllToAllStrategy):
         if self.ranks_per_node < 1 or self.world % self.ranks_per_node:
             raise ConfigError(f"ranks_per_node={self.ranks_per_node} must be >= 1 and divide the group size "
                               f"{self.world}")
+        ranks = np.arange(self.world)
+        local, node = ranks % self.ranks_per_node, ranks // self.ranks_per_node
+        # pairs each route links: every pair; the same-index ranks of all nodes; the ranks of one node
+        self._links = {"all": np.ones((self.world, self.world), dtype=bool), "hop1": local[:, None] == local,
+                       "hop2": node[:, None] == node}
+        self._route_ops = dict.fromkeys(ROUTES, 0)  # ops run per route: the parity picks the region's half
+        self._regions = len(ROUTES) if self.hierarchy else 1
         self.block_dim = block_dim or min(self.world, MAX_BLOCK_DIM)
         self.max_payload = max_payload
         names: list = [None] * self.world
@@ -148,13 +164,14 @@ class AivStrategy(AllToAllStrategy):
         return "aiv" if self.device.profile.capability_bitmap & 0x04 else "aicpu"
 
     def _ensure_windows(self, recv_bytes: int, send_bytes: int) -> None:
-        """A communicator whose windows hold two receive halves of ``recv_bytes`` and ``send_bytes`` to send.
+        """A communicator whose windows hold two receive halves of ``recv_bytes`` per route region and ``send_bytes``
+        to send.
 
         Every rank passes the same sizes (maxima over the whole count matrix), so every rank rebuilds at the
         same op, and the rebuild's RankInfo exchange happens only once every rank finished the previous op.
         """
         half = -(-max(recv_bytes, 1) // HALF_ALIGN) * HALF_ALIGN
-        needed = max(2 * half, STAGING_BYTES + send_bytes)
+        needed = max(2 * self._regions * half, STAGING_BYTES + send_bytes)
         if self.comm is not None and self.comm.windows_in.size >= needed:
             return
         from ascend_dualpath.backends import emulator
@@ -207,6 +224,13 @@ class AivStrategy(AllToAllStrategy):
         self._exchange("moe_dispatch", counts, parts, plan.send_order.to(torch.int32), outs, None, what)
         return outs
 
+    def _receive_half(self, route: str) -> int:
+        """Offset in windows_in of the half that this op of ``route`` receives into (advances the route's count)."""
+        self._route_ops[route] += 1
+        region = ROUTES.index(route) if self._regions > 1 else 0
+        half = self.comm.windows_in.size // self._regions // 2 // HALF_ALIGN * HALF_ALIGN
+        return (2 * region + self._route_ops[route] % 2) * half
+
     def _routes(self, plan: NormalPlan) -> dict:
         """The two-hop routes of ``plan`` (kept in it for cached dispatch and combine).
 
@@ -225,15 +249,13 @@ class AivStrategy(AllToAllStrategy):
         to_node = in_rank.view(in_rank.shape[0], nodes, ranks_per_node).any(dim=2)
         node_counts = self.exchange_counts(to_node.sum(dim=0), "hierarchical dispatch node counts").numpy()
         ranks = np.arange(self.world)
-        node, same_local = ranks // ranks_per_node, (ranks % ranks_per_node)[:, None] == (ranks % ranks_per_node)
-        same_node = node[:, None] == node[None, :]
+        node, same_local, same_node = ranks // ranks_per_node, self._links["hop1"], self._links["hop2"]
         hop1 = np.where(same_local, node_counts[:, node], 0)
         hop2 = np.where(same_node, same_local.astype(np.int64) @ counts, 0)
         send1 = torch.cat([to_node[:, n].nonzero()[:, 0] for n in range(nodes)]).to(torch.int32)
         # combine sends every (token, destination) row back over hop 1: back1[r, s] = Σ_{d in node(r)} C[s, d]
         back1 = np.where(same_local, (counts @ same_node.astype(np.int64)).T, 0)
-        routes = {"hop1": hop1, "hop2": hop2, "back1": back1, "send1": send1, "same_local": same_local,
-                  "same_node": same_node,
+        routes = {"hop1": hop1, "hop2": hop2, "back1": back1, "send1": send1,
                   "src1": np.repeat(ranks, hop1[:, me]), "mine": ranks[node == node[me]]}
         # where hop-2 rows land in the receive order (source rank, ascending token): relays in rank order, each
         # relaying its sources in rank order, each source's rows in token order
@@ -253,17 +275,18 @@ class AivStrategy(AllToAllStrategy):
         relayed = int(routes["hop1"][:, me].sum())
         hop1_out = [torch.empty((relayed, *p.shape[1:]), dtype=p.dtype) for p in hop1_parts]
         self._exchange("moe_dispatch", routes["hop1"], hop1_parts, routes["send1"], hop1_out, None, f"{what} (hop 1)",
-                       routes["same_local"])
+                       "hop1")
         mask = hop1_out.pop().bool()
         if "send2" not in routes:
             routes["send2"] = torch.cat([mask[:, d].nonzero()[:, 0] for d in routes["mine"]]).to(torch.int32)
         hop2_out = [torch.empty((received, *p.shape[1:]), dtype=p.dtype) for p in parts]
         self._exchange("moe_dispatch", routes["hop2"], hop1_out, routes["send2"], hop2_out, None, f"{what} (hop 2)",
-                       routes["same_node"])
+                       "hop2")
         outs = [torch.empty_like(p) for p in hop2_out]
         for out, rows in zip(outs, hop2_out, strict=True):  # as bytes: index_copy_ has no FP8 kernel
-            out.reshape(out.shape[0], -1).view(torch.uint8).index_copy_(
-                0, routes["final"], rows.reshape(rows.shape[0], -1).view(torch.uint8))
+            width = math.prod(out.shape[1:])  # explicit: reshape(0, -1) is ambiguous for a rank receiving nothing
+            out.reshape(out.shape[0], width).view(torch.uint8).index_copy_(
+                0, routes["final"], rows.reshape(rows.shape[0], width).view(torch.uint8))
         return outs
 
     def _combine_hierarchy(self, plan: NormalPlan, parts: list[torch.Tensor], reduce: dict) -> None:
@@ -277,12 +300,12 @@ class AivStrategy(AllToAllStrategy):
         back2 = int(routes["hop2"][me].sum())
         hop2_out = [torch.empty((back2, *p.shape[1:]), dtype=p.dtype) for p in parts]
         self._exchange("moe_dispatch", routes["hop2"].T.copy(), parts, routes["final"].to(torch.int32), hop2_out,
-                       None, "combine rows (hop 2)", routes["same_node"])
+                       None, "combine rows (hop 2)", "hop2")
         # relay's rows come back per destination (rank order), each in its forward order; return them per source
         source_of_row = routes["src1"][routes["send2"].numpy()]
         order = torch.from_numpy(np.argsort(source_of_row, kind="stable").astype(np.int32))
         self._exchange("moe_combine", routes["back1"], hop2_out, order, [], reduce, "combine rows (hop 1)",
-                       routes["same_local"])
+                       "hop1")
 
     def exchange_rows(self, parts: list[torch.Tensor], send_counts: list[int], recv_counts: list[int],
                       what: str) -> PendingRows:
@@ -331,13 +354,13 @@ class AivStrategy(AllToAllStrategy):
         return out_x, out_w
 
     def _exchange(self, kernel: str, sends: np.ndarray, in_parts: list[torch.Tensor], send_index: torch.Tensor,
-                  out_parts: list[torch.Tensor], reduce: dict | None, what: str,
-                  links: np.ndarray | None = None) -> None:
+                  out_parts: list[torch.Tensor], reduce: dict | None, what: str, route: str = "all") -> None:
         """Run ``kernel``, which moves ``sends[i, j]`` rows from rank i to rank j through the emulated NICs.
 
-        ``links`` (bool ``[R, R]``, default all): the pairs that exchange in this op (data and notify); a two-hop
-        route links only the ranks of one node, or the same-index ranks of all nodes. The kernel reads and
-        writes the tensors by address: the caller keeps them alive until this returns.
+        ``route`` (one of :data:`ROUTES`) names the pairs that exchange in this op (data and notify): every pair,
+        the same-index ranks of all nodes (hop 1) or the ranks of one node (hop 2); the rows land in that route's
+        region of the receive window. The kernel reads and writes the tensors by address: the caller keeps them
+        alive until this returns.
         """
         if self._broken:
             raise QueueError(f"the aiv strategy is unusable after an earlier failure: {self._broken}")
@@ -345,9 +368,9 @@ class AivStrategy(AllToAllStrategy):
         self._ensure_windows(int(sends.sum(axis=0).max()) * row, int(sends.sum(axis=1).max()) * row)
         self._epoch += 1
         comm, rank, epoch = self.comm, self.rank, self._epoch
-        half = (comm.windows_in.size // 2 // HALF_ALIGN * HALF_ALIGN) * (epoch % 2)
+        half = self._receive_half(route)
         mine = sends[rank]
-        linked = np.ones(self.world, dtype=bool) if links is None else links[rank].copy()
+        linked = self._links[route][rank].copy()
         linked[rank] = False
         unlinked = ~linked
         unlinked[rank] = False

@@ -14,15 +14,16 @@
 // grows every op, so a stale flag is never taken as ready.
 #pragma once
 
+#include "adp/sq_poster.h"
 #include "adp/transfer_kernels.h"
 #include "adp/wqe_hns.h"
 #include "kernel_operator.h"
 
-#if !defined(__CCE_AICORE__)
-#include <thread>
-#endif
-
 namespace adp::moe {
+
+using adp::aiv::flush;
+using adp::aiv::gm_at;
+using adp::aiv::relax;
 
 #pragma pack(push, 1)
 struct ExchangeTiling {
@@ -78,28 +79,8 @@ constexpr uint32_t kDataplaneAicpu = 1;
 constexpr uint32_t kMaxParts = 8;
 constexpr uint32_t kNotifySlotBytes = 32;
 constexpr uint32_t kCoreNotifyTimeout = 3;  // CoreStatus.code; CoreStatus.tail names the silent source
-constexpr uint32_t kLineBytes = 64;
 
 __aicore__ inline uint32_t align32(uint32_t bytes) { return (bytes + 31) / 32 * 32; }
-
-// Spin-loop pause: nothing on the AI core; on the CPU emulator, give the host cores to other ranks.
-__aicore__ inline void relax() {
-#if !defined(__CCE_AICORE__)
-    std::this_thread::yield();
-#endif
-}
-
-template <typename T>
-__aicore__ inline AscendC::GlobalTensor<T> gm_at(uint64_t addr, uint64_t elements) {
-    AscendC::GlobalTensor<T> t;
-    t.SetGlobalBuffer(reinterpret_cast<__gm__ T*>(addr), elements);
-    return t;
-}
-
-template <typename T>
-__aicore__ inline void flush(const AscendC::GlobalTensor<T>& t) {
-    AscendC::DataCacheCleanAndInvalid<T, AscendC::CacheLine::SINGLE_CACHE_LINE, AscendC::DcciDst::CACHELINE_OUT>(t);
-}
 
 // Copies `rows` rows between row-part layouts through UB: each part of each row goes GM -> UB (at a
 // 32-byte aligned slot) -> GM with DataCopyPad, so no part needs 32-byte aligned lengths or addresses.
@@ -156,82 +137,6 @@ class RowMover {
     uint32_t num_parts_;
 };
 
-// Posts WRITE WQEs on one queue pair (owned by the calling core for the whole launch).
-class WqePoster {
-   public:
-    __aicore__ inline WqePoster(const adp::xfer::AivQueue& q, const ExchangeTiling& t) : q_(q), t_(t) {
-        sq_ = gm_at<uint32_t>(q.sq_addr, uint64_t(q.depth) * q.wqe_size / 4);
-        head_word_ = gm_at<uint32_t>(q.head_addr, 1);
-        tail_word_ = gm_at<uint32_t>(q.tail_addr, 1);
-        doorbell_ = gm_at<uint64_t>(q.doorbell_addr, 1);
-        post_vtime_ = gm_at<uint64_t>(q.post_vtime_addr, 1);
-        flush(head_word_);
-        head_ = head_word_.GetValue(0);
-        rung_ = head_;
-        vtime_ns_ = t.start_vtime_ns;
-    }
-
-    // False when the SQ stayed full for timeout_cycles.
-    __aicore__ inline bool Post(uint64_t local, uint32_t lkey, uint64_t remote, uint32_t rkey, uint32_t length,
-                                bool signaled) {
-        if (!WaitForSpace()) return false;
-        const adp::wqe::RcSendWqe w = adp::wqe::encode_rc_wqe(
-            adp::wqe::kOpcodeWrite, adp::wqe::owner_for_index(head_, q_.owner_shift), signaled, length, rkey, remote,
-            lkey, local);
-        const uint64_t slot_words = uint64_t(head_ % q_.depth) * q_.wqe_size / 4;
-        const uint32_t* words = reinterpret_cast<const uint32_t*>(&w);
-        for (uint32_t i = 0; i < adp::wqe::kWqeBytes / 4; ++i) sq_.SetValue(slot_words + i, words[i]);
-        const uint64_t slot_bytes = slot_words * 4;
-        for (uint64_t line = slot_bytes / kLineBytes * kLineBytes; line < slot_bytes + adp::wqe::kWqeBytes;
-             line += kLineBytes)
-            flush(sq_[line / 4]);  // the NIC reads the WQE from HBM, not from this core's cache
-        ++head_;
-        ++posted_;
-        vtime_ns_ += t_.submit_ns;
-        return true;
-    }
-
-    __aicore__ inline void Ring() {
-        if (head_ == rung_) return;
-        uint64_t vbits;
-        __builtin_memcpy(&vbits, &vtime_ns_, sizeof(vbits));
-        post_vtime_.SetValue(0, vbits);
-        flush(post_vtime_);
-        head_word_.SetValue(0, head_);
-        flush(head_word_);
-        doorbell_.SetValue(0, adp::wqe::encode_sq_doorbell(q_.qpn, head_, q_.sl));
-        flush(doorbell_);
-        rung_ = head_;
-    }
-
-    __aicore__ inline uint32_t posted() const { return posted_; }
-    __aicore__ inline uint32_t head() const { return head_; }
-    __aicore__ inline uint32_t tail() const { return tail_; }
-
-   private:
-    __aicore__ inline bool WaitForSpace() {  // at most depth - 1 outstanding: head == tail means empty
-        flush(tail_word_);
-        tail_ = tail_word_.GetValue(0);
-        if (head_ - tail_ + 1 <= q_.depth - 1) return true;
-        Ring();  // the NIC retires only what a doorbell covers
-        const int64_t start = AscendC::GetSystemCycle();
-        while (head_ - tail_ + 1 > q_.depth - 1) {
-            if (uint64_t(AscendC::GetSystemCycle() - start) > t_.timeout_cycles) return false;
-            relax();
-            flush(tail_word_);
-            tail_ = tail_word_.GetValue(0);
-        }
-        return true;
-    }
-
-    adp::xfer::AivQueue q_;
-    const ExchangeTiling& t_;
-    AscendC::GlobalTensor<uint32_t> sq_, head_word_, tail_word_;
-    AscendC::GlobalTensor<uint64_t> doorbell_, post_vtime_;
-    uint32_t head_ = 0, rung_ = 0, tail_ = 0, posted_ = 0;
-    double vtime_ns_ = 0;
-};
-
 // The per-core outcome of an exchange, written to status[core] (adp::xfer::CoreStatus).
 struct ExchangeOutcome {
     uint32_t code = adp::xfer::kCoreOk;
@@ -286,7 +191,7 @@ __aicore__ inline void send_phase(const ExchangeTiling& t, const ExchangePeer* p
             AscendC::WaitFlag<AscendC::HardEvent::MTE3_S>(0);
             const uint64_t bytes = uint64_t(peer.send_count) * w;
             if (t.dataplane == kDataplaneAiv) {
-                WqePoster poster(queues[d], t);
+                adp::aiv::SqPoster poster(queues[d], t.timeout_cycles, t.start_vtime_ns, t.submit_ns);
                 bool ok = true;
                 for (uint64_t off = 0; ok && off < bytes; off += t.max_payload) {
                     const uint32_t n = uint32_t(bytes - off < t.max_payload ? bytes - off : t.max_payload);
