@@ -25,6 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Mooncake JSONL(.gz) (default $ADP_TRACE_DIR or <repo>/../shared/traces)")
     parser.add_argument("--online", action="store_true", help="also search the online APS capacity (slow)")
     parser.add_argument("--online-duration", type=float, default=900.0, help="seconds simulated per online point")
+    parser.add_argument("--online-max-aps", type=float, default=8.0, help="upper end of the APS bisection")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("out/simulate"), help="directory for figures and results")
 
@@ -126,7 +127,8 @@ def run(args: argparse.Namespace) -> int:
         results["online_aps"] = {}
         for mode in (Mode.BASIC, Mode.SCHEDULER):
             with console.status(f"online capacity {mode.value}"):
-                aps = online_capacity(config, mode, args.online_duration, low=0.05, high=2.0, seed=args.seed)
+                aps = online_capacity(config, mode, args.online_duration, low=0.05, high=args.online_max_aps,
+                                      seed=args.seed, max_len=args.max_len)
             results["online_aps"][mode.value] = aps
             console.print(f"online APS capacity ({mode.value}): {aps:.3f}")
     if sweep_counts:

@@ -288,8 +288,24 @@ def plan_prefill_batch(
 # ----------------------------------------------------------------------------------------- run (stateful)
 
 
+@dataclass
+class _PrefillEngineView:
+    """The scheduler's view of one PE: its last report plus what was assigned to it since."""
+
+    node_id: int
+    group_id: int
+    tokens: int
+    version: int = 0
+
+
 class Scheduler:
     """The central scheduler: queues, pulls and the read-queue view it decides paths with.
+
+    PE choice is global: on any PE group's pull the FIFO head goes to the best engine of *all* PEs the
+    scheduler knows (categories and minimum tokens as in :func:`plan_prefill`, which it equals), and each
+    group receives, when it pulls, what was assigned to its engines since its last pull. Choosing only
+    among the pulling group's engines would hand every request to whichever group happens to pull
+    first, leaving the others idle at low load.
 
     Parameters
     ----------
@@ -305,7 +321,15 @@ class Scheduler:
         self._decode_private: dict[int, deque[Request]] = {}
         self._group_tokens: dict[int, int] = {}  # latest sum(tok_e) per DE group, plus queued since
         self._prefill_waiting: deque[tuple[Request, int, int]] = deque()  # (request, de engine, de node)
+        self._decode_node: dict[int, int] = {}  # DE engine -> its node
         self._read_queue: dict[int, int] = {}  # node -> tokens, reported then advanced by our own reads
+        self._prefill_engines: dict[int, _PrefillEngineView] = {}
+        self._prefill_engines_of_node: dict[int, list[int]] = {}
+        # (excluded, category, tokens, engine_id, version): the best PE on top; entries whose version or
+        # key is stale are dropped or re-pushed when they surface
+        self._prefill_heap: list[tuple[bool, int, int, int, int]] = []
+        self._undelivered: dict[int, list[Assignment]] = {}  # PE group -> assigned, not yet pulled
+        self._undelivered_reads: dict[int, int] = {}  # node -> hit tokens of undelivered assignments read there
 
     @classmethod
     def from_profile(cls, profile: EngineProfile) -> Scheduler:
@@ -317,17 +341,33 @@ class Scheduler:
 
     @property
     def queued(self) -> int:
-        return len(self._decode_global) + sum(map(len, self._decode_private.values())) + len(self._prefill_waiting)
+        """Requests not yet handed to a PE group (waiting for a DE, a PE, or their PE group's pull)."""
+        return (len(self._decode_global) + sum(map(len, self._decode_private.values())) + len(self._prefill_waiting)
+                + sum(map(len, self._undelivered.values())))
 
     def register_decode_group(self, group_id: int, total_tokens: int = 0) -> None:
         """Make a DE group eligible for phase 1 before its first pull."""
         self._group_tokens.setdefault(group_id, total_tokens)
         self._decode_private.setdefault(group_id, deque())
 
+    def register_prefill_group(self, report: GroupReport) -> None:
+        """Make a PE group's engines eligible before its first pull (a pull does this too)."""
+        self._update_read_queues(report.read_queue_tokens)
+        pending = self._undelivered.setdefault(report.group_id, [])
+        for engine in report.engines:
+            assigned = sum(a.request.prompt_tokens for a in pending if a.prefill_engine == engine.engine_id)
+            view = self._prefill_engines.get(engine.engine_id)
+            if view is None:
+                view = self._prefill_engines[engine.engine_id] = _PrefillEngineView(
+                    engine.node_id, report.group_id, engine.tokens + assigned)
+                self._prefill_engines_of_node.setdefault(engine.node_id, []).append(engine.engine_id)
+            view.tokens = engine.tokens + assigned
+            self._push_prefill(engine.engine_id)
+
     def pull_decode(self, report: GroupReport) -> list[tuple[Request, int]]:
         """A DE group's pull: phase 1 drains the global queue over all groups, phase 2 places this
         group's private queue. Returns ``(request, decode_engine_id)``; those requests join the PE FIFO."""
-        self._read_queue.update(report.read_queue_tokens)
+        self._update_read_queues(report.read_queue_tokens)
         private = self._decode_private.setdefault(report.group_id, deque())
         queued_here = sum(r.prompt_tokens for r in private)
         self._group_tokens[report.group_id] = sum(e.tokens for e in report.engines) + queued_here
@@ -338,26 +378,72 @@ class Scheduler:
             self._decode_global.clear()
         placed = plan_decode(private, report.engines)
         node_of = {e.engine_id: e.node_id for e in report.engines}
+        self._decode_node.update(node_of)
         for request, engine_id in placed:
             private.popleft()
             self._prefill_waiting.append((request, engine_id, node_of[engine_id]))
         return placed
 
     def pull_prefill(self, report: GroupReport) -> list[Assignment]:
-        """A PE group's pull: place the FIFO head on this group and choose each read path."""
-        self._read_queue.update(report.read_queue_tokens)
-        if not self._prefill_waiting:
-            return []
-        placed = plan_prefill(
-            (entry[0] for entry in self._prefill_waiting), report.engines, self._read_queue, self.alpha, self.beta
-        )
-        node_of = {e.engine_id: e.node_id for e in report.engines}
-        assignments = []
-        for request, pe in placed:
-            _, de, de_node = self._prefill_waiting.popleft()
-            pe_node = node_of[pe]
-            path = choose_read_path(self._read_queue.get(pe_node, 0), self._read_queue.get(de_node, 0))
-            read_node = pe_node if path is ReadPath.PE else de_node
+        """A PE group's pull: place the FIFO head on the best PEs of all groups, choose each read path,
+        and return what is assigned to this group's engines (now or since its last pull)."""
+        self.register_prefill_group(report)
+        while self._prefill_waiting:
+            engine_id = self._best_prefill_engine()
+            if engine_id is None:
+                break  # every PE is over beta
+            request, de, de_node = self._prefill_waiting.popleft()
+            view = self._prefill_engines[engine_id]
+            view.tokens += request.prompt_tokens
+            path = choose_read_path(self._read_queue.get(view.node_id, 0), self._read_queue.get(de_node, 0))
+            read_node = view.node_id if path is ReadPath.PE else de_node
             self._read_queue[read_node] = self._read_queue.get(read_node, 0) + request.cached_tokens
-            assignments.append(Assignment(request, pe, de, path))
-        return assignments
+            self._undelivered_reads[read_node] = self._undelivered_reads.get(read_node, 0) + request.cached_tokens
+            self._push_prefill(engine_id)
+            self._undelivered.setdefault(view.group_id, []).append(Assignment(request, engine_id, de, path))
+        delivered = self._undelivered.get(report.group_id, [])
+        self._undelivered[report.group_id] = []
+        for assignment in delivered:  # their reads start now: from here on the nodes' reports count them
+            read_node = self._prefill_engines[assignment.prefill_engine].node_id if (
+                assignment.read_path is ReadPath.PE) else self._decode_node[assignment.decode_engine]
+            self._undelivered_reads[read_node] -= assignment.request.cached_tokens
+        return delivered
+
+    # --------------------------------------------------------------------------- PE choice (global)
+
+    def _prefill_key(self, engine_id: int) -> tuple[bool, int, int]:
+        view = self._prefill_engines[engine_id]
+        category = 2 if self._read_queue.get(view.node_id, 0) <= self.alpha else 3
+        return view.tokens > self.beta, category, view.tokens
+
+    def _push_prefill(self, engine_id: int) -> None:
+        view = self._prefill_engines[engine_id]
+        view.version += 1
+        heapq.heappush(self._prefill_heap, (*self._prefill_key(engine_id), engine_id, view.version))
+        if len(self._prefill_heap) > 4 * len(self._prefill_engines) + 64:  # drop the stale entries
+            self._prefill_heap = [(*self._prefill_key(e), e, v.version) for e, v in self._prefill_engines.items()]
+            heapq.heapify(self._prefill_heap)
+
+    def _best_prefill_engine(self) -> int | None:
+        """The engine :func:`plan_prefill` would pick among all known PEs, or None if all exceed beta."""
+        heap = self._prefill_heap
+        while heap:
+            excluded, category, tokens, engine_id, version = heap[0]
+            if version != self._prefill_engines[engine_id].version:
+                heapq.heappop(heap)
+            elif (excluded, category, tokens) != self._prefill_key(engine_id):
+                heapq.heappop(heap)  # its node's read queue grew past alpha since the push
+                self._push_prefill(engine_id)
+            else:
+                return None if excluded else engine_id
+        return None
+
+    def _update_read_queues(self, reported: dict[int, int]) -> None:
+        """Take a report's read queues, plus the reads assigned there that no group has pulled yet."""
+        for node, tokens in reported.items():
+            tokens += self._undelivered_reads.get(node, 0)
+            shrank = tokens < self._read_queue.get(node, 0)
+            self._read_queue[node] = tokens
+            if shrank:  # a better category than the heap entries of this node's PEs say
+                for engine_id in self._prefill_engines_of_node.get(node, ()):
+                    self._push_prefill(engine_id)

@@ -3,22 +3,26 @@
 What is modelled (each figure physically motivated, see docs/simulator.md):
 
 * nodes of ``g`` engines; a prefill (PE) or decode (DE) role per node; one storage NIC per node that
-  serves its read queue FIFO at full rate (3FS saturates it); a compute NIC per engine (bandwidth
-  ``B``) that carries H2D, PE<->DE layer blocks and PE->DE KV;
-* PE forward passes in lock-step per node (DP attention + EP MoE: ranks wait for the slowest at every
-  layer's all-to-all); pass time per engine from FLOPs (GEMMs at 2 x activated params per token,
-  attention from the pair counts of :class:`~ascend_dualpath.dualpath.scheduler.EngineProfile`);
-* DE decode steps in lock-step per node: a fixed part (weights, EP latency) plus the HBM bytes the
+  serves its read queue FIFO at full rate (3FS saturates it) into the node's DRAM buffer; a compute NIC
+  per engine (bandwidth ``B``) that carries H2D, PE<->DE layer blocks and PE->DE KV;
+* forward passes in lock-step per expert-parallel instance (all of a role's nodes when the weights need
+  more than one GPU: ranks wait for the slowest at every layer's all-to-all), else per engine; pass time
+  per engine from FLOPs (GEMMs at 2 x activated params per token, attention from the pair counts of
+  :class:`~ascend_dualpath.dualpath.scheduler.EngineProfile`);
+* DE decode steps in lock-step per instance: a fixed part (weights, EP latency) plus the HBM bytes the
   batch's attention reads; HBM admission per DE;
-* modes: ``basic`` (PE read path only, the whole hit KV read into PE HBM before the pass, HBM-gated,
-  KV shipped to the DE after prefill), ``layerwise`` (PE read path into the PE buffer, layer blocks
-  streamed to HBM during the pass), ``dualpath`` (both read paths, round-robin placement, alternating
-  path), ``scheduler`` (the adaptive scheduler of :mod:`ascend_dualpath.dualpath.scheduler`),
-  ``oracle`` (the scheduler with every storage read, H2D and P->D transfer free).
+* modes: ``basic`` (the baseline the PE read path was derived from, §4.1: storage -> PE buffer, then all
+  layers' KV copied into PE HBM before the pass, which therefore waits for that H2D; the whole prompt KV
+  stays in PE HBM until it has been sent PE HBM -> DE HBM after the pass, so PE HBM bounds the batch),
+  ``layerwise`` (PE read path with layer blocks: H2D and PE->DE streaming overlap the pass, the DE copies
+  its buffer to HBM), ``dualpath`` (both read paths, round-robin placement, alternating path),
+  ``scheduler`` (the adaptive scheduler of :mod:`ascend_dualpath.dualpath.scheduler`), ``oracle`` (the
+  scheduler with every storage read, H2D and P->D transfer free).
 
-What is not: storage writes (they use the SNIC's other direction), CNIC contention between
-engines (the bandwidth model keeps 2P4D-like ratios bottleneck-free), DRAM buffer capacity, tool
-latency (zero, as in the paper's evaluation), failures.
+What is not: storage writes (they use the SNIC's other direction), CNIC contention between different
+engines' transfers (each engine's own whole-prompt transfers are serialised on its NIC; the bandwidth
+model keeps 2P4D-like ratios bottleneck-free), DRAM buffer capacity, tool latency (zero, as in the
+paper's evaluation), failures.
 """
 
 from __future__ import annotations
@@ -122,9 +126,9 @@ class _Engine:
     seqs: int = 0
     tokens: int = 0
     free_hbm: float = 0.0
+    link_free_at: float = 0.0  # when this engine's CNIC is free for the next whole-prompt KV transfer
     # PE side
     ready: deque = field(default_factory=deque)  # of (PrefillWork, _Req, first_pass: bool)
-    awaiting_hbm: deque = field(default_factory=deque)
     # DE side
     active: int = 0
     sum_ctx: int = 0
@@ -140,9 +144,17 @@ class _Node:
     read_fifo: deque = field(default_factory=deque)  # of (_Req, tokens)
     read_queue_tokens: int = 0
     read_busy: bool = False
+    reads: list = field(default_factory=list)  # (start, end, bytes): storage-NIC activity
+
+
+@dataclass
+class _Domain:
+    """Engines that run forward passes in lock-step: an expert-parallel instance (its ranks meet in every
+    layer's all-to-all, so a pass lasts as long as its slowest rank), or one engine of a replicated model."""
+
+    engines: list[int]
     step_busy: bool = False
     completed_steps: int = 0
-    reads: list = field(default_factory=list)  # (start, end, bytes): storage-NIC activity
 
 
 @dataclass
@@ -199,6 +211,8 @@ class ClusterSim:
         self.pe_nodes = list(range(config.prefill_nodes))
         self.de_nodes = list(range(config.prefill_nodes, len(self.nodes)))
         self.engines = [_Engine(e, e // g) for e in range(len(self.nodes) * g)]
+        self.domains = [domain for role in (self.pe_nodes, self.de_nodes) for domain in self._lockstep_domains(role)]
+        self._domain_of = {e: domain for domain in self.domains for e in domain.engines}
         self.pe_ids = [e for n in self.pe_nodes for e in self.nodes[n].engines]
         self.de_ids = [e for n in self.de_nodes for e in self.nodes[n].engines]
         self.pe_kv_hbm = config.kv_hbm_bytes(config.prefill_nodes)
@@ -208,9 +222,11 @@ class ClusterSim:
         for e in self.de_ids:
             self.engines[e].free_hbm = self.de_kv_hbm
         self.scheduler = Scheduler.from_profile(self.profile) if mode.adaptive else None
-        for n in self.de_nodes:
-            if self.scheduler is not None:
+        if self.scheduler is not None:
+            for n in self.de_nodes:
                 self.scheduler.register_decode_group(n)
+            for n in self.pe_nodes:
+                self.scheduler.register_prefill_group(self._report(self.nodes[n]))
         self._rr_queue: deque[_Req] = deque()
         self._rr_pe = itertools.cycle(self.pe_ids)
         self._rr_de = 0
@@ -229,6 +245,15 @@ class ClusterSim:
         self._completed = 0
         self._request_ids = itertools.count()
         self._total_rounds = sum(len(rounds) for rounds in self.agents)
+
+    def _lockstep_domains(self, role_nodes: list[int]) -> list[_Domain]:
+        """One EP instance over all of a role's nodes when the weights need more than one GPU (the
+        same sharding :meth:`ClusterConfig.kv_hbm_bytes` assumes: DS-660B's 690 GB do not fit a node's
+        640 GB), else every engine on its own (data parallel, e.g. Qwen2.5-32B, §7.1)."""
+        engines = [e for n in role_nodes for e in self.nodes[n].engines]
+        if self.model.weight_bytes > self.hw.hbm_bytes:
+            return [_Domain(engines)]
+        return [_Domain([e]) for e in engines]
 
     # ------------------------------------------------------------------------------------------ events
 
@@ -334,19 +359,10 @@ class ClusterSim:
         pe = self.engines[req.pe]
         pe.tokens += req.request.prompt_tokens
         pe.seqs += 1
-        if self.mode is Mode.BASIC and req.request.cached_tokens:
-            pe.awaiting_hbm.append(req)
-            self._start_hbm_gated_reads(pe)
-        else:
-            self._read(req)
+        self._read(req)
 
-    def _start_hbm_gated_reads(self, pe: _Engine) -> None:
-        while pe.awaiting_hbm:
-            need = pe.awaiting_hbm[0].request.cached_tokens * self.model.kv_bytes_per_token
-            if need > pe.free_hbm and need <= self.pe_kv_hbm:
-                return
-            pe.free_hbm -= need  # a request larger than the whole HBM is read alone (free goes negative)
-            self._read(pe.awaiting_hbm.popleft())
+    def _prompt_kv_bytes(self, req: _Req) -> float:
+        return req.request.prompt_tokens * self.model.kv_bytes_per_token
 
     # ------------------------------------------------------------------------------------------ storage
 
@@ -385,16 +401,23 @@ class ClusterSim:
         work = PrefillWork(req.request.request_id, req.request.cached_tokens,
                            req.request.prompt_tokens - req.request.cached_tokens)
         pe.ready.append((work, req, True))
-        node = self.nodes[pe.node]
-        if not node.step_busy:
-            self._prefill_step(node)
+        domain = self._domain_of[pe.engine_id]
+        if not domain.step_busy:
+            self._prefill_step(domain)
 
     def _batch(self, pe: _Engine) -> list[tuple[PrefillWork, int]]:
         works = [item[0] for item in pe.ready]
         if self.mode.adaptive:
             return plan_prefill_batch(works, self.profile.attention_time, self.config.compute_quota_s)
-        batch, budget = [], self.config.max_batch_tokens
-        for work in works:
+        batch, budget, free_hbm = [], self.config.max_batch_tokens, pe.free_hbm
+        for work, req, first_pass in pe.ready:
+            if self.mode is Mode.BASIC and first_pass:
+                # basic: the pass needs the whole prompt KV of every request in PE HBM (FIFO); a prompt
+                # larger than all of it runs alone
+                need = self._prompt_kv_bytes(req)
+                if need > free_hbm and (batch or free_hbm < self.pe_kv_hbm):
+                    break
+                free_hbm -= need
             take = min(work.remaining, budget)
             batch.append((work, take))
             budget -= take
@@ -402,15 +425,18 @@ class ClusterSim:
                 break
         return batch
 
-    def _prefill_step(self, node: _Node) -> None:
+    def _prefill_step(self, domain: _Domain) -> None:
+        """One lock-step pass of a domain: each engine's time is its batch's compute, plus, per mode,
+        the KV movement that cannot hide behind it (see the module docstring); the pass lasts as long as
+        the slowest engine."""
         kv = self.model.kv_bytes_per_token
         bandwidth = self.hw.cnic_bytes_per_s
         step_time, plan = 0.0, []
-        for engine_id in node.engines:
+        for engine_id in domain.engines:
             pe = self.engines[engine_id]
-            if not pe.ready:
+            batch = self._batch(pe) if pe.ready else []
+            if not batch:
                 continue
-            batch = self._batch(pe)
             compute = load = write = 0.0
             for index, (work, take) in enumerate(batch):
                 compute += self.profile.attention_flops(work.cached, take) * self.profile.seconds_per_flop
@@ -418,20 +444,26 @@ class ClusterSim:
                 _, req, first_pass = pe.ready[index]
                 if first_pass:
                     load += req.request.cached_tokens * kv
+                    if self.mode is Mode.BASIC:
+                        pe.free_hbm -= self._prompt_kv_bytes(req)  # held until the P->D transfer has sent it
                 write += take * kv + (req.request.cached_tokens * kv if first_pass and req.path is ReadPath.PE else 0)
-            if self.mode.io_free or not self.mode.layerwise:
-                engine_time = compute  # oracle: I/O free; basic: KV already in HBM, shipped after prefill
+            if self.mode.io_free:
+                engine_time = compute
+            elif self.mode is Mode.BASIC:
+                # all layers' hit KV is copied PE buffer -> HBM before the pass starts (no layer blocks to
+                # overlap it with compute, §4.1); the prompt KV leaves for the DE after the pass
+                engine_time = load / bandwidth + compute
             else:
                 engine_time = max(compute, load / bandwidth, write / bandwidth)
             step_time = max(step_time, engine_time)
             plan.append((pe, batch))
         if not plan:
-            node.step_busy = False
+            domain.step_busy = False
             return
-        node.step_busy = True
-        self._at(self.now + step_time, self._prefill_step_done, node, plan)
+        domain.step_busy = True
+        self._at(self.now + step_time, self._prefill_step_done, domain, plan)
 
-    def _prefill_step_done(self, node: _Node, plan) -> None:
+    def _prefill_step_done(self, domain: _Domain, plan) -> None:
         for pe, batch in plan:
             for work, take in batch:
                 work.cached += take
@@ -441,7 +473,7 @@ class ClusterSim:
                     pe.ready.appendleft((work, req, False))  # chunked: the rest leads the next pass
                     break
                 self._prefill_done(pe, req)
-        self._prefill_step(node)
+        self._prefill_step(domain)
 
     def _prefill_done(self, pe: _Engine, req: _Req) -> None:
         pe.tokens -= req.request.prompt_tokens
@@ -449,13 +481,27 @@ class ClusterSim:
         req.first_token = self.now
         self._ttft.append(self.now - req.arrival)
         self.ttft_arrivals.append(req.arrival)
-        if self.mode is Mode.BASIC:
-            pe.free_hbm += req.request.cached_tokens * self.model.kv_bytes_per_token
-            self._start_hbm_gated_reads(pe)
-        # the prompt KV reaches DE HBM: P->D RDMA (basic) or DE-buffer H2D (layerwise modes), both over a CNIC
-        delay = 0.0 if self.mode.io_free else req.request.prompt_tokens * self.model.kv_bytes_per_token / (
-            self.hw.cnic_bytes_per_s)
-        self._at(self.now + delay, self._join_decode, req)
+        de = self.engines[req.de]
+        if self.mode.io_free:
+            self._join_decode(req)
+            return
+        # The prompt KV reaches DE HBM over CNICs, one transfer at a time per NIC direction: basic sends it
+        # PE HBM -> DE HBM after the pass (PE egress and DE ingress busy); the layerwise modes already
+        # streamed it into the DE buffer during the pass and copy it DE buffer -> DE HBM (DE ingress, §4.1).
+        links = (pe, de) if self.mode is Mode.BASIC else (de,)
+        start = max([self.now] + [engine.link_free_at for engine in links])
+        end = start + self._prompt_kv_bytes(req) / self.hw.cnic_bytes_per_s
+        for engine in links:
+            engine.link_free_at = end
+        self._at(end, self._kv_on_decode, pe, req)
+
+    def _kv_on_decode(self, pe: _Engine, req: _Req) -> None:
+        if self.mode is Mode.BASIC:  # the PE's copy is sent: its HBM can take the next batch
+            pe.free_hbm += self._prompt_kv_bytes(req)
+            domain = self._domain_of[pe.engine_id]
+            if pe.ready and not domain.step_busy:
+                self._prefill_step(domain)
+        self._join_decode(req)
 
     # ------------------------------------------------------------------------------------------ decode
 
@@ -466,20 +512,20 @@ class ClusterSim:
             self._decode_done(de, req, steps=0)
             return
         de.joining.append(req)
-        node = self.nodes[de.node]
-        if not node.step_busy:
-            self._decode_step(node)
+        domain = self._domain_of[de.engine_id]
+        if not domain.step_busy:
+            self._decode_step(domain)
 
-    def _decode_step(self, node: _Node) -> None:
+    def _decode_step(self, domain: _Domain) -> None:
         topk = self.model.sparse_topk
         step_bytes = 0.0
         busy = False
-        for engine_id in node.engines:
+        for engine_id in domain.engines:
             de = self.engines[engine_id]
             for req in de.joining:
                 req.ctx = req.request.prompt_tokens + 1
                 req.attended = min(req.ctx, topk) if topk else req.ctx
-                req.finish_step = node.completed_steps + req.round.gen_tokens - 1
+                req.finish_step = domain.completed_steps + req.round.gen_tokens - 1
                 heapq.heappush(de.finishing, (req.finish_step, req.request.request_id, req))
                 de.active += 1
                 de.sum_ctx += req.ctx
@@ -491,29 +537,29 @@ class ClusterSim:
                                 + de.sum_attended * self.model.decode_read_bytes_per_attended)
                 step_bytes = max(step_bytes, engine_bytes)
         if not busy:
-            node.step_busy = False
+            domain.step_busy = False
             return
-        node.step_busy = True
+        domain.step_busy = True
         self._at(self.now + self.model.decode_step_fixed_s + step_bytes / self.hw.hbm_bytes_per_s,
-                 self._decode_step_done, node)
+                 self._decode_step_done, domain)
 
-    def _decode_step_done(self, node: _Node) -> None:
-        node.completed_steps += 1
+    def _decode_step_done(self, domain: _Domain) -> None:
+        domain.completed_steps += 1
         dense = self.model.sparse_topk is None
-        for engine_id in node.engines:
+        for engine_id in domain.engines:
             de = self.engines[engine_id]
             de.tokens += de.active
             de.sum_ctx += de.active
             if dense:
                 de.sum_attended += de.active
-            while de.finishing and de.finishing[0][0] <= node.completed_steps:
+            while de.finishing and de.finishing[0][0] <= domain.completed_steps:
                 _, _, req = heapq.heappop(de.finishing)
                 steps = req.round.gen_tokens - 1
                 de.active -= 1
                 de.sum_ctx -= req.ctx + steps
                 de.sum_attended -= req.attended + (steps if dense else 0)
                 self._decode_done(de, req, steps)
-        self._decode_step(node)
+        self._decode_step(domain)
 
     def _decode_done(self, de: _Engine, req: _Req, steps: int) -> None:
         if steps:

@@ -119,7 +119,7 @@ def run_online(config: ClusterConfig, mode: Mode, aps: float, duration_s: float,
     agents = agentic_agents(len(starts), max_len, seed=seed)
     sim = ClusterSim(config, mode, agents, agent_start_s=starts)
     result = sim.run(max_sim_s=duration_s)
-    ttft = [t for t, arrival in zip(result.ttft_s, sim.ttft_arrivals) if arrival >= duration_s / 2]
+    ttft = [t for t, arrival in zip(result.ttft_s, sim.ttft_arrivals, strict=True) if arrival >= duration_s / 2]
     tpot = result.tpot_s[len(result.tpot_s) // 2:]
     mean_ttft = sum(ttft) / len(ttft) if ttft else float("inf")
     mean_tpot = sum(tpot) / len(tpot) if tpot else float("inf")
@@ -127,13 +127,18 @@ def run_online(config: ClusterConfig, mode: Mode, aps: float, duration_s: float,
 
 
 def online_capacity(config: ClusterConfig, mode: Mode, duration_s: float, low: float, high: float,
-                    iterations: int = 6, seed: int = 0) -> float:
-    """Largest APS (bisection between ``low`` and ``high``) whose run meets the SLO; 0 if ``low`` fails."""
-    if not run_online(config, mode, low, duration_s, seed=seed).meets_slo:
+                    iterations: int = 6, seed: int = 0, max_len: int = 65536) -> float:
+    """Largest APS (bisection between ``low`` and ``high``) whose run meets the SLO; 0 if ``low`` fails.
+
+    Assumes SLO attainment is monotone in APS; the answer is within ``(high - low) / 2**iterations`` of
+    the boundary (``high`` itself is never run, so a capacity at or above it reads as just below it)."""
+    if not 0 < low < high:
+        raise ConfigError(f"need 0 < low < high APS, got low={low}, high={high}")
+    if not run_online(config, mode, low, duration_s, max_len, seed).meets_slo:
         return 0.0
     for _ in range(iterations):
         middle = (low + high) / 2
-        if run_online(config, mode, middle, duration_s, seed=seed).meets_slo:
+        if run_online(config, mode, middle, duration_s, max_len, seed).meets_slo:
             low = middle
         else:
             high = middle
@@ -179,7 +184,7 @@ def plot_figures(out_dir, sweep: dict[Mode, list[tuple[int, float]]], ablation: 
 
     compare = [mode for mode in (Mode.DUALPATH, Mode.SCHEDULER) if mode in ablation]
     fig, axes = plt.subplots(len(compare), 1, figsize=(7, 2.6 * len(compare)), sharex=True, squeeze=False)
-    for ax, mode in zip(axes[:, 0], compare):
+    for ax, mode in zip(axes[:, 0], compare, strict=True):
         starts, util = snic_utilisation(ablation[mode], window_s)
         for node, series in util.items():
             role = "P" if node in ablation[mode].prefill_nodes else "D"

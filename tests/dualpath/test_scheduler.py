@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ascend_dualpath.dualpath.scheduler import (
     EngineProfile,
@@ -157,3 +159,57 @@ def test_request_validation():
         Request(1, 0)
     with pytest.raises(ConfigError, match="no engines"):
         GroupReport(1, [])
+
+
+def admitted_scheduler(requests, de_node=10):
+    scheduler = Scheduler(alpha=ALPHA, beta=BETA)
+    for request in requests:
+        scheduler.submit(request)
+    de_report = GroupReport(de_node, [EngineState(80, de_node, free_hbm_bytes=10**9)], {de_node: 0})
+    assert len(scheduler.pull_decode(de_report)) == len(requests)
+    return scheduler
+
+
+def test_prefill_choice_is_global_and_delivered_at_the_owning_groups_pull():
+    scheduler = admitted_scheduler([req(0), req(1)])
+    busy = GroupReport(0, [pe(0, 0, 4000), pe(1, 0, 4000)], {0: 0})
+    idle = GroupReport(1, [pe(8, 1, 0), pe(9, 1, 50)], {1: 0})
+    scheduler.register_prefill_group(idle)
+    assert scheduler.pull_prefill(busy) == []  # both requests belong on the idle group's engines
+    assert scheduler.queued == 2
+    assert [(a.request.request_id, a.prefill_engine) for a in scheduler.pull_prefill(idle)] == [(0, 8), (1, 9)]
+    assert scheduler.queued == 0 and scheduler.pull_prefill(idle) == []
+
+
+def test_undelivered_assignments_keep_counting_after_their_groups_report():
+    scheduler = admitted_scheduler([req(0, 3000, cached=64), req(1, 100, cached=64), req(2, 100)])
+    scheduler.register_prefill_group(GroupReport(1, [pe(8, 1, 0)], {1: 0}))
+    # group 0 pulls: r0 -> engine 8 (idle, group 1: held for it); r1 then sees engine 8 at 3000 tokens
+    first = scheduler.pull_prefill(GroupReport(0, [pe(0, 0, 1000)], {0: 0}))
+    assert [(a.request.request_id, a.prefill_engine) for a in first] == [(1, 0), (2, 0)]
+    # group 1's report predates the delivery of r0; r0 is delivered once, with its read path
+    delivered = scheduler.pull_prefill(GroupReport(1, [pe(8, 1, 0)], {1: 0}))
+    assert [(a.request.request_id, a.prefill_engine, a.read_path) for a in delivered] == [(0, 8, ReadPath.PE)]
+    assert scheduler.queued == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    loads=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 2 * BETA)), min_size=1, max_size=12),
+    queues=st.lists(st.integers(0, 2 * ALPHA), min_size=4, max_size=4),
+    lengths=st.lists(st.integers(1, 3000), min_size=1, max_size=20),
+)
+def test_scheduler_places_like_plan_prefill_over_all_groups(loads, queues, lengths):
+    """Without hits (read queues fixed) the scheduler's global choice equals plan_prefill over every PE."""
+    engines = [pe(index, node, tokens) for index, (node, tokens) in enumerate(loads)]
+    read_queues = dict(enumerate(queues))
+    requests = [req(i, length) for i, length in enumerate(lengths)]
+    expected = plan_prefill(requests, engines, read_queues, ALPHA, BETA)
+    scheduler = admitted_scheduler(requests, de_node=10)
+    groups = sorted({e.node_id for e in engines})
+    reports = {g: GroupReport(g, [e for e in engines if e.node_id == g], {g: read_queues[g]}) for g in groups}
+    for group in groups[1:]:
+        scheduler.register_prefill_group(reports[group])
+    delivered = [a for g in groups for a in scheduler.pull_prefill(reports[g])]
+    got = sorted((a.request.request_id, a.prefill_engine) for a in delivered)
+    assert got == sorted((r.request_id, e) for r, e in expected)

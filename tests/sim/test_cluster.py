@@ -1,8 +1,9 @@
 """Shape claims of the paper on a scaled-down but faithful DS-660B 2P4D 64K offline run.
 
-Faithful: the paper's cluster (2 prefill + 4 decode nodes of 8 GPUs, one 400 Gbps SNIC per node), model
-and Table-2 64K workload; scaled: each of 1536 agents replays a random window of 8 consecutive rounds
-of its trajectory instead of all ~100, so contexts and hit rates are those of the full run.
+Faithful: the paper's cluster (2 prefill + 4 decode nodes of 8 GPUs, one 400 Gbps SNIC per node), model,
+2048 agents and the Table-2 64K workload; scaled: each agent replays a random window of 24 consecutive
+rounds of its trajectory instead of all ~100, so contexts and hit rates are those of the full run
+(docs/simulator.md compares the two).
 These are properties of the model (orderings, ratios), not timings.
 """
 
@@ -16,16 +17,18 @@ from ascend_dualpath.sim.experiments import agentic_agents, reductions_vs_basic,
 from ascend_dualpath.sim.models import DS_660B, QWEN_32B
 from ascend_dualpath.sim.traces import Round
 
+AGENTS, ROUNDS = 2048, 24
+
 
 @pytest.fixture(scope="module")
 def ablation():
-    agents = agentic_agents(1536, rounds_per_agent=8, seed=0)
+    agents = agentic_agents(AGENTS, rounds_per_agent=ROUNDS, seed=0)
     return run_ablation(ClusterConfig(DS_660B), agents)
 
 
 def test_every_mode_completes_every_request(ablation):
     counts = {result.completed_requests for result in ablation.values()}
-    assert counts == {1536 * 8}
+    assert counts == {AGENTS * ROUNDS}
 
 
 def test_cumulative_reductions_are_ordered(ablation):
@@ -37,9 +40,16 @@ def test_scheduler_within_ten_percent_of_oracle(ablation):
     assert ablation[Mode.SCHEDULER].jct_s <= 1.10 * ablation[Mode.ORACLE].jct_s
 
 
-def test_scheduler_balances_storage_nics_and_round_robin_does_not(ablation):
+def test_round_robin_unbalances_storage_nics_and_the_scheduler_much_less(ablation):
+    round_robin = snic_max_over_avg(ablation[Mode.DUALPATH])
+    assert round_robin >= 1.4
+    assert snic_max_over_avg(ablation[Mode.SCHEDULER]) <= round_robin - 0.15
+
+
+@pytest.mark.xfail(strict=True, reason="1.22 on the full 2048-agent run, ~1.33 on this window: the scheduled "
+                   "SNICs are half idle and 'shorter queue' favours the 2 PE nodes (see docs/simulator.md)")
+def test_scheduler_storage_nic_balance_reaches_the_papers_1_25(ablation):
     assert snic_max_over_avg(ablation[Mode.SCHEDULER]) <= 1.25
-    assert snic_max_over_avg(ablation[Mode.DUALPATH]) >= 1.4
 
 
 def test_dual_path_uses_both_sides_and_basic_only_the_prefill_side(ablation):
@@ -49,13 +59,24 @@ def test_dual_path_uses_both_sides_and_basic_only_the_prefill_side(ablation):
     assert sum(ablation[Mode.ORACLE].read_bytes_by_path.values()) == 0
 
 
-def test_speedup_over_basic_is_substantial(ablation):
-    assert ablation[Mode.BASIC].jct_s / ablation[Mode.SCHEDULER].jct_s >= 1.5
-
-
-@pytest.mark.xfail(strict=True, reason="the model gives ~1.6x, short of the paper's 1.87x (see docs/simulator.md)")
 def test_speedup_over_basic_reaches_the_papers_1_8x(ablation):
     assert ablation[Mode.BASIC].jct_s / ablation[Mode.SCHEDULER].jct_s >= 1.8
+
+
+def test_layerwise_gain_comes_from_basics_hbm_and_h2d_costs(ablation):
+    """Same PE-only read path and round robin: what layerwise removes is basic's whole-KV HBM residency
+    and its H2D before the pass, worth >10% here (paper: 17.2%)."""
+    assert reductions_vs_basic(ablation)[Mode.LAYERWISE] >= 0.10
+
+
+def test_scheduler_is_no_slower_than_basic_at_low_load():
+    """256 agents: the I/O is no bottleneck, so the adaptive placement must cost nothing (it once did:
+    every request went to the PE group that pulled first)."""
+    agents = agentic_agents(256, rounds_per_agent=ROUNDS, seed=0)
+    basic = ClusterSim(ClusterConfig(DS_660B), Mode.BASIC, agents).run()
+    scheduled = ClusterSim(ClusterConfig(DS_660B), Mode.SCHEDULER, agents).run()
+    assert scheduled.jct_s <= basic.jct_s
+    assert scheduled.mean_ttft_s <= basic.mean_ttft_s
 
 
 def test_simulation_is_deterministic():
