@@ -8,7 +8,10 @@ barrier and an L2 flush; a call's time is the slowest rank's. Three times per op
 - ``gpu us``: the same, with the stream first held by a sleep kernel so the whole call is enqueued before
   the GPU reaches it: device time alone (for ops that synchronise with the host, such as the layout's bounds
   check and a fresh dispatch's count exchange, the host work after the sync is still included);
-- ``host us``: CPU time until the call returned (idle-GPU run).
+- ``host us``: CPU time until the call returned (idle-GPU run: one call after a barrier, a cold host path);
+- ``loop us``: DeepEP's own method: ``--iters`` calls back to back, each preceded by the L2 flush and timed by
+  CUDA events around it, no synchronisation in between, so the host runs ahead of the GPU as in a model's
+  forward pass (an op whose host time exceeds its device time shows its host time here).
 
 Bandwidth is reported two ways: ``logical`` counts every received row, a rank's own tokens included (DeepEP's
 convention), ``cross`` counts only rows that crossed between devices. Rows ``(graph)`` replay the cached
@@ -84,7 +87,39 @@ def _time(fn, iters, warmup, device, group):
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
         samples.append(float(slowest[0]))
         device_samples.append(float(slowest[-1]))
-    return samples, device_samples, host
+    return samples, device_samples, host, _loop(fn, iters, flush, device, group)
+
+
+def _loop(fn, iters, flush, device, group) -> float:
+    """Median seconds per call of ``iters`` back-to-back calls (slowest rank), each after an L2 flush."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier(group)
+    if device.type != "cuda":
+        seconds = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            seconds.append(time.perf_counter() - t0)
+        median = statistics.median(seconds)
+    else:
+        torch.cuda.synchronize()
+        events = []
+        for _ in range(iters):
+            flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            events.append((start, end))
+        torch.cuda.synchronize()
+        median = statistics.median(start.elapsed_time(end) / 1e3 for start, end in events)
+    slowest = torch.tensor([median], dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    return float(slowest[0])
 
 
 def _worker(rank, world, store, args, queue):
@@ -126,11 +161,12 @@ def _worker(rank, world, store, args, queue):
             bf16_row, fp8_row = args.hidden * 2, args.hidden + args.hidden // 128 * 4
 
             def op(name, fn, row_bytes, ll_valid=None):
-                samples, device_samples, host = _time(fn, args.iters, args.warmup, device, group)
+                samples, device_samples, host, loop = _time(fn, args.iters, args.warmup, device, group)
                 row = dict(strategy=strategy, num_sms=used_sms if strategy == "cuda" else None, op=name,
                            mean_us=statistics.mean(samples) * 1e6, median_us=statistics.median(samples) * 1e6,
                            min_us=min(samples) * 1e6, gpu_us=statistics.median(device_samples) * 1e6,
-                           host_us=statistics.median(host) * 1e6, logical_bytes=logical_rows * row_bytes,
+                           host_us=statistics.median(host) * 1e6, loop_us=loop * 1e6,
+                           logical_bytes=logical_rows * row_bytes,
                            cross_bytes=cross_rows * row_bytes)
                 if ll_valid is not None:  # LL bytes: one message per valid (token, expert) received
                     row.update(logical_bytes=ll_valid * row_bytes, cross_bytes=None)
@@ -180,11 +216,12 @@ def _line(r: dict) -> str:
     logical = f"{r['logical_bytes'] / t / 1e9:.0f}" if r["logical_bytes"] else "-"
     cross = f"{r['cross_bytes'] / t / 1e9:.0f}" if r.get("cross_bytes") else "-"
     return (f"{r['strategy']:<9} {str(r['num_sms'] or '-'):>4} {r['op']:<40} {r['median_us']:>10.1f} "
-            f"{r['gpu_us']:>9.1f} {r['host_us']:>8.1f} {r['mean_us']:>10.1f} {logical:>12} {cross:>10}")
+            f"{r['gpu_us']:>9.1f} {r['host_us']:>8.1f} {r['loop_us']:>8.1f} {r['mean_us']:>10.1f} {logical:>12} "
+            f"{cross:>10}")
 
 
-HEADER = (f"{'strategy':<9} {'sms':>4} {'op':<40} {'median us':>10} {'gpu us':>9} {'host us':>8} {'mean us':>10} "
-          f"{'logical GB/s':>12} {'cross GB/s':>10}")
+HEADER = (f"{'strategy':<9} {'sms':>4} {'op':<40} {'median us':>10} {'gpu us':>9} {'host us':>8} {'loop us':>8} "
+          f"{'mean us':>10} {'logical GB/s':>12} {'cross GB/s':>10}")
 
 
 def _table(result) -> str:
