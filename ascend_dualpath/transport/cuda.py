@@ -11,8 +11,9 @@
   ``host-batch``: one ``cudaMemcpyBatchAsync`` for all segments where the runtime has it
   (:mod:`ascend_dualpath.transport.cudart`).
 - ``foreach``: ``torch._foreach_copy_`` over all segments (torch's own batched copy), as a baseline.
-- ``staged`` (analogue of ``staging``): pinned host buffer -> device staging buffer (one H2D copy),
-  then the device-initiated kernel scatters into the destination.
+- ``staged`` (analogue of ``staging``): pinned host buffer -> device staging slot -> destination in chunks,
+  double-buffered so that the H2D copy of one chunk overlaps the device-initiated scatter of the previous one
+  (:class:`StagedCopy`).
 
 Import needs neither CUDA nor Triton; they are loaded when used.
 """
@@ -489,6 +490,127 @@ class GraphedCopy:
         return self.next_value - 1
 
 
+STAGED_CHUNK_BYTES = 4 << 20  # bytes per staged chunk: 16 chunks for 64 MiB; a 61 x 42 KiB request is one chunk
+
+
+def staged_pieces(offsets, dst_addrs, nbytes, chunk_bytes: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per chunk of the host buffer (``[k * chunk_bytes, (k + 1) * chunk_bytes)``, up to the last segment's end), the
+    pieces of segments inside it: (offset in the chunk, destination address, bytes), int64 arrays.
+
+    A segment crossing a chunk boundary is split there; chunks holding no segment byte get empty arrays.
+    """
+    off = np.asarray(offsets, np.int64)
+    dst = np.asarray(dst_addrs, np.int64)
+    size = np.asarray(nbytes, np.int64)
+    chunks = -(-int((off + size).max()) // chunk_bytes)
+    pieces = []
+    for k in range(chunks):
+        lo, hi = k * chunk_bytes, (k + 1) * chunk_bytes
+        start = np.maximum(off, lo)
+        end = np.minimum(off + size, hi)
+        inside = end > start
+        pieces.append((start[inside] - lo, dst[inside] + (start[inside] - off[inside]), (end - start)[inside]))
+    return pieces
+
+
+class StagedCopy:
+    """The ``staged`` kind, pipelined: pinned host buffer -> device staging slot -> destination, chunk by chunk.
+
+    The host buffer is cut into chunks of ``chunk_bytes``; chunk ``k`` goes host -> slot ``k % 2`` with one
+    ``cudaMemcpyAsync`` on a side stream, then the device-initiated kernel scatters its segment pieces from the slot
+    to their destinations on the caller's stream. Two slots, so the host-to-device copy of chunk ``k + 1`` overlaps the
+    scatter of chunk ``k``; a slot is refilled only after the scatter that read it finished (events). Staging holds at
+    most two chunks instead of the whole request. Only the last chunk's launch publishes the request's flag value
+    (the earlier launches publish to a private counter): launches on one stream run in order, so when the flag
+    appears every earlier chunk's kernel has completed.
+
+    Parameters
+    ----------
+    copier : DeviceCopier
+        The GPU that stages and scatters, and the request's ready flag.
+    host : torch.Tensor
+        Pinned uint8 CPU tensor, 1-D: the source buffer.
+    offsets, dst_addrs, nbytes : sequence of int
+        Each segment's offset in ``host``, destination address (on the copier's GPU or a peer) and length (>= 1).
+    chunk_bytes : int
+        Bytes per chunk, a multiple of 16 from 4 KiB (default ``STAGED_CHUNK_BYTES``).
+    """
+
+    def __init__(self, copier: DeviceCopier, host, offsets, dst_addrs, nbytes, chunk_bytes: int = STAGED_CHUNK_BYTES):
+        torch = copier.torch
+        if host.device.type != "cpu" or host.dtype != torch.uint8 or host.dim() != 1 or not host.is_pinned():
+            raise E.ConfigError(f"the staged source must be a pinned 1-D uint8 CPU tensor, got {host.dtype} "
+                                f"{tuple(host.shape)} on {host.device} (pinned: {host.is_pinned()})")
+        if chunk_bytes < 4096 or chunk_bytes % 16:
+            raise E.ConfigError(f"chunk_bytes {chunk_bytes} is not a multiple of 16 from 4096")
+        off = np.asarray(offsets, np.int64)
+        size = np.asarray(nbytes, np.int64)
+        if off.shape != size.shape or off.ndim != 1 or off.size == 0:
+            raise E.ConfigError(f"need equal non-empty 1-D offset and size lists, got {off.shape}, {size.shape}")
+        if (size < 1).any():
+            raise E.EmptyTransfer(f"segment {int(np.flatnonzero(size < 1)[0])} has no bytes")
+        outside = (off < 0) | (off + size > host.numel())
+        if outside.any():
+            i = int(np.flatnonzero(outside)[0])
+            raise E.ConfigError(
+                f"segment {i} (offset {off[i]}, {size[i]} bytes) lies outside the host buffer of {host.numel()} bytes"
+            )
+        self.copier, self.host, self.torch = copier, host, torch
+        pieces = staged_pieces(off, dst_addrs, size, chunk_bytes)
+        span = len(pieces) * chunk_bytes
+        self.chunk_bytes = chunk_bytes
+        # the last chunk may be short: copy only up to the buffer's end
+        self.lengths = [min(chunk_bytes, host.numel() - k * chunk_bytes) for k in range(len(pieces))]
+        slot_bytes = min(chunk_bytes, span)
+        self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=copier.device)
+                      for _ in range(min(2, len(pieces)))]
+        self.staging_bytes = sum(s.numel() for s in self.slots)
+        self.scratch = DeviceCopier(copier.device, torch.zeros(1, dtype=torch.int64, device=copier.device))
+        self.scratch_value = 0
+        self.plans = []
+        for k, (chunk_off, dst, length) in enumerate(pieces):
+            base = self.slots[k % 2].data_ptr()
+            last = k == len(pieces) - 1
+            # a chunk without segment bytes (a gap in the host buffer) is neither copied nor scattered; the last chunk
+            # holds the end of the furthest segment, so the flag's plan always exists
+            plan = None if length.size == 0 else (copier if last else self.scratch).plan(base + chunk_off, dst, length)
+            self.plans.append(plan)
+        self.copy_stream = torch.cuda.Stream(copier.device)
+        self.landed = [torch.cuda.Event() for _ in self.slots]
+        self.read = [torch.cuda.Event() for _ in self.slots]
+
+    @property
+    def chunks(self) -> int:
+        return len(self.plans)
+
+    def run(self, flag_value: int) -> None:
+        """Enqueue the request on the current stream (host copies on the side stream); the flag becomes
+        ``flag_value`` after every byte landed."""
+        if not 0 < flag_value <= FLAG_MAX:
+            raise E.ConfigError(f"flag_value {flag_value} is outside [1, {FLAG_MAX}]")
+        torch = self.torch
+        main = torch.cuda.current_stream(self.copier.device)
+        copy_stream = self.copy_stream
+        copy_stream.wait_stream(main)  # the host buffer and the slots are ready as of the caller's stream
+        for k, plan in enumerate(self.plans):
+            if plan is None:
+                continue
+            slot = k % 2
+            with torch.cuda.stream(copy_stream):
+                if k >= 2:
+                    copy_stream.wait_event(self.read[slot])  # the scatter of chunk k - 2 has read this slot
+                start = k * self.chunk_bytes
+                self.slots[slot][: self.lengths[k]].copy_(self.host[start : start + self.lengths[k]], non_blocking=True)
+                self.landed[slot].record(copy_stream)
+            main.wait_event(self.landed[slot])
+            if k == len(self.plans) - 1:
+                self.copier.run(plan, flag_value)
+            else:
+                self.scratch_value = self.scratch_value % FLAG_MAX + 1
+                self.scratch.run(plan, self.scratch_value)
+            self.read[slot].record(main)
+
+
 def plan_facts(plan: CopyPlan) -> dict:
     """What a benchmark row records about a plan."""
     return {
@@ -531,13 +653,16 @@ def parse_kind(kind: str) -> tuple[str, dict]:
     """A bench kind, for ``device`` / ``graph`` with an optional kernel configuration
     ``device:TILE_KIB:PROGRAMS_PER_SM:WARPS[:OPTIONS]``: ``-`` keeps a field's default, OPTIONS is a ``+``-joined
     list of ``stream``/``nostream``, ``prefetch``/``noprefetch``, ``sys``/``gpu`` (arrival scope), ``bulk``/``nobulk``
-    (bulk copies; TILE_KIB is then the shared-memory stage) and ``split1``/``split2``/``split4`` (pieces per tile)."""
+    (bulk copies; TILE_KIB is then the shared-memory stage) and ``split1``/``split2``/``split4`` (pieces per tile);
+    ``staged:CHUNK_KIB`` sets the staged kind's chunk (a chunk as large as the request: one H2D copy, one scatter)."""
     base, *params = kind.split(":")
     known = BENCH_KINDS + EXTRA_KINDS
+    if base == "staged" and len(params) == 1 and params[0].isdigit() and int(params[0]) > 0:
+        return base, {"chunk_bytes": int(params[0]) * 1024}
     if base not in known or (params and (base not in ("device", "graph") or len(params) not in (3, 4))):
         raise E.ConfigError(
             f"unknown cuda kind {kind!r}; known: {', '.join(known)}, "
-            "or device/graph:TILE_KIB:PER_SM:WARPS[:OPTIONS]"
+            "device/graph:TILE_KIB:PER_SM:WARPS[:OPTIONS] or staged:CHUNK_KIB"
         )
     config: dict = {}
     for name, field, scale in zip(params[:3], ("tile_bytes", "programs_per_sm", "num_warps"), (1024, 1, 1), strict=False):
@@ -610,16 +735,15 @@ def _submitter(kind, torch, copier, case, srcs, dsts, src, dst, flag_base):
 
         return submit, lambda: {"fast_launch": site.bound, "note": "empty Triton kernel: moves nothing"}
     # staged: the only kind left after parse_kind
-    pinned = src.cpu().pin_memory()
-    staging = torch.empty_like(src)
-    plan = copier.plan([staging.data_ptr() + i * case.size for i in range(case.count)], d_addrs, sizes)
+    staged = StagedCopy(copier, src.cpu().pin_memory(), [i * case.size for i in range(case.count)], d_addrs, sizes,
+                        **config)
 
     def submit(value):
-        staging.copy_(pinned, non_blocking=True)
-        copier.run(plan, value)
+        staged.run(value)
         return value
 
-    return submit, lambda: plan_facts(plan)
+    return submit, lambda: {**plan_facts(staged.plans[-1]), "chunks": staged.chunks,
+                            "chunk_bytes": staged.chunk_bytes, "staging_bytes": staged.staging_bytes}
 
 
 def _measure(torch, kind, case, copier, flag, buffers, graph_base, magic, repeats, sync, cycles_per_us):
@@ -661,6 +785,7 @@ def _measure(torch, kind, case, copier, flag, buffers, graph_base, magic, repeat
         raise AssertionError(f"{kind} {case.name}: destination differs from the source")
     if expected is not None and int(flag.item()) != expected:
         raise AssertionError(f"{kind} {case.name}: ready flag {int(flag.item())} != {expected}")
+    row_facts = facts()
     submit_us = percentile(submit_s, 50) * 1e6
     p50 = percentile(latency_ms, 50) * 1e3
     gpu_p50 = percentile(gpu_ms, 50) * 1e3
@@ -675,13 +800,13 @@ def _measure(torch, kind, case, copier, flag, buffers, graph_base, magic, repeat
         percentile(latency_ms, 99) * 1e3,
         case.nbytes / (gpu_p50 * 1e3),
         percentile(cpu_s, 50) * 1e6,
-        case.nbytes if kind == "staged" else 0,
+        row_facts.get("staging_bytes", 0),
         submit_us / p50 if p50 else 0.0,
         "measured",
         {
             "hold_us": hold_cycles / cycles_per_us,
             "warm_submit_us": warm_submit_us,
-            **facts(),
+            **row_facts,
         },
         gpu_p50,
         percentile(gpu_ms, 99) * 1e3,

@@ -78,7 +78,8 @@ def test_bench_kinds_may_carry_a_kernel_configuration():
         "device", {"programs_per_sm": 2, "streaming": True, "prefetch": False, "arrive_sys": False}
     )
     assert parse_kind("device-jit") == ("device", {"launch_mode": "jit"})
-    for bad in ("devic", "host:4:8:4", "device:4:8", "host-batch:4:8:4"):
+    assert parse_kind("staged:65536") == ("staged", {"chunk_bytes": 64 << 20})
+    for bad in ("devic", "host:4:8:4", "device:4:8", "host-batch:4:8:4", "staged:0", "staged:4:8"):
         with pytest.raises(errors.ConfigError, match=f"unknown cuda kind '{bad}'"):
             parse_kind(bad)
     assert parse_kind("device:32:6:1:bulk+split2") == (
@@ -131,6 +132,28 @@ def test_bulk_copies_need_16_byte_aligned_addresses_and_are_chosen_for_large_ali
     assert not choose_bulk([0x1000], [0x2000], big, 132, (8, 0))  # no bulk copies before Hopper
     monkeypatch.setattr(cuda, "BULK_DEFAULT", False)
     assert not choose_bulk([0x1000], [0x2000], big, 132, (9, 0))
+
+
+@given(
+    sizes=st.lists(st.integers(1, 50000), min_size=1, max_size=12),
+    gaps=st.lists(st.integers(0, 9000), min_size=12, max_size=12),
+    chunk_kib=st.sampled_from([4, 8, 64]),
+)
+def test_staged_chunks_split_segments_at_chunk_edges_and_cover_every_byte_once(sizes, gaps, chunk_kib):
+    chunk = chunk_kib * 1024
+    offsets = np.cumsum([g + n for g, n in zip(gaps, [0] + sizes[:-1], strict=False)])
+    dst = 0x7000000 + 3 * offsets
+    pieces = cuda.staged_pieces(offsets, dst, sizes, chunk)
+    assert len(pieces) == -(-int(offsets[-1] + sizes[-1]) // chunk) and pieces[-1][0].size > 0
+    landed = {}
+    for k, (chunk_off, d, n) in enumerate(pieces):
+        assert ((chunk_off >= 0) & (chunk_off + n <= chunk) & (n > 0)).all()
+        for o, a, m in zip(chunk_off, d, n, strict=True):
+            for i in range(m):
+                assert a + i not in landed
+                landed[a + i] = k * chunk + o + i  # the host byte that lands at destination a + i
+    expected = {int(d0 + i): int(o + i) for o, d0, n in zip(offsets, dst, sizes, strict=True) for i in range(n)}
+    assert landed == expected
 
 
 @given(tiles=st.integers(1, 100000), max_programs=st.integers(1, 4096))
@@ -651,3 +674,57 @@ def test_default_plan_choice_follows_size_and_alignment():
         assert int(flag.item()) == 9
         _assert_landed(torch, src, dst, count, size)
         flag.zero_()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("chunk_bytes", [4096, 64 * 1024, cuda.STAGED_CHUNK_BYTES])
+def test_staged_copy_in_chunks_is_exact_here_and_to_a_peer(chunk_bytes):
+    """Pinned host -> double-buffered staging slots -> destinations: segments crossing chunk edges, odd lengths and
+    gaps land exactly, poisoned gaps stay, the flag holds the request's value; a second request with new host data
+    (the slots reused) is exact too."""
+    torch = _gpu()
+    from ascend_dualpath.transport.cuda import DeviceCopier, StagedCopy, enable_peer_access
+
+    src_dev = torch.device("cuda:0")
+    torch.cuda.set_device(src_dev)
+    sizes = [42 * 1024] * 7 + [5, 100003, 1 << 20, 3]
+    for dst_name in ["cuda:0"] + (["cuda:1"] if torch.cuda.device_count() > 1 else []):
+        dst_dev = torch.device(dst_name)
+        if dst_dev != src_dev:
+            enable_peer_access(src_dev, dst_dev)
+        src, dst, src_offs, dst_offs = _scattered(torch, sizes, "cpu", dst_dev)
+        host = src.pin_memory()
+        flag = torch.zeros(1, dtype=torch.int64, device=dst_dev)
+        staged = StagedCopy(DeviceCopier(src_dev, flag), host, src_offs, [dst.data_ptr() + o for o in dst_offs], sizes,
+                            chunk_bytes)
+        assert staged.staging_bytes <= 2 * chunk_bytes
+        for value in (31, 32):
+            host.random_(0, 256)
+            dst.fill_(0xA5)
+            torch.cuda.synchronize(dst_dev)
+            staged.run(value)
+            torch.cuda.synchronize(src_dev)
+            torch.cuda.synchronize(dst_dev)
+            assert int(flag.item()) == value, dst_name
+            assert torch.equal(dst, _expected(torch, host, dst, src_offs, dst_offs, sizes)), (dst_name, value)
+
+
+@pytest.mark.cuda
+def test_staged_copy_refuses_bad_sources_before_anything_moves():
+    torch = _gpu()
+    from ascend_dualpath.transport.cuda import DeviceCopier, StagedCopy
+
+    dev = torch.device("cuda:0")
+    flag = torch.zeros(1, dtype=torch.int64, device=dev)
+    copier = DeviceCopier(dev, flag)
+    dst = torch.full((8192,), 0xA5, dtype=torch.uint8, device=dev)
+    with pytest.raises(errors.ConfigError, match="pinned 1-D uint8 CPU tensor, got torch.uint8 .4096,. on cpu "
+                                                 "\\(pinned: False\\)"):
+        StagedCopy(copier, torch.zeros(4096, dtype=torch.uint8), [0], [dst.data_ptr()], [4096])
+    host = torch.zeros(4096, dtype=torch.uint8).pin_memory()
+    with pytest.raises(errors.ConfigError, match="segment 1 .offset 4000, 100 bytes. lies outside the host buffer"):
+        StagedCopy(copier, host, [0, 4000], [dst.data_ptr(), dst.data_ptr() + 4096], [16, 100])
+    with pytest.raises(errors.ConfigError, match="chunk_bytes 1000 is not a multiple of 16 from 4096"):
+        StagedCopy(copier, host, [0], [dst.data_ptr()], [16], chunk_bytes=1000)
+    torch.cuda.synchronize()
+    assert (dst == 0xA5).all() and int(flag.item()) == 0
