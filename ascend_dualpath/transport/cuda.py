@@ -513,6 +513,12 @@ def staged_pieces(offsets, dst_addrs, nbytes, chunk_bytes: int) -> list[tuple[np
     return pieces
 
 
+def staged_chunk_lengths(end: int, chunk_bytes: int) -> list[int]:
+    """Bytes of each chunk's host-to-device copy when the furthest segment ends at byte ``end`` of the host buffer:
+    whole chunks, the last one cut at ``end`` (nothing past the last segment is copied or staged)."""
+    return [min(chunk_bytes, end - start) for start in range(0, end, chunk_bytes)]
+
+
 class StagedCopy:
     """The ``staged`` kind, pipelined: pinned host buffer -> device staging slot -> destination, chunk by chunk.
 
@@ -557,11 +563,9 @@ class StagedCopy:
             )
         self.copier, self.host, self.torch = copier, host, torch
         pieces = staged_pieces(off, dst_addrs, size, chunk_bytes)
-        span = len(pieces) * chunk_bytes
         self.chunk_bytes = chunk_bytes
-        # the last chunk may be short: copy only up to the buffer's end
-        self.lengths = [min(chunk_bytes, host.numel() - k * chunk_bytes) for k in range(len(pieces))]
-        slot_bytes = min(chunk_bytes, span)
+        self.lengths = staged_chunk_lengths(int((off + size).max()), chunk_bytes)
+        slot_bytes = self.lengths[0]  # the first chunk is the longest
         self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=copier.device)
                       for _ in range(min(2, len(pieces)))]
         self.staging_bytes = sum(s.numel() for s in self.slots)

@@ -154,6 +154,10 @@ def test_staged_chunks_split_segments_at_chunk_edges_and_cover_every_byte_once(s
                 landed[a + i] = k * chunk + o + i  # the host byte that lands at destination a + i
     expected = {int(d0 + i): int(o + i) for o, d0, n in zip(offsets, dst, sizes, strict=True) for i in range(n)}
     assert landed == expected
+    lengths = cuda.staged_chunk_lengths(int(offsets[-1] + sizes[-1]), chunk)
+    assert len(lengths) == len(pieces) and sum(lengths) == offsets[-1] + sizes[-1] and max(lengths) <= chunk
+    assert cuda.staged_chunk_lengths(3 * chunk, chunk) == [chunk] * 3
+    assert cuda.staged_chunk_lengths(5, chunk) == [5]  # a request shorter than a chunk stages only itself
 
 
 @given(tiles=st.integers(1, 100000), max_programs=st.integers(1, 4096))
