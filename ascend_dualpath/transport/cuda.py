@@ -11,8 +11,9 @@
   ``host-batch``: one ``cudaMemcpyBatchAsync`` for all segments where the runtime has it
   (:mod:`ascend_dualpath.transport.cudart`).
 - ``foreach``: ``torch._foreach_copy_`` over all segments (torch's own batched copy), as a baseline.
-- ``staged`` (analogue of ``staging``): pinned host buffer -> device staging buffer (one H2D copy),
-  then the device-initiated kernel scatters into the destination.
+- ``staged`` (analogue of ``staging``): pinned host buffer -> device staging slot -> destination in chunks,
+  double-buffered so that the H2D copy of one chunk overlaps the device-initiated scatter of the previous one
+  (:class:`StagedCopy`).
 
 Import needs neither CUDA nor Triton; they are loaded when used.
 """
@@ -49,7 +50,30 @@ LARGE_CONFIG = KernelConfig(TILE_BYTES, 16, 2, True)
 
 def choose_config(total_bytes: int, sm_count: int) -> KernelConfig:
     """LARGE_CONFIG from ``2 * sm_count * 16 KiB`` bytes (4.3 MB on an H200), SMALL_CONFIG below."""
-    return LARGE_CONFIG if total_bytes >= 2 * sm_count * 16 * 1024 else SMALL_CONFIG
+    return LARGE_CONFIG if total_bytes >= large_threshold(sm_count) else SMALL_CONFIG
+
+
+def large_threshold(sm_count: int) -> int:
+    """Bytes from which a request counts as large: two waves of 16 KiB per program at 8 programs per SM."""
+    return 2 * sm_count * 16 * 1024
+
+
+@dataclass(frozen=True)
+class BulkConfig:
+    """Shape of a bulk-copy plan (:func:`cuda_kernels.bulk_copy_tiles`): bytes of one program's shared-memory stage
+    (= bytes per tile), grid bound per SM, pieces a tile is split into (stores of early pieces overlap later loads)."""
+
+    stage_bytes: int
+    programs_per_sm: int
+    chunks: int
+
+
+BULK_ALIGN = 16  # cp.async.bulk needs 16-byte aligned addresses and sizes
+BULK_MAX_STAGE = 32 * 1024  # a program's static shared memory is limited to 48 KiB; stages are powers of two
+# 32 KiB stages fit 6 programs in an H200 SM's 228 KiB of shared memory
+BULK_CONFIG = BulkConfig(BULK_MAX_STAGE, 6, 2)
+# whether plan() picks bulk copies by itself for large, 16-byte aligned requests on compute capability >= 9.0
+BULK_DEFAULT = False
 
 
 # kernel switches (cuda_kernels.copy_tiles); plan() takes each as an argument, None meaning these defaults
@@ -60,7 +84,9 @@ BENCH_KINDS = ("device", "graph", "device-new", "host", "host-batch", "foreach",
 # not in a default sweep: the device kind launched through Triton's runner or its JIT (host cost of each tier)
 EXTRA_KINDS = ("device-runner", "device-jit")
 KERNEL_OPTIONS = {"stream": ("streaming", True), "nostream": ("streaming", False), "prefetch": ("prefetch", True),
-                  "noprefetch": ("prefetch", False), "sys": ("arrive_sys", True), "gpu": ("arrive_sys", False)}
+                  "noprefetch": ("prefetch", False), "sys": ("arrive_sys", True), "gpu": ("arrive_sys", False),
+                  "bulk": ("bulk", True), "nobulk": ("bulk", False), "split1": ("chunks", 1),
+                  "split2": ("chunks", 2), "split4": ("chunks", 4)}
 FLAG_MAX = (1 << 63) - 1
 
 
@@ -103,6 +129,49 @@ def tile_table(
     table[:, 1] = dst[seg] + offset
     table[:, 2] = np.minimum(tile_bytes, size[seg] - offset) // elem_bytes
     return table
+
+
+def bulk_tile_table(src_addrs: Sequence[int], dst_addrs: Sequence[int], nbytes: Sequence[int], stage_bytes: int):
+    """Rows (src address, dst address, bytes) for :func:`cuda_kernels.bulk_copy_tiles`: an int64 array (rows, 3).
+
+    Every address must be 16-byte aligned (AlignmentError otherwise); lengths need not be. A segment's largest
+    multiple of 16 bytes is cut into tiles of at most ``stage_bytes`` (each a multiple of 16: bulk copies), its
+    remaining 1-15 bytes become one tail row (byte copies), placed after every bulk tile.
+    """
+    src = np.asarray(src_addrs, np.int64)
+    dst = np.asarray(dst_addrs, np.int64)
+    size = np.asarray(nbytes, np.int64)
+    if not (src.shape == dst.shape == size.shape) or src.ndim != 1 or src.size == 0:
+        raise E.ConfigError(
+            f"need equal non-empty 1-D address and size lists, got {src.shape}, {dst.shape}, {size.shape}"
+        )
+    if (size < 1).any():
+        raise E.EmptyTransfer(f"segment {int(np.flatnonzero(size < 1)[0])} has no bytes")
+    misaligned = (src % BULK_ALIGN != 0) | (dst % BULK_ALIGN != 0)
+    if misaligned.any():
+        i = int(np.flatnonzero(misaligned)[0])
+        raise E.AlignmentError(
+            f"segment {i} (src {src[i]:#x}, dst {dst[i]:#x}) is not {BULK_ALIGN}-byte aligned: bulk copies need it"
+        )
+    body = size - size % BULK_ALIGN
+    has_body = body > 0
+    parts = []
+    if has_body.any():
+        parts.append(tile_table(src[has_body], dst[has_body], body[has_body], 1, stage_bytes))
+    tail = size % BULK_ALIGN != 0
+    if tail.any():
+        parts.append(np.stack([src[tail] + body[tail], dst[tail] + body[tail], size[tail] % BULK_ALIGN], axis=1))
+    return np.concatenate(parts).astype(np.int64)
+
+
+def choose_bulk(src_addrs, dst_addrs, total_bytes: int, sm_count: int, capability: tuple[int, int]) -> bool:
+    """The default kernel choice: bulk copies when ``BULK_DEFAULT``, the GPU has them (compute capability >= 9.0),
+    the request is large (:func:`large_threshold`) and every address is 16-byte aligned; else the load/store kernel
+    (which also serves 4-, 8-byte and unaligned segments)."""
+    if not (BULK_DEFAULT and capability >= (9, 0) and total_bytes >= large_threshold(sm_count)):
+        return False
+    combined = np.bitwise_or.reduce(np.concatenate([np.asarray(a, np.int64) for a in (src_addrs, dst_addrs)]))
+    return int(combined) % BULK_ALIGN == 0
 
 
 def element_bytes(src_addrs, dst_addrs, nbytes) -> int:
@@ -151,6 +220,9 @@ class CopyPlan:
     args, fast_args : tuple
         The run's arguments before the flag value: with tensors (first launch, through Triton) and with plain
         addresses (later launches, straight to the binary's launcher).
+    bulk, chunks : bool, int
+        Whether the plan uses bulk copies (then the table's third column is bytes, ``elem_bytes`` is 1 and
+        ``tile_bytes`` the shared-memory stage) and the pieces per tile (0 without bulk copies).
     """
 
     table: object
@@ -166,6 +238,8 @@ class CopyPlan:
     site: object
     args: tuple
     fast_args: tuple
+    bulk: bool = False
+    chunks: int = 0
 
 
 def enable_peer_access(device_a, device_b) -> None:
@@ -208,7 +282,10 @@ class DeviceCopier:
         self.programs_per_sm = programs_per_sm
         if flag.device != self.device:
             enable_peer_access(self.device, flag.device)
-        self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
+        properties = torch.cuda.get_device_properties(self.device)
+        self.sm_count = properties.multi_processor_count
+        self.capability = (properties.major, properties.minor)
+        self.bulk_capable = self.capability >= (9, 0)
 
     def plan(
         self,
@@ -222,6 +299,8 @@ class DeviceCopier:
         prefetch: bool | None = None,
         arrive_sys: bool | None = None,
         launch_mode: str | None = None,
+        bulk: bool | None = None,
+        chunks: int | None = None,
     ) -> CopyPlan:
         """Build the tile table for one segment pattern and enqueue its upload (host work, once per pattern).
 
@@ -242,12 +321,91 @@ class DeviceCopier:
             ``PREFETCH``, ``ARRIVE_SYS``.
         launch_mode : str or None
             How :meth:`run` launches after the first time (:class:`ascend_dualpath._triton_launch.LaunchSite`).
+        bulk : bool or None
+            Copy with Hopper's bulk copies (:func:`cuda_kernels.bulk_copy_tiles`; needs compute capability 9.0 and
+            16-byte aligned addresses). None: :func:`use_bulk` decides (large, aligned requests when
+            ``BULK_DEFAULT``). With bulk copies ``tile_bytes`` is the shared-memory stage (a power of two from 256
+            to 32 KiB; default ``BULK_CONFIG``), ``chunks`` the pieces a tile is split into (1, 2 or 4), and
+            ``streaming`` / ``prefetch`` do not apply.
         """
+        sizes = np.asarray(nbytes, np.int64)
+        if bulk is None:
+            bulk = self.use_bulk(src_addrs, dst_addrs, int(sizes.sum()))
+        if bulk:
+            return self._plan_bulk(src_addrs, dst_addrs, sizes, tile_bytes, programs_per_sm, num_warps, streaming,
+                                   prefetch, arrive_sys, launch_mode, chunks)
+        if chunks is not None:
+            raise E.ConfigError(f"chunks={chunks} applies to bulk copies only")
+        return self._plan_tiles(src_addrs, dst_addrs, sizes, tile_bytes, programs_per_sm, num_warps, streaming,
+                                prefetch, arrive_sys, launch_mode)
+
+    def use_bulk(self, src_addrs, dst_addrs, total_bytes: int) -> bool:
+        """:func:`choose_bulk` for this GPU."""
+        return choose_bulk(src_addrs, dst_addrs, total_bytes, self.sm_count, self.capability)
+
+    def _launch_site(self, kernel, programs: int, constexprs: dict, num_warps: int, launch_mode: str | None):
         from ascend_dualpath._triton_launch import LaunchSite
 
+        return LaunchSite(kernel, programs, {**constexprs, "FROM_EPOCH": False, "num_warps": num_warps}, launch_mode)
+
+    def _finish_plan(self, table, sizes, width, tile_bytes, programs, constexprs, num_warps, launch_mode, kernel,
+                     chunks) -> CopyPlan:
         torch = self.torch
-        width = element_bytes(src_addrs, dst_addrs, nbytes)
-        sizes = np.asarray(nbytes, np.int64)
+        # pinned source, asynchronous upload: torch's host allocator keeps the block until the copy is done
+        device_table = torch.from_numpy(table).pin_memory().to(self.device, non_blocking=True)
+        state = torch.zeros(2, dtype=torch.int64, device=self.device)
+        return CopyPlan(
+            table=device_table,
+            tiles=int(table.shape[0]),
+            segments=int(sizes.size),
+            nbytes=int(sizes.sum()),
+            elem_bytes=width,
+            tile_bytes=tile_bytes,
+            programs=programs,
+            state=state,
+            constexprs=constexprs,
+            num_warps=num_warps,
+            site=self._launch_site(kernel, programs, constexprs, num_warps, launch_mode),
+            args=(device_table, int(table.shape[0]), state, self.flag),
+            fast_args=(device_table.data_ptr(), int(table.shape[0]), state.data_ptr(), self.flag.data_ptr()),
+            bulk=chunks is not None,
+            chunks=chunks or 0,
+        )
+
+    def _plan_bulk(self, src_addrs, dst_addrs, sizes, stage_bytes, programs_per_sm, num_warps, streaming, prefetch,
+                   arrive_sys, launch_mode, chunks) -> CopyPlan:
+        if not self.bulk_capable:
+            raise E.BackendUnavailable(
+                f"bulk copies need compute capability 9.0 or newer; {self.device} has {self.capability}"
+            )
+        if streaming is not None or prefetch is not None:
+            raise E.ConfigError("streaming and prefetch apply to the load/store kernel, not to bulk copies")
+        stage_bytes = BULK_CONFIG.stage_bytes if stage_bytes is None else stage_bytes
+        chunks = BULK_CONFIG.chunks if chunks is None else chunks
+        if programs_per_sm is None:
+            programs_per_sm = BULK_CONFIG.programs_per_sm if self.programs_per_sm is None else self.programs_per_sm
+        num_warps = 1 if num_warps is None else num_warps  # one thread issues; the others only wait
+        if stage_bytes < 256 or stage_bytes > BULK_MAX_STAGE or stage_bytes & (stage_bytes - 1):
+            raise E.ConfigError(f"bulk stage of {stage_bytes} bytes is not a power of two in [256, {BULK_MAX_STAGE}]")
+        if chunks not in (1, 2, 4):
+            raise E.ConfigError(f"chunks {chunks} is not one of 1, 2, 4")
+        if num_warps not in (1, 2, 4, 8, 16):
+            raise E.ConfigError(f"num_warps {num_warps} is not one of 1, 2, 4, 8, 16")
+        if programs_per_sm < 1:
+            raise E.ConfigError(f"programs_per_sm must be >= 1, got {programs_per_sm}")
+        table = bulk_tile_table(src_addrs, dst_addrs, sizes, stage_bytes)
+        programs = grid_size(table.shape[0], programs_per_sm * self.sm_count)
+        constexprs = {
+            "STAGE_PTX": _kernels().bulk_tile_ptx(stage_bytes, chunks),
+            "SINGLE": programs == 1,
+            "ARRIVE_SYS": ARRIVE_SYS if arrive_sys is None else arrive_sys,
+        }
+        return self._finish_plan(table, sizes, 1, stage_bytes, programs, constexprs, num_warps, launch_mode,
+                                 _kernels().bulk_copy_tiles, chunks)
+
+    def _plan_tiles(self, src_addrs, dst_addrs, sizes, tile_bytes, programs_per_sm, num_warps, streaming, prefetch,
+                    arrive_sys, launch_mode) -> CopyPlan:
+        width = element_bytes(src_addrs, dst_addrs, sizes)
         total = int(sizes.sum())
         chosen = choose_config(total, self.sm_count)
         tile_bytes = chosen.tile_bytes if tile_bytes is None else tile_bytes
@@ -262,9 +420,8 @@ class DeviceCopier:
         max_programs = programs_per_sm * self.sm_count
         if max_programs < 1:
             raise E.ConfigError(f"programs_per_sm must be >= 1, got {programs_per_sm}")
-        table = tile_table(src_addrs, dst_addrs, nbytes, width, tile_bytes)
-        tiles = table.shape[0]
-        programs = grid_size(tiles, max_programs)
+        table = tile_table(src_addrs, dst_addrs, sizes, width, tile_bytes)
+        programs = grid_size(table.shape[0], max_programs)
         constexprs = {
             "TILE": tile_bytes if width == 1 else tile_bytes // 4,
             "ELEM_BYTES": width,
@@ -273,27 +430,8 @@ class DeviceCopier:
             "STREAMING": streaming,
             "PREFETCH": PREFETCH if prefetch is None else prefetch,
         }
-        # pinned source, asynchronous upload: torch's host allocator keeps the block until the copy is done
-        device_table = torch.from_numpy(table).pin_memory().to(self.device, non_blocking=True)
-        state = torch.zeros(2, dtype=torch.int64, device=self.device)
-        site = LaunchSite(
-            _kernels().copy_tiles, programs, {**constexprs, "FROM_EPOCH": False, "num_warps": num_warps}, launch_mode
-        )
-        return CopyPlan(
-            table=device_table,
-            tiles=tiles,
-            segments=int(sizes.size),
-            nbytes=total,
-            elem_bytes=width,
-            tile_bytes=tile_bytes,
-            programs=programs,
-            state=state,
-            constexprs=constexprs,
-            num_warps=num_warps,
-            site=site,
-            args=(device_table, tiles, state, self.flag),
-            fast_args=(device_table.data_ptr(), tiles, state.data_ptr(), self.flag.data_ptr()),
-        )
+        return self._finish_plan(table, sizes, width, tile_bytes, programs, constexprs, num_warps, launch_mode,
+                                 _kernels().copy_tiles, None)
 
     def run(self, plan: CopyPlan, flag_value: int) -> None:
         """Enqueue ``plan`` on the current stream; the flag becomes ``flag_value`` after every byte landed.
@@ -322,7 +460,7 @@ class DeviceCopier:
             raise E.ConfigError(f"first_flag_value {first_flag_value} is outside [1, {FLAG_MAX}]")
         torch = self.torch
         site = LaunchSite(
-            _kernels().copy_tiles,
+            plan.site.kernel,
             plan.programs,
             {**plan.constexprs, "FROM_EPOCH": True, "num_warps": plan.num_warps},
             plan.site.mode,
@@ -352,6 +490,131 @@ class GraphedCopy:
         return self.next_value - 1
 
 
+STAGED_CHUNK_BYTES = 4 << 20  # bytes per staged chunk: 16 chunks for 64 MiB; a 61 x 42 KiB request is one chunk
+
+
+def staged_pieces(offsets, dst_addrs, nbytes, chunk_bytes: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per chunk of the host buffer (``[k * chunk_bytes, (k + 1) * chunk_bytes)``, up to the last segment's end), the
+    pieces of segments inside it: (offset in the chunk, destination address, bytes), int64 arrays.
+
+    A segment crossing a chunk boundary is split there; chunks holding no segment byte get empty arrays.
+    """
+    off = np.asarray(offsets, np.int64)
+    dst = np.asarray(dst_addrs, np.int64)
+    size = np.asarray(nbytes, np.int64)
+    chunks = -(-int((off + size).max()) // chunk_bytes)
+    pieces = []
+    for k in range(chunks):
+        lo, hi = k * chunk_bytes, (k + 1) * chunk_bytes
+        start = np.maximum(off, lo)
+        end = np.minimum(off + size, hi)
+        inside = end > start
+        pieces.append((start[inside] - lo, dst[inside] + (start[inside] - off[inside]), (end - start)[inside]))
+    return pieces
+
+
+def staged_chunk_lengths(end: int, chunk_bytes: int) -> list[int]:
+    """Bytes of each chunk's host-to-device copy when the furthest segment ends at byte ``end`` of the host buffer:
+    whole chunks, the last one cut at ``end`` (nothing past the last segment is copied or staged)."""
+    return [min(chunk_bytes, end - start) for start in range(0, end, chunk_bytes)]
+
+
+class StagedCopy:
+    """The ``staged`` kind, pipelined: pinned host buffer -> device staging slot -> destination, chunk by chunk.
+
+    The host buffer is cut into chunks of ``chunk_bytes``; chunk ``k`` goes host -> slot ``k % 2`` with one
+    ``cudaMemcpyAsync`` on a side stream, then the device-initiated kernel scatters its segment pieces from the slot
+    to their destinations on the caller's stream. Two slots, so the host-to-device copy of chunk ``k + 1`` overlaps the
+    scatter of chunk ``k``; a slot is refilled only after the scatter that read it finished (events). Staging holds at
+    most two chunks instead of the whole request. Only the last chunk's launch publishes the request's flag value
+    (the earlier launches publish to a private counter): launches on one stream run in order, so when the flag
+    appears every earlier chunk's kernel has completed.
+
+    Parameters
+    ----------
+    copier : DeviceCopier
+        The GPU that stages and scatters, and the request's ready flag.
+    host : torch.Tensor
+        Pinned uint8 CPU tensor, 1-D: the source buffer.
+    offsets, dst_addrs, nbytes : sequence of int
+        Each segment's offset in ``host``, destination address (on the copier's GPU or a peer) and length (>= 1).
+    chunk_bytes : int
+        Bytes per chunk, a multiple of 16 from 4 KiB (default ``STAGED_CHUNK_BYTES``).
+    """
+
+    def __init__(self, copier: DeviceCopier, host, offsets, dst_addrs, nbytes, chunk_bytes: int = STAGED_CHUNK_BYTES):
+        torch = copier.torch
+        if host.device.type != "cpu" or host.dtype != torch.uint8 or host.dim() != 1 or not host.is_pinned():
+            raise E.ConfigError(f"the staged source must be a pinned 1-D uint8 CPU tensor, got {host.dtype} "
+                                f"{tuple(host.shape)} on {host.device} (pinned: {host.is_pinned()})")
+        if chunk_bytes < 4096 or chunk_bytes % 16:
+            raise E.ConfigError(f"chunk_bytes {chunk_bytes} is not a multiple of 16 from 4096")
+        off = np.asarray(offsets, np.int64)
+        size = np.asarray(nbytes, np.int64)
+        if off.shape != size.shape or off.ndim != 1 or off.size == 0:
+            raise E.ConfigError(f"need equal non-empty 1-D offset and size lists, got {off.shape}, {size.shape}")
+        if (size < 1).any():
+            raise E.EmptyTransfer(f"segment {int(np.flatnonzero(size < 1)[0])} has no bytes")
+        outside = (off < 0) | (off + size > host.numel())
+        if outside.any():
+            i = int(np.flatnonzero(outside)[0])
+            raise E.ConfigError(
+                f"segment {i} (offset {off[i]}, {size[i]} bytes) lies outside the host buffer of {host.numel()} bytes"
+            )
+        self.copier, self.host, self.torch = copier, host, torch
+        pieces = staged_pieces(off, dst_addrs, size, chunk_bytes)
+        self.chunk_bytes = chunk_bytes
+        self.lengths = staged_chunk_lengths(int((off + size).max()), chunk_bytes)
+        slot_bytes = self.lengths[0]  # the first chunk is the longest
+        self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=copier.device)
+                      for _ in range(min(2, len(pieces)))]
+        self.staging_bytes = sum(s.numel() for s in self.slots)
+        self.scratch = DeviceCopier(copier.device, torch.zeros(1, dtype=torch.int64, device=copier.device))
+        self.scratch_value = 0
+        self.plans = []
+        for k, (chunk_off, dst, length) in enumerate(pieces):
+            base = self.slots[k % 2].data_ptr()
+            last = k == len(pieces) - 1
+            # a chunk without segment bytes (a gap in the host buffer) is neither copied nor scattered; the last chunk
+            # holds the end of the furthest segment, so the flag's plan always exists
+            plan = None if length.size == 0 else (copier if last else self.scratch).plan(base + chunk_off, dst, length)
+            self.plans.append(plan)
+        self.copy_stream = torch.cuda.Stream(copier.device)
+        self.landed = [torch.cuda.Event() for _ in self.slots]
+        self.read = [torch.cuda.Event() for _ in self.slots]
+
+    @property
+    def chunks(self) -> int:
+        return len(self.plans)
+
+    def run(self, flag_value: int) -> None:
+        """Enqueue the request on the current stream (host copies on the side stream); the flag becomes
+        ``flag_value`` after every byte landed."""
+        if not 0 < flag_value <= FLAG_MAX:
+            raise E.ConfigError(f"flag_value {flag_value} is outside [1, {FLAG_MAX}]")
+        torch = self.torch
+        main = torch.cuda.current_stream(self.copier.device)
+        copy_stream = self.copy_stream
+        copy_stream.wait_stream(main)  # the host buffer and the slots are ready as of the caller's stream
+        for k, plan in enumerate(self.plans):
+            if plan is None:
+                continue
+            slot = k % 2
+            with torch.cuda.stream(copy_stream):
+                if k >= 2:
+                    copy_stream.wait_event(self.read[slot])  # the scatter of chunk k - 2 has read this slot
+                start = k * self.chunk_bytes
+                self.slots[slot][: self.lengths[k]].copy_(self.host[start : start + self.lengths[k]], non_blocking=True)
+                self.landed[slot].record(copy_stream)
+            main.wait_event(self.landed[slot])
+            if k == len(self.plans) - 1:
+                self.copier.run(plan, flag_value)
+            else:
+                self.scratch_value = self.scratch_value % FLAG_MAX + 1
+                self.scratch.run(plan, self.scratch_value)
+            self.read[slot].record(main)
+
+
 def plan_facts(plan: CopyPlan) -> dict:
     """What a benchmark row records about a plan."""
     return {
@@ -360,8 +623,10 @@ def plan_facts(plan: CopyPlan) -> dict:
         "elem_bytes": plan.elem_bytes,
         "programs": plan.programs,
         "num_warps": plan.num_warps,
-        "streaming": plan.constexprs["STREAMING"],
-        "prefetch": plan.constexprs["PREFETCH"],
+        "streaming": plan.constexprs.get("STREAMING", False),
+        "prefetch": plan.constexprs.get("PREFETCH", False),
+        "bulk": plan.bulk,
+        "chunks": plan.chunks,
         "arrive_sys": plan.constexprs["ARRIVE_SYS"],
         "launch_mode": plan.site.mode,
         "fast_launch": plan.site.bound,
@@ -391,13 +656,17 @@ def _sleep_cycles_per_us(torch) -> float:
 def parse_kind(kind: str) -> tuple[str, dict]:
     """A bench kind, for ``device`` / ``graph`` with an optional kernel configuration
     ``device:TILE_KIB:PROGRAMS_PER_SM:WARPS[:OPTIONS]``: ``-`` keeps a field's default, OPTIONS is a ``+``-joined
-    list of ``stream``/``nostream``, ``prefetch``/``noprefetch``, ``sys``/``gpu`` (arrival scope)."""
+    list of ``stream``/``nostream``, ``prefetch``/``noprefetch``, ``sys``/``gpu`` (arrival scope), ``bulk``/``nobulk``
+    (bulk copies; TILE_KIB is then the shared-memory stage) and ``split1``/``split2``/``split4`` (pieces per tile);
+    ``staged:CHUNK_KIB`` sets the staged kind's chunk (a chunk as large as the request: one H2D copy, one scatter)."""
     base, *params = kind.split(":")
     known = BENCH_KINDS + EXTRA_KINDS
+    if base == "staged" and len(params) == 1 and params[0].isdigit() and int(params[0]) > 0:
+        return base, {"chunk_bytes": int(params[0]) * 1024}
     if base not in known or (params and (base not in ("device", "graph") or len(params) not in (3, 4))):
         raise E.ConfigError(
             f"unknown cuda kind {kind!r}; known: {', '.join(known)}, "
-            "or device/graph:TILE_KIB:PER_SM:WARPS[:OPTIONS]"
+            "device/graph:TILE_KIB:PER_SM:WARPS[:OPTIONS] or staged:CHUNK_KIB"
         )
     config: dict = {}
     for name, field, scale in zip(params[:3], ("tile_bytes", "programs_per_sm", "num_warps"), (1024, 1, 1), strict=False):
@@ -470,16 +739,15 @@ def _submitter(kind, torch, copier, case, srcs, dsts, src, dst, flag_base):
 
         return submit, lambda: {"fast_launch": site.bound, "note": "empty Triton kernel: moves nothing"}
     # staged: the only kind left after parse_kind
-    pinned = src.cpu().pin_memory()
-    staging = torch.empty_like(src)
-    plan = copier.plan([staging.data_ptr() + i * case.size for i in range(case.count)], d_addrs, sizes)
+    staged = StagedCopy(copier, src.cpu().pin_memory(), [i * case.size for i in range(case.count)], d_addrs, sizes,
+                        **config)
 
     def submit(value):
-        staging.copy_(pinned, non_blocking=True)
-        copier.run(plan, value)
+        staged.run(value)
         return value
 
-    return submit, lambda: plan_facts(plan)
+    return submit, lambda: {**plan_facts(staged.plans[-1]), "chunks": staged.chunks,
+                            "chunk_bytes": staged.chunk_bytes, "staging_bytes": staged.staging_bytes}
 
 
 def _measure(torch, kind, case, copier, flag, buffers, graph_base, magic, repeats, sync, cycles_per_us):
@@ -521,6 +789,7 @@ def _measure(torch, kind, case, copier, flag, buffers, graph_base, magic, repeat
         raise AssertionError(f"{kind} {case.name}: destination differs from the source")
     if expected is not None and int(flag.item()) != expected:
         raise AssertionError(f"{kind} {case.name}: ready flag {int(flag.item())} != {expected}")
+    row_facts = facts()
     submit_us = percentile(submit_s, 50) * 1e6
     p50 = percentile(latency_ms, 50) * 1e3
     gpu_p50 = percentile(gpu_ms, 50) * 1e3
@@ -535,13 +804,13 @@ def _measure(torch, kind, case, copier, flag, buffers, graph_base, magic, repeat
         percentile(latency_ms, 99) * 1e3,
         case.nbytes / (gpu_p50 * 1e3),
         percentile(cpu_s, 50) * 1e6,
-        case.nbytes if kind == "staged" else 0,
+        row_facts.get("staging_bytes", 0),
         submit_us / p50 if p50 else 0.0,
         "measured",
         {
             "hold_us": hold_cycles / cycles_per_us,
             "warm_submit_us": warm_submit_us,
-            **facts(),
+            **row_facts,
         },
         gpu_p50,
         percentile(gpu_ms, 99) * 1e3,
@@ -620,7 +889,8 @@ def _run_cases(torch, cases, kinds, repeats, progress, peer, src_dev, dst_dev, s
         "configs": {"small": asdict(SMALL_CONFIG), "large": asdict(LARGE_CONFIG)},
         "repeats": repeats,
         "sleep_cycles_per_us": cycles_per_us,
-        "kernel_defaults": {"prefetch": PREFETCH, "arrive_sys": ARRIVE_SYS},
+        "kernel_defaults": {"prefetch": PREFETCH, "arrive_sys": ARRIVE_SYS, "bulk_default": BULK_DEFAULT,
+                            "bulk": asdict(BULK_CONFIG)},
         "launch_mode": _default_launch_mode(),
         "cudaMemcpyBatchAsync": _batch_note() if any(k.startswith("host-batch") for k in kinds) else "not run",
         "failures": failures,

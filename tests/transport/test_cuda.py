@@ -14,10 +14,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ascend_dualpath import errors
+from ascend_dualpath.transport import cuda
 from ascend_dualpath.transport.cuda import (
+    BULK_ALIGN,
     LARGE_CONFIG,
     SMALL_CONFIG,
     TILE_BYTES,
+    bulk_tile_table,
+    choose_bulk,
     choose_config,
     element_bytes,
     grid_size,
@@ -74,11 +78,86 @@ def test_bench_kinds_may_carry_a_kernel_configuration():
         "device", {"programs_per_sm": 2, "streaming": True, "prefetch": False, "arrive_sys": False}
     )
     assert parse_kind("device-jit") == ("device", {"launch_mode": "jit"})
-    for bad in ("devic", "host:4:8:4", "device:4:8", "host-batch:4:8:4"):
+    assert parse_kind("staged:65536") == ("staged", {"chunk_bytes": 64 << 20})
+    for bad in ("devic", "host:4:8:4", "device:4:8", "host-batch:4:8:4", "staged:0", "staged:4:8"):
         with pytest.raises(errors.ConfigError, match=f"unknown cuda kind '{bad}'"):
             parse_kind(bad)
+    assert parse_kind("device:32:6:1:bulk+split2") == (
+        "device", {"tile_bytes": 32768, "programs_per_sm": 6, "num_warps": 1, "bulk": True, "chunks": 2}
+    )
     with pytest.raises(errors.ConfigError, match="unknown kernel option 'fast' in 'device:4:8:4:fast'"):
         parse_kind("device:4:8:4:fast")
+
+
+@given(
+    sizes=st.lists(st.integers(1, 200000), min_size=1, max_size=20),
+    gaps=st.lists(st.integers(0, 4), min_size=20, max_size=20),
+    stage_kib=st.sampled_from([1, 4, 32]),
+)
+def test_bulk_rows_cover_every_byte_once_with_aligned_bulk_tiles_and_short_tails(sizes, gaps, stage_kib):
+    stage = stage_kib * 1024
+    padded = [-(-n // BULK_ALIGN) * BULK_ALIGN + BULK_ALIGN * g for n, g in zip(sizes, gaps, strict=False)]
+    src = 0x10000 + np.cumsum([0] + padded[:-1])
+    shift = 0x4000000 + BULK_ALIGN * np.arange(len(sizes))  # each segment's own distance to its destination
+    table = bulk_tile_table(src, src + shift, sizes, stage)
+    is_tail = table[:, 2] % BULK_ALIGN != 0
+    assert (table[~is_tail, 2] <= stage).all() and (table[:, :2] % BULK_ALIGN == 0).all()
+    owner = np.searchsorted(src, table[:, 0], side="right") - 1
+    assert (table[:, 1] - table[:, 0] == shift[owner]).all()
+    assert (table[is_tail, 2] < BULK_ALIGN).all() and is_tail.sum() == sum(n % BULK_ALIGN != 0 for n in sizes)
+    assert not is_tail[: int((~is_tail).sum())].any()  # tails come after every bulk tile
+    covered = np.zeros(int(src[-1]) + sizes[-1] - 0x10000, np.int64)
+    for s, _, n in table:
+        covered[s - 0x10000 : s - 0x10000 + n] += 1
+    expected = np.zeros_like(covered)
+    for s, n in zip(src, sizes, strict=True):
+        expected[s - 0x10000 : s - 0x10000 + n] = 1
+    assert (covered == expected).all()
+    # k stages exactly, and one more 16-byte unit
+    assert bulk_tile_table([0], [0], [3 * stage], stage).shape == (3, 3)
+    assert bulk_tile_table([0], [0], [3 * stage + 16], stage).shape == (4, 3)
+    assert bulk_tile_table([0], [0], [3 * stage + 17], stage)[-1].tolist() == [3 * stage + 16, 3 * stage + 16, 1]
+
+
+def test_bulk_copies_need_16_byte_aligned_addresses_and_are_chosen_for_large_aligned_requests(monkeypatch):
+    with pytest.raises(errors.AlignmentError, match="segment 1 .*dst 0x108.* not 16-byte aligned"):
+        bulk_tile_table([0, 64], [0x100, 0x108], [16, 16], 4096)
+    with pytest.raises(errors.EmptyTransfer, match="segment 0 has no bytes"):
+        bulk_tile_table([0], [0], [0], 4096)
+    big = cuda.large_threshold(132)
+    monkeypatch.setattr(cuda, "BULK_DEFAULT", True)
+    assert choose_bulk([0x1000], [0x2000], big, 132, (9, 0))
+    assert not choose_bulk([0x1000], [0x2000], big - 1, 132, (9, 0))  # small requests keep the latency kernel
+    assert not choose_bulk([0x1000], [0x2008], big, 132, (9, 0))  # an address off the 16-byte grid
+    assert not choose_bulk([0x1000], [0x2000], big, 132, (8, 0))  # no bulk copies before Hopper
+    monkeypatch.setattr(cuda, "BULK_DEFAULT", False)
+    assert not choose_bulk([0x1000], [0x2000], big, 132, (9, 0))
+
+
+@given(
+    sizes=st.lists(st.integers(1, 50000), min_size=1, max_size=12),
+    gaps=st.lists(st.integers(0, 9000), min_size=12, max_size=12),
+    chunk_kib=st.sampled_from([4, 8, 64]),
+)
+def test_staged_chunks_split_segments_at_chunk_edges_and_cover_every_byte_once(sizes, gaps, chunk_kib):
+    chunk = chunk_kib * 1024
+    offsets = np.cumsum([g + n for g, n in zip(gaps, [0] + sizes[:-1], strict=False)])
+    dst = 0x7000000 + 3 * offsets
+    pieces = cuda.staged_pieces(offsets, dst, sizes, chunk)
+    assert len(pieces) == -(-int(offsets[-1] + sizes[-1]) // chunk) and pieces[-1][0].size > 0
+    landed = {}
+    for k, (chunk_off, d, n) in enumerate(pieces):
+        assert ((chunk_off >= 0) & (chunk_off + n <= chunk) & (n > 0)).all()
+        for o, a, m in zip(chunk_off, d, n, strict=True):
+            for i in range(m):
+                assert a + i not in landed
+                landed[a + i] = k * chunk + o + i  # the host byte that lands at destination a + i
+    expected = {int(d0 + i): int(o + i) for o, d0, n in zip(offsets, dst, sizes, strict=True) for i in range(n)}
+    assert landed == expected
+    lengths = cuda.staged_chunk_lengths(int(offsets[-1] + sizes[-1]), chunk)
+    assert len(lengths) == len(pieces) and sum(lengths) == offsets[-1] + sizes[-1] and max(lengths) <= chunk
+    assert cuda.staged_chunk_lengths(3 * chunk, chunk) == [chunk] * 3
+    assert cuda.staged_chunk_lengths(5, chunk) == [5]  # a request shorter than a chunk stages only itself
 
 
 @given(tiles=st.integers(1, 100000), max_programs=st.integers(1, 4096))
@@ -199,6 +278,44 @@ def test_kernel_switches_change_exactly_their_instructions(monkeypatch):
     assert ".cg" not in plain and ".cs" not in plain
     prefetched = _ptx(TILE_BYTES, PREFETCH=True)
     assert prefetched.count("ld.global.v4") == 2 and ".local" not in prefetched
+
+
+_BULK_SIGNATURE = {
+    "table": "*i64",
+    "n_tiles": "i32",
+    "state": "*i64",
+    "flag": "*i64",
+    "flag_value": "i64",
+    **{name: "constexpr" for name in ("STAGE_PTX", "FROM_EPOCH", "SINGLE", "ARRIVE_SYS")},
+}
+
+
+@pytest.mark.parametrize("stage_bytes,chunks", [(32768, 2), (4096, 4), (16384, 1)])
+def test_bulk_kernel_assembles_for_sm90_and_drains_its_stores_before_the_release(monkeypatch, stage_bytes, chunks):
+    """Without a GPU: ptxas accepts the inline PTX for sm_90a; one static stage of the asked size; per piece a bulk
+    load completing on an mbarrier and a bulk store; the stage is reused only after the stores read it; after the
+    loop the stores' writes are awaited and proxy-fenced before the barrier, the arrival and the flag release."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+
+    from ascend_dualpath.transport.cuda_kernels import bulk_copy_tiles, bulk_tile_ptx
+
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    constexprs = {"STAGE_PTX": bulk_tile_ptx(stage_bytes, chunks), "FROM_EPOCH": False, "SINGLE": False,
+                  "ARRIVE_SYS": True}
+    source = triton.compiler.ASTSource(fn=bulk_copy_tiles, signature=_BULK_SIGNATURE, constexprs=constexprs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+    ptx = compiled.asm["ptx"]
+    assert compiled.asm["cubin"]  # ptxas accepted the inline assembly
+    assert ptx.count(f"bk_stage[{stage_bytes}]") == 1
+    assert ptx.count("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes") == chunks
+    assert ptx.count("cp.async.bulk.global.shared::cta.bulk_group") == chunks
+    assert ptx.index("cp.async.bulk.global.shared::cta.bulk_group") < ptx.index("cp.async.bulk.wait_group.read 0")
+    drain = ptx.index("cp.async.bulk.wait_group 0;")
+    fence = ptx.index("fence.proxy.async.global")
+    arrival = ptx.index("atom.global.sys.acq_rel.add")
+    assert drain < fence < ptx.index("bar.sync", fence) < arrival < ptx.index("atom.global.sys.release.exch.b64")
+    assert "ld.global.b8" in ptx and "st.global.b8" in ptx  # tails of 1-15 bytes
 
 
 _INTERPRETED = textwrap.dedent(
@@ -444,3 +561,174 @@ def test_memcpy_batch_absent_runtime_refuses_without_fallback(monkeypatch):
     fallback(torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
     assert torch.equal(dst, src)
+
+
+def _scattered(torch, sizes, src_dev, dst_dev):
+    """Segments at 16-byte aligned offsets with poisoned gaps between them (sources random, destinations 0xA5)."""
+    src_offs, dst_offs, s_end, d_end = [], [], 16, 48
+    for n in sizes:
+        src_offs.append(s_end)
+        dst_offs.append(d_end)
+        padded = -(-n // BULK_ALIGN) * BULK_ALIGN
+        s_end, d_end = s_end + padded + 16, d_end + padded + 32
+    src = torch.randint(0, 256, (s_end + 64,), dtype=torch.uint8, device=src_dev)
+    dst = torch.full((d_end + 64,), 0xA5, dtype=torch.uint8, device=dst_dev)
+    return src, dst, src_offs, dst_offs
+
+
+def _expected(torch, src, dst, src_offs, dst_offs, sizes):
+    expected = torch.full_like(dst, 0xA5)
+    for s, d, n in zip(src_offs, dst_offs, sizes, strict=True):
+        expected[d : d + n] = src[s : s + n].to(dst.device)
+    return expected
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    "sizes,stage,chunks",
+    [
+        ([3 * 32768 + 5 * 16], 32768, 2),  # body not a multiple of the stage
+        ([42 * 1024] * 61, 16384, 4),  # layer blocks: 42 KiB = 16 + 16 + 10 KiB
+        ([1000 * 16 + 7, 5, 12345, 65536 + 15, 16], 4096, 2),  # tails of 1-15 bytes, a tail-only segment
+        ([9 << 20, 1 << 20], 32768, 1),
+    ],
+)
+def test_bulk_copy_is_exact_with_tails_here_and_to_a_peer(sizes, stage, chunks):
+    """Bulk copies (TMA) deliver exactly the asked bytes, leave the poisoned gaps between segments alone, publish the
+    flag after every byte, through the cached plan and a graph replay, on one GPU and to a peer."""
+    torch = _gpu()
+    from ascend_dualpath.transport.cuda import DeviceCopier, enable_peer_access
+
+    src_dev = torch.device("cuda:0")
+    torch.cuda.set_device(src_dev)
+    if torch.cuda.get_device_capability(src_dev) < (9, 0):
+        pytest.skip("bulk copies need compute capability 9.0")
+    for dst_name in ["cuda:0"] + (["cuda:1"] if torch.cuda.device_count() > 1 else []):
+        dst_dev = torch.device(dst_name)
+        if dst_dev != src_dev:
+            enable_peer_access(src_dev, dst_dev)
+        src, dst, src_offs, dst_offs = _scattered(torch, sizes, src_dev, dst_dev)
+        flag = torch.zeros(1, dtype=torch.int64, device=dst_dev)
+        copier = DeviceCopier(src_dev, flag)
+        plan = copier.plan([src.data_ptr() + o for o in src_offs], [dst.data_ptr() + o for o in dst_offs], sizes,
+                           bulk=True, tile_bytes=stage, chunks=chunks)
+        assert plan.bulk and plan.chunks == chunks and plan.elem_bytes == 1
+        expected = _expected(torch, src, dst, src_offs, dst_offs, sizes)
+        for value in (21, 22):
+            dst.fill_(0xA5)
+            copier.run(plan, value)
+            torch.cuda.synchronize(src_dev)
+            torch.cuda.synchronize(dst_dev)
+            assert int(flag.item()) == value, dst_name
+            assert torch.equal(dst, expected), dst_name
+        graphed = copier.capture(plan, 500)
+        dst.fill_(0xA5)
+        src.random_(0, 256)
+        torch.cuda.synchronize()
+        assert graphed.replay() == 500
+        torch.cuda.synchronize(src_dev)
+        torch.cuda.synchronize(dst_dev)
+        assert int(flag.item()) == 500
+        assert torch.equal(dst, _expected(torch, src, dst, src_offs, dst_offs, sizes)), dst_name
+
+
+@pytest.mark.cuda
+def test_bulk_copies_refuse_unaligned_addresses_and_bad_shapes_before_anything_moves():
+    torch = _gpu()
+    from ascend_dualpath.transport.cuda import DeviceCopier
+
+    dev = torch.device("cuda:0")
+    torch.cuda.set_device(dev)
+    src, dst, s_addrs, d_addrs = _segments(torch, 4, 4096, dev, dev)
+    flag = torch.zeros(1, dtype=torch.int64, device=dev)
+    copier = DeviceCopier(dev, flag)
+    with pytest.raises(errors.AlignmentError, match="segment 0 .* not 16-byte aligned: bulk copies need it"):
+        copier.plan([a + 8 for a in s_addrs], d_addrs, [4096] * 4, bulk=True)
+    with pytest.raises(errors.ConfigError, match="bulk stage of 65536 bytes is not a power of two in"):
+        copier.plan(s_addrs, d_addrs, [4096] * 4, bulk=True, tile_bytes=65536)
+    with pytest.raises(errors.ConfigError, match="chunks 3 is not one of 1, 2, 4"):
+        copier.plan(s_addrs, d_addrs, [4096] * 4, bulk=True, chunks=3)
+    with pytest.raises(errors.ConfigError, match="streaming and prefetch apply to the load/store kernel"):
+        copier.plan(s_addrs, d_addrs, [4096] * 4, bulk=True, streaming=True)
+    with pytest.raises(errors.ConfigError, match="chunks=2 applies to bulk copies only"):
+        copier.plan(s_addrs, d_addrs, [4096] * 4, bulk=False, chunks=2)
+    torch.cuda.synchronize()
+    assert (dst == 0xA5).all() and int(flag.item()) == 0
+
+
+@pytest.mark.cuda
+def test_default_plan_choice_follows_size_and_alignment():
+    """Large 16-byte aligned requests take bulk copies when BULK_DEFAULT says so; small or unaligned ones (and every
+    request when it does not) the load/store kernel; both copy exactly."""
+    torch = _gpu()
+    from ascend_dualpath.transport.cuda import BULK_DEFAULT, DeviceCopier, large_threshold
+
+    dev = torch.device("cuda:0")
+    torch.cuda.set_device(dev)
+    flag = torch.zeros(1, dtype=torch.int64, device=dev)
+    copier = DeviceCopier(dev, flag)
+    big = large_threshold(copier.sm_count)
+    for count, size, bulk in [(2, big // 2, BULK_DEFAULT and copier.bulk_capable), (61, 42 * 1024, False),
+                              (3, big // 2 + 3, False)]:  # + 3: segments 2 and 3 start off the 16-byte grid
+        src, dst, s_addrs, d_addrs = _segments(torch, count, size, dev, dev)
+        plan = copier.plan(s_addrs, d_addrs, [size] * count)
+        assert plan.bulk == bulk, (count, size)
+        copier.run(plan, 9)
+        torch.cuda.synchronize()
+        assert int(flag.item()) == 9
+        _assert_landed(torch, src, dst, count, size)
+        flag.zero_()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("chunk_bytes", [4096, 64 * 1024, cuda.STAGED_CHUNK_BYTES])
+def test_staged_copy_in_chunks_is_exact_here_and_to_a_peer(chunk_bytes):
+    """Pinned host -> double-buffered staging slots -> destinations: segments crossing chunk edges, odd lengths and
+    gaps land exactly, poisoned gaps stay, the flag holds the request's value; a second request with new host data
+    (the slots reused) is exact too."""
+    torch = _gpu()
+    from ascend_dualpath.transport.cuda import DeviceCopier, StagedCopy, enable_peer_access
+
+    src_dev = torch.device("cuda:0")
+    torch.cuda.set_device(src_dev)
+    sizes = [42 * 1024] * 7 + [5, 100003, 1 << 20, 3]
+    for dst_name in ["cuda:0"] + (["cuda:1"] if torch.cuda.device_count() > 1 else []):
+        dst_dev = torch.device(dst_name)
+        if dst_dev != src_dev:
+            enable_peer_access(src_dev, dst_dev)
+        src, dst, src_offs, dst_offs = _scattered(torch, sizes, "cpu", dst_dev)
+        host = src.pin_memory()
+        flag = torch.zeros(1, dtype=torch.int64, device=dst_dev)
+        staged = StagedCopy(DeviceCopier(src_dev, flag), host, src_offs, [dst.data_ptr() + o for o in dst_offs], sizes,
+                            chunk_bytes)
+        assert staged.staging_bytes <= 2 * chunk_bytes
+        for value in (31, 32):
+            host.random_(0, 256)
+            dst.fill_(0xA5)
+            torch.cuda.synchronize(dst_dev)
+            staged.run(value)
+            torch.cuda.synchronize(src_dev)
+            torch.cuda.synchronize(dst_dev)
+            assert int(flag.item()) == value, dst_name
+            assert torch.equal(dst, _expected(torch, host, dst, src_offs, dst_offs, sizes)), (dst_name, value)
+
+
+@pytest.mark.cuda
+def test_staged_copy_refuses_bad_sources_before_anything_moves():
+    torch = _gpu()
+    from ascend_dualpath.transport.cuda import DeviceCopier, StagedCopy
+
+    dev = torch.device("cuda:0")
+    flag = torch.zeros(1, dtype=torch.int64, device=dev)
+    copier = DeviceCopier(dev, flag)
+    dst = torch.full((8192,), 0xA5, dtype=torch.uint8, device=dev)
+    with pytest.raises(errors.ConfigError, match="pinned 1-D uint8 CPU tensor, got torch.uint8 .4096,. on cpu "
+                                                 "\\(pinned: False\\)"):
+        StagedCopy(copier, torch.zeros(4096, dtype=torch.uint8), [0], [dst.data_ptr()], [4096])
+    host = torch.zeros(4096, dtype=torch.uint8).pin_memory()
+    with pytest.raises(errors.ConfigError, match="segment 1 .offset 4000, 100 bytes. lies outside the host buffer"):
+        StagedCopy(copier, host, [0, 4000], [dst.data_ptr(), dst.data_ptr() + 4096], [16, 100])
+    with pytest.raises(errors.ConfigError, match="chunk_bytes 1000 is not a multiple of 16 from 4096"):
+        StagedCopy(copier, host, [0], [dst.data_ptr()], [16], chunk_bytes=1000)
+    torch.cuda.synchronize()
+    assert (dst == 0xA5).all() and int(flag.item()) == 0
