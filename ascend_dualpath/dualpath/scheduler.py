@@ -9,10 +9,15 @@ DEs, free HBM; and each node's storage read-queue length in tokens. The schedule
 2. places admitted requests on prefill engines from a global FIFO (category 2: node read queue
    <= alpha and tokens <= beta; else category 3: read queue > alpha and tokens <= beta; engines with
    tokens > beta never), minimum tokens within a category,
-3. reads each request's hit KV on the side (PE or DE node) with the shorter read queue,
+3. reads each request's hit KV on the side (PE or DE node) with the shorter read queue (a tie, which
+   the paper does not treat, goes to the side whose node was given fewer hit tokens to read so far),
 
 and inside a PE, :func:`plan_prefill_batch` fills one forward pass up to a compute quota, splitting
 the request that overflows by binary search.
+
+Read queue: a node's storage read queue is measured in tokens (the paper compares it with
+alpha, "tokens readable in 3 s") and counts every read the node was given and has not finished: waiting,
+in flight, and, in this scheduler's view, assigned but not yet delivered to the PE group that starts it.
 
 Order of the two levels: a request is admitted by a DE first (HBM is the admission limit, and the
 DE read path needs its DE before any byte is read), then joins the PE FIFO; the read path is chosen
@@ -235,9 +240,19 @@ def plan_decode(private_queue: Sequence[Request], engines: Sequence[EngineState]
     return placed
 
 
-def choose_read_path(pe_node_queue_tokens: int, de_node_queue_tokens: int) -> ReadPath:
-    """Read on the side with the shorter storage read queue; ties go to the PE (no extra CNIC hop)."""
-    return ReadPath.DE if de_node_queue_tokens < pe_node_queue_tokens else ReadPath.PE
+def choose_read_path(pe_node_queue_tokens: int, de_node_queue_tokens: int,
+                     pe_node_read_tokens: int = 0, de_node_read_tokens: int = 0) -> ReadPath:
+    """Read on the side with the shorter storage read queue (paper §6: "the side with the shorter read
+    queue"); queues in tokens, waiting plus in flight.
+
+    A tie (in practice both SNICs idle) is not treated by the paper; ours: the side whose node has been
+    given fewer hit tokens to read so far (``*_read_tokens``), then the PE (no DE-CNIC hop). The seed's
+    sketch sends every tie to the PE (``<=``); with 2 PE nodes each taking part in half of all decisions
+    and 4 DE nodes in a quarter, that piles the idle-time reads on the PE nodes.
+    """
+    if pe_node_queue_tokens != de_node_queue_tokens:
+        return ReadPath.DE if de_node_queue_tokens < pe_node_queue_tokens else ReadPath.PE
+    return ReadPath.DE if de_node_read_tokens < pe_node_read_tokens else ReadPath.PE
 
 
 @dataclass
@@ -330,6 +345,7 @@ class Scheduler:
         self._prefill_heap: list[tuple[bool, int, int, int, int]] = []
         self._undelivered: dict[int, list[Assignment]] = {}  # PE group -> assigned, not yet pulled
         self._undelivered_reads: dict[int, int] = {}  # node -> hit tokens of undelivered assignments read there
+        self._read_assigned: dict[int, int] = {}  # node -> hit tokens ever sent there to read (the path tie rule)
 
     @classmethod
     def from_profile(cls, profile: EngineProfile) -> Scheduler:
@@ -395,9 +411,11 @@ class Scheduler:
             request, de, de_node = self._prefill_waiting.popleft()
             view = self._prefill_engines[engine_id]
             view.tokens += request.prompt_tokens
-            path = choose_read_path(self._read_queue.get(view.node_id, 0), self._read_queue.get(de_node, 0))
+            path = choose_read_path(self._read_queue.get(view.node_id, 0), self._read_queue.get(de_node, 0),
+                                    self._read_assigned.get(view.node_id, 0), self._read_assigned.get(de_node, 0))
             read_node = view.node_id if path is ReadPath.PE else de_node
             self._read_queue[read_node] = self._read_queue.get(read_node, 0) + request.cached_tokens
+            self._read_assigned[read_node] = self._read_assigned.get(read_node, 0) + request.cached_tokens
             self._undelivered_reads[read_node] = self._undelivered_reads.get(read_node, 0) + request.cached_tokens
             self._push_prefill(engine_id)
             self._undelivered.setdefault(view.group_id, []).append(Assignment(request, engine_id, de, path))

@@ -305,6 +305,8 @@ class ClusterSim:
     # ------------------------------------------------------------------------------------------ placement
 
     def _report(self, node: _Node) -> GroupReport:
+        # the node's read queue in tokens (alpha's unit): every read given to it and not finished, the one
+        # its SNIC is serving included (a read handed to storage stays in the node's queue until it lands)
         engines = [EngineState(e.engine_id, e.node, e.seqs, e.tokens, int(e.free_hbm))
                    for e in (self.engines[i] for i in node.engines)]
         return GroupReport(node.node_id, engines, {node.node_id: node.read_queue_tokens})

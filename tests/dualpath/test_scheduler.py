@@ -97,10 +97,32 @@ def test_decode_skips_engines_without_hbm_and_stops_when_none_fits():
     assert engines[1].free_hbm_bytes == 200
 
 
-def test_read_path_shorter_queue_ties_to_pe():
+def test_read_path_takes_the_shorter_queue_whatever_was_read_before():
     assert choose_read_path(10, 5) is ReadPath.DE
     assert choose_read_path(5, 10) is ReadPath.PE
+    assert choose_read_path(10, 5, pe_node_read_tokens=0, de_node_read_tokens=10**9) is ReadPath.DE
+    assert choose_read_path(5, 10, pe_node_read_tokens=10**9, de_node_read_tokens=0) is ReadPath.PE
+
+
+def test_read_path_tie_goes_to_the_node_that_has_read_less_then_to_the_pe():
+    assert choose_read_path(0, 0, pe_node_read_tokens=640, de_node_read_tokens=64) is ReadPath.DE
+    assert choose_read_path(0, 0, pe_node_read_tokens=64, de_node_read_tokens=640) is ReadPath.PE
+    assert choose_read_path(7, 7, pe_node_read_tokens=5, de_node_read_tokens=5) is ReadPath.PE
     assert choose_read_path(7, 7) is ReadPath.PE
+
+
+def test_scheduler_breaks_idle_ties_by_tokens_read_so_far_not_always_to_the_pe():
+    """One request per pull and both read queues reported empty each time (the reads finished between
+    pulls): the seed's tie rule would read all four on the PE node; ours follows the nodes' read totals."""
+    scheduler = Scheduler(alpha=ALPHA, beta=BETA)
+    paths = []
+    for i in range(4):
+        scheduler.submit(req(i, 1000, cached=64 * (i + 1)))
+        scheduler.pull_decode(GroupReport(10, [EngineState(80, 10, free_hbm_bytes=10**9)], {10: 0}))
+        (assignment,) = scheduler.pull_prefill(GroupReport(0, [pe(0, 0, 0)], {0: 0}))
+        paths.append(assignment.read_path)
+    # read totals PE/DE before each: 0/0 -> PE; 64/0 -> DE; 64/128 -> PE; 256/128 -> DE
+    assert paths == [ReadPath.PE, ReadPath.DE, ReadPath.PE, ReadPath.DE]
 
 
 def linear_time(cached, bsz):

@@ -43,11 +43,11 @@ def test_scheduler_within_ten_percent_of_oracle(ablation):
 def test_round_robin_unbalances_storage_nics_and_the_scheduler_much_less(ablation):
     round_robin = snic_max_over_avg(ablation[Mode.DUALPATH])
     assert round_robin >= 1.4
-    assert snic_max_over_avg(ablation[Mode.SCHEDULER]) <= round_robin - 0.15
+    assert snic_max_over_avg(ablation[Mode.SCHEDULER]) <= round_robin - 0.20
 
 
-@pytest.mark.xfail(strict=True, reason="1.22 on the full 2048-agent run, ~1.33 on this window: the scheduled "
-                   "SNICs are half idle and 'shorter queue' favours the 2 PE nodes (see docs/simulator.md)")
+@pytest.mark.xfail(strict=True, reason="1.19 on the full 2048-agent run, 1.254 on this window, which runs at "
+                   "50-60% SNIC load where 'shorter queue' still favours the 2 PE nodes (see docs/simulator.md)")
 def test_scheduler_storage_nic_balance_reaches_the_papers_1_25(ablation):
     assert snic_max_over_avg(ablation[Mode.SCHEDULER]) <= 1.25
 
