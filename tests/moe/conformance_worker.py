@@ -398,29 +398,32 @@ class Checks:
 
     def check_low_latency_combine(self) -> None:
         for use_fp8, limit in ((False, LL_COMBINE_DIFF_BF16), (True, LL_COMBINE_DIFF_FP8)):
-            (recv_x, recv_count, handle, _, _), _ = self._ll(use_fp8=use_fp8)
-            if use_fp8:
-                flat_q = recv_x[0].reshape(-1, HIDDEN)
-                flat_s = recv_x[1].reshape(-1, HIDDEN // 128)
-                simulated = quant.per_token_cast_back(flat_q, flat_s).view_as(recv_x[0]).to(torch.bfloat16)
-            else:
-                simulated = recv_x
-            poison = torch.full((self.xs[self.rank].shape[0], HIDDEN), float("nan"), dtype=torch.bfloat16)
-            out, _, _ = self.buffer.low_latency_combine(simulated, self.idxs[self.rank], self.weights[self.rank],
-                                                        handle, out=poison)
-            self.expect(out.data_ptr() == poison.data_ptr(), 'out.data_ptr() == poison.data_ptr()')
-            self.expect(not bool(out.isnan().any()), 'not bool(out.isnan().any())')
-            idx, w = self.idxs[self.rank], self.weights[self.rank]
-            if use_fp8:
-                deq = quant.per_token_cast_back(*quant.per_token_cast_to_fp8(self.xs[self.rank])).to(torch.bfloat16)
-            else:
-                deq = self.xs[self.rank]
-            want = ref.low_latency_combine(lambda t, e: deq[t], idx, w)
-            if want is None:
-                self.expect(out.numel() == 0 or bool((out == 0).all()), 'out.numel() == 0 or bool((out == 0).all())')
-                continue
-            diff = ref.calc_diff(out, want)
-            self.expect(diff < limit, f"use_fp8={use_fp8}: calc_diff {diff} >= {limit}")
+            self._check_low_latency_combine(use_fp8, limit)
+
+    def _check_low_latency_combine(self, use_fp8: bool, limit: float) -> None:
+        (recv_x, recv_count, handle, _, _), _ = self._ll(use_fp8=use_fp8)
+        if use_fp8:
+            flat_q = recv_x[0].reshape(-1, HIDDEN)
+            flat_s = recv_x[1].reshape(-1, HIDDEN // 128)
+            simulated = quant.per_token_cast_back(flat_q, flat_s).view_as(recv_x[0]).to(torch.bfloat16)
+        else:
+            simulated = recv_x
+        poison = torch.full((self.xs[self.rank].shape[0], HIDDEN), float("nan"), dtype=torch.bfloat16)
+        out, _, _ = self.buffer.low_latency_combine(simulated, self.idxs[self.rank], self.weights[self.rank],
+                                                    handle, out=poison)
+        self.expect(out.data_ptr() == poison.data_ptr(), 'out.data_ptr() == poison.data_ptr()')
+        self.expect(not bool(out.isnan().any()), 'not bool(out.isnan().any())')
+        idx, w = self.idxs[self.rank], self.weights[self.rank]
+        if use_fp8:
+            deq = quant.per_token_cast_back(*quant.per_token_cast_to_fp8(self.xs[self.rank])).to(torch.bfloat16)
+        else:
+            deq = self.xs[self.rank]
+        want = ref.low_latency_combine(lambda t, e: deq[t], idx, w)
+        if want is None:
+            self.expect(out.numel() == 0 or bool((out == 0).all()), 'out.numel() == 0 or bool((out == 0).all())')
+            return
+        diff = ref.calc_diff(out, want)
+        self.expect(diff < limit, f"use_fp8={use_fp8}: calc_diff {diff} >= {limit}")
 
     def check_repeatable(self) -> None:
         def once():
