@@ -105,7 +105,7 @@ class DeviceProxy:
                 else:
                     cpu = self._to(item, "cpu")
                     back.append(cpu)
-                    for dev, host in zip(self._tensors(item), self._tensors(cpu)):
+                    for dev, host in zip(self._tensors(item), self._tensors(cpu), strict=True):
                         pairs.append((dev, host))
             for dev, host in pairs:
                 host.copy_(dev.cpu())
@@ -175,7 +175,8 @@ class Checks:
     def check_layout(self) -> None:
         got = self.buffer.get_dispatch_layout(self.idxs[self.rank], self.experts)
         want = ref.dispatch_layout(self.idxs[self.rank], self.experts, self.world, self.ranks_per_node)
-        for name, g, w in zip(("per_rank", "per_rdma_rank", "per_expert", "is_token_in_rank"), got[:4], want):
+        names = ("per_rank", "per_rdma_rank", "per_expert", "is_token_in_rank")
+        for name, g, w in zip(names, got[:4], want, strict=True):
             if w is None:
                 self.expect(g is None, f"{name}: expected None on one node")
             else:
@@ -226,7 +227,7 @@ class Checks:
             want = ref.dispatch(xs_q, self.idxs, self.weights, self.experts)[self.rank]
             recv_x, *_ = self.dispatch(xs_q[self.rank])
             self.expect(isinstance(recv_x, tuple), name)
-            for got, exp in zip(recv_x, want.x):
+            for got, exp in zip(recv_x, want.x, strict=True):
                 self.expect(got.dtype == exp.dtype and torch.equal(_bits(got), _bits(exp)), name)
 
     def check_worst_tokens(self) -> None:
@@ -254,7 +255,7 @@ class Checks:
         fp8 = quant.per_token_cast_to_fp8(self.xs[self.rank])
         cached_fp8 = self.buffer.dispatch(fp8, handle=handle)[0]
         want = ref.dispatch([quant.per_token_cast_to_fp8(x) for x in self.xs], self.idxs, None, self.experts)
-        self.expect(all(torch.equal(_bits(g), _bits(w)) for g, w in zip(cached_fp8, want[self.rank].x)),
+        self.expect(all(torch.equal(_bits(g), _bits(w)) for g, w in zip(cached_fp8, want[self.rank].x, strict=True)),
                     'all(torch.equal(_bits(g), _bits(w)) for g, w in zip(cached_fp8, want[self.rank].x))')
 
     def check_combine(self) -> None:
@@ -437,7 +438,8 @@ class Checks:
         first = once()
         for i in range(REPEATS - 1):
             again = once()
-            self.expect(all(torch.equal(_bits(a), _bits(b)) for a, b in zip(first, again)), f"run {i + 2} differs")
+            same = all(torch.equal(_bits(a), _bits(b)) for a, b in zip(first, again, strict=True))
+            self.expect(same, f"run {i + 2} differs")
 
     # ------------------------------------------------------------------ bad input (R = 2 only)
     def check_bad_input(self) -> None:
