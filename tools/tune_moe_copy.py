@@ -11,6 +11,7 @@ output are bit-identical to the default setting's, and times both ops with the s
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -79,8 +80,8 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace) -> None
             if reference is None:
                 reference = (recv_x.clone(), combined.clone())
             exact = bool(torch.equal(recv_x, reference[0]) and torch.equal(combined, reference[1]))
-            dispatch_us = _device_us(lambda: buffer.dispatch(x, handle=handle, config=config), args.iters)
-            combine_us = _device_us(lambda: buffer.combine(recv_x, handle, config=config), args.iters)
+            dispatch_us = _device_us(functools.partial(buffer.dispatch, x, handle=handle, config=config), args.iters)
+            combine_us = _device_us(functools.partial(buffer.combine, recv_x, handle, config=config), args.iters)
             sms = num_sms or handle.plan.private.get("model_sms")
             times = torch.tensor([dispatch_us, combine_us], dtype=torch.float64, device=device)
             dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)

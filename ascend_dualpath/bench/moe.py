@@ -25,6 +25,8 @@ import json
 import statistics
 import sys
 import tempfile
+from dataclasses import dataclass
+from typing import Any
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -122,11 +124,28 @@ def _loop(fn, iters, flush, device, group) -> float:
     return float(slowest[0])
 
 
+@dataclass
+class _Rank:
+    """What every measurement of one rank shares: its place in the group, where rows go, and its inputs."""
+
+    args: argparse.Namespace
+    rank: int
+    world: int
+    device: Any  # torch.device; torch is imported in the worker only
+    group: Any
+    queue: Any
+    cuda: bool
+    x: Any  # bf16 [tokens, hidden]
+    x_fp8: Any  # (fp8 [tokens, hidden], float32 scales [tokens, hidden / 128])
+    topk_idx: Any  # int64 [tokens, topk]
+    topk_weights: Any  # float32 [tokens, topk]
+
+
 def _worker(rank, world, store, args, queue):
     import torch
     import torch.distributed as dist
 
-    from ascend_dualpath.moe import Buffer, Config, quant
+    from ascend_dualpath.moe import quant
 
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
     if cuda:
@@ -143,70 +162,82 @@ def _worker(rank, world, store, args, queue):
     scores = torch.randn(args.tokens, args.experts, device=device, generator=g).abs() + 1
     topk_idx = scores.topk(args.topk, dim=1).indices
     topk_weights = torch.rand(args.tokens, args.topk, device=device, generator=g)
-    x_fp8 = quant.per_token_cast_to_fp8(x)
-    ll_x, ll_idx, ll_w = x[:args.ll_tokens], topk_idx[:args.ll_tokens], topk_weights[:args.ll_tokens]
+    ctx = _Rank(args=args, rank=rank, world=world, device=device, group=group, queue=queue, cuda=cuda, x=x,
+                x_fp8=quant.per_token_cast_to_fp8(x), topk_idx=topk_idx, topk_weights=topk_weights)
     for strategy in args.strategies.split(","):
         sm_list = [int(s) for s in args.num_sms.split(",")] if strategy == "cuda" else [0]
         for num_sms in sm_list:
-            buffer = Buffer(group, num_nvl_bytes=int(4e9), num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(
-                args.ll_tokens, args.hidden, world, args.experts), low_latency_mode=True, strategy=strategy)
-            config = Config(num_sms=num_sms)
-            layout = buffer.get_dispatch_layout(topk_idx, args.experts)
-            recv_x, recv_idx, recv_w, _, handle, _ = buffer.dispatch(
-                x, num_tokens_per_rank=layout[0], num_tokens_per_rdma_rank=layout[1], is_token_in_rank=layout[3],
-                num_tokens_per_expert=layout[2], topk_idx=topk_idx, topk_weights=topk_weights, config=config)
-            recv_counts = handle.plan.count_matrix[:, rank]
-            logical_rows, cross_rows = int(recv_counts.sum()), int(recv_counts.sum() - recv_counts[rank])
-            used_sms = handle.plan.private.get("model_sms") if not num_sms else num_sms
-            bf16_row, fp8_row = args.hidden * 2, args.hidden + args.hidden // 128 * 4
-
-            def op(name, fn, row_bytes, ll_valid=None):
-                samples, device_samples, host, loop = _time(fn, args.iters, args.warmup, device, group)
-                row = dict(strategy=strategy, num_sms=used_sms if strategy == "cuda" else None, op=name,
-                           mean_us=statistics.mean(samples) * 1e6, median_us=statistics.median(samples) * 1e6,
-                           min_us=min(samples) * 1e6, gpu_us=statistics.median(device_samples) * 1e6,
-                           host_us=statistics.median(host) * 1e6, loop_us=loop * 1e6,
-                           logical_bytes=logical_rows * row_bytes,
-                           cross_bytes=cross_rows * row_bytes)
-                if ll_valid is not None:  # LL bytes: one message per valid (token, expert) received
-                    row.update(logical_bytes=ll_valid * row_bytes, cross_bytes=None)
-                if rank == 0:
-                    queue.put(("row", row))
-
-            def graph_op(name, fn, row_bytes):
-                """Capture ``fn`` (collective) and time its replay; a failed capture is reported as a row."""
-                try:
-                    graph = buffer.capture_graph(fn)
-                except Exception as exc:  # every rank fails the same way (same calls): report, go on
-                    if rank == 0:
-                        queue.put(("row", dict(strategy=strategy, num_sms=used_sms, op=name, error=repr(exc)[:300])))
-                    return
-                op(name, graph.replay, row_bytes)
-
-            op("layout", lambda: buffer.get_dispatch_layout(topk_idx, args.experts), 0)
-            op("dispatch bf16 (cached)", lambda: buffer.dispatch(x, handle=handle, config=config), bf16_row)
-            op("dispatch fp8 (cached)", lambda: buffer.dispatch(x_fp8, handle=handle, config=config), fp8_row)
-            op("dispatch bf16 (with topk, layout given)", lambda: buffer.dispatch(
-                x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3], num_tokens_per_expert=layout[2],
-                topk_idx=topk_idx, topk_weights=topk_weights, config=config), bf16_row)
-            op("combine bf16", lambda: buffer.combine(recv_x, handle, config=config), bf16_row)
-            if strategy == "cuda" and cuda and not args.no_graphs:
-                graph_op("dispatch bf16 (cached, graph)", lambda: buffer.dispatch(x, handle=handle)[0], bf16_row)
-                graph_op("dispatch fp8 (cached, graph)", lambda: buffer.dispatch(x_fp8, handle=handle)[0], fp8_row)
-                graph_op("combine bf16 (graph)", lambda: buffer.combine(recv_x, handle)[0], bf16_row)
-            if num_sms == sm_list[0]:
-                ll = buffer.low_latency_dispatch(ll_x, ll_idx, args.ll_tokens, args.experts, use_fp8=True)
-                ll_bf16 = torch.zeros_like(ll[0][0], dtype=torch.bfloat16)
-                valid = int(ll[1].sum())
-                op("ll dispatch fp8", lambda: buffer.low_latency_dispatch(ll_x, ll_idx, args.ll_tokens, args.experts,
-                                                                         use_fp8=True), fp8_row + 16, valid)
-                op("ll combine bf16", lambda: buffer.low_latency_combine(ll_bf16, ll_idx, ll_w, ll[2]), bf16_row,
-                   valid)
-            buffer.destroy()
+            # low-latency mode does not take an SM count: measured once per strategy
+            _measure(ctx, strategy, num_sms, with_low_latency=num_sms == sm_list[0])
     if rank == 0:
         queue.put(("done", None))
     dist.barrier(group)
     dist.destroy_process_group()
+
+
+def _measure(ctx: _Rank, strategy: str, num_sms: int, with_low_latency: bool) -> None:
+    """Measures every op of ``strategy`` at ``num_sms`` on a fresh buffer; rank 0 queues one row per op."""
+    import torch
+
+    from ascend_dualpath.moe import Buffer, Config
+
+    args, rank, queue = ctx.args, ctx.rank, ctx.queue
+    x, x_fp8, topk_idx, topk_weights = ctx.x, ctx.x_fp8, ctx.topk_idx, ctx.topk_weights
+    buffer = Buffer(ctx.group, num_nvl_bytes=int(4e9), num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(
+        args.ll_tokens, args.hidden, ctx.world, args.experts), low_latency_mode=True, strategy=strategy)
+    config = Config(num_sms=num_sms)
+    layout = buffer.get_dispatch_layout(topk_idx, args.experts)
+    recv_x, _, _, _, handle, _ = buffer.dispatch(
+        x, num_tokens_per_rank=layout[0], num_tokens_per_rdma_rank=layout[1], is_token_in_rank=layout[3],
+        num_tokens_per_expert=layout[2], topk_idx=topk_idx, topk_weights=topk_weights, config=config)
+    recv_counts = handle.plan.count_matrix[:, rank]
+    logical_rows, cross_rows = int(recv_counts.sum()), int(recv_counts.sum() - recv_counts[rank])
+    used_sms = handle.plan.private.get("model_sms") if not num_sms else num_sms
+    bf16_row, fp8_row = args.hidden * 2, args.hidden + args.hidden // 128 * 4
+
+    def op(name, fn, row_bytes, ll_valid=None):
+        samples, device_samples, host, loop = _time(fn, args.iters, args.warmup, ctx.device, ctx.group)
+        row = dict(strategy=strategy, num_sms=used_sms if strategy == "cuda" else None, op=name,
+                   mean_us=statistics.mean(samples) * 1e6, median_us=statistics.median(samples) * 1e6,
+                   min_us=min(samples) * 1e6, gpu_us=statistics.median(device_samples) * 1e6,
+                   host_us=statistics.median(host) * 1e6, loop_us=loop * 1e6,
+                   logical_bytes=logical_rows * row_bytes,
+                   cross_bytes=cross_rows * row_bytes)
+        if ll_valid is not None:  # LL bytes: one message per valid (token, expert) received
+            row.update(logical_bytes=ll_valid * row_bytes, cross_bytes=None)
+        if rank == 0:
+            queue.put(("row", row))
+
+    def graph_op(name, fn, row_bytes):
+        """Capture ``fn`` (collective) and time its replay; a failed capture is reported as a row."""
+        try:
+            graph = buffer.capture_graph(fn)
+        except Exception as exc:  # every rank fails the same way (same calls): report, go on
+            if rank == 0:
+                queue.put(("row", dict(strategy=strategy, num_sms=used_sms, op=name, error=repr(exc)[:300])))
+            return
+        op(name, graph.replay, row_bytes)
+
+    op("layout", lambda: buffer.get_dispatch_layout(topk_idx, args.experts), 0)
+    op("dispatch bf16 (cached)", lambda: buffer.dispatch(x, handle=handle, config=config), bf16_row)
+    op("dispatch fp8 (cached)", lambda: buffer.dispatch(x_fp8, handle=handle, config=config), fp8_row)
+    op("dispatch bf16 (with topk, layout given)", lambda: buffer.dispatch(
+        x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3], num_tokens_per_expert=layout[2],
+        topk_idx=topk_idx, topk_weights=topk_weights, config=config), bf16_row)
+    op("combine bf16", lambda: buffer.combine(recv_x, handle, config=config), bf16_row)
+    if strategy == "cuda" and ctx.cuda and not args.no_graphs:
+        graph_op("dispatch bf16 (cached, graph)", lambda: buffer.dispatch(x, handle=handle)[0], bf16_row)
+        graph_op("dispatch fp8 (cached, graph)", lambda: buffer.dispatch(x_fp8, handle=handle)[0], fp8_row)
+        graph_op("combine bf16 (graph)", lambda: buffer.combine(recv_x, handle)[0], bf16_row)
+    if with_low_latency:
+        ll_x, ll_idx, ll_w = x[:args.ll_tokens], topk_idx[:args.ll_tokens], topk_weights[:args.ll_tokens]
+        ll = buffer.low_latency_dispatch(ll_x, ll_idx, args.ll_tokens, args.experts, use_fp8=True)
+        ll_bf16 = torch.zeros_like(ll[0][0], dtype=torch.bfloat16)
+        valid = int(ll[1].sum())
+        op("ll dispatch fp8", lambda: buffer.low_latency_dispatch(ll_x, ll_idx, args.ll_tokens, args.experts,
+                                                                 use_fp8=True), fp8_row + 16, valid)
+        op("ll combine bf16", lambda: buffer.low_latency_combine(ll_bf16, ll_idx, ll_w, ll[2]), bf16_row, valid)
+    buffer.destroy()
 
 
 def _line(r: dict) -> str:

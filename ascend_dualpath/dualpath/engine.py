@@ -368,7 +368,7 @@ class DecodeEngine(_Node):
                 if on_turn is not None:
                     on_turn(result)
         finally:  # a turn failed: give back what the rest of the wave holds, here and on the PE
-            for rid, _, _, _, _, hit_ids, _, path, lease, tickets in pending:
+            for rid, _, _, _, _, hit_ids, path, lease, tickets in pending:
                 self._release(lease, tickets)
                 if path is ReadPath.PE and hit_ids:
                     self.channel.send(("drop", rid))

@@ -321,7 +321,7 @@ class HostBuffer:
                 assert start == cursor and end > start, f"{self.role}: gap or overlap at byte {cursor}: {pieces}"
                 cursor = end
             assert cursor == self._start + self.capacity_bytes, f"{self.role}: extents end at {cursor}"
-            for (_, end_a), (start_b, _) in zip(self._free, self._free[1:]):
+            for (_, end_a), (start_b, _) in itertools.pairwise(self._free):
                 assert end_a < start_b, f"{self.role}: adjacent free extents were not merged: {self._free}"
             assert self._used == sum(self._extent_bytes.values()), f"{self.role}: used bytes drifted"
 

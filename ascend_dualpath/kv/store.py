@@ -718,7 +718,7 @@ class ReadQueue:
     def submit_many(self, block_ids: Sequence[bytes], dests: Sequence[Any]) -> list[ReadTicket]:
         if len(block_ids) != len(dests):
             raise ValueError(f"{len(block_ids)} block ids but {len(dests)} destinations")
-        return [self.submit(block_id, dest) for block_id, dest in zip(block_ids, dests)]
+        return [self.submit(block_id, dest) for block_id, dest in zip(block_ids, dests, strict=True)]
 
     def stats(self) -> ReadQueueStats:
         with self._cond:

@@ -200,14 +200,14 @@ class TinyLlama:
         """
         logits, kv = self.prefill(token_ids, hit_kv)
         if hit_kv is not None:
-            kv = [torch.cat([hit, miss]) for hit, miss in zip(hit_kv, kv)]
+            kv = [torch.cat([hit, miss]) for hit, miss in zip(hit_kv, kv, strict=True)]
         generated: list[int] = []
         for step in range(max_new_tokens):
             generated.append(int(torch.argmax(logits[-1])))
             if step + 1 == max_new_tokens:
                 break
             logits, new_kv = self.prefill([generated[-1]], kv)
-            kv = [torch.cat([old, new]) for old, new in zip(kv, new_kv)]
+            kv = [torch.cat([old, new]) for old, new in zip(kv, new_kv, strict=True)]
         return generated
 
     def generate_greedy_recompute(self, token_ids: Sequence[int] | torch.Tensor, max_new_tokens: int) -> list[int]:

@@ -11,8 +11,9 @@ and nothing is half-sent), then hands the data movement to a strategy (see
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -67,7 +68,7 @@ def _check_tensor(t: Any, name: str, dtype: torch.dtype | tuple, shape: tuple) -
     dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
     if t.dtype not in dtypes:
         raise ConfigError(f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
-    if t.dim() != len(shape) or any(want is not None and got != want for got, want in zip(t.shape, shape)):
+    if t.dim() != len(shape) or any(want is not None and got != want for got, want in zip(t.shape, shape, strict=True)):
         expected = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
         raise ConfigError(f"{name} must have shape {expected}, got {list(t.shape)}")
 
@@ -514,7 +515,7 @@ class Buffer:
         return combined, combined_weights, self._finish_event(x.device, async_finish)
 
     # ----------------------------------------------------------------- CUDA graphs
-    def capture_graph(self, fn: Callable[[], Any]) -> "CapturedGraph":
+    def capture_graph(self, fn: Callable[[], Any]) -> CapturedGraph:
         """Record ``fn``, a fixed sequence of cached dispatches and combines on this buffer, as CUDA graphs.
 
         Replaying costs one graph launch of host time instead of the Python and kernel-launch work of every op

@@ -103,7 +103,7 @@ def dispatch(xs, topk_idxs, topk_weights, num_experts: int, expert_alignment: in
                 idx_rows.append(local)
                 if topk_weights is not None:
                     weights = topk_weights[src][t].tolist()
-                    weight_rows.append([w if e >= 0 else 0.0 for w, e in zip(weights, local)])
+                    weight_rows.append([w if e >= 0 else 0.0 for w, e in zip(weights, local, strict=True)])
         example = xs[0]
         if isinstance(example, tuple):
             x_out = tuple(
@@ -146,7 +146,7 @@ def combine(expert_outputs, receives: list[RankReceive], num_tokens: list[int], 
     dtype = expert_outputs[0].dtype
     sums = [torch.zeros(n, hidden, dtype=torch.float32) for n in num_tokens]
     for dst, receive in enumerate(receives):
-        for row, (src, t) in enumerate(zip(receive.src_rank, receive.src_idx)):
+        for row, (src, t) in enumerate(zip(receive.src_rank, receive.src_idx, strict=True)):
             sums[src][t] += expert_outputs[dst][row].float()
     out = []
     for rank, acc in enumerate(sums):

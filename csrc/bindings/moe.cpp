@@ -14,6 +14,7 @@
 #include "adp/transfer_kernels.h"
 #include "emulator/hccl_comm.h"
 #include "emulator/kernel_runner.h"
+#include "run_handle.h"
 
 namespace py = pybind11;
 using namespace adp::emu;
@@ -78,28 +79,9 @@ void register_moe(py::module_& m) {
     m.attr("MOE_DATAPLANE_AICPU") = moe::kDataplaneAicpu;
     m.attr("CORE_NOTIFY_TIMEOUT") = moe::kCoreNotifyTimeout;
 
-    py::class_<MoeRun, std::shared_ptr<MoeRun>>(m, "MoeKernelRun")
-        .def_property_readonly("name", [](const MoeRun& r) { return r.launch->name(); })
-        .def_property_readonly("hccl_done_vtime_ns", [](const MoeRun& r) { return r.launch->hccl_done_vtime_ns(); })
-        .def(
-            "wait",
-            [](MoeRun& r, double timeout_s) {
-                {
-                    py::gil_scoped_release release;
-                    r.launch->wait(timeout_s);
-                }
-                py::list out;
-                for (const auto& s : r.status) {
-                    py::dict d;
-                    d["code"] = s.code;
-                    d["posted"] = s.posted;
-                    d["detail"] = s.tail;
-                    out.append(d);
-                }
-                return out;
-            },
-            py::arg("timeout_s"),
-            "Wait (bounded) for every core; per-core dicts (code, posted, detail) or the first core's error.");
+    adp::bindings::bind_run_handle<MoeRun>(
+        m, "MoeKernelRun", [](py::dict& d, const xfer::CoreStatus& s) { d["detail"] = s.tail; },
+        "Wait (bounded) for every core; per-core dicts (code, posted, detail) or the first core's error.");
 
     m.def(
         "launch_moe_exchange",

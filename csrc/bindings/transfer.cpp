@@ -10,6 +10,7 @@
 #include "adp/transfer_kernels.h"
 #include "emulator/hccl_comm.h"
 #include "emulator/kernel_runner.h"
+#include "run_handle.h"
 
 namespace py = pybind11;
 using namespace adp::emu;
@@ -95,19 +96,6 @@ void check_block_dim(uint32_t block_dim, uint32_t limit) {
         fail(ErrorKind::kConfig, "block_dim ", block_dim, " is outside [1, ", limit, "] vector cores");
 }
 
-py::list status_list(const KernelRun& run) {
-    py::list out;
-    for (const auto& s : run.status) {
-        py::dict d;
-        d["code"] = s.code;
-        d["posted"] = s.posted;
-        d["head"] = s.head;
-        d["tail"] = s.tail;
-        out.append(d);
-    }
-    return out;
-}
-
 }  // namespace
 
 #ifdef ADP_WITH_NPU
@@ -125,22 +113,15 @@ void register_transfer(py::module_& m) {
     m.attr("CORE_BATCH_WRITE_FAILED") = xfer::kCoreBatchWriteFailed;
     m.attr("SYSTEM_CYCLE_HZ") = kernel::kSystemCycleHz;
 
-    py::class_<KernelRun, std::shared_ptr<KernelRun>>(m, "KernelRun")
-        .def_property_readonly("name", [](const KernelRun& r) { return r.launch->name(); })
+    adp::bindings::bind_run_handle<KernelRun>(
+        m, "KernelRun",
+        [](py::dict& d, const xfer::CoreStatus& s) {
+            d["head"] = s.head;
+            d["tail"] = s.tail;
+        },
+        "Wait (bounded) for every core; returns per-core status dicts or raises the first core's error.")
         .def_property_readonly("block_dim", [](const KernelRun& r) { return r.launch->block_dim(); })
-        .def_property_readonly("done", [](const KernelRun& r) { return r.launch->done(); })
-        .def_property_readonly("hccl_done_vtime_ns", [](const KernelRun& r) { return r.launch->hccl_done_vtime_ns(); })
-        .def(
-            "wait",
-            [](KernelRun& r, double timeout_s) {
-                {
-                    py::gil_scoped_release release;
-                    r.launch->wait(timeout_s);
-                }
-                return status_list(r);
-            },
-            py::arg("timeout_s"),
-            "Wait (bounded) for every core; returns per-core status dicts or raises the first core's error.");
+        .def_property_readonly("done", [](const KernelRun& r) { return r.launch->done(); });
 
     m.def(
         "launch_aiv_post_wqe",

@@ -142,7 +142,7 @@ def test_block_hashes_form_a_prefix_chain(tokens, block_tokens, cut, flip):
         other = block_hashes(changed, block_tokens)
         first_changed_block = flip // block_tokens
         assert other[:first_changed_block] == ids[:first_changed_block]
-        assert all(a != b for a, b in zip(other[first_changed_block:], ids[first_changed_block:]))
+        assert all(a != b for a, b in zip(other[first_changed_block:], ids[first_changed_block:], strict=True))
     if ids:
         assert block_hashes(tokens, block_tokens, namespace=b"other model")[0] != ids[0]
 

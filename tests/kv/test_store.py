@@ -46,7 +46,7 @@ def write_chain(store: LocalBlockStore, blocks: torch.Tensor, tokens: list[int] 
     tokens = tokens if tokens is not None else list(range(len(blocks) * layout.block_tokens))
     ids = block_hashes(tokens, layout.block_tokens, namespace=layout.fingerprint())
     parent = None
-    for block_id, block in zip(ids, blocks):
+    for block_id, block in zip(ids, blocks, strict=True):
         assert store.write_block(block_id, parent, block)
         parent = block_id
     return ids
@@ -105,7 +105,7 @@ def test_round_trip_over_layout_shapes(tmp_path_factory, num_layers, block_token
     blocks = make_blocks(layout, 2, seed)
     ids = write_chain(store, blocks)
     out = poisoned(layout.full_block_bytes)
-    for block_id, block in zip(ids, blocks):
+    for block_id, block in zip(ids, blocks, strict=True):
         store.read_into(block_id, out)
         assert torch.equal(out, block)
 

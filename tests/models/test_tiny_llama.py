@@ -29,7 +29,7 @@ def cache_prefix_in_store(model: TinyLlama, store: LocalBlockStore, tokens: torc
     blocks = layout.full_blocks_from_layers([layout.encode_rows(kv=layer_kv[:whole]) for layer_kv in kv])
     ids = block_hashes(tokens, BLOCK_TOKENS, namespace=layout.fingerprint())
     parent = None
-    for block_id, block in zip(ids, blocks):
+    for block_id, block in zip(ids, blocks, strict=True):
         store.write_block(block_id, parent, block)
         parent = block_id
     return ids

@@ -105,7 +105,7 @@ class DeviceProxy:
                 else:
                     cpu = self._to(item, "cpu")
                     back.append(cpu)
-                    for dev, host in zip(self._tensors(item), self._tensors(cpu)):
+                    for dev, host in zip(self._tensors(item), self._tensors(cpu), strict=True):
                         pairs.append((dev, host))
             for dev, host in pairs:
                 host.copy_(dev.cpu())
@@ -175,7 +175,8 @@ class Checks:
     def check_layout(self) -> None:
         got = self.buffer.get_dispatch_layout(self.idxs[self.rank], self.experts)
         want = ref.dispatch_layout(self.idxs[self.rank], self.experts, self.world, self.ranks_per_node)
-        for name, g, w in zip(("per_rank", "per_rdma_rank", "per_expert", "is_token_in_rank"), got[:4], want):
+        names = ("per_rank", "per_rdma_rank", "per_expert", "is_token_in_rank")
+        for name, g, w in zip(names, got[:4], want, strict=True):
             if w is None:
                 self.expect(g is None, f"{name}: expected None on one node")
             else:
@@ -226,7 +227,7 @@ class Checks:
             want = ref.dispatch(xs_q, self.idxs, self.weights, self.experts)[self.rank]
             recv_x, *_ = self.dispatch(xs_q[self.rank])
             self.expect(isinstance(recv_x, tuple), name)
-            for got, exp in zip(recv_x, want.x):
+            for got, exp in zip(recv_x, want.x, strict=True):
                 self.expect(got.dtype == exp.dtype and torch.equal(_bits(got), _bits(exp)), name)
 
     def check_worst_tokens(self) -> None:
@@ -254,7 +255,7 @@ class Checks:
         fp8 = quant.per_token_cast_to_fp8(self.xs[self.rank])
         cached_fp8 = self.buffer.dispatch(fp8, handle=handle)[0]
         want = ref.dispatch([quant.per_token_cast_to_fp8(x) for x in self.xs], self.idxs, None, self.experts)
-        self.expect(all(torch.equal(_bits(g), _bits(w)) for g, w in zip(cached_fp8, want[self.rank].x)),
+        self.expect(all(torch.equal(_bits(g), _bits(w)) for g, w in zip(cached_fp8, want[self.rank].x, strict=True)),
                     'all(torch.equal(_bits(g), _bits(w)) for g, w in zip(cached_fp8, want[self.rank].x))')
 
     def check_combine(self) -> None:
@@ -398,29 +399,32 @@ class Checks:
 
     def check_low_latency_combine(self) -> None:
         for use_fp8, limit in ((False, LL_COMBINE_DIFF_BF16), (True, LL_COMBINE_DIFF_FP8)):
-            (recv_x, recv_count, handle, _, _), _ = self._ll(use_fp8=use_fp8)
-            if use_fp8:
-                flat_q = recv_x[0].reshape(-1, HIDDEN)
-                flat_s = recv_x[1].reshape(-1, HIDDEN // 128)
-                simulated = quant.per_token_cast_back(flat_q, flat_s).view_as(recv_x[0]).to(torch.bfloat16)
-            else:
-                simulated = recv_x
-            poison = torch.full((self.xs[self.rank].shape[0], HIDDEN), float("nan"), dtype=torch.bfloat16)
-            out, _, _ = self.buffer.low_latency_combine(simulated, self.idxs[self.rank], self.weights[self.rank],
-                                                        handle, out=poison)
-            self.expect(out.data_ptr() == poison.data_ptr(), 'out.data_ptr() == poison.data_ptr()')
-            self.expect(not bool(out.isnan().any()), 'not bool(out.isnan().any())')
-            idx, w = self.idxs[self.rank], self.weights[self.rank]
-            if use_fp8:
-                deq = quant.per_token_cast_back(*quant.per_token_cast_to_fp8(self.xs[self.rank])).to(torch.bfloat16)
-            else:
-                deq = self.xs[self.rank]
-            want = ref.low_latency_combine(lambda t, e: deq[t], idx, w)
-            if want is None:
-                self.expect(out.numel() == 0 or bool((out == 0).all()), 'out.numel() == 0 or bool((out == 0).all())')
-                continue
-            diff = ref.calc_diff(out, want)
-            self.expect(diff < limit, f"use_fp8={use_fp8}: calc_diff {diff} >= {limit}")
+            self._check_low_latency_combine(use_fp8, limit)
+
+    def _check_low_latency_combine(self, use_fp8: bool, limit: float) -> None:
+        (recv_x, recv_count, handle, _, _), _ = self._ll(use_fp8=use_fp8)
+        if use_fp8:
+            flat_q = recv_x[0].reshape(-1, HIDDEN)
+            flat_s = recv_x[1].reshape(-1, HIDDEN // 128)
+            simulated = quant.per_token_cast_back(flat_q, flat_s).view_as(recv_x[0]).to(torch.bfloat16)
+        else:
+            simulated = recv_x
+        poison = torch.full((self.xs[self.rank].shape[0], HIDDEN), float("nan"), dtype=torch.bfloat16)
+        out, _, _ = self.buffer.low_latency_combine(simulated, self.idxs[self.rank], self.weights[self.rank],
+                                                    handle, out=poison)
+        self.expect(out.data_ptr() == poison.data_ptr(), 'out.data_ptr() == poison.data_ptr()')
+        self.expect(not bool(out.isnan().any()), 'not bool(out.isnan().any())')
+        idx, w = self.idxs[self.rank], self.weights[self.rank]
+        if use_fp8:
+            deq = quant.per_token_cast_back(*quant.per_token_cast_to_fp8(self.xs[self.rank])).to(torch.bfloat16)
+        else:
+            deq = self.xs[self.rank]
+        want = ref.low_latency_combine(lambda t, e: deq[t], idx, w)
+        if want is None:
+            self.expect(out.numel() == 0 or bool((out == 0).all()), 'out.numel() == 0 or bool((out == 0).all())')
+            return
+        diff = ref.calc_diff(out, want)
+        self.expect(diff < limit, f"use_fp8={use_fp8}: calc_diff {diff} >= {limit}")
 
     def check_repeatable(self) -> None:
         def once():
@@ -434,7 +438,8 @@ class Checks:
         first = once()
         for i in range(REPEATS - 1):
             again = once()
-            self.expect(all(torch.equal(_bits(a), _bits(b)) for a, b in zip(first, again)), f"run {i + 2} differs")
+            same = all(torch.equal(_bits(a), _bits(b)) for a, b in zip(first, again, strict=True))
+            self.expect(same, f"run {i + 2} differs")
 
     # ------------------------------------------------------------------ bad input (R = 2 only)
     def check_bad_input(self) -> None:

@@ -101,7 +101,7 @@ def check_layout(world: int) -> None:
             below, above = rank.layout_range(layout[3]).tolist()
             low, high = -below, above
             want = ref.dispatch_layout(idx, experts, world, ranks_per_node)
-            for got, exp in zip(layout, want):
+            for got, exp in zip(layout, want, strict=True):
                 assert (got is None) == (exp is None) and (exp is None or torch.equal(got, exp)), (got, exp)
             # The range is clamped at 0 on both sides: enough to check ids against [-1, num_experts).
             want_range = (min(0, int(idx.min())), max(0, int(idx.max()))) if idx.numel() else (0, 0)
@@ -222,7 +222,7 @@ def check_dispatch_and_combine(world: int) -> None:
     received = [strategy.dispatch_rows(plans[r], list(fp8[r]), "test fp8") for r, strategy in enumerate(ranks)]
     _flush(queue)
     for r, parts in enumerate(received):
-        for got, exp in zip(parts, want_fp8[r].x):
+        for got, exp in zip(parts, want_fp8[r].x, strict=True):
             assert torch.equal(_bits(got), _bits(exp)), f"rank {r}: fp8 part"
 
     # Combine with both biases and the weights part, against the fixed-order float32 reference.
@@ -249,7 +249,7 @@ def check_dispatch_and_combine(world: int) -> None:
             assert torch.equal(_bits(got), _bits(want_new[r].x)), f"rank {r}: cached-site dispatch {round_}"
         if round_ == 2:
             assert [len(strategy._sites) for strategy in ranks] == sites_before, "the third reused a site"
-    for r, (strategy, b) in enumerate(zip(ranks, buffers)):
+    for r, (strategy, b) in enumerate(zip(ranks, buffers, strict=True)):
         header = b[:cuda_strategy.HEADER_BYTES].view(torch.int32)
         assert int(header[cuda_strategy._kernels().ERROR_WORD]) == 0
         assert int(header[cuda_strategy._kernels().EPOCH_WORD]) == strategy.data_epoch == 6, "device epoch"

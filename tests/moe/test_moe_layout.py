@@ -19,5 +19,5 @@ def test_layout_matches_reference(seed, tokens, topk, world, per_rank, ranks_per
     idx = torch.randint(-1, experts, (tokens, topk), generator=g)
     got = compute_dispatch_layout(idx, experts, world, ranks_per_node)
     want = ref.dispatch_layout(idx, experts, world, ranks_per_node)
-    for g_, w_ in zip(got, want):
+    for g_, w_ in zip(got, want, strict=True):
         assert (g_ is None and w_ is None) or torch.equal(g_, w_)

@@ -78,7 +78,7 @@ class AllToAllStrategy(Strategy):
         def finish() -> list[torch.Tensor]:
             self._wait(work, what)
             out, start = [], 0
-            for like, width in zip(parts, widths):
+            for like, width in zip(parts, widths, strict=True):
                 out.append(_from_byte_rows(recv[:, start:start + width], like))
                 start += width
             return out

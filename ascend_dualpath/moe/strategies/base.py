@@ -7,9 +7,10 @@ low-latency ops on :meth:`Strategy.exchange_counts` and :meth:`Strategy.exchange
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

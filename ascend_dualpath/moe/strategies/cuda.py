@@ -444,7 +444,8 @@ class CudaStrategy(AllToAllStrategy):
                          B3=blocks[3], B4=blocks[4], TILE=COPY_TILE, TIMED=_timed(), num_warps=COPY_WARPS)
         site = self._sites[key] = dict(
             widths=widths, regions=[(half + offset) // 4 for offset in offsets],
-            mines=[self._local_view(half + offset, rows, width, torch.int32) for width, offset in zip(widths, offsets)],
+            mines=[self._local_view(half + offset, rows, width, torch.int32)
+                   for width, offset in zip(widths, offsets, strict=True)],
             push=_site(self.kernels.push_rows, sms, dict(constants, FUSED=self.fused)),
             receive=None if self.fused else _site(self.kernels.receive_rows, sms, constants),
             peers=peers, signals=signals)
@@ -462,7 +463,7 @@ class CudaStrategy(AllToAllStrategy):
         outs = [torch.empty(num_recv, width, dtype=torch.int32, device=self.device) for width in site["widths"]]
         send_args = [site["peers"], site["signals"], slots, slots.shape[0], self.rank, prefix, self.timeout_ns]
         recv_args = [site["signals"], self.rank, prefix, self.timeout_ns]
-        for w, out, width, region, mine in zip(wire, outs, site["widths"], site["regions"], site["mines"]):
+        for w, out, width, region, mine in zip(wire, outs, site["widths"], site["regions"], site["mines"], strict=True):
             send_args += (w, out, width, region, mine)
             recv_args += (mine, out, width)
         pad = MAX_PARTS - len(wire)
@@ -472,7 +473,7 @@ class CudaStrategy(AllToAllStrategy):
         site["push"](*send_args, key=alignment)
         if site["receive"] is not None:
             site["receive"](*recv_args, key=alignment)
-        return [_typed(out, part) for out, part in zip(outs, parts)]
+        return [_typed(out, part) for out, part in zip(outs, parts, strict=True)]
 
     # ------------------------------------------------------------------ normal combine
     def _combine_site(self, plan: NormalPlan, parts: list[torch.Tensor], wire: list[torch.Tensor],
@@ -505,7 +506,7 @@ class CudaStrategy(AllToAllStrategy):
         site = self._sites[key] = dict(
             widths=widths, regions=[(half + offset) // 4 for offset in offsets],
             mines=[self._local_view(half + offset, rows, part.shape[1], part.dtype)
-                   for part, offset in zip(parts, offsets)],
+                   for part, offset in zip(parts, offsets, strict=True)],
             peers=peers, signals=signals,
             push=_site(self.kernels.push_back, sms, dict(
                 reduce_x, NUM_RANKS=self.world, NUM_PARTS=len(wire), B0=blocks[0], B1=blocks[1], TILE=COPY_TILE,
@@ -525,7 +526,7 @@ class CudaStrategy(AllToAllStrategy):
         tokens = gather_rows.shape[0]
         outs = [torch.empty(tokens, part.shape[1], dtype=part.dtype, device=self.device) for part in parts]
         back_args = []
-        for w, width, region in zip(wire, site["widths"], site["regions"]):
+        for w, width, region in zip(wire, site["widths"], site["regions"], strict=True):
             back_args += (w, width, region)
         if len(wire) == 1:
             back_args += (wire[0], 0, 0)
