@@ -378,9 +378,23 @@ def _gpu():
     return torch
 
 
+def _settled(torch, *tensors):
+    """Wait for the GPUs holding ``tensors``: a copy kernel on one GPU's stream is not ordered after their fills."""
+    for device in {t.device for t in tensors}:
+        torch.cuda.synchronize(device)
+
+
+def _poison(torch, dst):
+    """Fill ``dst`` with 0xA5 and wait for it on ``dst``'s own GPU: the copy kernels run on the source GPU's stream,
+    which is not ordered after work on another GPU's stream."""
+    dst.fill_(0xA5)
+    torch.cuda.synchronize(dst.device)
+
+
 def _segments(torch, count, size, src_dev, dst_dev):
     src = torch.randint(0, 256, (count * size + 64,), dtype=torch.uint8, device=src_dev)
     dst = torch.full((count * size + 64,), 0xA5, dtype=torch.uint8, device=dst_dev)
+    _settled(torch, src, dst)
     s_addrs = [src.data_ptr() + i * size for i in range(count)]
     d_addrs = [dst.data_ptr() + 32 + i * size for i in range(count)]
     return src, dst, s_addrs, d_addrs
@@ -408,7 +422,7 @@ def test_device_initiated_copy_is_exact_and_flags_ready(count, size):
     assert int(flag.item()) == 77
     _assert_landed(torch, src, dst, count, size)
     for value in (78, 1 << 40):  # the cached plan again, through the compiled launcher
-        dst.fill_(0xA5)
+        _poison(torch, dst)
         copier.run(plan, value)
         torch.cuda.synchronize()
         assert int(flag.item()) == value
@@ -431,7 +445,7 @@ def test_graph_replays_copy_again_and_publish_successive_values_to_a_peer_flag()
     torch.cuda.synchronize()
     assert int(flag.item()) == 0 and (dst == 0xA5).all()  # capturing runs nothing
     for expected in (1000, 1001, 1002):
-        dst.fill_(0xA5)
+        _poison(torch, dst)
         src.random_(0, 256)
         torch.cuda.synchronize()
         assert graphed.replay() == expected
@@ -479,7 +493,7 @@ def test_every_launch_mode_copies_exactly_and_binds_as_documented(mode):
     copier = DeviceCopier(dev, flag)
     plan = copier.plan(s_addrs, d_addrs, [size] * count, launch_mode=mode)
     for value in (5, 6, 7):
-        dst.fill_(0xA5)
+        _poison(torch, dst)
         src.random_(0, 256)
         copier.run(plan, value)
         torch.cuda.synchronize()
@@ -506,7 +520,7 @@ def test_kernel_switches_copy_exactly_to_a_peer(arrive_sys, streaming, prefetch)
     plan = copier.plan(s_addrs, d_addrs, [size] * count, arrive_sys=arrive_sys, streaming=streaming,
                        prefetch=prefetch, programs_per_sm=1)
     for value in (11, 12):
-        dst.fill_(0xA5)
+        _poison(torch, dst)
         copier.run(plan, value)
         torch.cuda.synchronize(src_dev)
         torch.cuda.synchronize(dst_dev)
@@ -573,6 +587,7 @@ def _scattered(torch, sizes, src_dev, dst_dev):
         s_end, d_end = s_end + padded + 16, d_end + padded + 32
     src = torch.randint(0, 256, (s_end + 64,), dtype=torch.uint8, device=src_dev)
     dst = torch.full((d_end + 64,), 0xA5, dtype=torch.uint8, device=dst_dev)
+    _settled(torch, src, dst)
     return src, dst, src_offs, dst_offs
 
 
@@ -615,14 +630,14 @@ def test_bulk_copy_is_exact_with_tails_here_and_to_a_peer(sizes, stage, chunks):
         assert plan.bulk and plan.chunks == chunks and plan.elem_bytes == 1
         expected = _expected(torch, src, dst, src_offs, dst_offs, sizes)
         for value in (21, 22):
-            dst.fill_(0xA5)
+            _poison(torch, dst)
             copier.run(plan, value)
             torch.cuda.synchronize(src_dev)
             torch.cuda.synchronize(dst_dev)
             assert int(flag.item()) == value, dst_name
             assert torch.equal(dst, expected), dst_name
         graphed = copier.capture(plan, 500)
-        dst.fill_(0xA5)
+        _poison(torch, dst)
         src.random_(0, 256)
         torch.cuda.synchronize()
         assert graphed.replay() == 500
@@ -704,8 +719,7 @@ def test_staged_copy_in_chunks_is_exact_here_and_to_a_peer(chunk_bytes):
         assert staged.staging_bytes <= 2 * chunk_bytes
         for value in (31, 32):
             host.random_(0, 256)
-            dst.fill_(0xA5)
-            torch.cuda.synchronize(dst_dev)
+            _poison(torch, dst)
             staged.run(value)
             torch.cuda.synchronize(src_dev)
             torch.cuda.synchronize(dst_dev)
