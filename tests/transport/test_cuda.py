@@ -380,7 +380,7 @@ def _gpu():
 
 def _settled(torch, *tensors):
     """Wait for the GPUs holding ``tensors``: a copy kernel on one GPU's stream is not ordered after their fills."""
-    for device in {t.device for t in tensors}:
+    for device in {t.device for t in tensors if t.is_cuda}:
         torch.cuda.synchronize(device)
 
 
