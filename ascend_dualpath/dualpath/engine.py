@@ -280,6 +280,21 @@ class TurnResult:
     error: str | None = None  # set when every path failed ("failed" path); the agent stops there
 
 
+@dataclasses.dataclass(frozen=True)
+class _AdmittedTurn:
+    """A turn of a wave that holds a DE buffer lease (and, on the DE path, started storage reads)."""
+
+    rid: int
+    agent: int
+    turn: int
+    prompt: list[int]
+    gen: int
+    hit_ids: list[bytes]
+    path: ReadPath
+    lease: Any
+    tickets: list | None
+
+
 class TurnFailed(AdpError):
     """Every path (PE, DE, recompute) failed for a turn; the message lists each error."""
 
@@ -349,29 +364,29 @@ class DecodeEngine(_Node):
                 tickets = self._submit_reads(hit_ids, lease)
             elif hit:
                 self.channel.send(("prefetch", rid, hit_ids))
-            admitted.append((rid, agent, turn, prompt, gen, hit_ids, path, lease, tickets))
+            admitted.append(_AdmittedTurn(rid, agent, turn, prompt, gen, hit_ids, path, lease, tickets))
         results, read_spans = [], []
         pending = collections.deque(admitted)
         try:
             while pending:
-                rid, agent, turn, prompt, gen, hit_ids, path, lease, tickets = pending[0]
+                t = pending[0]
                 try:
-                    result = self._serve(rid, agent, turn, prompt, gen, hit_ids, path, lease, tickets,
-                                         start, read_spans)
+                    result = self._serve(t.rid, t.agent, t.turn, t.prompt, t.gen, t.hit_ids, t.path, t.lease,
+                                         t.tickets, start, read_spans)
                 except TurnFailed as error:  # this turn ends with a clear error; the wave goes on
-                    result = TurnResult(agent, turn, "failed", len(prompt), 0, 0, 0, time.monotonic() - start, 0.0,
-                                        [], [], error=str(error))
-                finally:
-                    pending.popleft()
-                    self._release(lease, tickets)
+                    result = TurnResult(t.agent, t.turn, "failed", len(t.prompt), 0, 0, 0, time.monotonic() - start,
+                                        0.0, [], [], error=str(error))
+                # any other error leaves the turn pending: the cleanup below also drops its PE prefetch
+                pending.popleft()
+                self._release(t.lease, t.tickets)
                 results.append(result)
                 if on_turn is not None:
                     on_turn(result)
-        finally:  # a turn failed: give back what the rest of the wave holds, here and on the PE
-            for rid, _, _, _, _, hit_ids, path, lease, tickets in pending:
-                self._release(lease, tickets)
-                if path is ReadPath.PE and hit_ids:
-                    self.channel.send(("drop", rid))
+        finally:  # the wave ended early: give back what its unfinished turns hold, here and on the PE
+            for t in pending:
+                self._release(t.lease, t.tickets)
+                if t.path is ReadPath.PE and t.hit_ids:
+                    self.channel.send(("drop", t.rid))
         return results, deferred, {"read_spans": read_spans, "wave_s": time.monotonic() - start}
 
     def _release(self, lease, tickets) -> None:

@@ -11,6 +11,7 @@ import torch
 from ascend_dualpath.dualpath.engine import (
     KV_BF16_ATOL,
     EngineConfig,
+    EngineLost,
     in_process_engines,
     verify_turn,
 )
@@ -112,6 +113,30 @@ def test_a_turn_that_can_never_fit_is_a_clear_error(tmp_path):
         with pytest.raises(Exception, match="de_buffer"):
             de.run_conversations(synthetic_conversations(agents=1, turns=1, first_prompt=60))
         assert_accounting_zero(pe, de)
+
+
+def test_a_wave_aborted_by_an_engine_error_gives_back_every_pending_turn(engines, monkeypatch):
+    """An error that is not a turn's own (here a lost PE after the first turn) ends the wave with that very error;
+    the turns still pending release their DE leases and their PE prefetches (checked by the fixture)."""
+    pe, de, _ = engines
+    first, _, _ = de.serve_wave([(0, 0, FIRST, 2)], "pe")
+    prompt = first[0].sequence + APPEND
+    serve, served = de._serve, []
+
+    def serve_then_lose(*args):
+        if served:
+            raise EngineLost("prefill engine lost (injected)")
+        served.append(args[0])
+        return serve(*args)
+
+    monkeypatch.setattr(de, "_serve", serve_then_lose)
+    with pytest.raises(EngineLost, match="injected"):
+        de.serve_wave([(agent, 1, prompt, 2) for agent in range(3)], "pe")
+    assert len(served) == 1
+    monkeypatch.undo()
+    # a later wave runs normally; the PE has handled the drops of the aborted turns' prefetches before it
+    results, deferred, _ = de.serve_wave([(0, 1, prompt, 2)], "pe")
+    assert not deferred and results[0].error is None
 
 
 def test_thousand_requests_with_random_faults_leave_no_leases_behind(tmp_path):
