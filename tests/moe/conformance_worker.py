@@ -256,7 +256,7 @@ class Checks:
         cached_fp8 = self.buffer.dispatch(fp8, handle=handle)[0]
         want = ref.dispatch([quant.per_token_cast_to_fp8(x) for x in self.xs], self.idxs, None, self.experts)
         self.expect(all(torch.equal(_bits(g), _bits(w)) for g, w in zip(cached_fp8, want[self.rank].x, strict=True)),
-                    'all(torch.equal(_bits(g), _bits(w)) for g, w in zip(cached_fp8, want[self.rank].x))')
+                    'all(torch.equal(_bits(g), _bits(w)) for g, w in zip(cached_fp8, want[self.rank].x, strict=True))')
 
     def check_combine(self) -> None:
         recv_x, _, recv_w, _, handle, _ = self.dispatch(self.xs[self.rank])
