@@ -53,17 +53,12 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace) -> None
     import torch
     import torch.distributed as dist
 
+    from ascend_dualpath.bench.moe import join_group, make_inputs
     from ascend_dualpath.moe import Buffer, Config
     from ascend_dualpath.moe.strategies import cuda
 
-    torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank)
-    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world, device_id=device)
-    group = dist.group.WORLD
-    g = torch.Generator(device=device).manual_seed(rank)
-    x = torch.randn(args.tokens, args.hidden, device=device, generator=g).to(torch.bfloat16)
-    topk_idx = (torch.randn(args.tokens, args.experts, device=device, generator=g).abs() + 1).topk(args.topk).indices
-    topk_weights = torch.rand(args.tokens, args.topk, device=device, generator=g)
+    device, group = join_group(rank, world, store)
+    x, topk_idx, topk_weights = make_inputs(args.tokens, args.hidden, args.experts, args.topk, device, seed=rank)
     reference = None
     rows = []
     for setting in SETTINGS:

@@ -141,11 +141,11 @@ class _Rank:
     topk_weights: Any  # float32 [tokens, topk]
 
 
-def _worker(rank, world, store, args, queue):
+def join_group(rank: int, world: int, store: str):
+    """Join the ``world``-rank process group rendezvousing at the file ``store``: nccl with one GPU per rank where
+    there are enough GPUs, else gloo on the CPU. Returns ``(device, group)``."""
     import torch
     import torch.distributed as dist
-
-    from ascend_dualpath.moe import quant
 
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
     if cuda:
@@ -153,15 +153,34 @@ def _worker(rank, world, store, args, queue):
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             **({"device_id": device} if cuda else {}))
-    group = dist.group.WORLD
+    return device, dist.group.WORLD
+
+
+def make_inputs(tokens: int, hidden: int, num_experts: int, num_topk: int, device, seed: int):
+    """The benchmark's inputs for one rank: ``x`` bf16 [tokens, hidden], ``topk_idx`` int64 [tokens, num_topk]
+    (distinct experts per token, uniformly random), ``topk_weights`` float32 [tokens, num_topk] in [0, 1)."""
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(tokens, hidden, device=device, generator=g).to(torch.bfloat16)
+    scores = torch.randn(tokens, num_experts, device=device, generator=g).abs() + 1
+    topk_idx = scores.topk(num_topk, dim=1).indices
+    topk_weights = torch.rand(tokens, num_topk, device=device, generator=g)
+    return x, topk_idx, topk_weights
+
+
+def _worker(rank, world, store, args, queue):
+    import torch
+    import torch.distributed as dist
+
+    from ascend_dualpath.moe import quant
+
+    device, group = join_group(rank, world, store)
+    cuda = device.type == "cuda"
     if rank == 0:
         queue.put(("meta", dict(world=world, device=torch.cuda.get_device_name(0) if cuda else "cpu",
                                 torch=torch.__version__)))
-    g = torch.Generator(device=device).manual_seed(rank)
-    x = torch.randn(args.tokens, args.hidden, device=device, generator=g).to(torch.bfloat16)
-    scores = torch.randn(args.tokens, args.experts, device=device, generator=g).abs() + 1
-    topk_idx = scores.topk(args.topk, dim=1).indices
-    topk_weights = torch.rand(args.tokens, args.topk, device=device, generator=g)
+    x, topk_idx, topk_weights = make_inputs(args.tokens, args.hidden, args.experts, args.topk, device, seed=rank)
     ctx = _Rank(args=args, rank=rank, world=world, device=device, group=group, queue=queue, cuda=cuda, x=x,
                 x_fp8=quant.per_token_cast_to_fp8(x), topk_idx=topk_idx, topk_weights=topk_weights)
     for strategy in args.strategies.split(","):

@@ -90,6 +90,21 @@ KERNEL_OPTIONS = {"stream": ("streaming", True), "nostream": ("streaming", False
 FLAG_MAX = (1 << 63) - 1
 
 
+def _segment_arrays(src_addrs: Sequence[int], dst_addrs: Sequence[int], nbytes: Sequence[int]):
+    """``(src, dst, size)`` as int64 arrays of one shape; ConfigError unless equal non-empty 1-D lists,
+    EmptyTransfer for a segment of no bytes."""
+    src = np.asarray(src_addrs, np.int64)
+    dst = np.asarray(dst_addrs, np.int64)
+    size = np.asarray(nbytes, np.int64)
+    if not (src.shape == dst.shape == size.shape) or src.ndim != 1 or src.size == 0:
+        raise E.ConfigError(
+            f"need equal non-empty 1-D address and size lists, got {src.shape}, {dst.shape}, {size.shape}"
+        )
+    if (size < 1).any():
+        raise E.EmptyTransfer(f"segment {int(np.flatnonzero(size < 1)[0])} has no bytes")
+    return src, dst, size
+
+
 def tile_table(
     src_addrs: Sequence[int],
     dst_addrs: Sequence[int],
@@ -103,15 +118,7 @@ def tile_table(
     A segment of ``k * tile_bytes`` bytes gives ``k`` tiles, one more byte ``k + 1``. Every address and
     length must be a multiple of ``elem_bytes`` (AlignmentError otherwise).
     """
-    src = np.asarray(src_addrs, np.int64)
-    dst = np.asarray(dst_addrs, np.int64)
-    size = np.asarray(nbytes, np.int64)
-    if not (src.shape == dst.shape == size.shape) or src.ndim != 1 or src.size == 0:
-        raise E.ConfigError(
-            f"need equal non-empty 1-D address and size lists, got {src.shape}, {dst.shape}, {size.shape}"
-        )
-    if (size < 1).any():
-        raise E.EmptyTransfer(f"segment {int(np.flatnonzero(size < 1)[0])} has no bytes")
+    src, dst, size = _segment_arrays(src_addrs, dst_addrs, nbytes)
     if tile_bytes % elem_bytes:
         raise E.ConfigError(f"tile_bytes {tile_bytes} is not a multiple of the element size {elem_bytes}")
     misaligned = (src % elem_bytes != 0) | (dst % elem_bytes != 0) | (size % elem_bytes != 0)
@@ -138,15 +145,7 @@ def bulk_tile_table(src_addrs: Sequence[int], dst_addrs: Sequence[int], nbytes: 
     multiple of 16 bytes is cut into tiles of at most ``stage_bytes`` (each a multiple of 16: bulk copies), its
     remaining 1-15 bytes become one tail row (byte copies), placed after every bulk tile.
     """
-    src = np.asarray(src_addrs, np.int64)
-    dst = np.asarray(dst_addrs, np.int64)
-    size = np.asarray(nbytes, np.int64)
-    if not (src.shape == dst.shape == size.shape) or src.ndim != 1 or src.size == 0:
-        raise E.ConfigError(
-            f"need equal non-empty 1-D address and size lists, got {src.shape}, {dst.shape}, {size.shape}"
-        )
-    if (size < 1).any():
-        raise E.EmptyTransfer(f"segment {int(np.flatnonzero(size < 1)[0])} has no bytes")
+    src, dst, size = _segment_arrays(src_addrs, dst_addrs, nbytes)
     misaligned = (src % BULK_ALIGN != 0) | (dst % BULK_ALIGN != 0)
     if misaligned.any():
         i = int(np.flatnonzero(misaligned)[0])
