@@ -133,11 +133,10 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace) -> None
 def main() -> int:
     import torch.multiprocessing as mp
 
+    from ascend_dualpath.bench.moe import add_workload_arguments
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--hidden", type=int, default=7168)
-    parser.add_argument("--experts", type=int, default=256)
-    parser.add_argument("--topk", type=int, default=8)
+    add_workload_arguments(parser)
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--top", type=int, default=25, help="functions listed per op")
     parser.add_argument("--out", default=os.environ.get("OUT"))

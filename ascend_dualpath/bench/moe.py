@@ -29,12 +29,17 @@ from dataclasses import dataclass
 from typing import Any
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The normal-mode workload (``--tokens/--hidden/--topk/--experts``), shared with the GPU tools."""
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank, normal mode")
-    parser.add_argument("--ll-tokens", type=int, default=128, help="tokens per rank, low-latency mode")
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--experts", type=int, default=256)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_workload_arguments(parser)
+    parser.add_argument("--ll-tokens", type=int, default=128, help="tokens per rank, low-latency mode")
     parser.add_argument("--strategies", default="cuda,alltoall", help="comma-separated; alltoall is the baseline")
     parser.add_argument("--ranks", type=int, default=0, help="processes (default: CUDA GPUs, else 2 on CPU)")
     parser.add_argument("--iters", type=int, default=20)
