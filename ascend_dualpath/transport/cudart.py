@@ -1,4 +1,5 @@
-"""``cudaMemcpyBatchAsync`` (CUDA >= 12.8) through ctypes on the CUDA runtime library torch loaded.
+"""``cudaMemcpyBatchAsync`` (CUDA >= 12.8) through ctypes on the CUDA runtime library torch loaded, and where
+device addresses live (:func:`memory_devices`, through the driver library torch loaded).
 
 The batch call enqueues many pointer-to-pointer copies with one runtime call. Its signature changed:
 
@@ -61,13 +62,14 @@ class Runtime:
         return f"{name(code).decode()} ({code})"
 
 
-def _loaded_cudart() -> str | None:
-    """Path of the libcudart mapped into this process, or None."""
+def _loaded_library(marker: str) -> str | None:
+    """Path of the shared object whose path contains ``marker`` (e.g. ``/libcudart.so``) mapped into this process,
+    or None."""
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:
                 path = line.rsplit(None, 1)[-1]
-                if "/libcudart.so" in path:
+                if marker in path:
                     return path
     except OSError:
         return None
@@ -82,7 +84,7 @@ def runtime() -> Runtime:
     if not torch.cuda.is_available():
         raise E.BackendUnavailable("cudaMemcpyBatchAsync needs a CUDA GPU")
     torch.cuda.init()
-    path = _loaded_cudart()
+    path = _loaded_library("/libcudart.so")
     if path is None:
         raise E.BackendUnavailable("no libcudart is mapped into this process (torch may link the runtime statically)")
     lib = ctypes.CDLL(path)
@@ -167,3 +169,53 @@ class MemcpyBatch:
         if code:
             where = f" at copy {self._fail_index.value}" if self.rt.fail_idx else ""
             raise E.QueueError(f"cudaMemcpyBatchAsync of {self.count} copies failed{where}: {self.rt.error(code)}")
+
+
+# cuPointerGetAttributes (cuda.h): the attributes asked for, and CU_MEMORYTYPE_DEVICE
+_POINTER_ATTRIBUTES = (2, 9, 11, 12)  # MEMORY_TYPE, DEVICE_ORDINAL, RANGE_START_ADDR, RANGE_SIZE
+_MEMORYTYPE_DEVICE = 2
+NOT_DEVICE_MEMORY = -1
+
+
+@functools.cache
+def _driver() -> ctypes.CDLL:
+    """The CUDA driver library torch loaded (initialising CUDA through torch first); BackendUnavailable without."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise E.BackendUnavailable("pointer attributes need a CUDA GPU")
+    torch.cuda.init()
+    path = _loaded_library("/libcuda.so")
+    if path is None:
+        raise E.BackendUnavailable("no libcuda is mapped into this process")
+    lib = ctypes.CDLL(path)
+    lib.cuPointerGetAttributes.argtypes = [ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64]
+    lib.cuPointerGetAttributes.restype = ctypes.c_int
+    return lib
+
+
+def memory_devices(addrs: Sequence[int], nbytes: Sequence[int]) -> set[int]:
+    """Ordinals of the GPUs whose memory holds the byte ranges ``[addr, addr + n)``: the device each range's first
+    and last byte were allocated on, :data:`NOT_DEVICE_MEMORY` for host, managed or unknown memory.
+
+    One driver query per allocation met (addresses are visited in order and those inside the allocation found last
+    are skipped), so a layer pattern in one buffer costs one query.
+    """
+    lib = _driver()
+    kinds = (ctypes.c_uint * 4)(*_POINTER_ATTRIBUTES)
+    mem_type, ordinal = ctypes.c_uint(0), ctypes.c_int(0)
+    start, size = ctypes.c_uint64(0), ctypes.c_uint64(0)
+    data = (ctypes.c_void_p * 4)(*(ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in (mem_type, ordinal, start, size)))
+    ends = [a + n - 1 for a, n in zip(addrs, nbytes, strict=True)]
+    devices: set[int] = set()
+    known_end = -1  # last byte of the allocation found last
+    for addr in sorted(set(addrs) | set(ends)):
+        if addr <= known_end:
+            continue
+        if lib.cuPointerGetAttributes(4, kinds, data, addr) or mem_type.value != _MEMORYTYPE_DEVICE or size.value == 0:
+            devices.add(NOT_DEVICE_MEMORY)
+            known_end = addr
+            continue
+        devices.add(ordinal.value)
+        known_end = start.value + size.value - 1
+    return devices

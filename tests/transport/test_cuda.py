@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -225,6 +226,50 @@ def test_ready_flag_must_be_an_int64_cuda_tensor():
         DeviceCopier("cuda:0", torch.zeros(1, dtype=torch.int32))
 
 
+class _FakeDriver:
+    """``cuPointerGetAttributes`` over a fixed list of allocations (start, size, memory type, device ordinal)."""
+
+    def __init__(self, allocations):
+        self.allocations = allocations
+        self.queries = []
+
+    def cuPointerGetAttributes(self, count, kinds, data, addr):
+        import ctypes
+
+        self.queries.append(addr)
+        for start, size, mem_type, ordinal in self.allocations:
+            if start <= addr < start + size:
+                values = {2: (ctypes.c_uint, mem_type), 9: (ctypes.c_int, ordinal), 11: (ctypes.c_uint64, start),
+                          12: (ctypes.c_uint64, size)}
+                for i in range(count):
+                    kind, value = values[kinds[i]]
+                    ctypes.cast(data[i], ctypes.POINTER(kind))[0] = value
+                return 0
+        return 1  # CUDA_ERROR_INVALID_VALUE: not a pointer the driver knows
+
+
+def test_memory_devices_classify_each_range_with_one_query_per_allocation(monkeypatch):
+    """Without a GPU: ranges in device memory report their GPU, host memory and unknown addresses report
+    NOT_DEVICE_MEMORY, a range whose last byte lies in another allocation reports both, and addresses inside an
+    allocation already found are not queried again."""
+    from ascend_dualpath.transport import cudart
+
+    device_0 = (0x10_0000, 0x10_0000, 2, 0)
+    device_1 = (0x20_0000, 0x1000, 2, 1)
+    pinned_host = (0x30_0000, 0x1000, 1, 0)
+    fake = _FakeDriver([device_0, device_1, pinned_host])
+    monkeypatch.setattr(cudart, "_driver", lambda: fake)
+    local = [0x10_0000 + i * 4096 for i in range(61)]
+    assert cudart.memory_devices(local, [4096] * 61) == {0}
+    assert fake.queries == [0x10_0000]
+    assert cudart.memory_devices(local + [0x20_0000], [4096] * 62) == {0, 1}
+    assert cudart.memory_devices([0x30_0000], [16]) == {cudart.NOT_DEVICE_MEMORY}
+    assert cudart.memory_devices([0x90_0000], [16]) == {cudart.NOT_DEVICE_MEMORY}
+    # 16 bytes from 8 before an allocation's end: into the next allocation, or into memory no one allocated
+    assert cudart.memory_devices([0x20_0000 - 8], [16]) == {0, 1}
+    assert cudart.memory_devices([0x20_1000 - 8], [16]) == {1, cudart.NOT_DEVICE_MEMORY}
+
+
 _PTX_SIGNATURE = {
     "table": "*i64",
     "n_tiles": "i32",
@@ -426,6 +471,39 @@ def test_device_initiated_copy_is_exact_and_flags_ready(count, size):
         copier.run(plan, value)
         torch.cuda.synchronize()
         assert int(flag.item()) == value
+        _assert_landed(torch, src, dst, count, size)
+
+
+@pytest.mark.cuda
+def test_arrival_scope_follows_the_destinations_and_a_local_copy_with_gpu_scope_is_exact_for_a_peer_flag():
+    """Arrivals are GPU-scope only when every destination is the launching GPU's memory (a peer's or pinned host
+    memory needs system scope); such a plan is exact, with the flag on a peer polled from there."""
+    torch = _gpu()
+    from ascend_dualpath.transport.cuda import DeviceCopier, enable_peer_access
+
+    src_dev = torch.device("cuda:0")
+    torch.cuda.set_device(src_dev)
+    count, size = 300, 4096 + 16
+    src, dst, s_addrs, d_addrs = _segments(torch, count, size, src_dev, src_dev)
+    flag_dev = torch.device("cuda:1" if torch.cuda.device_count() > 1 else "cuda:0")
+    flag = torch.zeros(1, dtype=torch.int64, device=flag_dev)
+    copier = DeviceCopier("cuda", flag)  # no index: the current GPU
+    assert copier.device == src_dev
+    assert not copier.arrivals_need_sys(d_addrs, [size] * count)
+    host = torch.empty(size, dtype=torch.uint8).pin_memory()
+    assert copier.arrivals_need_sys(d_addrs + [host.data_ptr()], [size] * (count + 1))
+    if flag_dev != src_dev:
+        enable_peer_access(src_dev, flag_dev)
+        peer = torch.empty(size, dtype=torch.uint8, device=flag_dev)
+        assert copier.arrivals_need_sys([peer.data_ptr()], [size])
+    plan = copier.plan(s_addrs, d_addrs, [size] * count, programs_per_sm=1)
+    assert plan.constexprs["ARRIVE_SYS"] is False and plan.programs > 1
+    for value in (21, 22):
+        _poison(torch, dst)
+        copier.run(plan, value)
+        deadline = time.monotonic() + 10
+        while int(flag.item()) != value:  # polled on the flag's GPU, as a consumer there would
+            assert time.monotonic() < deadline, f"flag still {int(flag.item())}, waiting for {value}"
         _assert_landed(torch, src, dst, count, size)
 
 
