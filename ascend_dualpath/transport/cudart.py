@@ -156,11 +156,7 @@ class MemcpyBatch:
     def __call__(self, stream: int) -> None:
         """Enqueue every copy on ``stream`` (a raw ``cudaStream_t`` handle, e.g. ``torch.cuda.Stream().cuda_stream``)."""
         if not self.batched:
-            copy = self.rt.lib.cudaMemcpyAsync
-            for i, (dst, src, n) in enumerate(self.copies):
-                code = copy(dst, src, n, MEMCPY_DEFAULT, stream)
-                if code:
-                    raise E.QueueError(f"cudaMemcpyAsync of copy {i} of {self.count} failed: {self.rt.error(code)}")
+            memcpy_each(self.copies, stream)
             return
         if stream == 0:
             raise E.ConfigError("cudaMemcpyBatchAsync refuses the legacy default stream (handle 0); "
@@ -169,6 +165,16 @@ class MemcpyBatch:
         if code:
             where = f" at copy {self._fail_index.value}" if self.rt.fail_idx else ""
             raise E.QueueError(f"cudaMemcpyBatchAsync of {self.count} copies failed{where}: {self.rt.error(code)}")
+
+
+def memcpy_each(copies: Sequence[tuple[int, int, int]], stream: int) -> None:
+    """One ``cudaMemcpyAsync`` per ``(dst, src, bytes)`` on ``stream`` (the host path); QueueError naming the copy
+    that the runtime refused (those before it are enqueued)."""
+    rt = runtime()
+    for i, (dst, src, n) in enumerate(copies):
+        code = rt.lib.cudaMemcpyAsync(dst, src, n, MEMCPY_DEFAULT, stream)
+        if code:
+            raise E.QueueError(f"cudaMemcpyAsync of copy {i} of {len(copies)} failed: {rt.error(code)}")
 
 
 # cuPointerGetAttributes (cuda.h): the attributes asked for, and CU_MEMORYTYPE_DEVICE

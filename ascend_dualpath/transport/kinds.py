@@ -84,8 +84,17 @@ def _fallback(memory: Sequence[MemoryKind]) -> tuple[TransferKind, str]:
     return TransferKind.HOST, "fall back to the host path (AICPU BatchWrite needs device-memory sources)"
 
 
-def select_kind(caps: ChannelCapabilities, memory: Sequence[MemoryKind], largest_source_bytes: int) -> Selection:
-    """Run the gates for sources in ``memory`` whose largest one has ``largest_source_bytes`` bytes."""
+def select_kind(
+    caps: ChannelCapabilities,
+    memory: Sequence[MemoryKind],
+    largest_source_bytes: int,
+    direct_protocols: tuple[str, ...] = (ROCE,),
+) -> Selection:
+    """Run the gates for sources in ``memory`` whose largest one has ``largest_source_bytes`` bytes.
+
+    ``direct_protocols`` are the transports the device-posted path works over: RoCE for AIV-posted WQEs on
+    Ascend; a backend with another device-initiated path names its own (the CUDA engine: peer load/store access).
+    """
     if not memory:
         raise E.EmptyTransfer("a transfer needs at least one source segment")
     gates: list[GateDecision] = []
@@ -109,11 +118,14 @@ def select_kind(caps: ChannelCapabilities, memory: Sequence[MemoryKind], largest
         kind, how = _fallback(memory)
         return decide(kind, "capability", f"the product does not support the AIV dataplane; {how}")
 
-    roce = caps.protocol == ROCE
-    gates.append(GateDecision("protocol", roce, f"protocol to the peer is {caps.protocol}"))
-    if not roce:
+    direct = caps.protocol in direct_protocols
+    gates.append(GateDecision("protocol", direct, f"protocol to the peer is {caps.protocol}"))
+    if not direct:
         kind, how = _fallback(memory)
-        return decide(kind, "protocol", f"AIV-direct WQEs need RoCE, the peer is reached over {caps.protocol}; {how}")
+        need = " or ".join(direct_protocols)
+        return decide(
+            kind, "protocol", f"the device-posted path needs {need}, the peer is reached over {caps.protocol}; {how}"
+        )
 
     host_sources = sum(m is MemoryKind.HOST for m in memory)
     gates.append(

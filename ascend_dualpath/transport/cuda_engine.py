@@ -1,0 +1,319 @@
+"""The transfer engine interface on CUDA GPUs: the seed's gates and fallbacks over the CUDA analogues of the kinds.
+
+============  ===========================================================================  ======================
+kind          CUDA analogue                                                                issued by
+============  ===========================================================================  ======================
+``aiv``       :class:`~.cuda.DeviceCopier`: one Triton launch copies every piece             the GPU's own programs
+``staging``   :class:`~.cuda.StagedCopy`: registered pinned host buffer -> device staging     copy engine, then GPU
+              slots -> destination, chunk by chunk
+``aicpu``     one ``cudaMemcpyBatchAsync`` for all pieces (a proxy, the CUDA runtime, issues   the runtime
+              the copies; one ``cudaMemcpyAsync`` each where the runtime lacks the batch call)
+``host``      one ``cudaMemcpyAsync`` per piece                                              the host program
+============  ===========================================================================  ======================
+
+The gates are :func:`~.kinds.select_kind`'s, with CUDA meanings: *capability* — device-initiated copies are available
+(Triton imports; bit 0x04 of the engine's bitmap), *protocol* — the GPU reaches the destination with loads and stores
+(``local`` or ``peer access``), *addressable* — every source is device memory (host DRAM goes through ``staging``).
+A failed capability or protocol gate falls back to ``aicpu`` for device sources, else ``host``.
+
+Every request runs on the engine's stream, after the work already on the caller's current stream. ``wait`` polls a
+CUDA event, bounded by the timeout; remote-ready is a magic written to the ``notify`` slot after every byte landed.
+Plans (tile tables, staging slots, batch arrays) are built once per piece pattern and kept for the last
+``PLAN_CACHE`` patterns: DualPath moves the same layer pattern every request.
+
+Before anything moves, every range is checked where it lives (one driver query per allocation): device sources in
+the engine's GPU, host sources inside a registered pinned buffer, the remote slot in the destination GPU.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from ascend_dualpath import errors as E
+from ascend_dualpath.transport.engine import Ticket, TransferEngine, TransferResult
+from ascend_dualpath.transport.kinds import (
+    AIV_DATAPLANE_BIT,
+    ChannelCapabilities,
+    MemoryKind,
+    Selection,
+    TransferKind,
+    select_kind,
+)
+from ascend_dualpath.transport.segments import MemorySegment, RemoteSlot
+
+LOCAL, PEER_ACCESS, NO_PEER_ACCESS = "local", "peer access", "no peer access"
+DIRECT_PROTOCOLS = (LOCAL, PEER_ACCESS)
+DEFAULT_MAX_SINGLE_PIECE = 1 << 30  # the device kernel tiles any piece; this only bounds one cudaMemcpy
+PLAN_CACHE = 64
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class CudaTransferEngine(TransferEngine):
+    """Transfers from GPU ``device`` into memory of GPU ``peer_device`` (the same GPU or a peer).
+
+    Parameters
+    ----------
+    device, peer_device : torch.device or str
+        The GPU whose stream runs every request (its sources' GPU) and the GPU that holds the remote slots;
+        ``RemoteSlot.peer`` must be ``peer_device``'s index.
+    notify : torch.Tensor or None
+        int64 CUDA tensor on ``peer_device``, one element per notify slot: remote-ready writes a fresh magic there.
+    capability_bitmap : int or None
+        None: ``0x04`` (the AIV-dataplane bit, here "device-initiated copies") when Triton imports, else 0.
+    max_single_aiv_payload : int
+        Largest piece of the ``aiv`` and ``staging`` kinds, in bytes.
+    timeout_s : float or None
+        Default bound of every wait.
+    """
+
+    def __init__(self, device, peer_device, notify=None, *, capability_bitmap: int | None = None,
+                 max_single_aiv_payload: int = DEFAULT_MAX_SINGLE_PIECE, timeout_s: float | None = None):
+        import torch
+
+        from ascend_dualpath.transport.cuda import enable_peer_access
+
+        super().__init__(timeout_s)
+        if not torch.cuda.is_available():
+            raise E.BackendUnavailable("the CUDA transfer engine needs a CUDA GPU")
+        self.torch = torch
+        self.device = _indexed(torch, device)
+        self.peer_device = _indexed(torch, peer_device)
+        if self.device == self.peer_device:
+            protocol = LOCAL
+        elif torch.cuda.can_device_access_peer(self.device, self.peer_device):
+            protocol = PEER_ACCESS
+            enable_peer_access(self.device, self.peer_device)
+        else:
+            protocol = NO_PEER_ACCESS
+        if capability_bitmap is None:
+            capability_bitmap = AIV_DATAPLANE_BIT if _triton_available() else 0
+        self.caps = ChannelCapabilities(capability_bitmap, protocol, max_single_aiv_payload)
+        if notify is not None and (notify.dtype != torch.int64 or notify.device != self.peer_device or notify.dim() != 1):
+            raise E.ConfigError(f"notify must be a 1-D int64 tensor on {self.peer_device}, got {notify.dtype} "
+                                f"{tuple(notify.shape)} on {notify.device}")
+        self.notify = notify
+        self.stream = torch.cuda.Stream(self.device)  # not the legacy default stream, which the batch call refuses
+        self._notify_stream = torch.cuda.Stream(self.peer_device)
+        self._done = torch.zeros(1, dtype=torch.int64, device=self.device)  # the device kinds' ready flag
+        self._copier = None
+        self._host_buffers: dict[int, object] = {}  # data_ptr -> registered pinned uint8 tensor
+        self._plans: OrderedDict = OrderedDict()
+        self._flag_values = itertools.count(1)
+        self._magics = itertools.count(1)
+
+    # ---- memory ------------------------------------------------------------------------------------
+
+    def register_host(self, buffer) -> None:
+        """Let ``buffer`` (a pinned, 1-D uint8 CPU tensor) be a source of host-DRAM segments (staged or host path)."""
+        torch = self.torch
+        if buffer.device.type != "cpu" or buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_pinned():
+            raise E.ConfigError(f"a registered host buffer must be a pinned 1-D uint8 CPU tensor, got {buffer.dtype} "
+                                f"{tuple(buffer.shape)} on {buffer.device} (pinned: {buffer.is_pinned()})")
+        self._host_buffers[buffer.data_ptr()] = buffer
+
+    def segment(self, tensor, offset: int = 0, nbytes: int | None = None) -> MemorySegment:
+        """Bytes ``[offset, offset + nbytes)`` of a contiguous tensor (on this GPU, or a registered host buffer)."""
+        size = tensor.numel() * tensor.element_size()
+        nbytes = size - offset if nbytes is None else nbytes
+        if not tensor.is_contiguous() or offset < 0 or nbytes < 1 or offset + nbytes > size:
+            raise E.BoundsError(f"segment [{offset}, +{nbytes}) is outside the contiguous tensor of {size} bytes")
+        memory = MemoryKind.DEVICE if tensor.is_cuda else MemoryKind.HOST
+        return MemorySegment(tensor.data_ptr() + offset, nbytes, memory)
+
+    def slot(self, tensor, offset: int = 0, nbytes: int | None = None) -> RemoteSlot:
+        """A remote slot over bytes of a contiguous tensor on ``peer_device``."""
+        if tensor.device != self.peer_device:
+            raise E.ConfigError(f"a remote slot must be on {self.peer_device}, the tensor is on {tensor.device}")
+        seg = self.segment(tensor, offset, nbytes)
+        return RemoteSlot(self.peer_device.index, seg.addr, seg.nbytes)
+
+    # ---- gates -------------------------------------------------------------------------------------
+
+    def select(self, sources: Sequence[MemorySegment]) -> Selection:
+        return select_kind(self.caps, [s.memory for s in sources], max((s.nbytes for s in sources), default=0),
+                           DIRECT_PROTOCOLS)
+
+    def _max_piece(self, kind: TransferKind) -> int:
+        return self.caps.max_single_aiv_payload if kind in (TransferKind.AIV, TransferKind.STAGING) else 1 << 62
+
+    # ---- start -------------------------------------------------------------------------------------
+
+    def _start(self, ticket: Ticket, sources: Sequence[MemorySegment]) -> None:
+        torch = self.torch
+        if ticket.remote.peer != self.peer_device.index:
+            raise E.ConfigError(f"remote slot on rank {ticket.remote.peer}, but this engine writes to {self.peer_device}")
+        if ticket.notify_slot is not None:
+            if self.notify is None:
+                raise E.ConfigError("a notify slot was asked for, but the engine has no notify tensor")
+            if not 0 <= ticket.notify_slot < self.notify.numel():
+                raise E.BoundsError(f"notify slot {ticket.notify_slot} is outside [0, {self.notify.numel()})")
+        work = self._work(ticket.kind, ticket.pieces, ticket.remote)
+        ticket.state.update(work=work, staging_bytes=work.staging_bytes)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # after the caller's writes to the sources
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            if work.plans or work.staged:
+                ticket.state["flag_value"] = value = next(self._flag_values)
+                for plan in work.plans:
+                    self._copier.run(plan, value)
+                for staged in work.staged:
+                    staged.run(value)
+            if work.batch is not None:
+                work.batch(self.stream.cuda_stream)
+            if work.each:
+                from ascend_dualpath.transport.cudart import memcpy_each
+
+                memcpy_each(work.each, self.stream.cuda_stream)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        ticket.state["event"] = event
+
+    def _work(self, kind: TransferKind, pieces, remote: RemoteSlot) -> _Work:
+        """The cached work of this piece pattern, built (and every range checked) the first time it is seen."""
+        key = (kind, tuple((p.local_addr, p.remote_addr, p.nbytes) for p in pieces))
+        work = self._plans.get(key)
+        if work is not None:
+            self._plans.move_to_end(key)
+            return work
+        self._check_ranges(pieces, remote)
+        work = _Work()
+        device = [p for p in pieces if self._host_buffer(p.local_addr) is None]
+        host = [p for p in pieces if self._host_buffer(p.local_addr) is not None]
+        copies = [(p.remote_addr, p.local_addr, p.nbytes) for p in pieces]
+        if kind is TransferKind.AIV or (kind is TransferKind.STAGING and device):
+            work.plans.append(self._device_copier().plan(*_columns(device if kind is TransferKind.STAGING else pieces)))
+        if kind is TransferKind.STAGING:
+            work.staged = self._staged(host)
+            work.staging_bytes = sum(s.staging_bytes for s in work.staged)
+        elif kind is TransferKind.AICPU:
+            from ascend_dualpath.transport.cudart import MemcpyBatch
+
+            dsts, srcs, sizes = zip(*copies, strict=True)
+            work.batch = MemcpyBatch(dsts, srcs, sizes)
+        elif kind is TransferKind.HOST:
+            work.each = copies
+        self._plans[key] = work
+        if len(self._plans) > PLAN_CACHE:
+            self._plans.popitem(last=False)  # in-flight tickets keep their own reference
+        return work
+
+    def _staged(self, pieces) -> list:
+        """One StagedCopy per registered host buffer the pieces come from."""
+        from ascend_dualpath.transport.cuda import StagedCopy
+
+        by_buffer: dict[int, list] = {}
+        for p in pieces:
+            by_buffer.setdefault(self._host_buffer(p.local_addr).data_ptr(), []).append(p)
+        staged = []
+        for base, group in by_buffer.items():
+            offsets = [p.local_addr - base for p in group]
+            staged.append(StagedCopy(self._device_copier(), self._host_buffers[base], offsets,
+                                     [p.remote_addr for p in group], [p.nbytes for p in group]))
+        return staged
+
+    def _device_copier(self):
+        if self._copier is None:
+            from ascend_dualpath.transport.cuda import DeviceCopier
+
+            self._copier = DeviceCopier(self.device, self._done)
+        return self._copier
+
+    def _host_buffer(self, addr: int):
+        for base, buffer in self._host_buffers.items():
+            if base <= addr < base + buffer.numel():
+                return buffer
+        return None
+
+    def _check_ranges(self, pieces, remote: RemoteSlot) -> None:
+        """NotRegistered for host bytes outside every registered buffer, BoundsError for device sources off this GPU
+        or a remote slot off the destination GPU."""
+        from ascend_dualpath.transport.cudart import memory_devices
+
+        for i, p in enumerate(pieces):
+            buffer = self._host_buffer(p.local_addr)
+            if buffer is None:
+                continue
+            if p.local_addr + p.nbytes > buffer.data_ptr() + buffer.numel():
+                raise E.BoundsError(f"piece {i} [{p.local_addr:#x}, +{p.nbytes}) runs past the end of its registered "
+                                    f"host buffer of {buffer.numel()} bytes at {buffer.data_ptr():#x}")
+        device = [p for p in pieces if self._host_buffer(p.local_addr) is None]
+        if device:
+            found = memory_devices([p.local_addr for p in device], [p.nbytes for p in device])
+            if found != {self.device.index}:
+                raise E.NotRegistered(
+                    f"sources must be memory of {self.device} or of a registered host buffer; the unregistered "
+                    f"sources lie in {_where(found)} (first at {device[0].local_addr:#x})"
+                )
+        found = memory_devices([remote.addr], [remote.nbytes])
+        if found != {self.peer_device.index}:
+            raise E.BoundsError(f"remote slot [{remote.addr:#x}, +{remote.nbytes}) must lie in memory of "
+                                f"{self.peer_device}; it lies in {_where(found)}")
+
+    # ---- finish ------------------------------------------------------------------------------------
+
+    def _finish(self, ticket: Ticket, timeout_s: float) -> TransferResult:
+        self._await(ticket.state["event"], timeout_s,
+                    lambda: f"the {len(ticket.pieces)} pieces ({ticket.nbytes} bytes, {ticket.kind.value}) of ticket "
+                            f"{ticket.id} to {self.peer_device}")
+        return TransferResult(ticket.kind, ticket.selection, ticket.nbytes, len(ticket.pieces),
+                              staging_bytes=ticket.state["staging_bytes"])
+
+    def _publish_ready(self, ticket: Ticket, timeout_s: float) -> int:
+        torch = self.torch
+        magic = next(self._magics)
+        # on a stream of the notify's own GPU (a fill runs on its tensor's GPU), after every byte landed (_finish)
+        with torch.cuda.device(self.peer_device), torch.cuda.stream(self._notify_stream):
+            self.notify[ticket.notify_slot].fill_(magic)
+            event = torch.cuda.Event()
+            event.record(self._notify_stream)
+        self._await(event, timeout_s, lambda: f"the notify write of ticket {ticket.id} (slot {ticket.notify_slot})")
+        return magic
+
+    def _await(self, event, timeout_s: float, what) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not event.query():
+            if time.monotonic() >= deadline:
+                raise E.WaitTimeout(f"timed out after {timeout_s} s waiting for {what()}: the GPU has not finished")
+            time.sleep(0)
+
+    def _release(self, ticket: Ticket) -> None:
+        # staging slots belong to the pattern's cached StagedCopy and are reused only in stream order
+        ticket.state.pop("work", None)
+
+
+class _Work:
+    """What one piece pattern enqueues: device-copy plans, staged copies, one batch call, or single copies."""
+
+    def __init__(self):
+        self.plans: list = []
+        self.staged: list = []
+        self.batch = None
+        self.each: list[tuple[int, int, int]] = []
+        self.staging_bytes = 0
+
+
+def _columns(pieces):
+    return [p.local_addr for p in pieces], [p.remote_addr for p in pieces], [p.nbytes for p in pieces]
+
+
+def _indexed(torch, device):
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise E.ConfigError(f"the CUDA transfer engine needs CUDA devices, got {device}")
+    return torch.device("cuda", torch.cuda.current_device()) if device.index is None else device
+
+
+def _where(devices: set[int]) -> str:
+    from ascend_dualpath.transport.cudart import NOT_DEVICE_MEMORY
+
+    names = sorted("host or unknown memory" if d == NOT_DEVICE_MEMORY else f"cuda:{d}" for d in devices)
+    return ", ".join(names)

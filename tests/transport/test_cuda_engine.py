@@ -1,0 +1,176 @@
+"""The transfer engine interface on CUDA GPUs (:class:`CudaTransferEngine`): gates, exact bytes for every kind,
+remote-ready after completion, refusals that move nothing, bounded waits. GPU tests skip without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+
+from ascend_dualpath import errors
+from ascend_dualpath.transport import ChannelCapabilities, MemoryKind, TransferKind, select_kind
+
+DEV, HOST = MemoryKind.DEVICE, MemoryKind.HOST
+
+
+@pytest.mark.parametrize(
+    "protocol,memory,expected,decided_by",
+    [
+        ("local", [DEV, DEV], TransferKind.AIV, "addressable"),
+        ("peer access", [DEV], TransferKind.AIV, "addressable"),
+        ("peer access", [DEV, HOST], TransferKind.STAGING, "addressable"),
+        ("no peer access", [DEV], TransferKind.AICPU, "protocol"),
+        ("no peer access", [HOST], TransferKind.HOST, "protocol"),
+    ],
+)
+def test_cuda_protocols_pass_or_fail_the_protocol_gate(protocol, memory, expected, decided_by):
+    from ascend_dualpath.transport.cuda_engine import DIRECT_PROTOCOLS
+
+    sel = select_kind(ChannelCapabilities(0x04, protocol, 1 << 20), memory, 4096, DIRECT_PROTOCOLS)
+    assert (sel.kind, sel.decided_by) == (expected, decided_by)
+    if decided_by == "protocol":
+        assert "needs local or peer access" in sel.reason and protocol in sel.reason
+
+
+def test_engine_without_a_gpu_is_unavailable():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    from ascend_dualpath.transport.cuda_engine import CudaTransferEngine
+
+    with pytest.raises(errors.BackendUnavailable, match="needs a CUDA GPU"):
+        CudaTransferEngine("cuda:0", "cuda:0")
+
+
+def _gpu():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    return torch
+
+
+def _setup(torch, **options):
+    from ascend_dualpath.transport.cuda_engine import CudaTransferEngine
+
+    src_dev = torch.device("cuda:0")
+    dst_dev = torch.device("cuda:1" if torch.cuda.device_count() > 1 else "cuda:0")
+    torch.cuda.set_device(src_dev)
+    notify = torch.zeros(4, dtype=torch.int64, device=dst_dev)
+    engine = CudaTransferEngine(src_dev, dst_dev, notify, timeout_s=30, **options)
+    return engine, notify, src_dev, dst_dev
+
+
+# layer blocks of uneven sizes: 16-byte aligned, 4-byte aligned, odd
+_SIZES = [42 * 1024] * 5 + [4100, 3, 65536 + 7]
+
+
+def _sources(torch, engine, src_dev, host_share: bool):
+    """Device blocks, and with ``host_share`` every other block from a registered pinned host buffer."""
+    device = torch.randint(0, 256, (sum(_SIZES) + 64,), dtype=torch.uint8, device=src_dev)
+    host = torch.randint(0, 256, (sum(_SIZES) + 64,), dtype=torch.uint8).pin_memory()
+    engine.register_host(host)
+    torch.cuda.synchronize(src_dev)
+    segments, expected, offset = [], [], 0
+    for i, n in enumerate(_SIZES):
+        buffer = host if host_share and i % 2 else device
+        segments.append(engine.segment(buffer, 16 + offset, n))
+        expected.append(buffer[16 + offset : 16 + offset + n])
+        offset += n + 16
+    return segments, torch.cat([e.cpu() for e in expected])
+
+
+@pytest.mark.cuda
+def test_gates_pick_the_device_kernel_for_device_memory_and_staging_for_host_memory():
+    torch = _gpu()
+    engine, _, src_dev, _ = _setup(torch)
+    segments, _ = _sources(torch, engine, src_dev, host_share=True)
+    assert engine.caps.protocol in ("local", "peer access")
+    assert engine.select([s for s in segments if s.memory is DEV]).kind is TransferKind.AIV
+    assert engine.select(segments).kind is TransferKind.STAGING
+    fallback, _, _, _ = _setup(torch, capability_bitmap=0)
+    assert fallback.select([s for s in segments if s.memory is DEV]).kind is TransferKind.AICPU
+    assert fallback.select(segments).kind is TransferKind.HOST
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["aiv", "staging", "aicpu", "host"])
+def test_every_kind_moves_exact_bytes_and_notifies_after_them(kind):
+    torch = _gpu()
+    engine, notify, src_dev, dst_dev = _setup(torch)
+    segments, expected = _sources(torch, engine, src_dev, host_share=kind in ("staging", "host"))
+    total = expected.numel()
+    dst = torch.full((total + 64,), 0xA5, dtype=torch.uint8, device=dst_dev)
+    torch.cuda.synchronize(dst_dev)
+    remote = engine.slot(dst, 32, total)
+    for round_ in range(2):  # the second request reuses the pattern's cached plan
+        dst.fill_(0xA5)
+        notify.zero_()
+        torch.cuda.synchronize(dst_dev)
+        result = engine.submit(segments, remote, notify_slot=2, kind=kind).wait()
+        assert result.kind is TransferKind(kind) and result.nbytes == total
+        assert int(notify[2].item()) == result.notify_magic
+        got = dst.cpu()
+        assert torch.equal(got[32 : 32 + total], expected), f"round {round_}"
+        assert (got[:32] == 0xA5).all() and (got[32 + total :] == 0xA5).all()
+        assert (notify.cpu()[[0, 1, 3]] == 0).all()
+    if kind == "staging":
+        assert result.staging_bytes > 0
+
+
+@pytest.mark.cuda
+def test_several_tickets_in_flight_complete_in_order():
+    torch = _gpu()
+    engine, _, src_dev, dst_dev = _setup(torch)
+    segments, expected = _sources(torch, engine, src_dev, host_share=False)
+    total = expected.numel()
+    dsts = [torch.full((total,), 0xA5, dtype=torch.uint8, device=dst_dev) for _ in range(3)]
+    torch.cuda.synchronize(dst_dev)
+    tickets = [engine.submit(segments, engine.slot(d)) for d in dsts]
+    for ticket, d in zip(tickets, dsts, strict=True):
+        ticket.wait()
+        assert torch.equal(d.cpu(), expected)
+
+
+@pytest.mark.cuda
+def test_bad_requests_raise_before_anything_moves():
+    """Unregistered host memory, a remote slot off the destination GPU, a notify slot out of range and an
+    overflowing slot each raise their own error; the destination and the notify slots keep their poison."""
+    torch = _gpu()
+    engine, notify, src_dev, dst_dev = _setup(torch)
+    segments, expected = _sources(torch, engine, src_dev, host_share=False)
+    total = expected.numel()
+    dst = torch.full((total,), 0xA5, dtype=torch.uint8, device=dst_dev)
+    notify.fill_(-1)
+    torch.cuda.synchronize(dst_dev)
+    unregistered = torch.zeros(4096, dtype=torch.uint8).pin_memory()
+    host_segment = engine.segment(unregistered)
+    with pytest.raises(errors.NotRegistered, match="registered host buffer"):
+        engine.submit([host_segment], engine.slot(dst), kind="host").wait()
+    elsewhere = torch.empty(total, dtype=torch.uint8).pin_memory()
+    from ascend_dualpath.transport import RemoteSlot
+
+    with pytest.raises(errors.BoundsError, match=f"must lie in memory of {dst_dev}"):
+        engine.submit(segments, RemoteSlot(dst_dev.index, elsewhere.data_ptr(), total)).wait()
+    with pytest.raises(errors.BoundsError, match="notify slot 4 is outside"):
+        engine.submit(segments, engine.slot(dst), notify_slot=4)
+    with pytest.raises(errors.BoundsError, match="overflow the remote slot"):
+        engine.submit(segments, engine.slot(dst, 0, total - 1))
+    with pytest.raises(errors.ConfigError, match="needs device-memory sources"):
+        engine.submit([host_segment], engine.slot(dst), kind="aiv")
+    torch.cuda.synchronize()
+    assert (dst.cpu() == 0xA5).all() and (notify.cpu() == -1).all()
+
+
+@pytest.mark.cuda
+def test_wait_is_bounded_and_names_the_ticket():
+    torch = _gpu()
+    engine, _, src_dev, dst_dev = _setup(torch)
+    segments, expected = _sources(torch, engine, src_dev, host_share=False)
+    dst = torch.empty(expected.numel(), dtype=torch.uint8, device=dst_dev)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time on the caller's stream, which the request follows
+    ticket = engine.submit(segments, engine.slot(dst))
+    with pytest.raises(errors.WaitTimeout, match=f"ticket {ticket.id} to {dst_dev}"):
+        ticket.wait(timeout=0.01)
+    torch.cuda.synchronize()
+    with pytest.raises(errors.ProtocolError, match="already failed"):
+        ticket.wait()
