@@ -27,12 +27,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--profile", action="store_true", help="cProfile the aiv submits of 61x42K instead")
     args = parser.parse_args()
     src_dev = torch.device("cuda:0")
     dst_dev = torch.device("cuda:1" if torch.cuda.device_count() > 1 else "cuda:0")
     torch.cuda.set_device(src_dev)
     notify = torch.zeros(1, dtype=torch.int64, device=dst_dev)
     engine = CudaTransferEngine(src_dev, dst_dev, notify)
+    if args.profile:
+        _profile(engine, dst_dev, args.repeats)
+        return
     rows = []
     print(f"{torch.cuda.get_device_name(0)} -> {dst_dev}; p50 of {args.repeats} requests")
     print(f"{'case':<22}{'kind':<10}{'submit us':>11}{'end to end us':>15}")
@@ -80,6 +84,24 @@ def _measure(engine, kind, segments, remote, repeats, dst, expected):
             submits.append((submitted - start) * 1e6)
             totals.append((done - start) * 1e6)
     return statistics.median(submits), statistics.median(totals)
+
+
+def _profile(engine, dst_dev, repeats) -> None:
+    import cProfile
+    import pstats
+
+    count, size = CASES["61x42K layer blocks"]
+    src = torch.randint(0, 256, (count * size,), dtype=torch.uint8, device=engine.device)
+    dst = torch.empty(count * size, dtype=torch.uint8, device=dst_dev)
+    segments = [engine.segment(src, i * size, size) for i in range(count)]
+    remote = engine.slot(dst)
+    engine.submit(segments, remote).wait()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(repeats):
+        engine.submit(segments, remote).wait()
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":

@@ -108,6 +108,7 @@ class CudaTransferEngine(TransferEngine):
         self._copier = None
         self._host_buffers: dict[int, object] = {}  # data_ptr -> registered pinned uint8 tensor
         self._plans: OrderedDict = OrderedDict()
+        self._routes: dict = {}
         self._flag_values = itertools.count(1)
         self._magics = itertools.count(1)
 
@@ -146,6 +147,16 @@ class CudaTransferEngine(TransferEngine):
     def _max_piece(self, kind: TransferKind) -> int:
         return self.caps.max_single_aiv_payload if kind in (TransferKind.AIV, TransferKind.STAGING) else 1 << 62
 
+    def _route(self, sources, remote, kind):
+        """The gates and the split, computed once per request pattern (they cost ~5 µs per piece in Python)."""
+        key = (kind, remote, tuple(x for s in sources for x in (s.addr, s.nbytes, s.memory)))
+        routed = self._routes.get(key)
+        if routed is None:
+            routed = self._routes[key] = super()._route(sources, remote, kind)
+            if len(self._routes) > PLAN_CACHE:
+                self._routes.pop(next(iter(self._routes)))
+        return routed
+
     # ---- start -------------------------------------------------------------------------------------
 
     def _start(self, ticket: Ticket, sources: Sequence[MemorySegment]) -> None:
@@ -157,10 +168,11 @@ class CudaTransferEngine(TransferEngine):
                 raise E.ConfigError("a notify slot was asked for, but the engine has no notify tensor")
             if not 0 <= ticket.notify_slot < self.notify.numel():
                 raise E.BoundsError(f"notify slot {ticket.notify_slot} is outside [0, {self.notify.numel()})")
-        work = self._work(ticket.kind, ticket.pieces, ticket.remote)
-        ticket.state.update(work=work, staging_bytes=work.staging_bytes)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # after the caller's writes to the sources
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+        # on the engine's stream (which also makes its GPU current): plan uploads and staging slots belong to it
+        with torch.cuda.stream(self.stream):
+            work = self._work(ticket.kind, ticket.pieces, ticket.remote)
+            ticket.state.update(work=work, staging_bytes=work.staging_bytes)
             if work.plans or work.staged:
                 ticket.state["flag_value"] = value = next(self._flag_values)
                 for plan in work.plans:
@@ -178,12 +190,13 @@ class CudaTransferEngine(TransferEngine):
         ticket.state["event"] = event
 
     def _work(self, kind: TransferKind, pieces, remote: RemoteSlot) -> _Work:
-        """The cached work of this piece pattern, built (and every range checked) the first time it is seen."""
-        key = (kind, tuple((p.local_addr, p.remote_addr, p.nbytes) for p in pieces))
-        work = self._plans.get(key)
-        if work is not None:
+        """The cached work of this piece list (the routed list of a request pattern, :meth:`_route`), built and every
+        range checked the first time it is seen."""
+        key = (kind, id(pieces))
+        cached = self._plans.get(key)
+        if cached is not None and cached[0] is pieces:  # the entry keeps the list alive, so its id is not reused
             self._plans.move_to_end(key)
-            return work
+            return cached[1]
         self._check_ranges(pieces, remote)
         work = _Work()
         device = [p for p in pieces if self._host_buffer(p.local_addr) is None]
@@ -201,7 +214,7 @@ class CudaTransferEngine(TransferEngine):
             work.batch = MemcpyBatch(dsts, srcs, sizes)
         elif kind is TransferKind.HOST:
             work.each = copies
-        self._plans[key] = work
+        self._plans[key] = (pieces, work)
         if len(self._plans) > PLAN_CACHE:
             self._plans.popitem(last=False)  # in-flight tickets keep their own reference
         return work

@@ -161,10 +161,7 @@ class TransferEngine(abc.ABC):
         ``kind`` overrides the gates (benchmarks); an override the sources do not allow raises ConfigError.
         """
         sources = list(sources)
-        selection = self.select(sources)
-        if kind is not None:
-            selection = self._forced(selection, TransferKind(kind), sources)
-        pieces = split_segments(sources, remote, self._max_piece(selection.kind))
+        selection, pieces = self._route(sources, remote, kind)
         ticket = Ticket(next(self._ticket_ids), selection.kind, selection, pieces, remote, notify_slot, self)
         try:
             self._start(ticket, sources)
@@ -173,6 +170,13 @@ class TransferEngine(abc.ABC):
             ticket.finished = True
             raise
         return ticket
+
+    def _route(self, sources: list[MemorySegment], remote: RemoteSlot, kind) -> tuple[Selection, list[WirePiece]]:
+        """The gates' selection (or the caller's override) and the request's wire pieces."""
+        selection = self.select(sources)
+        if kind is not None:
+            selection = self._forced(selection, TransferKind(kind), sources)
+        return selection, split_segments(sources, remote, self._max_piece(selection.kind))
 
     def wait(self, ticket: Ticket, timeout: float | None = None) -> TransferResult:
         """Wait (bounded) until every piece completed, then publish remote-ready; raises on any failure."""

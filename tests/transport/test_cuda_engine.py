@@ -65,8 +65,9 @@ _SIZES = [42 * 1024] * 5 + [4100, 3, 65536 + 7]
 
 def _sources(torch, engine, src_dev, host_share: bool):
     """Device blocks, and with ``host_share`` every other block from a registered pinned host buffer."""
-    device = torch.randint(0, 256, (sum(_SIZES) + 64,), dtype=torch.uint8, device=src_dev)
-    host = torch.randint(0, 256, (sum(_SIZES) + 64,), dtype=torch.uint8).pin_memory()
+    length = sum(_SIZES) + 16 * (len(_SIZES) + 1)  # a 16-byte gap before every block
+    device = torch.randint(0, 256, (length,), dtype=torch.uint8, device=src_dev)
+    host = torch.randint(0, 256, (length,), dtype=torch.uint8).pin_memory()
     engine.register_host(host)
     torch.cuda.synchronize(src_dev)
     segments, expected, offset = [], [], 0
