@@ -12,7 +12,7 @@ Importing this package touches no device; backends load their runtime when an en
 
 from __future__ import annotations
 
-from ascend_dualpath.transport.engine import StagingPool, Ticket, TransferEngine, TransferResult
+from ascend_dualpath.transport.engine import PreparedTransfer, StagingPool, Ticket, TransferEngine, TransferResult
 from ascend_dualpath.transport.kinds import (
     AIV_DATAPLANE_BIT,
     ChannelCapabilities,
@@ -30,6 +30,7 @@ __all__ = [
     "GateDecision",
     "MemoryKind",
     "MemorySegment",
+    "PreparedTransfer",
     "RemoteSlot",
     "Selection",
     "StagingPool",

@@ -302,6 +302,7 @@ class DeviceCopier:
         launch_mode: str | None = None,
         bulk: bool | None = None,
         chunks: int | None = None,
+        flag=None,
     ) -> CopyPlan:
         """Build the tile table for one segment pattern and enqueue its upload (host work, once per pattern).
 
@@ -328,17 +329,35 @@ class DeviceCopier:
             ``BULK_DEFAULT``). With bulk copies ``tile_bytes`` is the shared-memory stage (a power of two from 256
             to 32 KiB; default ``BULK_CONFIG``), ``chunks`` the pieces a tile is split into (1, 2 or 4), and
             ``streaming`` / ``prefetch`` do not apply.
+        flag : torch.Tensor or None
+            This plan's ready flag (an int64 CUDA tensor; its first element is written), e.g. a notify slot on the
+            destination GPU; None: the copier's flag.
         """
+        flag = self.flag if flag is None else self._checked_flag(flag)
         sizes = np.asarray(nbytes, np.int64)
         if bulk is None:
             bulk = self.use_bulk(src_addrs, dst_addrs, int(sizes.sum()))
         if bulk:
-            return self._plan_bulk(src_addrs, dst_addrs, sizes, tile_bytes, programs_per_sm, num_warps, streaming,
+            plan = self._plan_bulk(src_addrs, dst_addrs, sizes, tile_bytes, programs_per_sm, num_warps, streaming,
                                    prefetch, arrive_sys, launch_mode, chunks)
-        if chunks is not None:
+        elif chunks is not None:
             raise E.ConfigError(f"chunks={chunks} applies to bulk copies only")
-        return self._plan_tiles(src_addrs, dst_addrs, sizes, tile_bytes, programs_per_sm, num_warps, streaming,
-                                prefetch, arrive_sys, launch_mode)
+        else:
+            plan = self._plan_tiles(src_addrs, dst_addrs, sizes, tile_bytes, programs_per_sm, num_warps, streaming,
+                                    prefetch, arrive_sys, launch_mode)
+        if flag is not self.flag:
+            plan.args = plan.args[:3] + (flag,)
+            plan.fast_args = plan.fast_args[:3] + (flag.data_ptr(),)
+        return plan
+
+    def _checked_flag(self, flag):
+        """``flag`` if it can be a ready flag (int64, CUDA, at least one element), with peer access to its GPU."""
+        if flag.dtype != self.torch.int64 or flag.device.type != "cuda" or flag.numel() < 1:
+            raise E.ConfigError(f"a ready flag must be a non-empty int64 CUDA tensor, got {flag.dtype} "
+                                f"{tuple(flag.shape)} on {flag.device}")
+        if flag.device != self.device:
+            enable_peer_access(self.device, flag.device)
+        return flag
 
     def arrivals_need_sys(self, dst_addrs, nbytes) -> bool:
         """Whether the programs' arrivals must be system-scope atomics: unless every destination byte is this GPU's

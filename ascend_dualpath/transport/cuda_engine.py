@@ -16,8 +16,11 @@ The gates are :func:`~.kinds.select_kind`'s, with CUDA meanings: *capability* �
 (``local`` or ``peer access``), *addressable* — every source is device memory (host DRAM goes through ``staging``).
 A failed capability or protocol gate falls back to ``aicpu`` for device sources, else ``host``.
 
-Every request runs on the engine's stream, after the work already on the caller's current stream. ``wait`` polls a
-CUDA event, bounded by the timeout; remote-ready is a magic written to the ``notify`` slot after every byte landed.
+Every request is enqueued on the current stream of the engine's GPU, like a torch op (the batch call of ``aicpu`` on
+a side stream joined to it, since it refuses the legacy default stream). ``wait`` polls a CUDA event, bounded by the
+timeout. Remote-ready is a fresh magic in the ``notify`` slot after every byte landed: for
+``aiv`` the copy kernel's last program releases it into the slot itself (a receiver may poll the slot instead of
+waiting on the ticket; ``Ticket.notify_magic`` is the value to expect), for the other kinds ``wait`` writes it.
 Plans (tile tables, staging slots, batch arrays) are built once per piece pattern and kept for the last
 ``PLAN_CACHE`` patterns: DualPath moves the same layer pattern every request.
 
@@ -48,6 +51,8 @@ LOCAL, PEER_ACCESS, NO_PEER_ACCESS = "local", "peer access", "no peer access"
 DIRECT_PROTOCOLS = (LOCAL, PEER_ACCESS)
 DEFAULT_MAX_SINGLE_PIECE = 1 << 30  # the device kernel tiles any piece; this only bounds one cudaMemcpy
 PLAN_CACHE = 64
+SPIN_S = 2e-3  # a wait polls without sleeping this long (a layer block lands in tens of µs), then every POLL_S
+POLL_S = 50e-6
 
 
 def _triton_available() -> bool:
@@ -102,7 +107,7 @@ class CudaTransferEngine(TransferEngine):
             raise E.ConfigError(f"notify must be a 1-D int64 tensor on {self.peer_device}, got {notify.dtype} "
                                 f"{tuple(notify.shape)} on {notify.device}")
         self.notify = notify
-        self.stream = torch.cuda.Stream(self.device)  # not the legacy default stream, which the batch call refuses
+        self._batch_stream = torch.cuda.Stream(self.device)
         self._notify_stream = torch.cuda.Stream(self.peer_device)
         self._done = torch.zeros(1, dtype=torch.int64, device=self.device)  # the device kinds' ready flag
         self._copier = None
@@ -123,7 +128,10 @@ class CudaTransferEngine(TransferEngine):
         self._host_buffers[buffer.data_ptr()] = buffer
 
     def segment(self, tensor, offset: int = 0, nbytes: int | None = None) -> MemorySegment:
-        """Bytes ``[offset, offset + nbytes)`` of a contiguous tensor (on this GPU, or a registered host buffer)."""
+        """Bytes ``[offset, offset + nbytes)`` of a contiguous tensor (on this GPU, or a registered host buffer).
+
+        A segment is an address, as an RDMA work request's is: keep the tensor alive while transfers use it (torch
+        hands freed memory to the next allocation at once)."""
         size = tensor.numel() * tensor.element_size()
         nbytes = size - offset if nbytes is None else nbytes
         if not tensor.is_contiguous() or offset < 0 or nbytes < 1 or offset + nbytes > size:
@@ -168,31 +176,44 @@ class CudaTransferEngine(TransferEngine):
                 raise E.ConfigError("a notify slot was asked for, but the engine has no notify tensor")
             if not 0 <= ticket.notify_slot < self.notify.numel():
                 raise E.BoundsError(f"notify slot {ticket.notify_slot} is outside [0, {self.notify.numel()})")
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # after the caller's writes to the sources
-        # on the engine's stream (which also makes its GPU current): plan uploads and staging slots belong to it
-        with torch.cuda.stream(self.stream):
-            work = self._work(ticket.kind, ticket.pieces, ticket.remote)
-            ticket.state.update(work=work, staging_bytes=work.staging_bytes)
-            if work.plans or work.staged:
-                ticket.state["flag_value"] = value = next(self._flag_values)
-                for plan in work.plans:
-                    self._copier.run(plan, value)
-                for staged in work.staged:
-                    staged.run(value)
-            if work.batch is not None:
-                work.batch(self.stream.cuda_stream)
-            if work.each:
-                from ascend_dualpath.transport.cudart import memcpy_each
+        if torch.cuda.current_device() != self.device.index:
+            with torch.cuda.device(self.device):
+                self._enqueue(ticket)
+        else:
+            self._enqueue(ticket)
 
-                memcpy_each(work.each, self.stream.cuda_stream)
-            event = torch.cuda.Event()
-            event.record(self.stream)
+    def _enqueue(self, ticket: Ticket) -> None:
+        """Enqueue the ticket's work on the current stream (the engine's GPU is current)."""
+        torch = self.torch
+        stream = torch.cuda.current_stream()
+        work = self._work(ticket.kind, ticket.pieces, ticket.remote, ticket.notify_slot)
+        ticket.state.update(work=work, staging_bytes=work.staging_bytes)
+        if work.publishes_notify:  # the kernel's last program releases the magic into the notify slot
+            ticket.notify_magic = ticket.state["published"] = value = next(self._magics)
+        elif work.plans or work.staged:
+            value = next(self._flag_values)
+        for plan in work.plans:
+            self._copier.run(plan, value)
+        for staged in work.staged:
+            staged.run(value)
+        if work.batch is not None:  # on a side stream: the batch call refuses the legacy default stream
+            self._batch_stream.wait_stream(stream)
+            work.batch(self._batch_stream.cuda_stream)
+            stream.wait_stream(self._batch_stream)
+        if work.each:
+            from ascend_dualpath.transport.cudart import memcpy_each
+
+            memcpy_each(work.each, stream.cuda_stream)
+        event = torch.cuda.Event()
+        event.record(stream)
         ticket.state["event"] = event
 
-    def _work(self, kind: TransferKind, pieces, remote: RemoteSlot) -> _Work:
+    def _work(self, kind: TransferKind, pieces, remote: RemoteSlot, notify_slot: int | None) -> _Work:
         """The cached work of this piece list (the routed list of a request pattern, :meth:`_route`), built and every
-        range checked the first time it is seen."""
-        key = (kind, id(pieces))
+        range checked the first time it is seen. An ``aiv`` request with a notify slot gets a plan whose ready flag
+        is that slot: the copy kernel publishes remote-ready itself, as the AIV path's trailing flag write does."""
+        publishes_notify = kind is TransferKind.AIV and notify_slot is not None
+        key = (kind, id(pieces), notify_slot if publishes_notify else None)
         cached = self._plans.get(key)
         if cached is not None and cached[0] is pieces:  # the entry keeps the list alive, so its id is not reused
             self._plans.move_to_end(key)
@@ -202,8 +223,12 @@ class CudaTransferEngine(TransferEngine):
         device = [p for p in pieces if self._host_buffer(p.local_addr) is None]
         host = [p for p in pieces if self._host_buffer(p.local_addr) is not None]
         copies = [(p.remote_addr, p.local_addr, p.nbytes) for p in pieces]
-        if kind is TransferKind.AIV or (kind is TransferKind.STAGING and device):
-            work.plans.append(self._device_copier().plan(*_columns(device if kind is TransferKind.STAGING else pieces)))
+        if kind is TransferKind.AIV:
+            flag = self.notify[notify_slot : notify_slot + 1] if publishes_notify else None
+            work.plans.append(self._device_copier().plan(*_columns(pieces), flag=flag))
+            work.publishes_notify = publishes_notify
+        elif kind is TransferKind.STAGING and device:
+            work.plans.append(self._device_copier().plan(*_columns(device)))
         if kind is TransferKind.STAGING:
             work.staged = self._staged(host)
             work.staging_bytes = sum(s.staging_bytes for s in work.staged)
@@ -281,6 +306,8 @@ class CudaTransferEngine(TransferEngine):
                               staging_bytes=ticket.state["staging_bytes"])
 
     def _publish_ready(self, ticket: Ticket, timeout_s: float) -> int:
+        if "published" in ticket.state:  # released by the copy kernel after every byte (_finish saw it complete)
+            return ticket.state["published"]
         torch = self.torch
         magic = next(self._magics)
         # on a stream of the notify's own GPU (a fill runs on its tensor's GPU), after every byte landed (_finish)
@@ -292,11 +319,16 @@ class CudaTransferEngine(TransferEngine):
         return magic
 
     def _await(self, event, timeout_s: float, what) -> None:
-        deadline = time.monotonic() + timeout_s
+        """Poll ``event`` until it completed or ``timeout_s`` passed; the first ``SPIN_S`` without sleeping (a
+        sleep, even of 0 s, costs the thread's timer slack: ~50 µs on Linux), then in ``POLL_S`` steps."""
+        start = time.monotonic()
+        deadline = start + timeout_s
         while not event.query():
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 raise E.WaitTimeout(f"timed out after {timeout_s} s waiting for {what()}: the GPU has not finished")
-            time.sleep(0)
+            if now - start > SPIN_S:
+                time.sleep(POLL_S)
 
     def _release(self, ticket: Ticket) -> None:
         # staging slots belong to the pattern's cached StagedCopy and are reused only in stream order
@@ -312,6 +344,7 @@ class _Work:
         self.batch = None
         self.each: list[tuple[int, int, int]] = []
         self.staging_bytes = 0
+        self.publishes_notify = False  # the plan's ready flag is the request's notify slot
 
 
 def _columns(pieces):

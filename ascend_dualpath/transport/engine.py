@@ -56,6 +56,7 @@ class Ticket:
     notify_slot: int | None
     engine: TransferEngine
     state: dict = field(default_factory=dict)  # backend-private progress
+    notify_magic: int | None = None  # known at submit where the device itself publishes remote-ready
     result: TransferResult | None = None
     error: BaseException | None = None
     finished: bool = False
@@ -66,6 +67,27 @@ class Ticket:
 
     def wait(self, timeout: float | None = None) -> TransferResult:
         return self.engine.wait(self, timeout)
+
+
+@dataclass(eq=False)
+class PreparedTransfer:
+    """A request routed once (gates and split into pieces), to be submitted many times: DualPath moves the same
+    layer pattern with every request. Get one from :meth:`TransferEngine.prepare`."""
+
+    engine: TransferEngine
+    sources: list[MemorySegment]
+    remote: RemoteSlot
+    notify_slot: int | None
+    selection: Selection
+    pieces: list[WirePiece]
+
+    def submit(self) -> Ticket:
+        """Start one transfer of the prepared request; returns its ticket."""
+        return self.engine._submit_prepared(self)
+
+    def transfer(self, timeout: float | None = None) -> TransferResult:
+        """``submit`` then ``wait``."""
+        return self.submit().wait(timeout)
 
 
 class StagingPool:
@@ -160,11 +182,29 @@ class TransferEngine(abc.ABC):
 
         ``kind`` overrides the gates (benchmarks); an override the sources do not allow raises ConfigError.
         """
+        return self._submit_prepared(self.prepare(sources, remote, notify_slot, kind))
+
+    def prepare(
+        self,
+        sources: Sequence[MemorySegment],
+        remote: RemoteSlot,
+        notify_slot: int | None = None,
+        kind: TransferKind | str | None = None,
+    ) -> PreparedTransfer:
+        """Route a request once (as :meth:`submit` would) for repeated submission; errors of the gates, an
+        override the sources do not allow and a slot overflow are raised here."""
         sources = list(sources)
         selection, pieces = self._route(sources, remote, kind)
-        ticket = Ticket(next(self._ticket_ids), selection.kind, selection, pieces, remote, notify_slot, self)
+        return PreparedTransfer(self, sources, remote, notify_slot, selection, pieces)
+
+    def _submit_prepared(self, prepared: PreparedTransfer) -> Ticket:
+        if prepared.engine is not self:
+            raise E.ProtocolError("the prepared transfer belongs to another engine")
+        selection = prepared.selection
+        ticket = Ticket(next(self._ticket_ids), selection.kind, selection, prepared.pieces, prepared.remote,
+                        prepared.notify_slot, self)
         try:
-            self._start(ticket, sources)
+            self._start(ticket, prepared.sources)
         except BaseException:
             self._release(ticket)
             ticket.finished = True

@@ -3,6 +3,8 @@ remote-ready after completion, refusals that move nothing, bounded waits. GPU te
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from ascend_dualpath import errors
@@ -63,6 +65,9 @@ def _setup(torch, **options):
 _SIZES = [42 * 1024] * 5 + [4100, 3, 65536 + 7]
 
 
+_ALIVE = []  # segments are addresses: their buffers must outlive the copies (freed memory gets reused at once)
+
+
 def _sources(torch, engine, src_dev, host_share: bool):
     """Device blocks, and with ``host_share`` every other block from a registered pinned host buffer."""
     length = sum(_SIZES) + 16 * (len(_SIZES) + 1)  # a 16-byte gap before every block
@@ -70,6 +75,7 @@ def _sources(torch, engine, src_dev, host_share: bool):
     host = torch.randint(0, 256, (length,), dtype=torch.uint8).pin_memory()
     engine.register_host(host)
     torch.cuda.synchronize(src_dev)
+    _ALIVE[:] = [device, host]
     segments, expected, offset = [], [], 0
     for i, n in enumerate(_SIZES):
         buffer = host if host_share and i % 2 else device
@@ -175,3 +181,28 @@ def test_wait_is_bounded_and_names_the_ticket():
     torch.cuda.synchronize()
     with pytest.raises(errors.ProtocolError, match="already failed"):
         ticket.wait()
+
+
+@pytest.mark.cuda
+def test_the_copy_kernel_publishes_remote_ready_for_a_receiver_polling_the_slot():
+    """An ``aiv`` request's notify magic is released by the copy kernel itself (known at submit): a receiver that
+    polls the slot on its own GPU, without the ticket, then finds every byte; ``wait`` reports the same magic."""
+    torch = _gpu()
+    engine, notify, src_dev, dst_dev = _setup(torch)
+    segments, expected = _sources(torch, engine, src_dev, host_share=False)
+    total = expected.numel()
+    dst = torch.full((total,), 0xA5, dtype=torch.uint8, device=dst_dev)
+    prepared = engine.prepare(segments, engine.slot(dst), notify_slot=1)
+    magics = []
+    for _ in range(3):
+        dst.fill_(0xA5)
+        torch.cuda.synchronize(dst_dev)
+        ticket = prepared.submit()
+        assert ticket.notify_magic is not None and ticket.notify_magic not in magics
+        deadline = time.monotonic() + 10
+        while int(notify[1].item()) != ticket.notify_magic:
+            assert time.monotonic() < deadline, f"notify slot 1 still {int(notify[1].item())}"
+        assert torch.equal(dst.cpu(), expected)
+        assert ticket.wait().notify_magic == ticket.notify_magic
+        magics.append(ticket.notify_magic)
+    assert (notify.cpu()[[0, 2, 3]] == 0).all()

@@ -95,6 +95,33 @@ def test_every_kind_delivers_bit_exact(channel, kind, sizes):
     assert result.complete_vtime_ns > result.start_vtime_ns
 
 
+@pytest.mark.parametrize("kind", [None, TransferKind.AIV, TransferKind.STAGING, TransferKind.HOST])
+def test_a_prepared_transfer_routes_once_and_delivers_every_time(channel, kind):
+    """prepare() runs the gates and the split once; each submit of it moves the sources' current bytes exactly,
+    under a fresh ticket and notify magic; a prepared transfer refuses another engine."""
+    memory = MemoryKind.HOST if kind is TransferKind.STAGING else MemoryKind.DEVICE
+    sizes = [777] * 61
+    region, view = channel.source(sum(sizes) + 16, memory, seed=4)
+    sources = [MemorySegment.of_region(region, 16 + i * 777, 777) for i in range(len(sizes))]
+    prepared = channel.engine.prepare(sources, channel.slot(offset=64), notify_slot=2, kind=kind)
+    assert prepared.selection.kind is (kind or TransferKind.AIV) and len(prepared.pieces) == 61
+    tickets, magics = set(), set()
+    for round_ in range(3):
+        view[:] = np.random.default_rng(round_).integers(0, 256, view.size, dtype=np.uint8)
+        ticket = prepared.submit()
+        result = ticket.wait()
+        tickets.add(ticket.id)
+        magics.add(result.notify_magic)
+        channel.assert_window(64, view[16 : 16 + sum(sizes)])
+    assert len(tickets) == len(magics) == 3 and channel.engine.staging.num_held == 0
+    with pytest.raises(errors.BoundsError, match="overflow the remote slot"):
+        channel.engine.prepare(sources, channel.slot(nbytes=100))
+    other = type(prepared)(object(), *[getattr(prepared, f) for f in ("sources", "remote", "notify_slot",
+                                                                       "selection", "pieces")])
+    with pytest.raises(errors.ProtocolError, match="another engine"):
+        channel.engine._submit_prepared(other)
+
+
 def test_host_dram_source_on_the_host_path(channel):
     region, view = channel.source(10000, MemoryKind.HOST, seed=3)
     result = channel.engine.transfer([MemorySegment.of_region(region)], channel.slot(), kind="host")
