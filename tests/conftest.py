@@ -77,3 +77,12 @@ def poll_all(cq, n: int, timeout_s: float = 10.0) -> list:
     while len(out) < n:
         out += cq.poll(n - len(out), timeout_s)
     return out
+
+
+def cuda_torch():
+    """torch, for a test that needs a CUDA GPU and Triton; skips the test where either is missing."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    return torch

@@ -76,18 +76,25 @@ def _loaded_library(marker: str) -> str | None:
     return None
 
 
-@functools.cache
-def runtime() -> Runtime:
-    """The CUDA runtime torch loaded (initialising CUDA through torch first); BackendUnavailable without one."""
+def _torch_cuda_library(marker: str, purpose: str, absent: str = "") -> tuple[str, ctypes.CDLL]:
+    """(path, library) of the CUDA library whose path contains ``marker`` that torch loaded, CUDA initialised through
+    torch first; BackendUnavailable saying ``purpose`` needs a GPU, or that no such library is mapped (+ ``absent``)."""
     import torch
 
     if not torch.cuda.is_available():
-        raise E.BackendUnavailable("cudaMemcpyBatchAsync needs a CUDA GPU")
+        raise E.BackendUnavailable(f"{purpose} needs a CUDA GPU")
     torch.cuda.init()
-    path = _loaded_library("/libcudart.so")
+    path = _loaded_library(marker)
     if path is None:
-        raise E.BackendUnavailable("no libcudart is mapped into this process (torch may link the runtime statically)")
-    lib = ctypes.CDLL(path)
+        raise E.BackendUnavailable(f"no {marker.strip('/.')} is mapped into this process{absent}")
+    return path, ctypes.CDLL(path)
+
+
+@functools.cache
+def runtime() -> Runtime:
+    """The CUDA runtime torch loaded (initialising CUDA through torch first); BackendUnavailable without one."""
+    path, lib = _torch_cuda_library("/libcudart.so", "cudaMemcpyBatchAsync",
+                                    " (torch may link the runtime statically)")
     version = ctypes.c_int(0)
     if lib.cudaRuntimeGetVersion(ctypes.byref(version)) != 0:
         raise E.BackendUnavailable(f"cudaRuntimeGetVersion failed in {path}")
@@ -186,15 +193,7 @@ NOT_DEVICE_MEMORY = -1
 @functools.cache
 def _driver() -> ctypes.CDLL:
     """The CUDA driver library torch loaded (initialising CUDA through torch first); BackendUnavailable without."""
-    import torch
-
-    if not torch.cuda.is_available():
-        raise E.BackendUnavailable("pointer attributes need a CUDA GPU")
-    torch.cuda.init()
-    path = _loaded_library("/libcuda.so")
-    if path is None:
-        raise E.BackendUnavailable("no libcuda is mapped into this process")
-    lib = ctypes.CDLL(path)
+    _, lib = _torch_cuda_library("/libcuda.so", "asking where memory lives")
     lib.cuPointerGetAttributes.argtypes = [ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64]
     lib.cuPointerGetAttributes.restype = ctypes.c_int
     return lib

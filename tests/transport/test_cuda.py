@@ -29,6 +29,7 @@ from ascend_dualpath.transport.cuda import (
     parse_kind,
     tile_table,
 )
+from tests.conftest import cuda_torch
 
 
 @given(k=st.integers(1, 20), extra=st.sampled_from([0, 16]), tile_kib=st.sampled_from([1, 4, 64]))
@@ -415,14 +416,6 @@ def test_copy_kernel_under_the_triton_interpreter_is_exact_and_publishes_the_fla
 # ---- on a GPU ----------------------------------------------------------------------------------------
 
 
-def _gpu():
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("triton")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    return torch
-
-
 def _settled(torch, *tensors):
     """Wait for the GPUs holding ``tensors``: a copy kernel on one GPU's stream is not ordered after their fills."""
     for device in {t.device for t in tensors if t.is_cuda}:
@@ -454,7 +447,7 @@ def _assert_landed(torch, src, dst, count, size):
 @pytest.mark.cuda
 @pytest.mark.parametrize("count,size", [(1, 1), (61, 42 * 1024), (300, 4096 + 16), (7, 3 * 65536 + 1), (2, 9 << 20)])
 def test_device_initiated_copy_is_exact_and_flags_ready(count, size):
-    torch = _gpu()
+    torch = cuda_torch()
     from ascend_dualpath.transport.cuda import DeviceCopier
 
     dev = torch.device("cuda:0")
@@ -478,7 +471,7 @@ def test_device_initiated_copy_is_exact_and_flags_ready(count, size):
 def test_arrival_scope_follows_the_destinations_and_a_local_copy_with_gpu_scope_is_exact_for_a_peer_flag():
     """Arrivals are GPU-scope only when every destination is the launching GPU's memory (a peer's or pinned host
     memory needs system scope); such a plan is exact, with the flag on a peer polled from there."""
-    torch = _gpu()
+    torch = cuda_torch()
     from ascend_dualpath.transport.cuda import DeviceCopier, enable_peer_access
 
     src_dev = torch.device("cuda:0")
@@ -509,7 +502,7 @@ def test_arrival_scope_follows_the_destinations_and_a_local_copy_with_gpu_scope_
 
 @pytest.mark.cuda
 def test_graph_replays_copy_again_and_publish_successive_values_to_a_peer_flag():
-    torch = _gpu()
+    torch = cuda_torch()
     from ascend_dualpath.transport.cuda import DeviceCopier
 
     src_dev = torch.device("cuda:0")
@@ -535,7 +528,7 @@ def test_graph_replays_copy_again_and_publish_successive_values_to_a_peer_flag()
 
 @pytest.mark.cuda
 def test_bad_flag_value_is_refused_before_anything_moves():
-    torch = _gpu()
+    torch = cuda_torch()
     from ascend_dualpath.transport.cuda import FLAG_MAX, DeviceCopier
 
     dev = torch.device("cuda:0")
@@ -560,7 +553,7 @@ def test_bad_flag_value_is_refused_before_anything_moves():
 @pytest.mark.cuda
 @pytest.mark.parametrize("mode", ["direct", "runner", "jit"])
 def test_every_launch_mode_copies_exactly_and_binds_as_documented(mode):
-    torch = _gpu()
+    torch = cuda_torch()
     from ascend_dualpath.transport.cuda import DeviceCopier
 
     dev = torch.device("cuda:0")
@@ -583,7 +576,7 @@ def test_every_launch_mode_copies_exactly_and_binds_as_documented(mode):
 @pytest.mark.cuda
 @pytest.mark.parametrize("arrive_sys,streaming,prefetch", [(False, True, True), (True, False, True), (False, False, False)])
 def test_kernel_switches_copy_exactly_to_a_peer(arrive_sys, streaming, prefetch):
-    torch = _gpu()
+    torch = cuda_torch()
     from ascend_dualpath.transport.cuda import DeviceCopier, enable_peer_access
 
     src_dev = torch.device("cuda:0")
@@ -611,7 +604,7 @@ def test_kernel_switches_copy_exactly_to_a_peer(arrive_sys, streaming, prefetch)
 def test_memcpy_batch_delivers_exact_bytes_or_falls_back(count, size):
     """cudaMemcpyBatchAsync (or, where the runtime lacks it, one cudaMemcpyAsync per copy) moves exactly the
     bytes asked for, here and to a peer, and leaves the poisoned margins alone."""
-    torch = _gpu()
+    torch = cuda_torch()
     from ascend_dualpath.transport import cudart
     from ascend_dualpath.transport.cuda import enable_peer_access
 
@@ -639,7 +632,7 @@ def test_memcpy_batch_delivers_exact_bytes_or_falls_back(count, size):
 
 @pytest.mark.cuda
 def test_memcpy_batch_absent_runtime_refuses_without_fallback(monkeypatch):
-    torch = _gpu()
+    torch = cuda_torch()
     from ascend_dualpath.transport import cudart
 
     rt = cudart.runtime()
@@ -689,7 +682,7 @@ def _expected(torch, src, dst, src_offs, dst_offs, sizes):
 def test_bulk_copy_is_exact_with_tails_here_and_to_a_peer(sizes, stage, chunks):
     """Bulk copies (TMA) deliver exactly the asked bytes, leave the poisoned gaps between segments alone, publish the
     flag after every byte, through the cached plan and a graph replay, on one GPU and to a peer."""
-    torch = _gpu()
+    torch = cuda_torch()
     from ascend_dualpath.transport.cuda import DeviceCopier, enable_peer_access
 
     src_dev = torch.device("cuda:0")
@@ -727,7 +720,7 @@ def test_bulk_copy_is_exact_with_tails_here_and_to_a_peer(sizes, stage, chunks):
 
 @pytest.mark.cuda
 def test_bulk_copies_refuse_unaligned_addresses_and_bad_shapes_before_anything_moves():
-    torch = _gpu()
+    torch = cuda_torch()
     from ascend_dualpath.transport.cuda import DeviceCopier
 
     dev = torch.device("cuda:0")
@@ -753,7 +746,7 @@ def test_bulk_copies_refuse_unaligned_addresses_and_bad_shapes_before_anything_m
 def test_default_plan_choice_follows_size_and_alignment():
     """Large 16-byte aligned requests take bulk copies when BULK_DEFAULT says so; small or unaligned ones (and every
     request when it does not) the load/store kernel; both copy exactly."""
-    torch = _gpu()
+    torch = cuda_torch()
     from ascend_dualpath.transport.cuda import BULK_DEFAULT, DeviceCopier, large_threshold
 
     dev = torch.device("cuda:0")
@@ -779,7 +772,7 @@ def test_staged_copy_in_chunks_is_exact_here_and_to_a_peer(chunk_bytes):
     """Pinned host -> double-buffered staging slots -> destinations: segments crossing chunk edges, odd lengths and
     gaps land exactly, poisoned gaps stay, the flag holds the request's value; a second request with new host data
     (the slots reused) is exact too."""
-    torch = _gpu()
+    torch = cuda_torch()
     from ascend_dualpath.transport.cuda import DeviceCopier, StagedCopy, enable_peer_access
 
     src_dev = torch.device("cuda:0")
@@ -807,7 +800,7 @@ def test_staged_copy_in_chunks_is_exact_here_and_to_a_peer(chunk_bytes):
 
 @pytest.mark.cuda
 def test_staged_copy_refuses_bad_sources_before_anything_moves():
-    torch = _gpu()
+    torch = cuda_torch()
     from ascend_dualpath.transport.cuda import DeviceCopier, StagedCopy
 
     dev = torch.device("cuda:0")

@@ -9,6 +9,7 @@ import pytest
 
 from ascend_dualpath import errors
 from ascend_dualpath.transport import ChannelCapabilities, MemoryKind, TransferKind, select_kind
+from tests.conftest import cuda_torch
 
 DEV, HOST = MemoryKind.DEVICE, MemoryKind.HOST
 
@@ -40,14 +41,6 @@ def test_engine_without_a_gpu_is_unavailable():
 
     with pytest.raises(errors.BackendUnavailable, match="needs a CUDA GPU"):
         CudaTransferEngine("cuda:0", "cuda:0")
-
-
-def _gpu():
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("triton")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    return torch
 
 
 def _setup(torch, **options):
@@ -87,7 +80,7 @@ def _sources(torch, engine, src_dev, host_share: bool):
 
 @pytest.mark.cuda
 def test_gates_pick_the_device_kernel_for_device_memory_and_staging_for_host_memory():
-    torch = _gpu()
+    torch = cuda_torch()
     engine, _, src_dev, _ = _setup(torch)
     segments, _ = _sources(torch, engine, src_dev, host_share=True)
     assert engine.caps.protocol in ("local", "peer access")
@@ -101,7 +94,7 @@ def test_gates_pick_the_device_kernel_for_device_memory_and_staging_for_host_mem
 @pytest.mark.cuda
 @pytest.mark.parametrize("kind", ["aiv", "staging", "aicpu", "host"])
 def test_every_kind_moves_exact_bytes_and_notifies_after_them(kind):
-    torch = _gpu()
+    torch = cuda_torch()
     engine, notify, src_dev, dst_dev = _setup(torch)
     segments, expected = _sources(torch, engine, src_dev, host_share=kind in ("staging", "host"))
     total = expected.numel()
@@ -125,7 +118,7 @@ def test_every_kind_moves_exact_bytes_and_notifies_after_them(kind):
 
 @pytest.mark.cuda
 def test_several_tickets_in_flight_complete_in_order():
-    torch = _gpu()
+    torch = cuda_torch()
     engine, _, src_dev, dst_dev = _setup(torch)
     segments, expected = _sources(torch, engine, src_dev, host_share=False)
     total = expected.numel()
@@ -141,7 +134,7 @@ def test_several_tickets_in_flight_complete_in_order():
 def test_bad_requests_raise_before_anything_moves():
     """Unregistered host memory, a remote slot off the destination GPU, a notify slot out of range and an
     overflowing slot each raise their own error; the destination and the notify slots keep their poison."""
-    torch = _gpu()
+    torch = cuda_torch()
     engine, notify, src_dev, dst_dev = _setup(torch)
     segments, expected = _sources(torch, engine, src_dev, host_share=False)
     total = expected.numel()
@@ -169,7 +162,7 @@ def test_bad_requests_raise_before_anything_moves():
 
 @pytest.mark.cuda
 def test_wait_is_bounded_and_names_the_ticket():
-    torch = _gpu()
+    torch = cuda_torch()
     engine, _, src_dev, dst_dev = _setup(torch)
     segments, expected = _sources(torch, engine, src_dev, host_share=False)
     dst = torch.empty(expected.numel(), dtype=torch.uint8, device=dst_dev)
@@ -187,7 +180,7 @@ def test_wait_is_bounded_and_names_the_ticket():
 def test_the_copy_kernel_publishes_remote_ready_for_a_receiver_polling_the_slot():
     """An ``aiv`` request's notify magic is released by the copy kernel itself (known at submit): a receiver that
     polls the slot on its own GPU, without the ticket, then finds every byte; ``wait`` reports the same magic."""
-    torch = _gpu()
+    torch = cuda_torch()
     engine, notify, src_dev, dst_dev = _setup(torch)
     segments, expected = _sources(torch, engine, src_dev, host_share=False)
     total = expected.numel()
