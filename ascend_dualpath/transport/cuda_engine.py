@@ -69,8 +69,8 @@ class CudaTransferEngine(TransferEngine):
     Parameters
     ----------
     device, peer_device : torch.device or str
-        The GPU whose stream runs every request (its sources' GPU) and the GPU that holds the remote slots;
-        ``RemoteSlot.peer`` must be ``peer_device``'s index.
+        The GPU whose current stream each request is enqueued on (its sources' GPU) and the GPU that holds the
+        remote slots; ``RemoteSlot.peer`` must be ``peer_device``'s index.
     notify : torch.Tensor or None
         int64 CUDA tensor on ``peer_device``, one element per notify slot: remote-ready writes a fresh magic there.
     capability_bitmap : int or None
