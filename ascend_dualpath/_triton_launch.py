@@ -56,7 +56,7 @@ def _launch_hooks_installed() -> bool:
     return any(h is not None and getattr(h, "calls", True) for h in hooks)
 
 
-def _stream_getter() -> Callable[[int], int]:
+def raw_stream_getter() -> Callable[[int], int]:
     """``device index -> raw handle of torch's current stream there`` (a C call in torch; a property otherwise)."""
     import torch
 
@@ -153,7 +153,7 @@ def _direct_launcher(compiled: Any, grid3: tuple) -> Callable:
     run, function, packed = compiled.run, compiled.function, compiled.packed_metadata
     gx, gy, gz = grid3
     device = torch.cuda.current_device()
-    current_stream = _stream_getter()
+    current_stream = raw_stream_getter()
 
     def launch(*args: Any) -> None:
         run(gx, gy, gz, current_stream(device), function, packed, None, None, None, *args)

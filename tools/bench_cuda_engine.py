@@ -27,7 +27,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--json", default=None)
-    parser.add_argument("--profile", action="store_true", help="cProfile the aiv submits of 61x42K instead")
+    parser.add_argument("--profile", action="store_true",
+                        help="cProfile prepared aiv requests of 61x42K (submit + wait) instead")
     args = parser.parse_args()
     src_dev = torch.device("cuda:0")
     dst_dev = torch.device("cuda:1" if torch.cuda.device_count() > 1 else "cuda:0")
@@ -95,14 +96,14 @@ def _profile(engine, dst_dev, repeats) -> None:
     src = torch.randint(0, 256, (count * size,), dtype=torch.uint8, device=engine.device)
     dst = torch.empty(count * size, dtype=torch.uint8, device=dst_dev)
     segments = [engine.segment(src, i * size, size) for i in range(count)]
-    remote = engine.slot(dst)
-    engine.submit(segments, remote).wait()
+    prepared = engine.prepare(segments, engine.slot(dst), notify_slot=0)
+    prepared.transfer()
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(repeats):
-        engine.submit(segments, remote).wait()
+        prepared.transfer()
     profiler.disable()
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
 
 
 if __name__ == "__main__":

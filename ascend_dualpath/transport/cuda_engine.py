@@ -36,6 +36,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from ascend_dualpath import errors as E
+from ascend_dualpath._triton_launch import raw_stream_getter
 from ascend_dualpath.transport.engine import Ticket, TransferEngine, TransferResult
 from ascend_dualpath.transport.kinds import (
     AIV_DATAPLANE_BIT,
@@ -116,6 +117,8 @@ class CudaTransferEngine(TransferEngine):
         self._routes: dict = {}
         self._flag_values = itertools.count(1)
         self._magics = itertools.count(1)
+        self._raw_stream = raw_stream_getter()
+        self._events = None  # StreamEvents, made on the engine's GPU at the first request
 
     # ---- memory ------------------------------------------------------------------------------------
 
@@ -176,7 +179,7 @@ class CudaTransferEngine(TransferEngine):
                 raise E.ConfigError("a notify slot was asked for, but the engine has no notify tensor")
             if not 0 <= ticket.notify_slot < self.notify.numel():
                 raise E.BoundsError(f"notify slot {ticket.notify_slot} is outside [0, {self.notify.numel()})")
-        if torch.cuda.current_device() != self.device.index:
+        if torch._C._cuda_getDevice() != self.device.index:
             with torch.cuda.device(self.device):
                 self._enqueue(ticket)
         else:
@@ -185,7 +188,7 @@ class CudaTransferEngine(TransferEngine):
     def _enqueue(self, ticket: Ticket) -> None:
         """Enqueue the ticket's work on the current stream (the engine's GPU is current)."""
         torch = self.torch
-        stream = torch.cuda.current_stream()
+        stream = self._raw_stream(self.device.index)
         work = self._work(ticket.kind, ticket.pieces, ticket.remote, ticket.notify_slot)
         ticket.state.update(work=work, staging_bytes=work.staging_bytes)
         if work.publishes_notify:  # the kernel's last program releases the magic into the notify slot
@@ -197,16 +200,19 @@ class CudaTransferEngine(TransferEngine):
         for staged in work.staged:
             staged.run(value)
         if work.batch is not None:  # on a side stream: the batch call refuses the legacy default stream
-            self._batch_stream.wait_stream(stream)
+            current = torch.cuda.current_stream(self.device)
+            self._batch_stream.wait_stream(current)
             work.batch(self._batch_stream.cuda_stream)
-            stream.wait_stream(self._batch_stream)
+            current.wait_stream(self._batch_stream)
         if work.each:
             from ascend_dualpath.transport.cudart import memcpy_each
 
-            memcpy_each(work.each, stream.cuda_stream)
-        event = torch.cuda.Event()
-        event.record(stream)
-        ticket.state["event"] = event
+            memcpy_each(work.each, stream)
+        if self._events is None:
+            from ascend_dualpath.transport.cudart import StreamEvents
+
+            self._events = StreamEvents()
+        ticket.state["event"] = self._events.record(stream)
 
     def _work(self, kind: TransferKind, pieces, remote: RemoteSlot, notify_slot: int | None) -> _Work:
         """The cached work of this piece list (the routed list of a request pattern, :meth:`_route`), built and every
@@ -220,6 +226,7 @@ class CudaTransferEngine(TransferEngine):
             return cached[1]
         self._check_ranges(pieces, remote)
         work = _Work()
+        work.nbytes = sum(p.nbytes for p in pieces)
         device = [p for p in pieces if self._host_buffer(p.local_addr) is None]
         host = [p for p in pieces if self._host_buffer(p.local_addr) is not None]
         copies = [(p.remote_addr, p.local_addr, p.nbytes) for p in pieces]
@@ -299,10 +306,11 @@ class CudaTransferEngine(TransferEngine):
     # ---- finish ------------------------------------------------------------------------------------
 
     def _finish(self, ticket: Ticket, timeout_s: float) -> TransferResult:
-        self._await(ticket.state["event"], timeout_s,
+        event, events = ticket.state["event"], self._events
+        self._await(lambda: events.done(event), timeout_s,
                     lambda: f"the {len(ticket.pieces)} pieces ({ticket.nbytes} bytes, {ticket.kind.value}) of ticket "
                             f"{ticket.id} to {self.peer_device}")
-        return TransferResult(ticket.kind, ticket.selection, ticket.nbytes, len(ticket.pieces),
+        return TransferResult(ticket.kind, ticket.selection, ticket.state["work"].nbytes, len(ticket.pieces),
                               staging_bytes=ticket.state["staging_bytes"])
 
     def _publish_ready(self, ticket: Ticket, timeout_s: float) -> int:
@@ -315,15 +323,16 @@ class CudaTransferEngine(TransferEngine):
             self.notify[ticket.notify_slot].fill_(magic)
             event = torch.cuda.Event()
             event.record(self._notify_stream)
-        self._await(event, timeout_s, lambda: f"the notify write of ticket {ticket.id} (slot {ticket.notify_slot})")
+        self._await(event.query, timeout_s,
+                    lambda: f"the notify write of ticket {ticket.id} (slot {ticket.notify_slot})")
         return magic
 
-    def _await(self, event, timeout_s: float, what) -> None:
-        """Poll ``event`` until it completed or ``timeout_s`` passed; the first ``SPIN_S`` without sleeping (a
-        sleep, even of 0 s, costs the thread's timer slack: ~50 µs on Linux), then in ``POLL_S`` steps."""
+    def _await(self, done, timeout_s: float, what) -> None:
+        """Poll ``done()`` until it is true or ``timeout_s`` passed; the first ``SPIN_S`` without sleeping (a sleep,
+        even of 0 s, costs the thread's timer slack: ~50 µs on Linux), then in ``POLL_S`` steps."""
         start = time.monotonic()
         deadline = start + timeout_s
-        while not event.query():
+        while not done():
             now = time.monotonic()
             if now >= deadline:
                 raise E.WaitTimeout(f"timed out after {timeout_s} s waiting for {what()}: the GPU has not finished")
@@ -331,8 +340,12 @@ class CudaTransferEngine(TransferEngine):
                 time.sleep(POLL_S)
 
     def _release(self, ticket: Ticket) -> None:
-        # staging slots belong to the pattern's cached StagedCopy and are reused only in stream order
+        # staging slots belong to the pattern's cached StagedCopy and are reused only in stream order; an event whose
+        # ticket timed out may be recorded again by a later ticket (a new record replaces the pending one)
         ticket.state.pop("work", None)
+        event = ticket.state.pop("event", None)
+        if event is not None:
+            self._events.release(event)
 
 
 class _Work:
@@ -344,6 +357,7 @@ class _Work:
         self.batch = None
         self.each: list[tuple[int, int, int]] = []
         self.staging_bytes = 0
+        self.nbytes = 0
         self.publishes_notify = False  # the plan's ready flag is the request's notify slot
 
 
