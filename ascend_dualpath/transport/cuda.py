@@ -338,17 +338,12 @@ class DeviceCopier:
         if bulk is None:
             bulk = self.use_bulk(src_addrs, dst_addrs, int(sizes.sum()))
         if bulk:
-            plan = self._plan_bulk(src_addrs, dst_addrs, sizes, tile_bytes, programs_per_sm, num_warps, streaming,
-                                   prefetch, arrive_sys, launch_mode, chunks)
-        elif chunks is not None:
+            return self._plan_bulk(src_addrs, dst_addrs, sizes, tile_bytes, programs_per_sm, num_warps, streaming,
+                                   prefetch, arrive_sys, launch_mode, chunks, flag)
+        if chunks is not None:
             raise E.ConfigError(f"chunks={chunks} applies to bulk copies only")
-        else:
-            plan = self._plan_tiles(src_addrs, dst_addrs, sizes, tile_bytes, programs_per_sm, num_warps, streaming,
-                                    prefetch, arrive_sys, launch_mode)
-        if flag is not self.flag:
-            plan.args = plan.args[:3] + (flag,)
-            plan.fast_args = plan.fast_args[:3] + (flag.data_ptr(),)
-        return plan
+        return self._plan_tiles(src_addrs, dst_addrs, sizes, tile_bytes, programs_per_sm, num_warps, streaming,
+                                prefetch, arrive_sys, launch_mode, flag)
 
     def _checked_flag(self, flag):
         """``flag`` if it can be a ready flag (int64, CUDA, at least one element), with peer access to its GPU."""
@@ -387,7 +382,7 @@ class DeviceCopier:
         return LaunchSite(kernel, programs, {**constexprs, "FROM_EPOCH": False, "num_warps": num_warps}, launch_mode)
 
     def _finish_plan(self, table, sizes, width, tile_bytes, programs, constexprs, num_warps, launch_mode, kernel,
-                     chunks) -> CopyPlan:
+                     chunks, flag) -> CopyPlan:
         torch = self.torch
         # pinned source, asynchronous upload: torch's host allocator keeps the block until the copy is done
         device_table = torch.from_numpy(table).pin_memory().to(self.device, non_blocking=True)
@@ -404,14 +399,14 @@ class DeviceCopier:
             constexprs=constexprs,
             num_warps=num_warps,
             site=self._launch_site(kernel, programs, constexprs, num_warps, launch_mode),
-            args=(device_table, int(table.shape[0]), state, self.flag),
-            fast_args=(device_table.data_ptr(), int(table.shape[0]), state.data_ptr(), self.flag.data_ptr()),
+            args=(device_table, int(table.shape[0]), state, flag),
+            fast_args=(device_table.data_ptr(), int(table.shape[0]), state.data_ptr(), flag.data_ptr()),
             bulk=chunks is not None,
             chunks=chunks or 0,
         )
 
     def _plan_bulk(self, src_addrs, dst_addrs, sizes, stage_bytes, programs_per_sm, num_warps, streaming, prefetch,
-                   arrive_sys, launch_mode, chunks) -> CopyPlan:
+                   arrive_sys, launch_mode, chunks, flag) -> CopyPlan:
         if not self.bulk_capable:
             raise E.BackendUnavailable(
                 f"bulk copies need compute capability 9.0 or newer; {self.device} has {self.capability}"
@@ -439,10 +434,10 @@ class DeviceCopier:
             "ARRIVE_SYS": self._arrive_sys(dst_addrs, sizes, arrive_sys),
         }
         return self._finish_plan(table, sizes, 1, stage_bytes, programs, constexprs, num_warps, launch_mode,
-                                 _kernels().bulk_copy_tiles, chunks)
+                                 _kernels().bulk_copy_tiles, chunks, flag)
 
     def _plan_tiles(self, src_addrs, dst_addrs, sizes, tile_bytes, programs_per_sm, num_warps, streaming, prefetch,
-                    arrive_sys, launch_mode) -> CopyPlan:
+                    arrive_sys, launch_mode, flag) -> CopyPlan:
         width = element_bytes(src_addrs, dst_addrs, sizes)
         total = int(sizes.sum())
         chosen = choose_config(total, self.sm_count)
@@ -469,7 +464,7 @@ class DeviceCopier:
             "PREFETCH": PREFETCH if prefetch is None else prefetch,
         }
         return self._finish_plan(table, sizes, width, tile_bytes, programs, constexprs, num_warps, launch_mode,
-                                 _kernels().copy_tiles, None)
+                                 _kernels().copy_tiles, None, flag)
 
     def run(self, plan: CopyPlan, flag_value: int) -> None:
         """Enqueue ``plan`` on the current stream; the flag becomes ``flag_value`` after every byte landed.
@@ -927,9 +922,8 @@ def _run_cases(torch, cases, kinds, repeats, progress, peer, src_dev, dst_dev, s
         "configs": {"small": asdict(SMALL_CONFIG), "large": asdict(LARGE_CONFIG)},
         "repeats": repeats,
         "sleep_cycles_per_us": cycles_per_us,
-        "kernel_defaults": {"prefetch": PREFETCH,
-                            "arrive_sys": "by destination" if ARRIVE_SYS is None else ARRIVE_SYS, "bulk_default": BULK_DEFAULT,
-                            "bulk": asdict(BULK_CONFIG)},
+        "kernel_defaults": {"prefetch": PREFETCH, "arrive_sys": "by destination" if ARRIVE_SYS is None else ARRIVE_SYS,
+                            "bulk_default": BULK_DEFAULT, "bulk": asdict(BULK_CONFIG)},
         "launch_mode": _default_launch_mode(),
         "cudaMemcpyBatchAsync": _batch_note() if any(k.startswith("host-batch") for k in kinds) else "not run",
         "failures": failures,

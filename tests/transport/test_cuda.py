@@ -438,6 +438,21 @@ def _segments(torch, count, size, src_dev, dst_dev):
     return src, dst, s_addrs, d_addrs
 
 
+_KEEP = []  # the source behind the last _four_page_copier's addresses
+
+
+def _four_page_copier(torch):
+    """A copier on cuda:0 with its flag there, the poisoned destination, and the addresses of four 4 KiB source and
+    destination pages."""
+    from ascend_dualpath.transport.cuda import DeviceCopier
+
+    dev = torch.device("cuda:0")
+    torch.cuda.set_device(dev)
+    src, dst, s_addrs, d_addrs = _segments(torch, 4, 4096, dev, dev)
+    _KEEP[:] = [src]
+    return DeviceCopier(dev, torch.zeros(1, dtype=torch.int64, device=dev)), dst, s_addrs, d_addrs
+
+
 def _assert_landed(torch, src, dst, count, size):
     n = count * size
     assert torch.equal(dst[32 : 32 + n], src[:n].to(dst.device))
@@ -529,13 +544,9 @@ def test_graph_replays_copy_again_and_publish_successive_values_to_a_peer_flag()
 @pytest.mark.cuda
 def test_bad_flag_value_is_refused_before_anything_moves():
     torch = cuda_torch()
-    from ascend_dualpath.transport.cuda import FLAG_MAX, DeviceCopier
+    from ascend_dualpath.transport.cuda import FLAG_MAX
 
-    dev = torch.device("cuda:0")
-    torch.cuda.set_device(dev)
-    src, dst, s_addrs, d_addrs = _segments(torch, 4, 4096, dev, dev)
-    flag = torch.zeros(1, dtype=torch.int64, device=dev)
-    copier = DeviceCopier(dev, flag)
+    copier, dst, s_addrs, d_addrs = _four_page_copier(torch)
     plan = copier.plan(s_addrs, d_addrs, [4096] * 4)
     for bad in (0, -3, FLAG_MAX + 1):
         with pytest.raises(errors.ConfigError, match=f"flag_value {bad} is outside"):
@@ -547,7 +558,7 @@ def test_bad_flag_value_is_refused_before_anything_moves():
     with pytest.raises(errors.ConfigError, match="programs_per_sm must be >= 1, got 0"):
         copier.plan(s_addrs, d_addrs, [4096] * 4, programs_per_sm=0)
     torch.cuda.synchronize()
-    assert (dst == 0xA5).all() and int(flag.item()) == 0
+    assert (dst == 0xA5).all() and int(copier.flag.item()) == 0
 
 
 @pytest.mark.cuda
@@ -721,13 +732,7 @@ def test_bulk_copy_is_exact_with_tails_here_and_to_a_peer(sizes, stage, chunks):
 @pytest.mark.cuda
 def test_bulk_copies_refuse_unaligned_addresses_and_bad_shapes_before_anything_moves():
     torch = cuda_torch()
-    from ascend_dualpath.transport.cuda import DeviceCopier
-
-    dev = torch.device("cuda:0")
-    torch.cuda.set_device(dev)
-    src, dst, s_addrs, d_addrs = _segments(torch, 4, 4096, dev, dev)
-    flag = torch.zeros(1, dtype=torch.int64, device=dev)
-    copier = DeviceCopier(dev, flag)
+    copier, dst, s_addrs, d_addrs = _four_page_copier(torch)
     with pytest.raises(errors.AlignmentError, match="segment 0 .* not 16-byte aligned: bulk copies need it"):
         copier.plan([a + 8 for a in s_addrs], d_addrs, [4096] * 4, bulk=True)
     with pytest.raises(errors.ConfigError, match="bulk stage of 65536 bytes is not a power of two in"):
@@ -739,7 +744,7 @@ def test_bulk_copies_refuse_unaligned_addresses_and_bad_shapes_before_anything_m
     with pytest.raises(errors.ConfigError, match="chunks=2 applies to bulk copies only"):
         copier.plan(s_addrs, d_addrs, [4096] * 4, bulk=False, chunks=2)
     torch.cuda.synchronize()
-    assert (dst == 0xA5).all() and int(flag.item()) == 0
+    assert (dst == 0xA5).all() and int(copier.flag.item()) == 0
 
 
 @pytest.mark.cuda
@@ -816,4 +821,4 @@ def test_staged_copy_refuses_bad_sources_before_anything_moves():
     with pytest.raises(errors.ConfigError, match="chunk_bytes 1000 is not a multiple of 16 from 4096"):
         StagedCopy(copier, host, [0], [dst.data_ptr()], [16], chunk_bytes=1000)
     torch.cuda.synchronize()
-    assert (dst == 0xA5).all() and int(flag.item()) == 0
+    assert (dst == 0xA5).all() and int(copier.flag.item()) == 0
