@@ -1,0 +1,1 @@
+"""Integrations of DualPath into serving stacks (vLLM). Nothing here is imported by the rest of the package."""

@@ -1,0 +1,143 @@
+"""``DualPathConnector``: DualPath KV loading as a vLLM ``KVConnectorBase_V1``.
+
+One instance per role and process: the SCHEDULER role (in vLLM's engine core) delegates to
+:class:`~ascend_dualpath.integrations.vllm.scheduler.DualPathScheduler`, the WORKER role to
+:class:`~ascend_dualpath.integrations.vllm.worker.DualPathWorker`. docs/vllm.md describes the request flow.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from ascend_dualpath.errors import ConfigError
+from ascend_dualpath.integrations.vllm.metadata import DualPathMetadata
+from ascend_dualpath.integrations.vllm.scheduler import DualPathScheduler
+from ascend_dualpath.integrations.vllm.settings import ConnectorSettings, store_namespace
+from ascend_dualpath.kv.layout import KVLayout
+from ascend_dualpath.kv.store import LocalBlockStore
+
+
+def model_kv_layout(vllm_config: Any) -> KVLayout:
+    """The token rows of the served model's KV cache (GQA/MHA; MLA latents), one Full Block per vLLM block."""
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        raise ConfigError(
+            "the DualPath connector supports tensor and pipeline parallel size 1 for now, got "
+            f"{parallel.tensor_parallel_size} and {parallel.pipeline_parallel_size}"
+        )
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype not in ("auto", None):
+        raise ConfigError(
+            f"the DualPath connector stores the model's own KV dtype; cache_dtype {cache_dtype!r} is not supported"
+        )
+    dtype: torch.dtype = model.dtype
+    layers = model.get_num_layers(parallel)
+    block = vllm_config.cache_config.block_size
+    if model.use_mla:
+        return KVLayout.mla(layers, model.get_head_size(), dtype, block_tokens=block)
+    return KVLayout.gqa(layers, model.get_num_kv_heads(parallel), model.get_head_size(), dtype, block_tokens=block)
+
+
+class DualPathConnector(KVConnectorBase_V1):
+    """DualPath's PE and DE read paths inside vLLM (``kv_producer`` = PE, ``kv_consumer`` = DE)."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.settings = ConnectorSettings.from_kv_transfer_config(vllm_config.kv_transfer_config)
+        algo = vllm_config.cache_config.prefix_caching_hash_algo
+        if not str(algo).startswith("sha256"):
+            raise ConfigError(
+                f"prefix_caching_hash_algo {algo!r} is not reproducible across instances; the "
+                "DualPath connector keys its store by vLLM's block hashes and needs sha256 or "
+                "sha256_cbor"
+            )
+        self.layout = model_kv_layout(vllm_config)
+        self.namespace = store_namespace(vllm_config.model_config.model, self.layout.fingerprint())
+        store = LocalBlockStore(self.settings.store, self.layout)
+        self._scheduler: DualPathScheduler | None = None
+        self._worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = DualPathScheduler(self.settings, self.layout.block_tokens, store, self.namespace)
+        else:
+            from ascend_dualpath.integrations.vllm.layouts import adapter_for
+            from ascend_dualpath.integrations.vllm.worker import DualPathWorker
+
+            def adapter(layer_name: str, cache: torch.Tensor) -> Any:  # once the attention layers exist
+                backend = _attention_backend_name(vllm_config)
+                layer = vllm_config.compilation_config.static_forward_context.get(layer_name)
+                options = {"isa": layer.isa} if backend == "CPU_ATTN" else {}
+                return adapter_for(backend, cache, **options)
+
+            self._worker = DualPathWorker(self.settings, self.layout, store, adapter)
+
+    # -- scheduler side -------------------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> DualPathMetadata:
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        return self._scheduler.request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._scheduler.update_connector_output(connector_output)
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_push_work()
+
+    # -- worker side ----------------------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        self._worker.register_kv_caches(kv_caches, extract_layer_index)
+
+    def bind_connector_metadata(self, connector_metadata: DualPathMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._worker.start_step(connector_metadata)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Nothing left to start: loads began when the step's metadata was bound (``start_step``)."""
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._worker.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        self._worker.save_kv_layer(layer_name, kv_layer)
+
+    def wait_for_save(self) -> None:
+        self._worker.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving, _ = self._worker.get_finished(finished_req_ids)
+        return sending, recving
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving, failed = self._worker.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.get_block_ids_with_load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+
+def _attention_backend_name(vllm_config: Any) -> str:
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+    backends = get_current_attn_backends(vllm_config)
+    if len(backends) != 1:
+        raise ConfigError(f"the DualPath connector needs one attention backend, got {[b.get_name() for b in backends]}")
+    return backends[0].get_name()

@@ -1,0 +1,163 @@
+"""What the DualPath connector halves, the peer instance and the proxy say to each other.
+
+- ``kv_transfer_params["dualpath"]`` (proxy -> each instance, per request): :class:`XferParams`.
+- The side channel: a ZMQ ROUTER in each instance's worker on ``127.0.0.1:side_port``. Every message is one
+  msgpack map with an ``op``; every request gets exactly one reply (``{"op": "ok", ...}`` or
+  ``{"op": "error", "error": text}``). The PE worker is the client of the DE worker (``hello``, ``plan``,
+  ``consumed``, ``rows``, ``abort``); the proxy asks both for ``status``.
+
+KV bytes never travel here: they move over the transfer engine's fabric; these are control messages only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import zmq
+
+from ascend_dualpath.dualpath.scheduler import ReadPath
+from ascend_dualpath.errors import ConfigError, ProtocolError, WaitTimeout
+
+PARAMS_KEY = "dualpath"
+ROLES = ("prefill", "decode")
+POLL_MS = 50  # the serving thread's poll period: bounds how late it sees a stop request
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder().decode
+
+
+@dataclasses.dataclass(frozen=True)
+class XferParams:
+    """One request's DualPath assignment, as the proxy writes it into ``kv_transfer_params``.
+
+    ``role`` is what this instance does for the request (``prefill``: the PE; ``decode``: the DE), ``path``
+    the read path the proxy chose, ``peer`` the other instance's side channel, ``xfer_id`` the id both
+    instances know the request by (vLLM's request ids differ between instances).
+    """
+
+    xfer_id: str
+    role: str
+    path: ReadPath
+    peer: str
+
+    @classmethod
+    def from_request(cls, kv_transfer_params: dict | None) -> XferParams | None:
+        """The request's assignment, None for a request the proxy did not assign (served standalone)."""
+        if not kv_transfer_params or PARAMS_KEY not in kv_transfer_params:
+            return None
+        raw = kv_transfer_params[PARAMS_KEY]
+        if not isinstance(raw, dict):
+            raise ConfigError(f"kv_transfer_params[{PARAMS_KEY!r}] must be a mapping, got {type(raw).__name__}")
+        missing = [k for k in ("xfer_id", "role", "path", "peer") if k not in raw]
+        if missing:
+            raise ConfigError(f"kv_transfer_params[{PARAMS_KEY!r}] lacks {missing}")
+        if raw["role"] not in ROLES:
+            raise ConfigError(f"kv_transfer_params[{PARAMS_KEY!r}]['role'] must be one of {ROLES}, got {raw['role']!r}")
+        try:
+            path = ReadPath(raw["path"])
+        except ValueError:
+            raise ConfigError(
+                f"kv_transfer_params[{PARAMS_KEY!r}]['path'] must be 'pe' or 'de', got {raw['path']!r}"
+            ) from None
+        return cls(str(raw["xfer_id"]), raw["role"], path, str(raw["peer"]))
+
+    def as_params(self) -> dict:
+        return {PARAMS_KEY: {"xfer_id": self.xfer_id, "role": self.role, "path": self.path.value, "peer": self.peer}}
+
+
+class SideChannel:
+    """A ROUTER socket served by one thread: ``handler(message) -> reply`` for every request.
+
+    The handler runs on the serving thread; an exception becomes an ``error`` reply naming it, so a bad message
+    never kills the channel.
+    """
+
+    def __init__(
+        self, port: int, handler: Callable[[dict], dict], *, host: str = "127.0.0.1", name: str = "adp"
+    ) -> None:
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        try:
+            self._socket.bind(f"tcp://{host}:{port}")
+        except zmq.ZMQError as error:
+            self._socket.close()
+            self._context.term()
+            raise ConfigError(f"side channel: cannot bind tcp://{host}:{port}: {error}") from error
+        self.address = f"tcp://{host}:{port}"
+        self._handler = handler
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name=f"{name}-side", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(POLL_MS):
+                continue
+            identity, _, payload = self._socket.recv_multipart()
+            try:
+                reply = self._handler(_decode(payload))
+            except Exception as error:  # reported to the caller, the channel lives on
+                reply = {"op": "error", "error": f"{type(error).__name__}: {error}"}
+            self._socket.send_multipart([identity, b"", _encode(reply)])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5 * POLL_MS / 1000 + 1)
+        self._socket.close()
+        self._context.term()
+
+
+class PeerClient:
+    """A DEALER to one side channel: :meth:`request` sends one message and waits (bounded) for its reply.
+
+    Not thread-safe: one client per thread that talks to the peer.
+    """
+
+    def __init__(self, address: str, timeout_s: float) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.connect(address)
+
+    def request(self, message: dict, timeout_s: float | None = None) -> dict:
+        """Send ``message`` and return the reply; WaitTimeout naming the op and the peer, ProtocolError on an
+        ``error`` reply."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        self._socket.send_multipart([b"", _encode(message)])
+        if not self._socket.poll(int(timeout * 1000)):
+            # the socket now holds a request whose reply may come late: replace it so replies stay paired
+            self._reset()
+            raise WaitTimeout(f"no reply to {message.get('op')!r} from {self.address} within {timeout} s")
+        _, payload = self._socket.recv_multipart()
+        reply = _decode(payload)
+        if reply.get("op") == "error":
+            raise ProtocolError(f"{self.address} refused {message.get('op')!r}: {reply.get('error')}")
+        return reply
+
+    def _reset(self) -> None:
+        self._socket.close()
+        self._socket = self._context.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.connect(self.address)
+
+    def close(self) -> None:
+        self._socket.close()
+        self._context.term()
+
+
+def query_status(address: str, timeout_s: float) -> dict[str, Any]:
+    """One ``status`` round trip to the side channel at ``address``."""
+    client = PeerClient(address, timeout_s)
+    try:
+        return client.request({"op": "status"})
+    finally:
+        client.close()

@@ -1,0 +1,104 @@
+"""The connector's settings, read once from vLLM's ``KVTransferConfig``."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from typing import Any
+
+from ascend_dualpath import _env
+from ascend_dualpath.errors import ConfigError
+from ascend_dualpath.kv.layout import BLOCK_ID_BYTES
+
+# vLLM's kv_role -> what this instance is in DualPath
+INSTANCE_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "standalone"}
+DEFAULT_NODES = {"prefill": "pe", "decode": "de", "standalone": "node0"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ConnectorSettings:
+    """``kv_connector_extra_config`` of one instance, validated.
+
+    Attributes
+    ----------
+    role : str
+        ``prefill`` (the PE, ``kv_producer``), ``decode`` (the DE, ``kv_consumer``) or ``standalone``
+        (``kv_both``: store-backed loading and persisting on one instance, no peer).
+    store : str
+        Block-store directory, shared by every instance of a deployment.
+    node : str
+        Name of this instance's storage NIC in metrics.
+    snic_bytes_per_s : float
+        Cap of this instance's storage reads (``snic_mbps`` x 10^6); ``inf`` when not capped.
+    side_port : int or None
+        Port of the side channel on 127.0.0.1 (required for ``prefill`` and ``decode``).
+    fabric : str
+        Name of the emulated fabric both instances' devices join.
+    timeout_s : float
+        Bound of every wait.
+    hccl_buffer_mb : int
+        Size of each HCCL window (the PE's layer slots and send buffers live there).
+    host_buffer_mb : int
+        Size of the registered host buffer (DE: leases for incoming KV; PE: storage reads).
+    """
+
+    role: str
+    store: str
+    node: str
+    snic_bytes_per_s: float
+    side_port: int | None
+    fabric: str
+    timeout_s: float
+    hccl_buffer_mb: int = 64
+    host_buffer_mb: int = 256
+
+    @classmethod
+    def from_kv_transfer_config(cls, kv_transfer_config: Any) -> ConnectorSettings:
+        kv_role = kv_transfer_config.kv_role
+        if kv_role not in INSTANCE_ROLES:
+            raise ConfigError(f"kv_role must be one of {sorted(INSTANCE_ROLES)}, got {kv_role!r}")
+        role = INSTANCE_ROLES[kv_role]
+        extra = dict(kv_transfer_config.kv_connector_extra_config or {})
+        if not extra.get("store"):
+            raise ConfigError("kv_connector_extra_config['store'] (the block-store directory) is required")
+        side_port = extra.get("side_port")
+        if role != "standalone" and side_port is None:
+            raise ConfigError(f"kv_connector_extra_config['side_port'] is required for kv_role {kv_role!r}")
+        if side_port is not None and not (isinstance(side_port, int) and 0 < side_port < 65536):
+            raise ConfigError(f"kv_connector_extra_config['side_port'] must be a TCP port, got {side_port!r}")
+        mbps = extra.get("snic_mbps")
+        snic = math.inf if mbps is None else _positive("snic_mbps", mbps) * 1e6
+        timeout = _positive("timeout_s", extra["timeout_s"]) if "timeout_s" in extra else _env.timeout_s()
+        return cls(
+            role=role,
+            store=str(extra["store"]),
+            node=str(extra.get("node", DEFAULT_NODES[role])),
+            snic_bytes_per_s=snic,
+            side_port=side_port,
+            fabric=str(extra.get("fabric", "adpvllm")),
+            timeout_s=timeout,
+            hccl_buffer_mb=int(_positive("hccl_buffer_mb", extra.get("hccl_buffer_mb", 64))),
+            host_buffer_mb=int(_positive("host_buffer_mb", extra.get("host_buffer_mb", 256))),
+        )
+
+
+def _positive(name: str, value: Any) -> float:
+    """``value`` as a finite float > 0, else ConfigError naming ``name``."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"kv_connector_extra_config[{name!r}] must be a number, got {value!r}") from None
+    if not math.isfinite(number) or number <= 0:
+        raise ConfigError(f"kv_connector_extra_config[{name!r}] must be finite and > 0, got {value!r}")
+    return number
+
+
+def store_namespace(model: str, layout_fingerprint: bytes) -> bytes:
+    """Salt of the store ids: the model and the KV layout, so two models never share a block."""
+    return hashlib.blake2b(model.encode() + b"|" + layout_fingerprint, digest_size=BLOCK_ID_BYTES).digest()
+
+
+def store_ids(namespace: bytes, block_hashes: Any) -> list[bytes]:
+    """Store ids of vLLM block hashes (``blake2b_128(namespace || hash)``); vLLM's hashes already chain."""
+    return [hashlib.blake2b(namespace + bytes(h), digest_size=BLOCK_ID_BYTES).digest() for h in block_hashes]
