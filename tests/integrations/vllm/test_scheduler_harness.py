@@ -123,3 +123,25 @@ def test_vllms_example_connector_stores_then_loads_a_prefix(vllm_config_for, tmp
     (meta,) = scheduled.kv_connector_metadata.requests
     assert not meta.is_store and scheduled.scheduled_new_reqs[0].num_computed_tokens == 96
     assert scheduled.num_scheduled_tokens == {"b": 4}
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+@pytest.mark.parametrize("with_finished_recving", [True, False])
+def test_a_failed_receive_reported_per_request(vllm_config_for, policy, with_finished_recving):
+    """``failed_recving`` (request-level failure): fail ends the request FINISHED_ERROR at once; recompute
+    only restarts it from 0 once it is also in ``finished_recving`` (alone, the request stays parked)."""
+    config, scheduler = scripted(vllm_config_for, policy)
+    request = make_request(config, "r", PROMPT, kv_transfer_params={"scripted": {"hit": 64, "async": True}})
+    scheduler.add_request(request)
+    step(scheduler)
+    report = {"failed_recving": {"r"}} | ({"finished_recving": {"r"}} if with_finished_recving else {})
+    step(scheduler, **report)
+    step(scheduler)
+    matches = [call for call in scheduler.connector.calls if call[0] == "match"]
+    if policy == "fail":
+        assert request.status == RequestStatus.FINISHED_ERROR
+    elif with_finished_recving:  # freed and asked again from 0; the scripted hit parks it again
+        assert matches == [("match", "r", 0)] * 2 and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    else:
+        assert matches == [("match", "r", 0)] and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        assert request.num_computed_tokens == 0

@@ -238,3 +238,24 @@ def test_a_finished_request_persists_its_new_full_blocks_and_keeps_them_until_se
     assert (persist.first_block, len(persist.store_ids), len(persist.block_ids)) == (0, 3, 4)
     step(scheduler, finished_sending={"r"})
     assert not scheduler.connector.has_pending_push_work() and "r" not in scheduler.requests
+
+
+def test_a_failed_decode_receive_under_fail_ends_the_request(instance):
+    config, scheduler = instance("kv_consumer", "fail")
+    request = make_request(config, "d", prompt(81, 100), kv_transfer_params=dualpath("decode"))
+    scheduler.add_request(request)
+    step(scheduler)
+    _, outputs = step(scheduler, failed_recving={"d"}, finished_recving={"d"})
+    assert request.status == RequestStatus.FINISHED_ERROR
+    assert outputs[0].outputs[0].finish_reason.name == "ERROR"
+
+
+@pytest.mark.xfail(strict=True, reason="DualPathScheduler asks for the same remote receive again after it failed")
+def test_a_failed_decode_receive_under_recompute_is_computed_locally(instance):
+    config, scheduler = instance("kv_consumer")
+    request = make_request(config, "d", prompt(82, 100), kv_transfer_params=dualpath("decode"))
+    scheduler.add_request(request)
+    step(scheduler)
+    step(scheduler, failed_recving={"d"}, finished_recving={"d"})
+    scheduled, _ = step(scheduler)
+    assert request.status == RequestStatus.RUNNING and scheduled.num_scheduled_tokens == {"d": 100}
