@@ -363,3 +363,39 @@ def test_flash_adapter_on_caches_cut_by_vllm_in_each_layout(layout_name):
     assert torch.equal(
         reader.read_tokens(views[0], everything, 0, 80), reader.read_tokens(untouched, everything, 0, 80)
     )
+
+
+def test_cpu_adapter_on_the_cache_vllm_allocates_for_the_cpu_backend():
+    """The per-layer view vLLM's allocator hands the CPU backend (LBHNC, two layers in one buffer), written by
+    vLLM's op through the backend's own views, read back by the adapter; the other layer is untouched."""
+    pytest.importorskip("vllm")
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, _get_attn_isa
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheTensor, create_kv_cache_views
+
+    (layout,) = CPUAttentionBackend.supported_kv_cache_layouts()
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    num_blocks = 4
+    raw = random_bytes((2 * num_blocks * spec.page_size_bytes,), seed=31).view(torch.int8)
+    tensor = KVCacheTensor(
+        size=raw.numel(),
+        layers=["l0", "l1"],
+        layer_stride=num_blocks * spec.page_size_bytes,
+        block_stride=spec.page_size_bytes,
+    )
+    views = create_kv_cache_views(raw, spec, num_blocks, layout, tensor)
+    before = raw.clone()
+    isa = _get_attn_isa(torch.bfloat16, 32, 64, "auto")
+    adapter = adapter_for(CPUAttentionBackend.get_name(), views[1], isa=isa)
+    table, start, end = [2, 0, 3], 20, 90
+    key = random_values((end - start, 2, 64), torch.bfloat16, 32)
+    value = random_values((end - start, 2, 64), torch.bfloat16, 33)
+    positions = torch.arange(start, end)
+    slots = torch.tensor(table)[positions // 32] * 32 + positions % 32
+    key_cache, value_cache = views[1].view(num_blocks, 2, 64, 64).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+
+    rows = adapter.kv_layout(1).encode_rows(kv=torch.stack((key, value), dim=1))
+    assert torch.equal(adapter.read_tokens(views[1], table, start, end), rows)
+    layer0 = slice(0, num_blocks * spec.page_size_bytes)
+    assert torch.equal(raw[layer0], before[layer0])
