@@ -1,0 +1,261 @@
+"""The DualPath connector's scheduler half on vLLM's real Scheduler (no model, no worker).
+
+Hits from the block store are counted block-aligned and below the prompt length; the read path the proxy chose
+reaches the worker in the metadata; the DE receives asynchronously (``WAITING_FOR_REMOTE_KVS`` until
+``finished_recving``); an injected load error (``invalid_block_ids``) under ``recompute`` and ``fail``; finished
+requests persist their new full blocks.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+from ascend_dualpath.integrations.vllm.settings import store_ids  # noqa: E402
+from ascend_dualpath.kv.store import LocalBlockStore  # noqa: E402
+from tests.integrations.vllm.scheduler_harness import (  # noqa: E402
+    BLOCK_SIZE,
+    SAMPLED_TOKEN,
+    make_request,
+    make_scheduler,
+    model_output,
+    step,
+)
+
+DUALPATH = ("DualPathConnector", "ascend_dualpath.integrations.vllm.connector")
+PEER = "tcp://127.0.0.1:5599"
+
+
+@pytest.fixture(scope="module")
+def store_dir(tmp_path_factory):
+    """One block store for the module (a new store would mean a new VllmConfig); prompts differ per test."""
+    return tmp_path_factory.mktemp("store")
+
+
+@pytest.fixture
+def instance(vllm_config_for, store_dir):
+    def make(role="kv_both", policy="recompute"):
+        extra = {"store": str(store_dir)} | ({"side_port": 5598} if role != "kv_both" else {})
+        config = vllm_config_for(*DUALPATH, role=role, policy=policy, **extra)
+        return config, make_scheduler(config)
+
+    return make
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    """Tokens unique to one test (so no test hits another test's stored blocks)."""
+    return random.Random(seed).choices(range(1, 512), k=length)
+
+
+def dualpath(role: str, path: str = "pe", xfer_id: str = "x") -> dict:
+    return {"dualpath": {"xfer_id": xfer_id, "role": role, "path": path, "peer": PEER}}
+
+
+def persist_prefix(scheduler, request, num_blocks: int) -> list[bytes]:
+    """Store the first ``num_blocks`` full blocks of ``request`` as another instance would (zero KV bytes)."""
+    connector = scheduler.connector
+    store = LocalBlockStore(connector.settings.store, connector.layout)
+    ids = store_ids(connector.namespace, request.block_hashes[:num_blocks])
+    for index, block_id in enumerate(ids):
+        store.write_block(block_id, ids[index - 1] if index else None, bytes(connector.layout.full_block_bytes))
+    store.close()
+    return store_ids(connector.namespace, request.block_hashes)
+
+
+# -- hits ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("length", "stored", "hit"),
+    [(100, 3, 96), (96, 3, 64), (100, 1, 32), (100, 2, 64), (70, 0, 0), (31, 0, 0)],
+)
+def test_store_hits_are_block_aligned_and_below_the_prompt_length(instance, length, stored, hit):
+    config, scheduler = instance()
+    request = make_request(config, "r", prompt(1000 * length + stored, length))
+    ids = persist_prefix(scheduler, request, stored)
+    scheduler.add_request(request)
+    scheduled, _ = step(scheduler)
+
+    (new,) = scheduled.scheduled_new_reqs
+    assert new.num_computed_tokens == hit and scheduled.num_scheduled_tokens == {"r": length - hit}
+    assert hit % BLOCK_SIZE == 0 and hit < length
+    loads = scheduled.kv_connector_metadata.loads
+    if hit == 0:
+        assert loads == []
+        return
+    (load,) = loads
+    assert (load.req_id, load.xfer, load.computed, load.hit_tokens, load.prompt_tokens) == ("r", None, 0, hit, length)
+    assert load.block_ids == list(new.block_ids[0]) and load.store_ids == ids
+    assert scheduled.new_block_ids_to_zero is None
+    assert list(request.output_token_ids) == [SAMPLED_TOKEN]
+
+
+def test_a_local_prefix_cache_hit_is_not_loaded_again(instance):
+    config, scheduler = instance()
+    tokens = prompt(7, 100)
+    first = make_request(config, "a", tokens, max_tokens=1)
+    scheduler.add_request(first)
+    step(scheduler)  # computes and caches the three full blocks locally, finishes (max_tokens=1)
+    persist_prefix(scheduler, first, 3)
+    second = make_request(config, "b", tokens)
+    scheduler.add_request(second)
+    scheduled, _ = step(scheduler)
+    (new,) = scheduled.scheduled_new_reqs
+    assert new.num_computed_tokens == 96 and scheduled.kv_connector_metadata.loads == []
+
+
+# -- the path chosen ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("path", ["pe", "de"])
+def test_the_path_chosen_reaches_the_worker_in_the_metadata(instance, path):
+    config, scheduler = instance("kv_producer")
+    request = make_request(config, "p", prompt(11, 100), max_tokens=1, kv_transfer_params=dualpath("prefill", path))
+    persist_prefix(scheduler, request, 2)
+    scheduler.add_request(request)
+    scheduled, _ = step(scheduler)
+
+    meta = scheduled.kv_connector_metadata
+    (load,) = meta.loads
+    assert (load.xfer.path.value, load.xfer.xfer_id, load.xfer.role) == (path, "x", "prefill")
+    assert (load.computed, load.hit_tokens) == (0, 64)
+    (save,) = meta.saves  # the tokens this step computes go to the DE
+    assert (save.xfer.path.value, save.start, save.end) == (path, 64, 100)
+
+    config, decoder = instance("kv_consumer")
+    request = make_request(config, "d", prompt(12, 100), kv_transfer_params=dualpath("decode", path))
+    decoder.add_request(request)
+    scheduled, _ = step(decoder)
+    (recv,) = scheduled.kv_connector_metadata.recvs
+    assert recv.xfer.path.value == path
+
+
+def test_a_prefill_request_without_a_hit_still_gets_a_plan(instance):
+    config, scheduler = instance("kv_producer")
+    request = make_request(config, "p", prompt(13, 70), max_tokens=1, kv_transfer_params=dualpath("prefill", "de"))
+    scheduler.add_request(request)
+    scheduled, _ = step(scheduler)
+    (load,) = scheduled.kv_connector_metadata.loads
+    assert (load.computed, load.hit_tokens, load.prompt_tokens) == (0, 0, 70)
+
+
+# -- the async receive on the DE --------------------------------------------------------------------------------------
+def test_the_decode_instance_receives_the_prompt_asynchronously(instance):
+    config, scheduler = instance("kv_consumer")
+    request = make_request(config, "d", prompt(21, 100), kv_transfer_params=dualpath("decode", "de"))
+    scheduler.add_request(request)
+    scheduled, _ = step(scheduler)
+
+    assert scheduled.scheduled_new_reqs == [] and scheduled.num_scheduled_tokens == {}
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    (recv,) = scheduled.kv_connector_metadata.recvs
+    assert (recv.req_id, recv.computed, recv.prompt_tokens, len(recv.block_ids)) == ("d", 0, 100, 4)
+    for _ in range(2):  # nothing moves until the worker reports the receive
+        scheduled, _ = step(scheduler)
+        assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS and scheduled.num_scheduled_tokens == {}
+        assert scheduled.kv_connector_metadata.recvs == []
+    step(scheduler, finished_recving={"d"})
+    scheduled, _ = step(scheduler)
+    # The whole prompt arrived: vLLM recomputes the last prompt token to sample the first output token.
+    assert scheduled.num_scheduled_tokens == {"d": 1} and request.status == RequestStatus.RUNNING
+    assert list(request.output_token_ids) == [SAMPLED_TOKEN]
+
+
+# -- load errors -------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_bad_block_of_a_store_load(instance, policy):
+    """The worker reports the bad block in the output of the step that loaded it. recompute: vLLM cuts the
+    request back to the last good block and computes the rest; fail: FINISHED_ERROR, nothing persisted."""
+    config, scheduler = instance(policy=policy)
+    request = make_request(config, "r", prompt(41 if policy == "fail" else 42, 100))
+    persist_prefix(scheduler, request, 3)
+    scheduler.add_request(request)
+    scheduled = scheduler.schedule()
+    (load,) = scheduled.kv_connector_metadata.loads
+    outputs = scheduler.update_from_output(
+        scheduled, model_output(scheduler, scheduled, KVConnectorOutput(invalid_block_ids={load.block_ids[1]}))
+    )
+    if policy == "fail":
+        assert request.status == RequestStatus.FINISHED_ERROR
+        assert outputs[0].outputs[0].finish_reason.name == "ERROR"
+        scheduled, _ = step(scheduler)
+        assert scheduled.kv_connector_metadata.persists == []
+        return
+    assert request.status == RequestStatus.RUNNING and request.num_computed_tokens == BLOCK_SIZE
+    assert list(request.output_token_ids) == []  # the sampled token of the bad step is dropped
+    scheduled, _ = step(scheduler)
+    assert scheduled.num_scheduled_tokens == {"r": 100 - BLOCK_SIZE}
+    assert scheduled.kv_connector_metadata.loads == []  # vLLM does not ask the connector again
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_bad_block_of_the_decode_receive_with_a_valid_prefix(instance, policy):
+    config, scheduler = instance("kv_consumer", policy)
+    request = make_request(
+        config, "d", prompt(51 if policy == "fail" else 52, 100), kv_transfer_params=dualpath("decode")
+    )
+    scheduler.add_request(request)
+    scheduled, _ = step(scheduler)
+    (recv,) = scheduled.kv_connector_metadata.recvs
+    _, outputs = step(scheduler, finished_recving={"d"}, invalid_block_ids={recv.block_ids[1]})
+    if policy == "fail":
+        assert request.status == RequestStatus.FINISHED_ERROR
+        assert outputs[0].outputs[0].finish_reason.name == "ERROR"
+        return
+    scheduled, _ = step(scheduler)  # the valid first block is kept, the rest computed locally
+    assert scheduled.num_scheduled_tokens == {"d": 100 - BLOCK_SIZE} and request.status == RequestStatus.RUNNING
+    assert scheduled.kv_connector_metadata.recvs == []
+
+
+@pytest.mark.xfail(strict=True, reason="DualPathScheduler asks for the same remote receive again after it failed")
+def test_a_decode_receive_that_failed_from_its_first_block_is_computed_locally(instance):
+    """recompute, first block bad: vLLM frees the blocks and asks the connector again from 0 tokens. A decode
+    request whose PE already finished must then be computed locally; answering with another async receive parks
+    it in WAITING_FOR_REMOTE_KVS for a transfer nobody will send."""
+    config, scheduler = instance("kv_consumer")
+    request = make_request(config, "d", prompt(61, 100), kv_transfer_params=dualpath("decode"))
+    scheduler.add_request(request)
+    scheduled, _ = step(scheduler)
+    (recv,) = scheduled.kv_connector_metadata.recvs
+    step(scheduler, finished_recving={"d"}, invalid_block_ids={recv.block_ids[0]})
+    scheduled, _ = step(scheduler)
+    assert request.status == RequestStatus.RUNNING and scheduled.num_scheduled_tokens == {"d": 100}
+
+
+# -- persisting at the end -------------------------------------------------------------------------------------------
+def test_a_finished_request_persists_its_new_full_blocks_and_keeps_them_until_sent(instance):
+    config, scheduler = instance()
+    request = make_request(config, "r", prompt(71, 100), max_tokens=2)
+    scheduler.add_request(request)
+    step(scheduler)
+    step(scheduler)  # the second output token: FINISHED_LENGTH_CAPPED
+    assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert scheduler.connector.has_pending_push_work() and "r" in scheduler.requests  # blocks held
+    scheduled, _ = step(scheduler)
+    (persist,) = scheduled.kv_connector_metadata.persists
+    assert (persist.first_block, len(persist.store_ids), len(persist.block_ids)) == (0, 3, 4)
+    step(scheduler, finished_sending={"r"})
+    assert not scheduler.connector.has_pending_push_work() and "r" not in scheduler.requests
+
+
+def test_a_failed_decode_receive_under_fail_ends_the_request(instance):
+    config, scheduler = instance("kv_consumer", "fail")
+    request = make_request(config, "d", prompt(81, 100), kv_transfer_params=dualpath("decode"))
+    scheduler.add_request(request)
+    step(scheduler)
+    _, outputs = step(scheduler, failed_recving={"d"}, finished_recving={"d"})
+    assert request.status == RequestStatus.FINISHED_ERROR
+    assert outputs[0].outputs[0].finish_reason.name == "ERROR"
+
+
+@pytest.mark.xfail(strict=True, reason="DualPathScheduler asks for the same remote receive again after it failed")
+def test_a_failed_decode_receive_under_recompute_is_computed_locally(instance):
+    config, scheduler = instance("kv_consumer")
+    request = make_request(config, "d", prompt(82, 100), kv_transfer_params=dualpath("decode"))
+    scheduler.add_request(request)
+    step(scheduler)
+    step(scheduler, failed_recving={"d"}, finished_recving={"d"})
+    scheduled, _ = step(scheduler)
+    assert request.status == RequestStatus.RUNNING and scheduled.num_scheduled_tokens == {"d": 100}
