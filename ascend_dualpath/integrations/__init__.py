@@ -1,0 +1,1 @@
+"""Integrations with serving engines (each imports its engine inside its own package only)."""
