@@ -384,11 +384,13 @@ def test_prefill_error_reaches_the_client_and_cancels_the_decode_request():
     async def body():
         async with Harness() as h:
             h.pe.mode, h.pe.error_status, h.pe.error_delay_s, h.de.mode = "error", 422, 0.3, "hang"
+            start = time.monotonic()
             status, answer = await h.post("/v1/completions", COMPLETION)
+            assert time.monotonic() - start < 2.0  # well before the 5 s timeout: cancelled, not timed out
             assert status == 422
             assert answer["error"]["code"] == 422 and answer["error"]["type"] == "prefill_error"
             assert "prefill instance" in answer["error"]["message"] and "prefill refuses" in answer["error"]["message"]
-            await asyncio.wait_for(h.de.disconnected.wait(), 5)
+            await asyncio.wait_for(h.de.disconnected.wait(), 1)
 
     run(body())
 
@@ -397,9 +399,11 @@ def test_decode_error_reaches_the_client_and_cancels_the_prefill_request():
     async def body():
         async with Harness() as h:
             h.de.mode, h.de.error_status, h.de.error_delay_s, h.pe.mode = "error", 500, 0.3, "hang"
+            start = time.monotonic()
             status, answer = await h.post("/v1/chat/completions", {"messages": [], "stream": True})
+            assert time.monotonic() - start < 2.0  # well before the 5 s timeout: cancelled, not timed out
             assert status == 500 and answer["error"]["type"] == "decode_error" and "decode refuses" in str(answer)
-            await asyncio.wait_for(h.pe.disconnected.wait(), 5)
+            await asyncio.wait_for(h.pe.disconnected.wait(), 1)
 
     run(body())
 
