@@ -487,6 +487,8 @@ async def _write_midstream_error(resp: web.StreamResponse, content_type: str, fa
         await resp.write(f"data: {json.dumps(failure.payload())}\n\n".encode())
 
 
-def run_proxy(cfg: ProxyConfig, host: str, port: int) -> None:
-    """Serve the proxy on ``host:port`` until interrupted (SIGINT / SIGTERM end it cleanly)."""
-    web.run_app(DualPathProxy(cfg).make_app(), host=host, port=port, print=None, access_log=None, handle_signals=True)
+def run_proxy(cfg: ProxyConfig, host: str, port: int, shutdown_timeout_s: float = 5.0) -> None:
+    """Serve the proxy on ``host:port`` until SIGINT / SIGTERM; open client connections then get at most
+    ``shutdown_timeout_s`` to finish (aiohttp's default is 60 s)."""
+    app = DualPathProxy(cfg).make_app()
+    web.run_app(app, host=host, port=port, print=None, access_log=None, shutdown_timeout=shutdown_timeout_s)

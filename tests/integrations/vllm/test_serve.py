@@ -75,12 +75,12 @@ def test_instance_argv_puts_extra_args_last_and_unchanged(monkeypatch):
     monkeypatch.delenv("ADP_VLLM_SERVE_CMD", raising=False)
     extra = ("--max-model-len", "512", "--served-model-name", "a b")
     argv = serve_mod.instance_argv(plan(vllm_args=extra), "decode")
-    assert argv[:5] == [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "/m"]
+    assert argv[:5] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", "/m"]
     assert argv[argv.index("--port") + 1] == "42000" and argv[argv.index("--block-size") + 1] == "32"
     assert "--enforce-eager" in argv and tuple(argv[-4:]) == extra
     assert json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_role"] == "kv_consumer"
     monkeypatch.setenv("ADP_VLLM_SERVE_CMD", "fake-vllm --flag")
-    assert serve_mod.instance_argv(plan(), "prefill")[:3] == ["fake-vllm", "--flag", "/m"]
+    assert serve_mod.instance_argv(plan(), "prefill")[:4] == ["fake-vllm", "--flag", "--model", "/m"]
 
 
 def test_proxy_argv_points_at_both_instances():
