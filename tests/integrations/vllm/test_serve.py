@@ -167,12 +167,14 @@ class FakeDeployment:
     def __init__(self, tmp_path, *extra):
         self.records = tmp_path / "records"
         self.records.mkdir()
+        self.tmp = tmp_path / "tmp"  # serve's run directory goes here: a serve killed with -9 cannot remove it
+        self.tmp.mkdir()
         (tmp_path / "model").mkdir()
         fake = tmp_path / "fake_vllm.py"
         fake.write_text(FAKE_VLLM)
         self.port = serve_mod.pick_instance_ports(1)[0]
         env = {**os.environ, "ADP_VLLM_SERVE_CMD": f"{shlex.quote(sys.executable)} {shlex.quote(str(fake))}",
-               "FAKE_VLLM_DIR": str(self.records)}  # fmt: skip
+               "FAKE_VLLM_DIR": str(self.records), "TMPDIR": str(self.tmp)}  # fmt: skip
         argv = [sys.executable, "-m", "ascend_dualpath", "serve", "--model", str(tmp_path / "model"),
                 "--port", str(self.port), "--startup-timeout", "60", *extra]  # fmt: skip
         self.process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -247,7 +249,8 @@ def test_serve_stops_on_signal_and_leaves_nothing_behind(deploy, signum, code):
     assert "temporary store removed" in lines[0]
     assert _wait_dead(deployment.known_pids) == []
     assert not any(n.startswith(f"adp.{fabric}") for n in os.listdir("/dev/shm"))
-    assert not os.path.exists(os.path.dirname(store))  # the run directory (logs, store) is gone
+    assert os.path.dirname(store).startswith(str(deployment.tmp))
+    assert list(deployment.tmp.iterdir()) == []  # the run directory (logs, store) is gone
 
 
 def test_children_die_when_serve_is_killed(deploy, tmp_path):
