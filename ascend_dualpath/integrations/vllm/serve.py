@@ -8,8 +8,10 @@ temporary one, removes what the emulated fabric may have left in ``/dev/shm`` (`
 own temporary directory, and exits with 128 + the signal number (130 / 143) after printing one line.
 
 Children die with the launcher even when it is killed with SIGKILL: each child is started with
-``PR_SET_PDEATHSIG`` (Linux ``prctl``) and in a process group of its own (vLLM's engine-core processes
-watch their parent and follow). A child that exits while serving stops the whole deployment (exit 1).
+``PR_SET_PDEATHSIG`` (Linux ``prctl``) in a process group of its own, and a small watcher process (also
+``PR_SET_PDEATHSIG``, as SIGTERM) SIGKILLs those groups when the launcher dies: vLLM's engine-core and
+worker processes do not follow a killed API server on their own (checked on vLLM 0.32.0 CPU: they
+outlived it). A child that exits while serving stops the whole deployment (exit 1).
 
 ``ADP_VLLM_SERVE_CMD`` (tests): the command that replaces ``python -m vllm.entrypoints.openai.api_server``
 (the ``vllm serve`` server; see :func:`vllm_serve_command`).
@@ -170,11 +172,55 @@ def child_env(role: str, base: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def _die_with_parent() -> None:
-    """preexec_fn: SIGKILL this child when the launcher dies (Linux; elsewhere a no-op)."""
+def _set_parent_death_signal(signum: int) -> None:
+    """Ask the kernel to send ``signum`` to this process when its parent dies (Linux; elsewhere a no-op)."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        libc.prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
+
+
+def _die_with_parent() -> None:
+    """preexec_fn of every child: SIGKILL it when the launcher dies."""
+    _set_parent_death_signal(signal.SIGKILL)
+
+
+def _watcher_preexec() -> None:
+    """preexec_fn of the watcher: SIGTERM (which it handles) when the launcher dies."""
+    _set_parent_death_signal(signal.SIGTERM)
+
+
+# The watcher: argv = launcher pid, then the process groups to SIGKILL once the launcher is gone. The
+# ppid check covers a launcher that died between the fork and the prctl.
+WATCHER = """
+import os, signal, sys
+launcher, groups = int(sys.argv[1]), [int(g) for g in sys.argv[2:]]
+def kill_groups(*_):
+    for group in groups:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except OSError:
+            pass
+    os._exit(0)
+signal.signal(signal.SIGTERM, kill_groups)
+if os.getppid() != launcher:
+    kill_groups()
+while True:
+    signal.pause()
+"""
+
+
+def start_watcher(children: list[Child]) -> subprocess.Popen:
+    """Start the watcher that SIGKILLs the children's process groups if this process dies."""
+    argv = [sys.executable, "-c", WATCHER, str(os.getpid()), *(str(c.process.pid) for c in children)]
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True, preexec_fn=_watcher_preexec)  # fmt: skip
+
+
+def stop_watcher(watcher: subprocess.Popen | None) -> None:
+    """SIGKILL the watcher (the children are already stopped: nothing for it to do)."""
+    if watcher is not None:
+        watcher.kill()
+        watcher.wait(timeout=5.0)
 
 
 @dataclasses.dataclass
@@ -356,10 +402,12 @@ def serve(opts: ServeOptions) -> int:
     os.makedirs(store, exist_ok=True)
     plan = make_plan(opts, store)
     children: list[Child] = []
+    watcher = None
     code = 1
     with _StopSignal() as stop:
         try:
             children = start_all(plan, run_dir)
+            watcher = start_watcher(children)
             wait_until_healthy(children, opts.startup_timeout_s, lambda: stop.signum is not None)
             if stop.signum is None:
                 print(f"serve: ready at http://127.0.0.1:{plan.port}/v1 (prefill :{plan.pe_port}, decode "
@@ -369,6 +417,7 @@ def serve(opts: ServeOptions) -> int:
             print(f"serve: {exc}", file=sys.stderr, flush=True)
         finally:
             stop_children(children)
+            stop_watcher(watcher)
             remove_fabric_shm(plan.fabric)
             shutil.rmtree(run_dir, ignore_errors=True)  # logs and, without --store, the store
     if code > 128:

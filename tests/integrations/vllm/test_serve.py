@@ -24,15 +24,15 @@ from ascend_dualpath.integrations.vllm import serve as serve_mod  # noqa: E402
 from ascend_dualpath.integrations.vllm.serve import ServeOptions, ServePlan  # noqa: E402
 
 FAKE_VLLM = r"""
-import ctypes, http.server, json, os, signal, subprocess, sys
+import http.server, json, os, signal, subprocess, sys
 
 argv = sys.argv[1:]
 port = int(argv[argv.index("--port") + 1])
 config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
 fabric = config["kv_connector_extra_config"]["fabric"]
 out = os.environ["FAKE_VLLM_DIR"]
-# The grandchild follows its parent on death, as vLLM's engine core does.
-grandchild = subprocess.Popen(["sleep", "600"], preexec_fn=lambda: ctypes.CDLL("libc.so.6").prctl(1, 9, 0, 0, 0))
+# Like vLLM's engine core, the grandchild does not follow its parent's death on its own.
+grandchild = subprocess.Popen(["sleep", "600"])
 open(f"/dev/shm/adp.{fabric}.fake{port}", "w").close()
 with open(os.path.join(out, f"{port}.json"), "w") as f:
     json.dump({"argv": argv, "pid": os.getpid(), "grandchild": grandchild.pid,
@@ -257,7 +257,7 @@ def test_children_die_when_serve_is_killed(deploy, tmp_path):
     deployment = deploy("--store", str(tmp_path / "store"))
     deployment.wait_ready()
     pids = deployment.known_pids
-    assert len(pids) == 5  # two fakes, their sleeps, the proxy
+    assert len(pids) == 6  # two fakes, their sleeps, the proxy, the watcher
     deployment.process.kill()
     deployment.process.wait(timeout=10)
     assert _wait_dead(pids) == []
