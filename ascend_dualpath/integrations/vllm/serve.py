@@ -281,18 +281,31 @@ def wait_until_healthy(children: list[Child], timeout_s: float, stop_requested=l
 
 
 def stop_children(children: list[Child], grace_s: float = STOP_GRACE_S) -> None:
-    """SIGTERM every child's process group, wait up to ``grace_s`` in all, then SIGKILL what is left
-    (the groups too: grandchildren that outlived their parent)."""
+    """SIGTERM every child's process group and give the groups ``grace_s`` in all to empty (vLLM's API
+    server shuts its engine core down on SIGTERM), then SIGKILL what is left of each group."""
     for child in children:
         _signal_group(child.process.pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    for child in children:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+    while time.monotonic() < deadline:
+        # poll() reaps an exited leader; its group may still hold processes it started.
+        if not any(child.process.poll() is None or _group_exists(child.process.pid) for child in children):
+            break
+        time.sleep(0.1)
     for child in children:
         _signal_group(child.process.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             child.process.wait(timeout=5.0)
+
+
+def _group_exists(pgid: int) -> bool:
+    """Whether any process (zombies included, until reaped) is still in group ``pgid``."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # someone else's process took the id: it exists
+    return True
 
 
 def _signal_group(pgid: int, signum: int) -> None:
