@@ -15,12 +15,15 @@ COMMANDS = {
     "demo": ("ascend_dualpath.cli.demo", "the main job, on the emulator by default"),
     "bench": ("ascend_dualpath.cli.bench", "microbenchmarks (emulated NIC, transfers, MoE)"),
     "simulate": ("ascend_dualpath.cli.simulate", "DualPath cluster simulator: ablation, sweeps, figures"),
+    "make-tiny-model": ("ascend_dualpath.cli.make_tiny_model", "a tiny random Llama in Hugging Face format (for vLLM)"),
+    "proxy": ("ascend_dualpath.cli.proxy", "OpenAI-compatible proxy in front of a vLLM prefill and decode instance"),
+    "serve": ("ascend_dualpath.cli.serve", "one prefill and one decode vLLM instance plus the proxy, on this machine"),
 }
 
 
 def _usage() -> str:
     lines = ["usage: python -m ascend_dualpath <command> [options]", "", "commands:"]
-    lines += [f"  {name:<10} {help_text}" for name, (_, help_text) in COMMANDS.items()]
+    lines += [f"  {name:<16} {help_text}" for name, (_, help_text) in COMMANDS.items()]
     return "\n".join(lines)
 
 

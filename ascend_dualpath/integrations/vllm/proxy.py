@@ -1,0 +1,494 @@
+"""OpenAI-compatible proxy in front of one vLLM prefill (PE) and one decode (DE) instance.
+
+Per request the proxy asks both connectors for their live status over the side channel, picks the read
+path (``policy="dual"``: :func:`ascend_dualpath.dualpath.scheduler.choose_read_path` on the two storage
+read-queue lengths; ``"pe"`` / ``"de"`` force one), and sends, concurrently:
+
+- to the DE: the client's body unchanged plus ``kv_transfer_params.dualpath = {xfer_id, role: "decode",
+  path, peer: <PE side channel>}``;
+- to the PE: the same body with ``max_tokens: 1`` (chat: also ``max_completion_tokens: 1``),
+  ``stream: false``, no ``stream_options``, and ``kv_transfer_params.dualpath`` with ``role: "prefill"``
+  and ``peer: <DE side channel>``. Its answer is discarded; only its status matters.
+
+Every field the proxy does not use passes through unchanged (sampling parameters, ``ignore_eos``, ...).
+The client's response starts once the PE has answered successfully and the DE's response head is in:
+the DE cannot produce its first token before the PE's prefill anyway, and this way a PE failure still
+reaches the client as an error status. From then on the DE's body (an SSE stream when ``stream`` is
+true) passes through chunk by chunk.
+
+Failures: a PE or DE error (an HTTP status >= 400, a refused connection, a timeout) ends the client's
+request with an OpenAI-style error JSON carrying the upstream status (502 for a connection failure,
+504 for a timeout) and cancels the other upstream request by closing its connection (vLLM aborts a
+request whose client went away). A side channel that does not answer within ``status_timeout_s`` is
+counted (``adp_proxy_side_channel_failures_total``) and the request takes the ``pe`` path (rule
+``"fallback:side-channel"``): the PE read path needs nothing from the DE's storage NIC. Every upstream
+wait is bounded by ``timeout_s``: the PE's whole answer, the DE's response head and each DE chunk.
+
+Endpoints: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` (the DE's), ``/health`` (200 only
+when both instances answer theirs), ``/metrics`` (Prometheus text, private registry) and
+``/debug/decisions`` (the last 100 decisions as JSON).
+
+aiohttp, zmq, msgspec and prometheus_client are imported here only (all are vLLM dependencies).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import json
+import time
+import uuid
+from urllib.parse import urlsplit
+
+import aiohttp
+import msgspec
+import zmq
+import zmq.asyncio
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ascend_dualpath import _env
+from ascend_dualpath.dualpath.scheduler import choose_read_path
+from ascend_dualpath.errors import ConfigError, ProtocolError, WaitTimeout
+
+POLICIES = ("dual", "pe", "de")
+DECISIONS_KEPT = 100
+# Status fields mirrored as gauges labelled by node (counters on the connector's side, hence no _total).
+STATUS_GAUGES = {
+    "read_queue_tokens": "tokens waiting in or being read through the node's storage read queue",
+    "read_queue_bytes": "bytes waiting in or being read through the node's storage read queue",
+    "snic_read_bytes": "bytes read through the node's storage NIC since the instance started",
+    "snic_read_blocks": "blocks read through the node's storage NIC since the instance started",
+    "unfinished_requests": "requests the instance has not finished",
+    "unfinished_tokens": "tokens of the requests the instance has not finished",
+    "fallbacks": "loads that fell back to the other read path or to recompute",
+    "failures": "loads that failed",
+    "checksum_errors": "stored blocks whose checksum did not match",
+}
+REQUIRED_STATUS_KEYS = ("node", "read_queue_tokens", "snic_read_blocks")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProxyConfig:
+    """Where the two instances are and how the proxy decides.
+
+    ``prefill_kv`` / ``decode_kv`` are the side-channel addresses (``tcp://host:port``); empty means the
+    URL's host and port + 100 (what ``serve`` configures). ``status_timeout_s`` bounds one status query.
+    """
+
+    prefill_url: str
+    decode_url: str
+    prefill_kv: str = ""
+    decode_kv: str = ""
+    policy: str = "dual"
+    timeout_s: float = dataclasses.field(default_factory=_env.timeout_s)
+    status_timeout_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError(f"policy={self.policy!r} is not one of {POLICIES}")
+        for name in ("timeout_s", "status_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be > 0 seconds")
+        object.__setattr__(self, "prefill_url", self.prefill_url.rstrip("/"))
+        object.__setattr__(self, "decode_url", self.decode_url.rstrip("/"))
+        object.__setattr__(self, "prefill_kv", self.prefill_kv or default_side_channel(self.prefill_url))
+        object.__setattr__(self, "decode_kv", self.decode_kv or default_side_channel(self.decode_url))
+
+
+def default_side_channel(url: str) -> str:
+    """``tcp://<url host>:<url port + 100>``: where ``serve`` binds an instance's side channel."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"instance URL {url!r} is not http(s)://host[:port]")
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return f"tcp://{parts.hostname}:{port + 100}"
+
+
+class UpstreamError(Exception):
+    """An instance failed a request: ``status`` is what the client gets, ``upstream`` names the instance."""
+
+    def __init__(self, upstream: str, status: int, message: str) -> None:
+        super().__init__(message)
+        self.upstream = upstream
+        self.status = status
+
+    def payload(self) -> dict:
+        """The OpenAI-style error body."""
+        return {"error": {"message": str(self), "type": f"{self.upstream}_error", "param": None, "code": self.status}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """One request's read-path decision; the two queue lengths are None when that side channel failed."""
+
+    xfer_id: str
+    endpoint: str
+    path: str
+    pe_queue_tokens: int | None
+    de_queue_tokens: int | None
+    rule: str
+
+
+def decide(policy: str, pe_status: dict | None, de_status: dict | None) -> tuple[str, str]:
+    """``(path, rule)`` for one request from the two connectors' status replies (None: no answer).
+
+    ``dual`` applies the scheduler rule to the read-queue lengths (tokens); its tie-break compares the
+    blocks each node has read so far (the same unit on both sides, so the order equals the tokens').
+    """
+    if policy in ("pe", "de"):
+        return policy, f"forced:{policy}"
+    if pe_status is None or de_status is None:
+        return "pe", "fallback:side-channel"
+    pe_queue, de_queue = int(pe_status["read_queue_tokens"]), int(de_status["read_queue_tokens"])
+    pe_read, de_read = int(pe_status["snic_read_blocks"]), int(de_status["snic_read_blocks"])
+    path = choose_read_path(pe_queue, de_queue, pe_read, de_read).value
+    if pe_queue != de_queue:
+        return path, "shorter-queue"
+    return path, "tie:fewer-reads" if pe_read != de_read else "tie:pe"
+
+
+def _with_dualpath(body: dict, params: dict) -> dict:
+    """``body`` with ``kv_transfer_params.dualpath = params``; other kv_transfer_params keys are kept."""
+    kv_params = dict(body.get("kv_transfer_params") or {})
+    kv_params["dualpath"] = params
+    return {**body, "kv_transfer_params": kv_params}
+
+
+def decode_body(body: dict, decision: Decision, pe_side_channel: str) -> dict:
+    """The DE's request: the client's body unchanged plus its ``kv_transfer_params``."""
+    params = {"xfer_id": decision.xfer_id, "role": "decode", "path": decision.path, "peer": pe_side_channel}
+    return _with_dualpath(body, params)
+
+
+def prefill_body(body: dict, decision: Decision, de_side_channel: str, chat: bool) -> dict:
+    """The PE's request: one token, not streamed, plus its ``kv_transfer_params``."""
+    out = {**body, "max_tokens": 1, "stream": False}
+    if chat:
+        out["max_completion_tokens"] = 1
+    out.pop("stream_options", None)
+    params = {"xfer_id": decision.xfer_id, "role": "prefill", "path": decision.path, "peer": de_side_channel}
+    return _with_dualpath(out, params)
+
+
+async def query_status(ctx: zmq.asyncio.Context, address: str, timeout_s: float) -> dict:
+    """One status query on a side channel: ``[b"", msgpack({"op": "status"})]`` through a fresh DEALER.
+
+    A fresh socket per query keeps a late reply to an earlier, timed-out query from being read as this
+    one's. Raises :class:`WaitTimeout` when no reply comes within ``timeout_s`` (ZMQ connects lazily, so a
+    dead peer shows only as silence) and :class:`ProtocolError` for a malformed reply.
+    """
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(address)
+        await asyncio.wait_for(sock.send_multipart([b"", msgspec.msgpack.encode({"op": "status"})]), timeout_s)
+        if not await sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+            raise WaitTimeout(f"side channel {address} sent no status reply within {timeout_s} s")
+        frames = await sock.recv_multipart()
+    finally:
+        sock.close()
+    return _parse_status(address, frames[-1])
+
+
+def _parse_status(address: str, payload: bytes) -> dict:
+    try:
+        reply = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"side channel {address} sent a status reply that is not msgpack: {exc}") from None
+    if not isinstance(reply, dict) or reply.get("op") != "status":
+        raise ProtocolError(f"side channel {address} answered {reply!r:.200} to a status query")
+    missing = [key for key in REQUIRED_STATUS_KEYS if key not in reply]
+    if missing:
+        raise ProtocolError(f"side channel {address} status reply lacks {missing}")
+    return reply
+
+
+class _Metrics:
+    """The proxy's Prometheus metrics, in a private registry (two proxies in one process do not clash)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        reg = self.registry
+        self.requests = Counter(
+            "adp_proxy_requests", "requests by endpoint and read path", ["endpoint", "path"], registry=reg
+        )
+        self.errors = Counter(
+            "adp_proxy_errors",
+            "error answers by the instance that failed (or proxy/client) and status",
+            ["source", "status"],
+            registry=reg,
+        )
+        self.side_channel_failures = Counter(
+            "adp_proxy_side_channel_failures", "status queries without a valid reply", ["instance"], registry=reg
+        )
+        self.latency = Histogram(
+            "adp_proxy_request_seconds", "request latency at the proxy", ["endpoint"], registry=reg
+        )
+        self.ttft = Histogram("adp_proxy_ttft_seconds", "time to the DE's first body chunk", ["endpoint"], registry=reg)
+        self.status = {key: Gauge(f"adp_{key}", text, ["node"], registry=reg) for key, text in STATUS_GAUGES.items()}
+        self.loads = Gauge(
+            "adp_loads", "loads per read path as counted by the node's connector", ["node", "path"], registry=reg
+        )
+
+    def observe_status(self, status: dict) -> None:
+        """Mirror one status reply into the node-labelled gauges (fields it lacks are left as they were)."""
+        node = str(status["node"])
+        for key, gauge in self.status.items():
+            if isinstance(status.get(key), int | float):
+                gauge.labels(node=node).set(status[key])
+        for path, count in (status.get("loads") or {}).items():
+            self.loads.labels(node=node, path=str(path)).set(count)
+
+
+class _DecodeStream:
+    """Reads the DE's answer in a task: ``head`` resolves to ``(status, content type)`` or an UpstreamError;
+    ``chunks`` then yields body chunks, ending with None (done) or an UpstreamError (broken mid-body)."""
+
+    def __init__(self) -> None:
+        self.head: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.chunks: asyncio.Queue = asyncio.Queue(maxsize=64)
+
+    async def run(self, session: aiohttp.ClientSession, url: str, body: dict, timeout_s: float) -> None:
+        timeout = aiohttp.ClientTimeout(total=None, connect=timeout_s, sock_read=timeout_s)
+        try:
+            async with session.post(url, json=body, timeout=timeout) as resp:
+                if resp.status >= 400:
+                    raise UpstreamError("decode", resp.status, await _upstream_message("decode", url, resp))
+                self.head.set_result((resp.status, resp.headers.get("Content-Type", "application/json")))
+                async for chunk in resp.content.iter_any():
+                    await self.chunks.put(chunk)
+            await self.chunks.put(None)
+        except UpstreamError as exc:
+            await self._fail(exc)
+        except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as exc:
+            await self._fail(_transport_error("decode", url, exc, timeout_s))
+
+    async def _fail(self, exc: UpstreamError) -> None:
+        if not self.head.done():
+            self.head.set_exception(exc)
+        else:
+            await self.chunks.put(exc)
+
+    def discard(self) -> None:
+        """Mark an unread head exception as retrieved (the request ended for another reason)."""
+        if self.head.done() and not self.head.cancelled():
+            self.head.exception()
+
+
+def _transport_error(upstream: str, url: str, exc: BaseException, timeout_s: float) -> UpstreamError:
+    if isinstance(exc, asyncio.TimeoutError):
+        return UpstreamError(upstream, 504, f"{upstream} instance {url} did not answer within {timeout_s} s")
+    return UpstreamError(upstream, 502, f"{upstream} instance {url} unreachable: {exc!r}")
+
+
+async def _upstream_message(upstream: str, url: str, resp: aiohttp.ClientResponse) -> str:
+    """``"<upstream> instance <url> answered <status>: <its message>"``, the message from its error JSON."""
+    text = (await resp.content.read(64 * 1024)).decode("utf-8", "replace")
+    with contextlib.suppress(ValueError, AttributeError, TypeError):
+        text = json.loads(text)["error"]["message"]
+    return f"{upstream} instance {url} answered {resp.status}: {text}"
+
+
+def _json_error(status: int, message: str, kind: str) -> web.Response:
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return web.json_response(body, status=status)
+
+
+class DualPathProxy:
+    """The proxy's state (config, HTTP session, ZMQ context, metrics, recent decisions) and handlers."""
+
+    def __init__(self, cfg: ProxyConfig) -> None:
+        self.cfg = cfg
+        self.metrics = _Metrics()
+        self.decisions: collections.deque[Decision] = collections.deque(maxlen=DECISIONS_KEPT)
+        self.session: aiohttp.ClientSession | None = None
+        self.zmq_ctx: zmq.asyncio.Context | None = None
+
+    def make_app(self) -> web.Application:
+        """The aiohttp application; the HTTP session and ZMQ context live as long as it runs."""
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.cleanup_ctx.append(self._resources)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics_text)
+        app.router.add_get("/debug/decisions", self.debug_decisions)
+        return app
+
+    async def _resources(self, app: web.Application):
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self.zmq_ctx = zmq.asyncio.Context()
+        yield
+        await self.session.close()
+        self.zmq_ctx.term()
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._forward(request, "/v1/completions")
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._forward(request, "/v1/chat/completions")
+
+    async def _status(self, instance: str, address: str) -> dict | None:
+        try:
+            status = await query_status(self.zmq_ctx, address, self.cfg.status_timeout_s)
+        except (WaitTimeout, ProtocolError, zmq.ZMQError, asyncio.TimeoutError):
+            self.metrics.side_channel_failures.labels(instance=instance).inc()
+            return None
+        self.metrics.observe_status(status)
+        return status
+
+    async def _decide(self, endpoint: str) -> Decision:
+        pe_status, de_status = await asyncio.gather(
+            self._status("prefill", self.cfg.prefill_kv), self._status("decode", self.cfg.decode_kv)
+        )
+        path, rule = decide(self.cfg.policy, pe_status, de_status)
+        decision = Decision(
+            xfer_id=uuid.uuid4().hex,
+            endpoint=endpoint,
+            path=path,
+            rule=rule,
+            pe_queue_tokens=None if pe_status is None else int(pe_status["read_queue_tokens"]),
+            de_queue_tokens=None if de_status is None else int(de_status["read_queue_tokens"]),
+        )
+        self.decisions.append(decision)
+        self.metrics.requests.labels(endpoint=endpoint, path=path).inc()
+        return decision
+
+    async def _prefill(self, url: str, body: dict) -> None:
+        """Send the PE's request and read its whole answer; raises UpstreamError on any failure."""
+        timeout = aiohttp.ClientTimeout(total=self.cfg.timeout_s)
+        try:
+            async with self.session.post(url, json=body, timeout=timeout) as resp:
+                if resp.status >= 400:
+                    raise UpstreamError("prefill", resp.status, await _upstream_message("prefill", url, resp))
+                await resp.read()
+        except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise _transport_error("prefill", url, exc, self.cfg.timeout_s) from None
+
+    async def _forward(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+        start = time.monotonic()
+        try:
+            body = await request.json()
+        except ValueError as exc:
+            return self._client_error(f"request body is not JSON: {exc}")
+        if not isinstance(body, dict):
+            return self._client_error(f"request body must be a JSON object, got {type(body).__name__}")
+        decision = await self._decide(endpoint)
+        pe_body = prefill_body(body, decision, self.cfg.decode_kv, chat=endpoint == "/v1/chat/completions")
+        de_body = decode_body(body, decision, self.cfg.prefill_kv)
+        decode = _DecodeStream()
+        pe_task = asyncio.create_task(self._prefill(self.cfg.prefill_url + endpoint, pe_body))
+        de_task = asyncio.create_task(
+            decode.run(self.session, self.cfg.decode_url + endpoint, de_body, self.cfg.timeout_s)
+        )
+        try:
+            failure = await _first_failure(pe_task, decode.head)
+            if failure is not None:
+                self.metrics.errors.labels(source=failure.upstream, status=str(failure.status)).inc()
+                return web.json_response(failure.payload(), status=failure.status)
+            return await self._relay(request, decode, endpoint, start)
+        finally:
+            await _cancel(pe_task, de_task)
+            decode.discard()
+
+    async def _relay(self, request: web.Request, decode: _DecodeStream, endpoint: str, start: float):
+        """Pass the DE's answer to the client chunk by chunk (each wait bounded by the DE's read timeout)."""
+        status, content_type = decode.head.result()
+        resp = web.StreamResponse(status=status, headers={"Content-Type": content_type})
+        await resp.prepare(request)
+        first = True
+        while (item := await asyncio.wait_for(decode.chunks.get(), self.cfg.timeout_s + 1.0)) is not None:
+            if isinstance(item, UpstreamError):
+                self.metrics.errors.labels(source=item.upstream, status=str(item.status)).inc()
+                await _write_midstream_error(resp, content_type, item)
+                break
+            if first:
+                self.metrics.ttft.labels(endpoint=endpoint).observe(time.monotonic() - start)
+                first = False
+            await resp.write(item)
+        await resp.write_eof()
+        self.metrics.latency.labels(endpoint=endpoint).observe(time.monotonic() - start)
+        return resp
+
+    def _client_error(self, message: str) -> web.Response:
+        self.metrics.errors.labels(source="client", status="400").inc()
+        return _json_error(400, message, "invalid_request_error")
+
+    async def models(self, request: web.Request) -> web.Response:
+        """The DE's ``/v1/models`` answer, status and body as they are."""
+        url = self.cfg.decode_url + "/v1/models"
+        try:
+            async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=self.cfg.timeout_s)) as resp:
+                body = await resp.read()
+                return web.Response(body=body, status=resp.status, content_type=resp.content_type)
+        except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as exc:
+            failure = _transport_error("decode", url, exc, self.cfg.timeout_s)
+            self.metrics.errors.labels(source="decode", status=str(failure.status)).inc()
+            return web.json_response(failure.payload(), status=failure.status)
+
+    async def _instance_health(self, url: str) -> str:
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.cfg.timeout_s)
+            async with self.session.get(url + "/health", timeout=timeout) as resp:
+                return "ok" if resp.status == 200 else f"answered {resp.status}"
+        except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as exc:
+            return f"unreachable: {exc!r}"
+
+    async def health(self, request: web.Request) -> web.Response:
+        """200 when both instances answer ``/health`` with 200, else 503 naming what each said."""
+        pe, de = await asyncio.gather(
+            self._instance_health(self.cfg.prefill_url), self._instance_health(self.cfg.decode_url)
+        )
+        healthy = pe == de == "ok"
+        return web.json_response({"prefill": pe, "decode": de}, status=200 if healthy else 503)
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        body = generate_latest(self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def debug_decisions(self, request: web.Request) -> web.Response:
+        """The last :data:`DECISIONS_KEPT` decisions, oldest first."""
+        return web.json_response([dataclasses.asdict(d) for d in self.decisions])
+
+
+async def _first_failure(pe_task: asyncio.Task, de_head: asyncio.Future) -> UpstreamError | None:
+    """Wait for the PE's answer and the DE's head; the first failure of either, or None when both are fine.
+
+    Bounded: the PE's request has a total timeout, the DE's head a connect and read timeout.
+    """
+    pending = {pe_task, de_head}
+    while pending:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        for future in done:
+            exc = future.exception()
+            if isinstance(exc, UpstreamError):
+                return exc
+            if exc is not None:
+                raise exc
+    return None
+
+
+async def _cancel(*tasks: asyncio.Task) -> None:
+    """Cancel what still runs (closing its upstream connection) and wait for it to unwind."""
+    for task in tasks:
+        if not task.done():
+            task.cancel()
+    # Their failures were already reported (or do not matter once the request ended for another reason).
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _write_midstream_error(resp: web.StreamResponse, content_type: str, failure: UpstreamError) -> None:
+    """After the head went out the status cannot change: an SSE stream gets an error event."""
+    if content_type.startswith("text/event-stream"):
+        await resp.write(f"data: {json.dumps(failure.payload())}\n\n".encode())
+
+
+def run_proxy(cfg: ProxyConfig, host: str, port: int, shutdown_timeout_s: float = 5.0) -> None:
+    """Serve the proxy on ``host:port`` until SIGINT / SIGTERM; open client connections then get at most
+    ``shutdown_timeout_s`` to finish (aiohttp's default is 60 s)."""
+    app = DualPathProxy(cfg).make_app()
+    web.run_app(app, host=host, port=port, print=None, access_log=None, shutdown_timeout=shutdown_timeout_s)

@@ -1,0 +1,439 @@
+"""``serve``: one prefill (PE) and one decode (DE) ``vllm serve`` plus the DualPath proxy, on this machine.
+
+The launcher picks free ports (each instance's HTTP port ``p`` and its side channel ``p + 100``), starts
+the three children with working CPU defaults, prints the proxy's URL once every part answers ``/health``
+(bounded start-up wait), then serves until SIGINT or SIGTERM. On the way out it stops every child
+(SIGTERM to its process group, a bounded wait, then SIGKILL), removes the block store when it made a
+temporary one, removes what the emulated fabric may have left in ``/dev/shm`` (``adp.<fabric>*``) and its
+own temporary directory, and exits with 128 + the signal number (130 / 143) after printing one line.
+
+Children die with the launcher even when it is killed with SIGKILL: each child is started with
+``PR_SET_PDEATHSIG`` (Linux ``prctl``) in a process group of its own, and a small watcher process (also
+``PR_SET_PDEATHSIG``, as SIGTERM) SIGKILLs those groups when the launcher dies: vLLM's engine-core and
+worker processes do not follow a killed API server on their own (checked on vLLM 0.32.0 CPU: they
+outlived it). A child that exits while serving stops the whole deployment (exit 1).
+
+``ADP_VLLM_SERVE_CMD`` (tests): the command that replaces ``python -m vllm.entrypoints.openai.api_server``
+(the ``vllm serve`` server; see :func:`vllm_serve_command`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import json
+import os
+import secrets
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+from ascend_dualpath import _env
+from ascend_dualpath.errors import ConfigError, WaitTimeout
+
+SIDE_PORT_OFFSET = 100  # side channel of an instance = its HTTP port + 100 (what the proxy assumes)
+SHM_DIR = "/dev/shm"
+PR_SET_PDEATHSIG = 1
+STOP_GRACE_S = 15.0
+# CPU defaults of each instance; the caller's environment wins except for the thread binding.
+INSTANCE_ENV_DEFAULTS = {
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+}
+OMP_BIND = {"prefill": "0", "decode": "1"}  # one core each on this 2-core machine
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ServePlan:
+    """Everything the launcher starts, decided before anything starts.
+
+    ``vllm_args`` go to both ``vllm serve`` commands unchanged, after the launcher's own arguments.
+    """
+
+    model: str
+    port: int
+    policy: str
+    store: str
+    snic_mbps: float | None
+    block_size: int
+    timeout_s: float
+    pe_port: int
+    de_port: int
+    fabric: str
+    vllm_args: tuple[str, ...] = ()
+
+    def instance_port(self, role: str) -> int:
+        return self.pe_port if role == "prefill" else self.de_port
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def pick_instance_ports(count: int, taken: set[int] | frozenset = frozenset(), attempts: int = 200) -> list[int]:
+    """``count`` ports ``p`` with ``p`` and ``p + 100`` free on 127.0.0.1 and no clash with ``taken`` or each
+    other (HTTP ports and side ports together). A port is free when checked; a race with another program
+    remains possible and shows as a start-up failure naming the port."""
+    used = set(taken)
+    chosen: list[int] = []
+    for _ in range(attempts):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        side = port + SIDE_PORT_OFFSET
+        if side > 65535 or {port, side} & used or not _port_is_free(side):
+            continue
+        chosen.append(port)
+        used |= {port, side}
+        if len(chosen) == count:
+            return chosen
+    raise ConfigError(
+        f"found only {len(chosen)} of {count} free port pairs (p, p+{SIDE_PORT_OFFSET}) in {attempts} tries"
+    )
+
+
+def kv_transfer_config(plan: ServePlan, role: str) -> dict:
+    """The ``--kv-transfer-config`` of the ``role`` ("prefill" or "decode") instance."""
+    extra = {
+        "store": plan.store,
+        "node": "pe" if role == "prefill" else "de",
+        "side_port": plan.instance_port(role) + SIDE_PORT_OFFSET,
+        "fabric": plan.fabric,
+        "timeout_s": plan.timeout_s,
+    }
+    if plan.snic_mbps is not None:
+        extra["snic_mbps"] = plan.snic_mbps
+    return {
+        "kv_connector": "DualPathConnector",
+        "kv_connector_module_path": "ascend_dualpath.integrations.vllm.connector",
+        "kv_role": KV_ROLES[role],
+        "kv_connector_extra_config": extra,
+    }
+
+
+def vllm_serve_command() -> list[str]:
+    """``ADP_VLLM_SERVE_CMD`` split like a shell would, else this Python running vLLM's OpenAI API server.
+
+    Not ``vllm serve``: with the ``vllm-cpu`` distribution that CLI dies looking up the version of a
+    distribution named ``vllm``; the API server module takes the same arguments, the model as ``--model``.
+    """
+    override = os.environ.get("ADP_VLLM_SERVE_CMD")
+    if override:
+        return shlex.split(override)
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+
+
+def instance_argv(plan: ServePlan, role: str) -> list[str]:
+    """The full command line of one ``vllm serve`` child."""
+    return [
+        *vllm_serve_command(), "--model", plan.model,
+        "--host", "127.0.0.1", "--port", str(plan.instance_port(role)),
+        "--enforce-eager", "--block-size", str(plan.block_size),
+        "--kv-transfer-config", json.dumps(kv_transfer_config(plan, role), separators=(",", ":")),
+        *plan.vllm_args,
+    ]  # fmt: skip
+
+
+def proxy_argv(plan: ServePlan) -> list[str]:
+    """The proxy child's command line (the side channels follow from the URLs: port + 100)."""
+    return [
+        sys.executable, "-m", "ascend_dualpath", "proxy",
+        "--prefill", f"http://127.0.0.1:{plan.pe_port}", "--decode", f"http://127.0.0.1:{plan.de_port}",
+        "--port", str(plan.port), "--policy", plan.policy, "--timeout", str(plan.timeout_s),
+    ]  # fmt: skip
+
+
+def _package_root() -> str:
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def child_env(role: str, base: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment of a child: CPU defaults under the caller's environment, this instance's thread binding,
+    and this package first on ``PYTHONPATH`` (every child runs the launcher's own copy of the connector)."""
+    env = {**INSTANCE_ENV_DEFAULTS, **(os.environ if base is None else base)}
+    if role in OMP_BIND:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = OMP_BIND[role]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_package_root(), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def _set_parent_death_signal(signum: int) -> None:
+    """Ask the kernel to send ``signum`` to this process when its parent dies (Linux; elsewhere a no-op)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
+
+
+def _die_with_parent() -> None:
+    """preexec_fn of every child: SIGKILL it when the launcher dies."""
+    _set_parent_death_signal(signal.SIGKILL)
+
+
+def _watcher_preexec() -> None:
+    """preexec_fn of the watcher: SIGTERM (which it handles) when the launcher dies."""
+    _set_parent_death_signal(signal.SIGTERM)
+
+
+# The watcher: argv = launcher pid, then the process groups to SIGKILL once the launcher is gone. The
+# ppid check covers a launcher that died between the fork and the prctl.
+WATCHER = """
+import os, signal, sys
+launcher, groups = int(sys.argv[1]), [int(g) for g in sys.argv[2:]]
+def kill_groups(*_):
+    for group in groups:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except OSError:
+            pass
+    os._exit(0)
+signal.signal(signal.SIGTERM, kill_groups)
+if os.getppid() != launcher:
+    kill_groups()
+while True:
+    signal.pause()
+"""
+
+
+def start_watcher(children: list[Child]) -> subprocess.Popen:
+    """Start the watcher that SIGKILLs the children's process groups if this process dies."""
+    argv = [sys.executable, "-c", WATCHER, str(os.getpid()), *(str(c.process.pid) for c in children)]
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True, preexec_fn=_watcher_preexec)  # fmt: skip
+
+
+def stop_watcher(watcher: subprocess.Popen | None) -> None:
+    """SIGKILL the watcher (the children are already stopped: nothing for it to do)."""
+    if watcher is not None:
+        watcher.kill()
+        watcher.wait(timeout=5.0)
+
+
+@dataclasses.dataclass
+class Child:
+    """One started child: its name, URL it answers ``/health`` on, process and log file."""
+
+    name: str
+    health_url: str
+    process: subprocess.Popen
+    log_path: str
+
+    def log_tail(self, lines: int = 30) -> str:
+        with contextlib.suppress(OSError), open(self.log_path, errors="replace") as log:
+            return "".join(log.readlines()[-lines:])
+        return f"(no log at {self.log_path})"
+
+
+def start_child(name: str, argv: list[str], env: dict[str, str], health_url: str, log_dir: str) -> Child:
+    """Start ``argv`` in its own process group, output to ``<log_dir>/<name>.log``, dying with this process."""
+    log_path = os.path.join(log_dir, f"{name}.log")
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True, preexec_fn=_die_with_parent,
+        )  # fmt: skip
+    return Child(name, health_url, process, log_path)
+
+
+def answers_health(url: str, timeout_s: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def wait_until_healthy(children: list[Child], timeout_s: float, stop_requested=lambda: False) -> None:
+    """Poll every child's ``/health`` until all answer 200.
+
+    Raises :class:`WaitTimeout` naming the parts that did not come up within ``timeout_s`` (with their log
+    tails), or ``RuntimeError`` naming a part that exited first. Returns early when ``stop_requested()``.
+    """
+    deadline = time.monotonic() + timeout_s
+    pending = list(children)
+    while pending and not stop_requested():
+        for child in list(pending):
+            code = child.process.poll()
+            if code is not None:
+                raise RuntimeError(f"{child.name} exited with {code} during start-up; log tail:\n{child.log_tail()}")
+            if answers_health(child.health_url):
+                pending.remove(child)
+        if pending and time.monotonic() > deadline:
+            tails = "\n".join(f"--- {c.name} ({c.log_path}):\n{c.log_tail()}" for c in pending)
+            names = ", ".join(c.name for c in pending)
+            raise WaitTimeout(f"{names} did not answer /health within {timeout_s} s; log tails:\n{tails}")
+        if pending:
+            time.sleep(0.5)
+
+
+def stop_children(children: list[Child], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM every child's process group and give the groups ``grace_s`` in all to empty (vLLM's API
+    server shuts its engine core down on SIGTERM), then SIGKILL what is left of each group."""
+    for child in children:
+        _signal_group(child.process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        # poll() reaps an exited leader; its group may still hold processes it started.
+        if not any(child.process.poll() is None or _group_exists(child.process.pid) for child in children):
+            break
+        time.sleep(0.1)
+    for child in children:
+        _signal_group(child.process.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.process.wait(timeout=5.0)
+
+
+def _group_exists(pgid: int) -> bool:
+    """Whether any process (zombies included, until reaped) is still in group ``pgid``."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # someone else's process took the id: it exists
+    return True
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signum)
+
+
+def remove_fabric_shm(fabric: str, shm_dir: str = SHM_DIR) -> int:
+    """Unlink ``<shm_dir>/adp.<fabric>*`` (left by children that were killed); returns how many went."""
+    removed = 0
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(shm_dir):
+            if name.startswith(f"adp.{fabric}"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(shm_dir, name))
+                    removed += 1
+    return removed
+
+
+class _StopSignal:
+    """SIGINT / SIGTERM handler that records the first signal instead of raising."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous = {}
+
+    def __enter__(self) -> _StopSignal:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is None:
+            self.signum = signum
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+@dataclasses.dataclass
+class ServeOptions:
+    """What ``python -m ascend_dualpath serve`` was asked for (see ``ascend_dualpath.cli.serve``)."""
+
+    model: str
+    port: int = 8000
+    policy: str = "dual"
+    store: str | None = None
+    snic_mbps: float | None = None
+    block_size: int = 32
+    timeout_s: float = dataclasses.field(default_factory=_env.timeout_s)
+    startup_timeout_s: float = 300.0
+    vllm_args: tuple[str, ...] = ()
+
+    def validate(self) -> None:
+        if not os.path.isdir(self.model):
+            raise ConfigError(f"--model {self.model!r} is not a directory (make one with make-tiny-model)")
+        if self.block_size <= 0 or self.block_size % 32:
+            raise ConfigError(f"--block-size {self.block_size} must be a positive multiple of 32 (vLLM CPU attention)")
+        if self.snic_mbps is not None and not self.snic_mbps > 0:
+            raise ConfigError(f"--snic-mbps {self.snic_mbps} must be > 0")
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"--port {self.port} is not a TCP port")
+
+
+def make_plan(opts: ServeOptions, store: str) -> ServePlan:
+    """Ports and a fresh fabric name for one deployment (the proxy's port is kept out of the picks)."""
+    pe_port, de_port = pick_instance_ports(2, taken={opts.port})
+    return ServePlan(
+        model=os.path.abspath(opts.model), port=opts.port, policy=opts.policy, store=store,
+        snic_mbps=opts.snic_mbps, block_size=opts.block_size, timeout_s=opts.timeout_s,
+        pe_port=pe_port, de_port=de_port, fabric=f"serve{os.getpid()}x{secrets.token_hex(4)}",
+        vllm_args=tuple(opts.vllm_args),
+    )  # fmt: skip
+
+
+def start_all(plan: ServePlan, log_dir: str) -> list[Child]:
+    """Start the PE, the DE and the proxy (in that order; all come up concurrently)."""
+    children = []
+    for role in ("prefill", "decode"):
+        port = plan.instance_port(role)
+        children.append(start_child(role, instance_argv(plan, role), child_env(role),
+                                    f"http://127.0.0.1:{port}/health", log_dir))  # fmt: skip
+    children.append(start_child("proxy", proxy_argv(plan), child_env("proxy"),
+                                f"http://127.0.0.1:{plan.port}/health", log_dir))  # fmt: skip
+    return children
+
+
+def _serve_until_stopped(children: list[Child], stop: _StopSignal) -> int:
+    """Sleep until a signal (returns 128 + signum) or a child's exit (returns 1, naming it)."""
+    while stop.signum is None:
+        for child in children:
+            code = child.process.poll()
+            if code is not None:
+                print(f"serve: {child.name} exited with {code}; stopping. Log tail:\n{child.log_tail()}",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                return 1
+        time.sleep(0.5)
+    return 128 + stop.signum
+
+
+def serve(opts: ServeOptions) -> int:
+    """Run one deployment until SIGINT / SIGTERM; returns the exit code (130 / 143, 1 on a failure)."""
+    opts.validate()
+    run_dir = tempfile.mkdtemp(prefix="adp-serve-")
+    store = opts.store or os.path.join(run_dir, "store")
+    os.makedirs(store, exist_ok=True)
+    plan = make_plan(opts, store)
+    children: list[Child] = []
+    watcher = None
+    code = 1
+    with _StopSignal() as stop:
+        try:
+            children = start_all(plan, run_dir)
+            watcher = start_watcher(children)
+            wait_until_healthy(children, opts.startup_timeout_s, lambda: stop.signum is not None)
+            if stop.signum is None:
+                print(f"serve: ready at http://127.0.0.1:{plan.port}/v1 (prefill :{plan.pe_port}, decode "
+                      f":{plan.de_port}, policy {plan.policy}, store {store})", flush=True)  # fmt: skip
+            code = _serve_until_stopped(children, stop)
+        except (WaitTimeout, RuntimeError, OSError) as exc:
+            print(f"serve: {exc}", file=sys.stderr, flush=True)
+        finally:
+            stop_children(children)
+            stop_watcher(watcher)
+            remove_fabric_shm(plan.fabric)
+            shutil.rmtree(run_dir, ignore_errors=True)  # logs and, without --store, the store
+    if code > 128:
+        kept = f"store kept at {store}" if opts.store else "temporary store removed"
+        print(f"serve: stopped by {signal.Signals(code - 128).name}; {len(children)} children stopped, {kept}")
+    return code

@@ -1,0 +1,488 @@
+"""The DualPath proxy against fake vLLM instances (aiohttp servers) and fake side channels (ZMQ ROUTER threads).
+
+No model: each fake instance records the bodies it receives and answers as a test tells it to; each fake side
+channel answers status queries with the reply format of the design (or stays silent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("vllm")
+aiohttp = pytest.importorskip("aiohttp")
+zmq = pytest.importorskip("zmq")
+msgspec = pytest.importorskip("msgspec")
+
+from aiohttp import web  # noqa: E402
+from aiohttp.test_utils import TestServer  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from ascend_dualpath.errors import ConfigError  # noqa: E402
+from ascend_dualpath.integrations.vllm import proxy as proxy_mod  # noqa: E402
+from ascend_dualpath.integrations.vllm.proxy import DualPathProxy, ProxyConfig, decide  # noqa: E402
+
+
+def status_reply(node: str, role: str, queue_tokens: int = 0, read_blocks: int = 0) -> dict:
+    """A status reply exactly as the design file specifies it."""
+    return {
+        "op": "status",
+        "role": role,
+        "node": node,
+        "read_queue_tokens": queue_tokens,
+        "read_queue_bytes": queue_tokens * 1024,
+        "snic_read_bytes": read_blocks * 65536,
+        "snic_read_blocks": read_blocks,
+        "unfinished_requests": 1,
+        "unfinished_tokens": 40,
+        "loads": {"pe": 3, "de": 2},
+        "fallbacks": 1,
+        "failures": 2,
+        "checksum_errors": 0,
+    }
+
+
+class FakeSideChannel:
+    """A ZMQ ROUTER on a random loopback port in a thread; answers ``{"op": "status"}`` with ``reply``
+    (``reply=None``: stays silent, like a dead instance)."""
+
+    def __init__(self, reply: dict | None) -> None:
+        self.reply = reply
+        self.queries = 0
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        port = self._sock.bind_to_random_port("tcp://127.0.0.1")
+        self.address = f"tcp://127.0.0.1:{port}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self._sock.poll(20):
+                continue
+            identity, empty, payload = self._sock.recv_multipart()
+            assert msgspec.msgpack.decode(payload) == {"op": "status"}
+            self.queries += 1
+            if self.reply is not None:
+                self._sock.send_multipart([identity, empty, msgspec.msgpack.encode(self.reply)])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._sock.close()
+        self._ctx.term()
+
+
+class FakeInstance:
+    """A fake vLLM OpenAI server. ``mode``: "ok" (JSON answer or SSE stream), "error" (``error_status``),
+    "hang" (waits until the client disconnects, recording it in ``disconnected``)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.mode = "ok"
+        self.error_status = 400
+        self.error_delay_s = 0.0  # > 0: the other instance's request is in flight when the error comes
+        self.health_status = 200
+        self.bodies: list[dict] = []
+        self.stream_chunks = [b'data: {"n": 1}\n\n', b'data: {"n": 2}\n\n', b"data: [DONE]\n\n"]
+        self.gate: asyncio.Event | None = None  # when set, the stream waits for it after its first chunk
+        self.disconnected = asyncio.Event()
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.generate)
+        app.router.add_post("/v1/chat/completions", self.generate)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        return app
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        if self.mode == "error":
+            await asyncio.sleep(self.error_delay_s)
+            message = {
+                "error": {"message": f"{self.name} refuses", "type": "BadRequestError", "code": self.error_status}
+            }
+            return web.json_response(message, status=self.error_status)
+        if self.mode == "hang":
+            return await self._hang(request)
+        if body.get("stream"):
+            return await self._stream(request)
+        return web.json_response({"id": f"{self.name}-1", "choices": [{"text": f"from {self.name}"}]})
+
+    async def _hang(self, request: web.Request) -> web.Response:
+        # aiohttp cancels a handler whose client went away; a closing transport is the other sign of it.
+        try:
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and request.transport is not None and not request.transport.is_closing():
+                await asyncio.sleep(0.01)
+        except asyncio.CancelledError:
+            self.disconnected.set()
+            raise
+        if request.transport is None or request.transport.is_closing():
+            self.disconnected.set()
+        return web.json_response({})
+
+    async def _stream(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for index, chunk in enumerate(self.stream_chunks):
+            await resp.write(chunk)
+            if index == 0 and self.gate is not None:
+                await asyncio.wait_for(self.gate.wait(), 10)
+        await resp.write_eof()
+        return resp
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": f"model-of-{self.name}"}]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=self.health_status)
+
+
+DEFAULT = object()  # Harness: an idle status reply; None: a silent side channel
+
+
+class Harness:
+    """Fake PE and DE, their side channels, and the proxy under test, all on loopback."""
+
+    def __init__(self, policy="dual", pe_status=DEFAULT, de_status=DEFAULT, timeout_s=5.0) -> None:
+        self.pe, self.de = FakeInstance("prefill"), FakeInstance("decode")
+        self.pe_side = FakeSideChannel(status_reply("pe-node", "prefill") if pe_status is DEFAULT else pe_status)
+        self.de_side = FakeSideChannel(status_reply("de-node", "decode") if de_status is DEFAULT else de_status)
+        self.policy, self.timeout_s = policy, timeout_s
+
+    async def __aenter__(self) -> Harness:
+        self.pe_server, self.de_server = TestServer(self.pe.app()), TestServer(self.de.app())
+        await self.pe_server.start_server()
+        await self.de_server.start_server()
+        self.cfg = ProxyConfig(
+            prefill_url=str(self.pe_server.make_url("")),
+            decode_url=str(self.de_server.make_url("")),
+            prefill_kv=self.pe_side.address,
+            decode_kv=self.de_side.address,
+            policy=self.policy,
+            timeout_s=self.timeout_s,
+            status_timeout_s=0.3,
+        )
+        self.proxy = DualPathProxy(self.cfg)
+        self.proxy_server = TestServer(self.proxy.make_app())
+        await self.proxy_server.start_server()
+        self.client = aiohttp.ClientSession(base_url=str(self.proxy_server.make_url("")))
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.client.close()
+        for server in (self.proxy_server, self.pe_server, self.de_server):
+            await server.close()
+        self.pe_side.close()
+        self.de_side.close()
+
+    async def post(self, path: str, body) -> tuple[int, dict]:
+        async with self.client.post(path, json=body) as resp:
+            return resp.status, await resp.json(content_type=None)
+
+    async def decisions(self) -> list[dict]:
+        async with self.client.get("/debug/decisions") as resp:
+            return await resp.json()
+
+    async def metrics(self) -> dict:
+        """``{(sample name, frozenset(labels)): value}`` parsed from ``/metrics``."""
+        async with self.client.get("/metrics") as resp:
+            assert resp.status == 200
+            text = await resp.text()
+        return {
+            (s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+COMPLETION = {
+    "model": "tiny",
+    "prompt": "the cat sat",
+    "max_tokens": 20,
+    "temperature": 0.0,
+    "ignore_eos": True,
+    "seed": 7,
+    "vendor_field": {"nested": [1, 2]},
+    "kv_transfer_params": {"other": "kept"},
+}
+
+
+def test_unknown_fields_pass_through_and_prefill_body_is_rewritten():
+    async def body():
+        async with Harness() as h:
+            status, answer = await h.post("/v1/completions", COMPLETION)
+            assert status == 200 and answer == {"id": "decode-1", "choices": [{"text": "from decode"}]}
+            (de_body,), (pe_body,) = h.de.bodies, h.pe.bodies
+            de_params, pe_params = de_body.pop("kv_transfer_params"), pe_body.pop("kv_transfer_params")
+            client = {k: v for k, v in COMPLETION.items() if k != "kv_transfer_params"}
+            assert de_body == client
+            assert pe_body == {**client, "max_tokens": 1, "stream": False}
+            xfer_id = de_params["dualpath"]["xfer_id"]
+            assert de_params == {
+                "other": "kept",
+                "dualpath": {"xfer_id": xfer_id, "role": "decode", "path": "pe", "peer": h.pe_side.address},
+            }
+            assert pe_params == {
+                "other": "kept",
+                "dualpath": {"xfer_id": xfer_id, "role": "prefill", "path": "pe", "peer": h.de_side.address},
+            }
+            assert (await h.decisions())[0]["xfer_id"] == xfer_id
+
+    run(body())
+
+
+def test_chat_prefill_gets_one_completion_token_and_no_stream_options():
+    async def body():
+        async with Harness() as h:
+            h.de.gate = None
+            request = {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "hello"}],
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "max_completion_tokens": 9,
+                "top_k": 3,
+            }
+            async with h.client.post("/v1/chat/completions", json=request) as resp:
+                assert resp.status == 200 and resp.content_type == "text/event-stream"
+                await resp.read()
+            pe_body = h.pe.bodies[0]
+            assert pe_body["max_tokens"] == 1 and pe_body["max_completion_tokens"] == 1
+            assert pe_body["stream"] is False and "stream_options" not in pe_body and pe_body["top_k"] == 3
+            de_body = h.de.bodies[0]
+            assert de_body["stream"] is True and de_body["stream_options"] == {"include_usage": True}
+            assert de_body["max_completion_tokens"] == 9 and "max_tokens" not in de_body
+
+    run(body())
+
+
+def test_stream_passes_through_chunk_by_chunk_in_order():
+    async def body():
+        async with Harness() as h:
+            h.de.gate = asyncio.Event()
+            async with h.client.post("/v1/completions", json={**COMPLETION, "stream": True}) as resp:
+                assert resp.status == 200
+                # The DE holds back everything after its first chunk until the gate opens: the first chunk
+                # reaching the client proves the proxy relays without waiting for the end of the stream.
+                first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 10)
+                assert first == h.de.stream_chunks[0]
+                h.de.gate.set()
+                rest = await resp.read()
+            assert first + rest == b"".join(h.de.stream_chunks)
+
+    run(body())
+
+
+@pytest.mark.parametrize(
+    ("pe_queue", "de_queue", "pe_read", "de_read", "path", "rule"),
+    [
+        (100, 10, 0, 0, "de", "shorter-queue"),
+        (10, 100, 0, 0, "pe", "shorter-queue"),
+        (50, 50, 5, 3, "de", "tie:fewer-reads"),
+        (50, 50, 3, 5, "pe", "tie:fewer-reads"),
+        (0, 0, 0, 0, "pe", "tie:pe"),
+    ],
+)
+def test_decide_follows_the_scheduler_rule(pe_queue, de_queue, pe_read, de_read, path, rule):
+    pe = status_reply("pe-node", "prefill", pe_queue, pe_read)
+    de = status_reply("de-node", "decode", de_queue, de_read)
+    assert decide("dual", pe, de) == (path, rule)
+
+
+@pytest.mark.parametrize(("pe_queue", "de_queue", "path"), [(300, 20, "de"), (20, 300, "pe")])
+def test_proxy_picks_the_path_with_the_shorter_read_queue(pe_queue, de_queue, path):
+    async def body():
+        pe, de = status_reply("pe-node", "prefill", pe_queue), status_reply("de-node", "decode", de_queue)
+        async with Harness(pe_status=pe, de_status=de) as h:
+            assert (await h.post("/v1/completions", COMPLETION))[0] == 200
+            assert h.de.bodies[0]["kv_transfer_params"]["dualpath"]["path"] == path
+            assert h.pe.bodies[0]["kv_transfer_params"]["dualpath"]["path"] == path
+            (decision,) = await h.decisions()
+            assert decision == {
+                "xfer_id": decision["xfer_id"],
+                "endpoint": "/v1/completions",
+                "path": path,
+                "pe_queue_tokens": pe_queue,
+                "de_queue_tokens": de_queue,
+                "rule": "shorter-queue",
+            }
+
+    run(body())
+
+
+@pytest.mark.parametrize("policy", ["pe", "de"])
+def test_forced_policy_ignores_the_queues(policy):
+    async def body():
+        # The queues point the other way from the forced path.
+        pe_queue, de_queue = (500, 0) if policy == "pe" else (0, 500)
+        pe, de = status_reply("pe-node", "prefill", pe_queue), status_reply("de-node", "decode", de_queue)
+        async with Harness(policy=policy, pe_status=pe, de_status=de) as h:
+            for _ in range(3):
+                assert (await h.post("/v1/completions", COMPLETION))[0] == 200
+            assert {b["kv_transfer_params"]["dualpath"]["path"] for b in h.de.bodies + h.pe.bodies} == {policy}
+            assert {d["rule"] for d in await h.decisions()} == {f"forced:{policy}"}
+
+    run(body())
+
+
+def test_silent_side_channel_is_counted_and_falls_back_to_pe():
+    async def body():
+        # The PE's queue is long, so only the fallback can explain the pe path.
+        async with Harness(pe_status=status_reply("pe-node", "prefill", 900), de_status=None) as h:
+            assert (await h.post("/v1/completions", COMPLETION))[0] == 200
+            (decision,) = await h.decisions()
+            assert (decision["path"], decision["rule"], decision["de_queue_tokens"]) == (
+                "pe",
+                "fallback:side-channel",
+                None,
+            )
+            metrics = await h.metrics()
+            key = ("adp_proxy_side_channel_failures_total", frozenset({("instance", "decode")}))
+            assert metrics[key] == 1.0
+
+    run(body())
+
+
+def test_metrics_parse_and_carry_status_and_request_counts():
+    async def body():
+        pe, de = status_reply("pe-node", "prefill", 7, 11), status_reply("de-node", "decode", 3, 5)
+        async with Harness(pe_status=pe, de_status=de) as h:
+            assert (await h.post("/v1/completions", COMPLETION))[0] == 200
+            h.pe.mode = "error"
+            assert (await h.post("/v1/completions", COMPLETION))[0] == 400
+            m = await h.metrics()
+            assert m[("adp_proxy_requests_total", frozenset({("endpoint", "/v1/completions"), ("path", "de")}))] == 2
+            assert m[("adp_snic_read_bytes", frozenset({("node", "pe-node")}))] == 11 * 65536
+            assert m[("adp_snic_read_bytes", frozenset({("node", "de-node")}))] == 5 * 65536
+            assert m[("adp_read_queue_tokens", frozenset({("node", "pe-node")}))] == 7
+            assert m[("adp_read_queue_bytes", frozenset({("node", "de-node")}))] == 3 * 1024
+            assert m[("adp_fallbacks", frozenset({("node", "pe-node")}))] == 1
+            assert m[("adp_failures", frozenset({("node", "de-node")}))] == 2
+            assert m[("adp_loads", frozenset({("node", "pe-node"), ("path", "de")}))] == 2
+            assert m[("adp_proxy_errors_total", frozenset({("source", "prefill"), ("status", "400")}))] == 1
+            latency = ("adp_proxy_request_seconds_count", frozenset({("endpoint", "/v1/completions")}))
+            ttft = ("adp_proxy_ttft_seconds_count", frozenset({("endpoint", "/v1/completions")}))
+            assert m[latency] == 1 and m[ttft] == 1
+
+    run(body())
+
+
+def test_prefill_error_reaches_the_client_and_cancels_the_decode_request():
+    async def body():
+        async with Harness() as h:
+            h.pe.mode, h.pe.error_status, h.pe.error_delay_s, h.de.mode = "error", 422, 0.3, "hang"
+            start = time.monotonic()
+            status, answer = await h.post("/v1/completions", COMPLETION)
+            assert time.monotonic() - start < 2.0  # well before the 5 s timeout: cancelled, not timed out
+            assert status == 422
+            assert answer["error"]["code"] == 422 and answer["error"]["type"] == "prefill_error"
+            assert "prefill instance" in answer["error"]["message"] and "prefill refuses" in answer["error"]["message"]
+            await asyncio.wait_for(h.de.disconnected.wait(), 1)
+
+    run(body())
+
+
+def test_decode_error_reaches_the_client_and_cancels_the_prefill_request():
+    async def body():
+        async with Harness() as h:
+            h.de.mode, h.de.error_status, h.de.error_delay_s, h.pe.mode = "error", 500, 0.3, "hang"
+            start = time.monotonic()
+            status, answer = await h.post("/v1/chat/completions", {"messages": [], "stream": True})
+            assert time.monotonic() - start < 2.0  # well before the 5 s timeout: cancelled, not timed out
+            assert status == 500 and answer["error"]["type"] == "decode_error" and "decode refuses" in str(answer)
+            await asyncio.wait_for(h.pe.disconnected.wait(), 1)
+
+    run(body())
+
+
+def test_unreachable_prefill_is_a_502():
+    async def body():
+        async with Harness() as h:
+            await h.pe_server.close()  # nothing listens on the PE's port any more
+            h.de.mode = "hang"
+            status, answer = await h.post("/v1/completions", COMPLETION)
+            assert status == 502 and "unreachable" in answer["error"]["message"]
+            # The refusal is immediate: the DE request was cancelled before or after it arrived.
+            if h.de.bodies:
+                await asyncio.wait_for(h.de.disconnected.wait(), 5)
+
+    run(body())
+
+
+@pytest.mark.parametrize("hanging", ["pe", "de"])
+def test_a_hanging_instance_times_out_with_504(hanging):
+    async def body():
+        async with Harness(timeout_s=0.5) as h:
+            getattr(h, hanging).mode = "hang"
+            start = time.monotonic()
+            status, answer = await h.post("/v1/completions", COMPLETION)
+            assert status == 504 and "did not answer within 0.5 s" in answer["error"]["message"]
+            assert time.monotonic() - start < 3.0
+            await asyncio.wait_for(getattr(h, hanging).disconnected.wait(), 5)
+
+    run(body())
+
+
+def test_health_needs_both_instances_and_models_come_from_the_decode_instance():
+    async def body():
+        async with Harness() as h:
+            async with h.client.get("/health") as resp:
+                assert resp.status == 200
+            h.pe.health_status = 503
+            async with h.client.get("/health") as resp:
+                assert resp.status == 503 and (await resp.json())["prefill"] == "answered 503"
+            async with h.client.get("/v1/models") as resp:
+                assert resp.status == 200 and (await resp.json())["data"] == [{"id": "model-of-decode"}]
+
+    run(body())
+
+
+def test_a_body_that_is_not_a_json_object_is_a_400():
+    async def body():
+        async with Harness() as h:
+            async with h.client.post("/v1/completions", data=b"{not json") as resp:
+                assert resp.status == 400 and "not JSON" in (await resp.json())["error"]["message"]
+            status, answer = await h.post("/v1/completions", [1, 2])
+            assert status == 400 and "JSON object" in answer["error"]["message"]
+            assert h.pe.bodies == [] and h.de.bodies == []
+
+    run(body())
+
+
+def test_side_channel_defaults_and_config_errors():
+    cfg = ProxyConfig(prefill_url="http://127.0.0.1:8100/", decode_url="http://localhost:8200")
+    assert (cfg.prefill_url, cfg.prefill_kv, cfg.decode_kv) == (
+        "http://127.0.0.1:8100",
+        "tcp://127.0.0.1:8200",
+        "tcp://localhost:8300",
+    )
+    with pytest.raises(ConfigError, match="policy='both'"):
+        ProxyConfig(prefill_url="http://a:1", decode_url="http://b:2", policy="both")
+    with pytest.raises(ConfigError, match="timeout_s=0"):
+        ProxyConfig(prefill_url="http://a:1", decode_url="http://b:2", timeout_s=0)
+    with pytest.raises(ConfigError, match="'ftp://x:1'"):
+        proxy_mod.default_side_channel("ftp://x:1")
+
+
+def test_decisions_keep_the_last_hundred():
+    async def body():
+        async with Harness() as h:
+            for _ in range(3):
+                await h.post("/v1/completions", COMPLETION)
+            h.proxy.decisions.extend(h.proxy.decisions[0] for _ in range(200))
+            assert len(await h.decisions()) == proxy_mod.DECISIONS_KEPT
+
+    run(body())

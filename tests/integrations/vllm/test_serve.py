@@ -1,0 +1,275 @@
+"""The serve launcher's pure parts, and its life cycle with a fake ``vllm serve`` (ADP_VLLM_SERVE_CMD).
+
+The fake answers ``/health`` on its ``--port``, records its argv, pid and a ``sleep`` grandchild's pid in a
+directory, and leaves a file in /dev/shm named after its fabric, so the tests can check that serve leaves
+nothing behind. The proxy child is the real one (it needs no model).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from ascend_dualpath.errors import ConfigError  # noqa: E402
+from ascend_dualpath.integrations.vllm import serve as serve_mod  # noqa: E402
+from ascend_dualpath.integrations.vllm.serve import ServeOptions, ServePlan  # noqa: E402
+
+FAKE_VLLM = r"""
+import http.server, json, os, signal, subprocess, sys
+
+argv = sys.argv[1:]
+port = int(argv[argv.index("--port") + 1])
+config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+fabric = config["kv_connector_extra_config"]["fabric"]
+out = os.environ["FAKE_VLLM_DIR"]
+# Like vLLM's engine core, the grandchild does not follow its parent's death on its own.
+grandchild = subprocess.Popen(["sleep", "600"])
+open(f"/dev/shm/adp.{fabric}.fake{port}", "w").close()
+with open(os.path.join(out, f"{port}.json"), "w") as f:
+    json.dump({"argv": argv, "pid": os.getpid(), "grandchild": grandchild.pid,
+               "bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), "host_ip": os.environ.get("VLLM_HOST_IP"),
+               "offline": os.environ.get("HF_HUB_OFFLINE")}, f)
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+
+signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+def plan(**overrides) -> ServePlan:
+    fields = dict(model="/m", port=8000, policy="dual", store="/s", snic_mbps=None, block_size=32, timeout_s=12.0,
+                  pe_port=41000, de_port=42000, fabric="servefab")  # fmt: skip
+    return ServePlan(**{**fields, **overrides})
+
+
+def test_kv_transfer_config_per_role():
+    pe = serve_mod.kv_transfer_config(plan(snic_mbps=250.0), "prefill")
+    assert pe == {
+        "kv_connector": "DualPathConnector",
+        "kv_connector_module_path": "ascend_dualpath.integrations.vllm.connector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"store": "/s", "node": "pe", "side_port": 41100, "fabric": "servefab",
+                                      "timeout_s": 12.0, "snic_mbps": 250.0},
+    }  # fmt: skip
+    de = serve_mod.kv_transfer_config(plan(), "decode")
+    assert de["kv_role"] == "kv_consumer" and de["kv_connector_extra_config"]["side_port"] == 42100
+    assert "snic_mbps" not in de["kv_connector_extra_config"]  # uncapped: left out
+
+
+def test_instance_argv_puts_extra_args_last_and_unchanged(monkeypatch):
+    monkeypatch.delenv("ADP_VLLM_SERVE_CMD", raising=False)
+    extra = ("--max-model-len", "512", "--served-model-name", "a b")
+    argv = serve_mod.instance_argv(plan(vllm_args=extra), "decode")
+    assert argv[:5] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", "/m"]
+    assert argv[argv.index("--port") + 1] == "42000" and argv[argv.index("--block-size") + 1] == "32"
+    assert "--enforce-eager" in argv and tuple(argv[-4:]) == extra
+    assert json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_role"] == "kv_consumer"
+    monkeypatch.setenv("ADP_VLLM_SERVE_CMD", "fake-vllm --flag")
+    assert serve_mod.instance_argv(plan(), "prefill")[:4] == ["fake-vllm", "--flag", "--model", "/m"]
+
+
+def test_proxy_argv_points_at_both_instances():
+    argv = serve_mod.proxy_argv(plan(policy="de"))
+    assert argv[:4] == [sys.executable, "-m", "ascend_dualpath", "proxy"]
+    values = dict(zip(argv[4::2], argv[5::2], strict=True))
+    assert values == {"--prefill": "http://127.0.0.1:41000", "--decode": "http://127.0.0.1:42000", "--port": "8000",
+                      "--policy": "de", "--timeout": "12.0"}  # fmt: skip
+
+
+def test_child_env_binds_each_instance_to_its_own_core():
+    pe = serve_mod.child_env("prefill", base={"VLLM_CPU_KVCACHE_SPACE": "2", "PYTHONPATH": "/x"})
+    de = serve_mod.child_env("decode", base={})
+    assert (pe["VLLM_CPU_OMP_THREADS_BIND"], de["VLLM_CPU_OMP_THREADS_BIND"]) == ("0", "1")
+    assert pe["VLLM_CPU_KVCACHE_SPACE"] == "2" and de["VLLM_CPU_KVCACHE_SPACE"] == "1"  # the caller's value wins
+    assert de["VLLM_HOST_IP"] == "127.0.0.1" and de["HF_HUB_OFFLINE"] == "1"
+    root = pe["PYTHONPATH"].split(os.pathsep)[0]
+    assert os.path.isfile(os.path.join(root, "ascend_dualpath", "integrations", "vllm", "serve.py"))
+    assert pe["PYTHONPATH"].endswith(os.pathsep + "/x")
+
+
+def test_picked_ports_and_their_side_ports_are_free_and_distinct():
+    ports = serve_mod.pick_instance_ports(3, taken={8000})
+    everything = ports + [p + serve_mod.SIDE_PORT_OFFSET for p in ports]
+    assert len(set(everything)) == 6 and 8000 not in everything
+    assert all(serve_mod._port_is_free(p) for p in everything)
+
+
+def test_options_name_the_bad_value(tmp_path):
+    with pytest.raises(ConfigError, match="--model '/nonexistent'"):
+        ServeOptions(model="/nonexistent").validate()
+    with pytest.raises(ConfigError, match="--block-size 48"):
+        ServeOptions(model=str(tmp_path), block_size=48).validate()
+    with pytest.raises(ConfigError, match="--snic-mbps 0"):
+        ServeOptions(model=str(tmp_path), snic_mbps=0).validate()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes (its parent, pytest's init reaper or serve, has not reaped it yet).
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_dead(pids, timeout_s=10.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+def test_stop_children_kills_a_tree_of_sleeps(tmp_path):
+    # The child ignores SIGTERM and has a grandchild: only the SIGKILL of the group ends both.
+    script = f"trap '' TERM; sleep 600 & echo $! > {tmp_path}/grandchild; wait"
+    child = serve_mod.start_child("sleeper", ["bash", "-c", script], dict(os.environ), "http://unused", str(tmp_path))
+    deadline = time.monotonic() + 10
+    while not (tmp_path / "grandchild").exists() or not (tmp_path / "grandchild").read_text().strip():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    grandchild = int((tmp_path / "grandchild").read_text())
+    start = time.monotonic()
+    serve_mod.stop_children([child], grace_s=1.0)
+    assert time.monotonic() - start < 5.0
+    assert child.process.returncode == -signal.SIGKILL
+    assert _wait_dead([grandchild]) == []
+
+
+def test_remove_fabric_shm_takes_only_that_fabric(tmp_path):
+    for name in ("adp.fab1", "adp.fab1.12.0", "adp.fab2.0", "other"):
+        (tmp_path / name).write_text("")
+    assert serve_mod.remove_fabric_shm("fab1", shm_dir=str(tmp_path)) == 2
+    assert sorted(os.listdir(tmp_path)) == ["adp.fab2.0", "other"]
+
+
+class FakeDeployment:
+    """``python -m ascend_dualpath serve`` with the fake vllm serve, in a subprocess."""
+
+    def __init__(self, tmp_path, *extra):
+        self.records = tmp_path / "records"
+        self.records.mkdir()
+        self.tmp = tmp_path / "tmp"  # serve's run directory goes here: a serve killed with -9 cannot remove it
+        self.tmp.mkdir()
+        (tmp_path / "model").mkdir()
+        fake = tmp_path / "fake_vllm.py"
+        fake.write_text(FAKE_VLLM)
+        self.port = serve_mod.pick_instance_ports(1)[0]
+        env = {**os.environ, "ADP_VLLM_SERVE_CMD": f"{shlex.quote(sys.executable)} {shlex.quote(str(fake))}",
+               "FAKE_VLLM_DIR": str(self.records), "TMPDIR": str(self.tmp)}  # fmt: skip
+        argv = [sys.executable, "-m", "ascend_dualpath", "serve", "--model", str(tmp_path / "model"),
+                "--port", str(self.port), "--startup-timeout", "60", *extra]  # fmt: skip
+        self.process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.known_pids: list[int] = []
+
+    def wait_ready(self) -> str:
+        line = self.process.stdout.readline()  # bounded: the start-up timeout ends serve, closing stdout
+        assert line.startswith("serve: ready at "), (line, self.process.stderr.read() if not line else "")
+        self.known_pids = self.pids()
+        return line
+
+    def instances(self) -> list[dict]:
+        return [json.loads(p.read_text()) for p in sorted(self.records.glob("*.json"))]
+
+    def pids(self) -> list[int]:
+        """The fakes, their sleeps and serve's other children (the proxy), read while serve runs."""
+        fakes = [pid for rec in self.instances() for pid in (rec["pid"], rec["grandchild"])]
+        with open(f"/proc/{self.process.pid}/task/{self.process.pid}/children") as children:
+            return sorted(set(fakes) | {int(pid) for pid in children.read().split()})
+
+    def kill_leftovers(self) -> None:
+        """After a failed test: SIGKILL whatever of the deployment still runs (serve and its children)."""
+        if self.process.poll() is None:
+            self.known_pids = self.pids()
+            self.process.kill()
+            self.process.communicate(timeout=10)
+        for pid in self.known_pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        for record in self.instances():
+            serve_mod.remove_fabric_shm(_fabric(record))
+
+
+@pytest.fixture
+def deploy(tmp_path):
+    """Start a FakeDeployment (at most one per test); whatever it leaves running is killed at the end."""
+    started = []
+
+    def start(*extra) -> FakeDeployment:
+        started.append(FakeDeployment(tmp_path, *extra))
+        return started[-1]
+
+    yield start
+    for deployment in started:
+        deployment.kill_leftovers()
+
+
+def _fabric(record: dict) -> str:
+    config = json.loads(record["argv"][record["argv"].index("--kv-transfer-config") + 1])
+    return config["kv_connector_extra_config"]["fabric"]
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_serve_stops_on_signal_and_leaves_nothing_behind(deploy, signum, code):
+    deployment = deploy("--", "--max-model-len", "256")
+    ready = deployment.wait_ready()
+    assert f"http://127.0.0.1:{deployment.port}/v1" in ready
+    assert serve_mod.answers_health(f"http://127.0.0.1:{deployment.port}/health")  # the real proxy, both fakes up
+    records = deployment.instances()
+    assert sorted(r["bind"] for r in records) == ["0", "1"]
+    assert {(r["host_ip"], r["offline"]) for r in records} == {("127.0.0.1", "1")}
+    assert all(r["argv"][-2:] == ["--max-model-len", "256"] for r in records)
+    fabric = _fabric(records[0])
+    store = json.loads(records[0]["argv"][records[0]["argv"].index("--kv-transfer-config") + 1])
+    store = store["kv_connector_extra_config"]["store"]
+    assert os.path.isdir(store) and any(n.startswith(f"adp.{fabric}") for n in os.listdir("/dev/shm"))
+    deployment.process.send_signal(signum)
+    out, err = deployment.process.communicate(timeout=60)
+    assert deployment.process.returncode == code, err
+    lines = out.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"serve: stopped by {signal.Signals(signum).name}"), out
+    assert "temporary store removed" in lines[0]
+    assert _wait_dead(deployment.known_pids) == []
+    assert not any(n.startswith(f"adp.{fabric}") for n in os.listdir("/dev/shm"))
+    assert os.path.dirname(store).startswith(str(deployment.tmp))
+    assert list(deployment.tmp.iterdir()) == []  # the run directory (logs, store) is gone
+
+
+def test_children_die_when_serve_is_killed(deploy, tmp_path):
+    deployment = deploy("--store", str(tmp_path / "store"))
+    deployment.wait_ready()
+    pids = deployment.known_pids
+    assert len(pids) == 6  # two fakes, their sleeps, the proxy, the watcher
+    deployment.process.kill()
+    deployment.process.wait(timeout=10)
+    assert _wait_dead(pids) == []
+    assert (tmp_path / "store").is_dir()  # a given store is the caller's (the fixture removes the shm files)
+
+
+def test_a_child_that_dies_stops_serve_with_its_name(deploy):
+    deployment = deploy()
+    deployment.wait_ready()
+    decode = max(deployment.instances(), key=lambda r: r["bind"])  # bind "1" is the decode instance
+    os.kill(decode["pid"], signal.SIGKILL)
+    out, err = deployment.process.communicate(timeout=60)
+    assert deployment.process.returncode == 1
+    assert "serve: decode exited with -9" in err
+    assert _wait_dead(deployment.known_pids) == []
