@@ -282,10 +282,11 @@ def fuzz_engine_submit() -> dict:
                 specs, remote = [("valid", *s[1:]) for s in specs], "valid"
                 notify = notify if notify in (None, 0, 1023) else 7
             segments = [zoo.local(s) for s in specs]
-            sources = [MemorySegment(a, n, MemoryKind.HOST if h else MemoryKind.DEVICE, k) for a, n, k, h, _ in segments]
+            any_host = any(h for *_, h, _ in segments)
+            memory = [MemoryKind.HOST if h else MemoryKind.DEVICE for *_, h, _ in segments]
+            sources = [MemorySegment(a, n, m, k) for (a, n, k, _, _), m in zip(segments, memory, strict=True)]
             total = sum(s.nbytes for s in sources)
-            effective = TransferKind(kind) if kind else TransferKind.STAGING if any(h for *_, h, _ in segments) else None
-            effective = effective or TransferKind.AIV
+            effective = TransferKind(kind) if kind else TransferKind.STAGING if any_host else TransferKind.AIV
             keyed = effective in (TransferKind.AIV, TransferKind.STAGING)
             slot = {
                 "valid": RemoteSlot(1, window.addr + offset, 1 << 15, window.rkey),
@@ -297,7 +298,7 @@ def fuzz_engine_submit() -> dict:
                 all(s[0] == "valid" or (s[0] == "not_in_comm" and keyed) for s in specs)
                 and (remote == "valid" or (remote == "stale_rkey" and not keyed))
                 and notify in (None, 0, 1023, 7)
-                and not (effective in (TransferKind.AIV, TransferKind.AICPU) and any(h for *_, h, _ in segments))
+                and not (effective in (TransferKind.AIV, TransferKind.AICPU) and any_host)
             )
             if not accepted:
                 with pytest.raises(errors.AdpError):  # the gate override, a notify slot or a range check
