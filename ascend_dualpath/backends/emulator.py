@@ -159,12 +159,20 @@ def product_profile(product: str | None = None, **overrides: Any):
     name = (product or _env.emu_product() or "A2").upper()
     if name not in ("A2", "A3"):
         raise E.ConfigError(f"unknown emulated product {name!r}; choose A2 or A3")
-    return _with_fields(_ext.load().ProductProfile(name), overrides)
+    profile = _with_fields(_ext.load().ProductProfile(name), overrides)
+    profile.check()  # ConfigError naming a field a device cannot run with (sq_depth 0, vector_cores 0, ...)
+    return profile
 
 
 def cost_model(**overrides: Any):
-    """The virtual-clock cost model (docs/cost_model.md), with field overrides."""
-    return _with_fields(_ext.load().CostModel(), overrides)
+    """The virtual-clock cost model (docs/cost_model.md), with field overrides.
+
+    Bandwidths and latencies must be finite and > 0, per-operation costs finite and >= 0 (ConfigError naming the
+    field and value otherwise; ``Device`` checks a model built by hand the same way).
+    """
+    cost = _with_fields(_ext.load().CostModel(), overrides)
+    cost.check()
+    return cost
 
 
 def _with_fields(obj, fields: dict):

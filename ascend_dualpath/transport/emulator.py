@@ -31,8 +31,18 @@ DEFAULT_MAX_SINGLE_AIV_PAYLOAD = 1 << 20  # assumption: 1 MiB per AIV-posted WQE
 HCCL_DATA_TYPE_INT8 = 0
 
 
+MAX_CQ_DEPTH = 1 << 22  # the emulated CQ's limit (csrc/emulator/device.cpp)
+MAX_SQ_DEPTH = 1 << 15
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def _check_int(name: str, value, low: int, high: int) -> None:
+    """ConfigError unless ``value`` is an int in ``[low, high]`` (bool is not a count)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise E.ConfigError(f"{name} {value!r} is outside [{low}, {high}]")
 
 
 class EmulatedTransferEngine(TransferEngine):
@@ -90,10 +100,25 @@ class EmulatedTransferEngine(TransferEngine):
         self.peer = peer
         self.device = comm.device
         profile = self.device.profile
-        if not 1 <= block_dim <= profile.vector_cores:
-            raise E.ConfigError(f"block_dim {block_dim} is outside [1, {profile.vector_cores}] vector cores")
-        if peer >= comm.world_size:
-            raise E.ConfigError(f"peer rank {peer} is outside world size {comm.world_size}")
+        _check_int("block_dim", block_dim, 1, profile.vector_cores)
+        _check_int("peer", peer, 0, comm.world_size - 1)
+        _check_int("sq_depth", sq_depth, 2, MAX_SQ_DEPTH)
+        if sq_depth & (sq_depth - 1):
+            raise E.ConfigError(f"sq_depth {sq_depth} is not a power of two")
+        _check_int("doorbell_batch", doorbell_batch, 1, 0xFFFFFFFF)  # the kernel also rings whenever its SQ is full
+        _check_int("max_single_aiv_payload", max_single_aiv_payload, 1, MAX_MESSAGE_BYTES)
+        _check_int("max_pieces", max_pieces, 1, MAX_CQ_DEPTH)
+        _check_int("stage_chunk_bytes", stage_chunk_bytes, 32, profile.ub_bytes // 2)  # two in flight per core
+        if stage_chunk_bytes % 32:
+            raise E.ConfigError(f"stage_chunk_bytes {stage_chunk_bytes} is not a multiple of 32 (DataCopy)")
+        window = comm.windows_out
+        if staging_capacity is not None:
+            _check_int("staging_capacity", staging_capacity, 1, 1 << 62)
+            if staging_capacity > window.size:  # the pool lives inside windows_out: it would stage past its end
+                raise E.ConfigError(
+                    f"staging_capacity {staging_capacity} bytes exceeds the HCCL window windows_out of "
+                    f"{window.size} bytes that holds the staging pool"
+                )
         self.caps = ChannelCapabilities(comm.capability_bitmap, protocol, max_single_aiv_payload)
         self.block_dim = block_dim
         self.doorbell_batch = doorbell_batch
@@ -107,13 +132,16 @@ class EmulatedTransferEngine(TransferEngine):
         self._qps = [self.device.create_qp(self._cq, None, sq_depth, sl) for _ in range(block_dim)]
         self._items = self.device.alloc_region(max_pieces * 32, C.MemKind.DEVICE_GM, 1 | 4)
         comm.register_local(self._items)
-        window = comm.windows_out
         self.staging = StagingPool(window.addr, window.size if staging_capacity is None else staging_capacity)
         self._vclock_ns = 0.0  # AIV and staging requests
         self._host_clock_ns = 0.0
         self._aicpu_clock_ns = 0.0
         self._in_flight: Ticket | None = None
         self._broken: str | None = None
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"EmulatedTransferEngine(rank {self.comm.rank} -> peer {self.peer})"
 
     # ---- gates ------------------------------------------------------------------------------------
 
@@ -128,12 +156,10 @@ class EmulatedTransferEngine(TransferEngine):
     # ---- start ------------------------------------------------------------------------------------
 
     def _start(self, ticket: Ticket, sources: Sequence[MemorySegment]) -> None:
-        if self._broken:
-            raise E.QueueError(f"the engine is unusable after an earlier failure: {self._broken}")
+        self._check_usable()
         if self._in_flight is not None and not self._in_flight.finished:
             raise E.QueueError(f"ticket {self._in_flight.id} is still in flight; wait for it before submitting more")
-        if len(ticket.pieces) > self.max_pieces:
-            raise E.CapacityError(f"{len(ticket.pieces)} pieces exceed the engine's max_pieces {self.max_pieces}")
+        self._check_request(ticket)
         kind = ticket.kind
         # the communicator's host and AICPU paths keep their own clocks, which end at their last completion
         start = {TransferKind.HOST: self._host_clock_ns, TransferKind.AICPU: self._aicpu_clock_ns}.get(
@@ -149,6 +175,31 @@ class EmulatedTransferEngine(TransferEngine):
         else:
             self._start_staging(ticket, sources, start)
         self._in_flight = ticket
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise E.QueueError(f"{self!r} is closed")
+        if self._broken:
+            raise E.QueueError(f"the engine is unusable after an earlier failure: {self._broken}")
+
+    def _check_request(self, ticket: Ticket) -> None:
+        """Refuse the request before anything moves: the peer, the notify slot, and every piece's ranges as the
+        NIC would check them (local inside its lkey's registration on this device; remote inside its rkey's,
+        writable, on the kinds whose WQEs carry the rkey; HcclBatchPut and BatchWrite find the remote by address
+        and their C++ calls check it before they start)."""
+        if len(ticket.pieces) > self.max_pieces:
+            raise E.CapacityError(f"{len(ticket.pieces)} pieces exceed the engine's max_pieces {self.max_pieces}")
+        if ticket.remote.peer != self.peer:
+            raise E.ConfigError(f"remote slot on rank {ticket.remote.peer}, but {self!r} writes to rank {self.peer}")
+        slot = ticket.notify_slot
+        if slot is not None and (
+            isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self._C.NOTIFY_SLOTS
+        ):
+            raise E.BoundsError(f"notify slot {slot!r} is outside [0, {self._C.NOTIFY_SLOTS})")
+        keyed_remote = ticket.kind in (TransferKind.AIV, TransferKind.STAGING) or (
+            ticket.kind is TransferKind.HOST and self.host_call_per_piece
+        )
+        self._C.check_segments(self.device, *self._arrays(ticket.pieces), keyed_remote)
 
     def _start_host(self, ticket: Ticket) -> None:
         if self.host_call_per_piece:
@@ -172,7 +223,7 @@ class EmulatedTransferEngine(TransferEngine):
         ticket.state["submit_vtime_ns"] = self.cost.host_submit_ns
 
     def _launch_aicpu(self, ticket: Ticket) -> None:
-        local, remote, lengths = self._arrays(ticket.pieces)
+        local, remote, lengths, _, _ = self._arrays(ticket.pieces)
         ticket.state["run"] = self._C.launch_aicpu_batch_write(
             self.comm,
             self._items.addr,
@@ -188,16 +239,9 @@ class EmulatedTransferEngine(TransferEngine):
         ticket.state["submit_vtime_ns"] = self.cost.aicpu_issue_ns + len(ticket.pieces) * self.cost.aicpu_wqe_ns
 
     def _launch_aiv(self, ticket: Ticket, pieces, start: float) -> None:
-        local, remote, lengths = self._arrays(pieces)
-        lkeys = np.array([p.lkey for p in pieces], np.uint32)
-        rkeys = np.array([p.rkey for p in pieces], np.uint32)
         ticket.state["run"] = self._C.launch_aiv_post_wqe(
             self._qps,
-            local,
-            remote,
-            lengths,
-            lkeys,
-            rkeys,
+            *self._arrays(pieces),
             self.doorbell_batch,
             start,
             self.cost.aiv_submit_ns,
@@ -213,10 +257,14 @@ class EmulatedTransferEngine(TransferEngine):
         ticket.state.update(staging_addr=buffer, staging_bytes=total)
         offset = 0
         stage_ns = self.cost.pcie_latency_ns
+        window_key = self.comm.windows_out.lkey
         for s in sources:
             self._C.launch_hccl_stage(
+                self.device,
                 s.addr,
+                s.key,
                 buffer + offset,
+                window_key,
                 s.nbytes,
                 self.block_dim,
                 self.stage_chunk_bytes,
@@ -228,22 +276,26 @@ class EmulatedTransferEngine(TransferEngine):
             stage_ns += s.nbytes / bandwidth
             offset += s.nbytes
         ticket.state["stage_vtime_ns"] = stage_ns
-        window_key = self.comm.windows_out.lkey
         staged = [MemorySegment(buffer, total, MemoryKind.DEVICE, window_key)]
         ticket.pieces = split_segments(staged, ticket.remote, self.caps.max_single_aiv_payload)
         self._launch_aiv(ticket, ticket.pieces, start + stage_ns)
 
     @staticmethod
     def _arrays(pieces):
+        """The pieces as the launchers take them: local and remote addresses, lengths (uint64), lkeys, rkeys (uint32)."""
         return (
             np.array([p.local_addr for p in pieces], np.uint64),
             np.array([p.remote_addr for p in pieces], np.uint64),
             np.array([p.nbytes for p in pieces], np.uint64),
+            np.array([p.lkey for p in pieces], np.uint32),
+            np.array([p.rkey for p in pieces], np.uint32),
         )
 
     # ---- finish -----------------------------------------------------------------------------------
 
     def _finish(self, ticket: Ticket, timeout_s: float) -> TransferResult:
+        if self._closed:  # its queues are gone: no completion can arrive
+            raise E.QueueError(f"{self!r} was closed before ticket {ticket.id} completed")
         state = ticket.state
         if ticket.kind is TransferKind.HOST:
             complete = (
@@ -316,6 +368,8 @@ class EmulatedTransferEngine(TransferEngine):
             self.staging.release(addr)
 
     def close(self) -> None:
+        """Close the engine's queues and item array; later submits raise QueueError naming the engine."""
+        self._closed = True
         for qp in self._qps:
             qp.close()
         self._cq.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -19,6 +20,13 @@ from ascend_dualpath.transport.kinds import MemoryKind, Selection, TransferKind
 from ascend_dualpath.transport.segments import MemorySegment, RemoteSlot, WirePiece, split_segments
 
 STAGING_ALIGN = 512  # staging buffers start on 512-byte boundaries (full-speed MTE bursts)
+
+
+def _checked_timeout(name: str, value) -> float:
+    """``value`` as seconds; ConfigError naming ``name`` unless it is a finite number > 0 (NaN would wait forever)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise E.ConfigError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -145,7 +153,7 @@ class TransferEngine(abc.ABC):
     _ticket_ids = itertools.count(1)
 
     def __init__(self, timeout_s: float | None = None):
-        self.timeout_s = _env.timeout_s() if timeout_s is None else timeout_s
+        self.timeout_s = _env.timeout_s() if timeout_s is None else _checked_timeout("timeout_s", timeout_s)
 
     @abc.abstractmethod
     def select(self, sources: Sequence[MemorySegment]) -> Selection:
@@ -228,7 +236,7 @@ class TransferEngine(abc.ABC):
             if ticket.result is None:
                 raise E.ProtocolError(f"ticket {ticket.id} was never started")
             return ticket.result
-        timeout_s = self.timeout_s if timeout is None else timeout
+        timeout_s = self.timeout_s if timeout is None else _checked_timeout("timeout", timeout)
         try:
             result = self._finish(ticket, timeout_s)
             if ticket.notify_slot is not None:  # only after every piece completed

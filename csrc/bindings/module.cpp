@@ -153,7 +153,8 @@ PYBIND11_MODULE(_C, m) {
         .def_readwrite("link_latency_ns", &CostModel::link_latency_ns)
         .def_readwrite("pcie_bytes_per_ns", &CostModel::pcie_bytes_per_ns)
         .def_readwrite("pcie_latency_ns", &CostModel::pcie_latency_ns)
-        .def_readwrite("local_bytes_per_ns", &CostModel::local_bytes_per_ns);
+        .def_readwrite("local_bytes_per_ns", &CostModel::local_bytes_per_ns)
+        .def("check", &check_cost_model, "ConfigError naming the first field out of its range.");
 
     py::class_<ProductProfile>(m, "ProductProfile")
         .def(py::init(&product_profile), py::arg("name"))
@@ -168,7 +169,8 @@ PYBIND11_MODULE(_C, m) {
         .def_readwrite("rdma_tc", &ProductProfile::rdma_tc)
         .def_readwrite("rdma_sl", &ProductProfile::rdma_sl)
         .def_readwrite("sq_depth", &ProductProfile::sq_depth)
-        .def_readwrite("hbm_bytes", &ProductProfile::hbm_bytes);
+        .def_readwrite("hbm_bytes", &ProductProfile::hbm_bytes)
+        .def("check", &check_product_profile, "ConfigError naming the first field a device cannot run with.");
 
     // ---- fabric and memory --------------------------------------------------------------------
     py::class_<RegionInfo>(m, "RegionInfo")

@@ -5,6 +5,7 @@
 #include <pybind11/stl.h>
 
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "adp/transfer_kernels.h"
@@ -96,6 +97,41 @@ void check_block_dim(uint32_t block_dim, uint32_t limit) {
         fail(ErrorKind::kConfig, "block_dim ", block_dim, " is outside [1, ", limit, "] vector cores");
 }
 
+// The library error of a failed access check: the class Python maps the same CQE syndrome to.
+ErrorKind access_error(uint32_t syndrome) {
+    switch (syndrome) {
+        case adp::wqe::kSynBadLkey: return ErrorKind::kNotRegistered;
+        case adp::wqe::kSynBadRkey: return ErrorKind::kInvalidKey;
+        case adp::wqe::kSynLocalOutOfBounds:
+        case adp::wqe::kSynRemoteOutOfBounds: return ErrorKind::kBounds;
+        default: return ErrorKind::kAccess;
+    }
+}
+
+// The checks the NIC makes per WQE, made for every segment before a kernel starts, so that a refused request
+// moves nothing: the local range inside the live registration its lkey names, in protection domain `pd`
+// (with LOCAL_WRITE when the range is written); with `remote`, the remote range inside its rkey's registration
+// with REMOTE_WRITE.
+void check_segments(const Fabric& fabric, uint32_t pd, const std::vector<xfer::Segment>& segments, bool local_write,
+                    bool remote, const char* what) {
+    for (size_t i = 0; i < segments.size(); ++i) {
+        const xfer::Segment& s = segments[i];
+        AccessCheck c = fabric.check_local(s.lkey, pd, s.local_addr, s.length, local_write);
+        if (c.ok() && remote) c = fabric.check_remote(s.rkey, s.remote_addr, s.length, kRemoteWrite);
+        if (!c.ok()) fail(access_error(c.syndrome), what, " ", i, ": ", c.detail);
+    }
+}
+
+// The fabric and protection domain the queue pairs post in (they must share one).
+std::pair<const Fabric*, uint32_t> domain_of(const std::vector<std::shared_ptr<QueuePair>>& qps) {
+    const Region& first = *qps.front()->region();
+    for (const auto& qp : qps)
+        if (qp->region()->info().pd != first.info().pd)
+            fail(ErrorKind::kConfig, "the queue pairs of one launch must share a protection domain: qpn ", qp->qpn(),
+                 " is in ", qp->region()->info().pd, ", qpn ", qps.front()->qpn(), " in ", first.info().pd);
+    return {first.fabric().get(), first.info().pd};
+}
+
 }  // namespace
 
 #ifdef ADP_WITH_NPU
@@ -112,6 +148,20 @@ void register_transfer(py::module_& m) {
     m.attr("CORE_SQ_TIMEOUT") = xfer::kCoreSqTimeout;
     m.attr("CORE_BATCH_WRITE_FAILED") = xfer::kCoreBatchWriteFailed;
     m.attr("SYSTEM_CYCLE_HZ") = kernel::kSystemCycleHz;
+    m.attr("NOTIFY_SLOTS") = HcclComm::kNotifySlots;
+
+    m.def(
+        "check_segments",
+        [](const std::shared_ptr<Device>& device, U64Array local_addrs, U64Array remote_addrs, U64Array lengths,
+           U32Array lkeys, U32Array rkeys, bool remote) {
+            check_segments(*device->fabric(), device->pd(), pack_segments(local_addrs, remote_addrs, lengths, lkeys, rkeys),
+                           false, remote, "segment");
+        },
+        py::arg("device"), py::arg("local_addrs"), py::arg("remote_addrs"), py::arg("lengths"), py::arg("lkeys"),
+        py::arg("rkeys"), py::arg("remote"),
+        "Raise the library error of the first segment whose local range is not inside the live registration its "
+        "lkey names on `device` (and, with `remote`, whose remote range is not inside a writable registration of "
+        "its rkey); moves nothing.");
 
     adp::bindings::bind_run_handle<KernelRun>(
         m, "KernelRun",
@@ -132,6 +182,8 @@ void register_transfer(py::module_& m) {
             run->segments = pack_segments(local_addrs, remote_addrs, lengths, lkeys, rkeys);
             if (qps.empty()) fail(ErrorKind::kConfig, "aiv_post_wqe needs one queue pair per vector core, got none");
             if (doorbell_batch == 0) fail(ErrorKind::kConfig, "doorbell_batch must be >= 1");
+            const auto [fabric, pd] = domain_of(qps);
+            check_segments(*fabric, pd, run->segments, false, true, "aiv_post_wqe segment");
             run->qps = qps;
             for (const auto& qp : qps) run->queues.push_back(queue_of(*qp));
             run->status.assign(qps.size(), xfer::CoreStatus{});
@@ -158,12 +210,20 @@ void register_transfer(py::module_& m) {
 
     m.def(
         "launch_hccl_stage",
-        [](uint64_t src_addr, uint64_t dst_addr, uint64_t total_bytes, uint32_t block_dim, uint32_t chunk_bytes,
-           uint32_t buffer_num, uint32_t ub_bytes, double timeout_s) {
+        [](const std::shared_ptr<Device>& device, uint64_t src_addr, uint32_t src_lkey, uint64_t dst_addr,
+           uint32_t dst_lkey, uint64_t total_bytes, uint32_t block_dim, uint32_t chunk_bytes, uint32_t buffer_num,
+           uint32_t ub_bytes, double timeout_s) {
             check_block_dim(block_dim, 1024);
             if (total_bytes == 0) fail(ErrorKind::kConfig, "hccl_stage needs at least 1 byte");
             if (chunk_bytes == 0 || chunk_bytes % 32 != 0)
                 fail(ErrorKind::kAlignment, "chunk_bytes ", chunk_bytes, " must be a positive multiple of 32");
+            // the cores copy through raw GM pointers: both ranges must lie in live registrations of this device
+            auto check = [&](const char* side, uint64_t addr, uint32_t lkey, bool write) {
+                const AccessCheck c = device->fabric()->check_local(lkey, device->pd(), addr, total_bytes, write);
+                if (!c.ok()) fail(access_error(c.syndrome), "hccl_stage ", side, ": ", c.detail);
+            };
+            check("source", src_addr, src_lkey, false);
+            check("destination", dst_addr, dst_lkey, true);
             auto run = std::make_shared<KernelRun>();
             auto* t = run->tiling_as<xfer::StageTiling>();
             t->total_bytes = total_bytes;
@@ -177,8 +237,11 @@ void register_transfer(py::module_& m) {
                 });
             return run;
         },
-        py::arg("src_addr"), py::arg("dst_addr"), py::arg("total_bytes"), py::arg("block_dim"), py::arg("chunk_bytes"),
-        py::arg("buffer_num"), py::arg("ub_bytes"), py::arg("timeout_s"));
+        py::arg("device"), py::arg("src_addr"), py::arg("src_lkey"), py::arg("dst_addr"), py::arg("dst_lkey"),
+        py::arg("total_bytes"), py::arg("block_dim"), py::arg("chunk_bytes"), py::arg("buffer_num"),
+        py::arg("ub_bytes"), py::arg("timeout_s"),
+        "Start hccl_stage: copy total_bytes from src_addr (under src_lkey) to dst_addr (under dst_lkey, writable), "
+        "both registered on `device`; refused before any core starts otherwise.");
 
     m.def(
         "launch_aicpu_batch_write",
@@ -192,6 +255,13 @@ void register_transfer(py::module_& m) {
             U32Array zeros(std::vector<py::ssize_t>{py::ssize_t(n)});
             std::fill(zeros.mutable_data(), zeros.mutable_data() + n, 0u);
             run->segments = pack_segments(local_addrs, remote_addrs, lengths, zeros, zeros);
+            // the cores write the items through a raw pointer and the server rejects a bad item only when it
+            // serves the issue: check the item array and every item's ranges (as the server will) before the start
+            comm->check_local_range(items_addr, uint64_t(n) * sizeof(adp::wqe::BatchWriteItem), "BatchWrite item array");
+            for (size_t i = 0; i < n; ++i) {
+                const xfer::Segment& s = run->segments[i];
+                comm->check_one_sided(remote_rank, s.local_addr, s.remote_addr, s.length, cat("BatchWrite item ", i));
+            }
             run->status.assign(block_dim, xfer::CoreStatus{});
             run->comm = comm;
             auto* t = run->tiling_as<xfer::BatchWriteTiling>();

@@ -41,6 +41,13 @@ struct ProductProfile {
     uint64_t hbm_bytes = 64ull << 30;
 };
 
+// ConfigError naming the first field out of its range: bandwidths and latencies finite and > 0, per-operation
+// costs finite and >= 0 (a free step is a valid model); a NaN or infinite figure would put NaN, 0 or 2^63 on
+// the virtual clock. Device checks both at construction.
+void check_cost_model(const CostModel& cost);
+// ConfigError naming the first field a device cannot run with (e.g. sq_depth 0, vector_cores 0).
+void check_product_profile(const ProductProfile& profile);
+
 inline ProductProfile product_profile(const std::string& name) {
     ProductProfile p;
     p.name = name;

@@ -1,6 +1,7 @@
 #include "emulator/device.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstring>
 
@@ -35,7 +36,7 @@ bool CompletionQueue::push(uint8_t* base, uint32_t depth, Cqe cqe) {
     auto& overrun = *reinterpret_cast<std::atomic<uint32_t>*>(base + 128);
     const uint32_t pi = reserve.fetch_add(1, std::memory_order_acq_rel);
     if (pi - consumer.load(std::memory_order_acquire) >= depth) {
-        overrun.store(1, std::memory_order_release);
+        overrun.fetch_add(1, std::memory_order_acq_rel);  // counts the completions lost
         return false;
     }
     auto* slot = reinterpret_cast<Cqe*>(base + kEntriesOffset + uint64_t(pi % depth) * kCqeBytes);
@@ -57,6 +58,15 @@ std::vector<Completion> CompletionQueue::poll(uint32_t max_entries, double timeo
         auto* slot = reinterpret_cast<std::atomic<uint32_t>*>(base + kEntriesOffset + uint64_t(ci % depth_) * kCqeBytes);
         return ((slot->load(std::memory_order_acquire) >> 7) & 1u) == cqe_owner_for_index(ci, depth_);
     };
+    // An overrun is an error of the whole CQ (IBV_EVENT_CQ_ERR on RoCE): its entries can no longer be trusted to be
+    // all the completions, so every poll after it raises, the first included, instead of handing out a partial list.
+    auto check_overrun = [&] {
+        if (const uint32_t lost = overrun.load(std::memory_order_acquire))
+            fail(ErrorKind::kQueue, "CQ (lkey ", hex(lkey()), ", depth ", depth_, ") overran: ", lost,
+                 " completions found it full and were lost; the CQ is in error. Size the CQ to at least the number "
+                 "of outstanding signaled WQEs");
+    };
+    check_overrun();
     std::vector<Completion> out;
     uint32_t ci = consumer.load(std::memory_order_relaxed);
     if (timeout_s > 0 && !entry_ready(ci) && !wait_until([&] { return entry_ready(ci) || overrun.load(); }, timeout_s)) {
@@ -78,9 +88,7 @@ std::vector<Completion> CompletionQueue::poll(uint32_t max_entries, double timeo
         ++ci;
         consumer.store(ci, std::memory_order_release);
     }
-    if (out.empty() && overrun.load())
-        fail(ErrorKind::kQueue, "CQ (lkey ", hex(lkey()), ", depth ", depth_, ") overran: completions were lost; size "
-             "the CQ to at least the number of outstanding signaled WQEs");
+    check_overrun();
     return out;
 }
 
@@ -469,10 +477,46 @@ uint32_t Nic::execute(QueuePair& qp, const RcSendWqe& w, uint32_t index, std::st
     return kSynNone;
 }
 
+// ---- models ---------------------------------------------------------------------------------
+
+void check_cost_model(const CostModel& c) {
+    const std::pair<const char*, double> positive[] = {
+        {"link_bytes_per_ns", c.link_bytes_per_ns},   {"pcie_bytes_per_ns", c.pcie_bytes_per_ns},
+        {"local_bytes_per_ns", c.local_bytes_per_ns}, {"link_latency_ns", c.link_latency_ns},
+        {"pcie_latency_ns", c.pcie_latency_ns}};
+    for (const auto& [name, v] : positive)
+        if (!std::isfinite(v) || v <= 0) fail(ErrorKind::kConfig, "CostModel.", name, " must be finite and > 0, got ", v);
+    const std::pair<const char*, double> non_negative[] = {
+        {"aiv_submit_ns", c.aiv_submit_ns},   {"aicpu_issue_ns", c.aicpu_issue_ns}, {"aicpu_wqe_ns", c.aicpu_wqe_ns},
+        {"host_submit_ns", c.host_submit_ns}, {"nic_wqe_ns", c.nic_wqe_ns}};
+    for (const auto& [name, v] : non_negative)
+        if (!std::isfinite(v) || v < 0) fail(ErrorKind::kConfig, "CostModel.", name, " must be finite and >= 0, got ", v);
+}
+
+void check_product_profile(const ProductProfile& p) {
+    auto in_range = [](const char* name, uint64_t v, uint64_t lo, uint64_t hi) {
+        if (v < lo || v > hi) fail(ErrorKind::kConfig, "ProductProfile.", name, " ", v, " is outside [", lo, ", ", hi, "]");
+    };
+    in_range("vector_cores", p.vector_cores, 1, 1024);  // the kernels' block_dim limit
+    in_range("ub_bytes", p.ub_bytes, 32, 1u << 30);
+    in_range("hccl_buffsize_mb", p.hccl_buffsize_mb, 1, 1u << 20);
+    in_range("default_expansion_mode", p.default_expansion_mode, 0, 3);
+    in_range("rdma_tc", p.rdma_tc, 0, 255);
+    in_range("rdma_sl", p.rdma_sl, 0, 7);
+    in_range("sq_depth", p.sq_depth, 2, 32768);
+    in_range("hbm_bytes", p.hbm_bytes, 1, ~0ull);
+    if (p.ub_bytes % 32 != 0) fail(ErrorKind::kConfig, "ProductProfile.ub_bytes ", p.ub_bytes, " is not a multiple of 32");
+    if (p.rdma_tc % 4 != 0) fail(ErrorKind::kConfig, "ProductProfile.rdma_tc ", p.rdma_tc, " is not a multiple of 4");
+    if (!is_power_of_two(p.sq_depth))
+        fail(ErrorKind::kConfig, "ProductProfile.sq_depth ", p.sq_depth, " is not a power of two");
+}
+
 // ---- Device ---------------------------------------------------------------------------------
 
 Device::Device(std::shared_ptr<Fabric> fabric, uint32_t device_id, ProductProfile profile, CostModel cost)
     : fabric_(std::move(fabric)), device_id_(device_id), profile_(std::move(profile)) {
+    check_product_profile(profile_);
+    check_cost_model(cost);
     pd_ = fabric_->allocate_pd();
     nic_ = std::make_shared<Nic>(fabric_, device_id_, pd_, cost);
 }

@@ -272,7 +272,8 @@ AccessCheck Fabric::check_local(uint32_t lkey, uint32_t pd, uint64_t va, uint64_
                        hex(c.region.base_va), ", +", c.region.size, ")");
     } else if (need_write && !(c.region.access & kLocalWrite)) {
         c.syndrome = wqe::kSynLocalPermission;
-        c.detail = cat("region lkey ", hex(lkey), " grants ", access_text(c.region.access), ", a READ needs LOCAL_WRITE");
+        c.detail = cat("region lkey ", hex(lkey), " grants ", access_text(c.region.access),
+                       ", writing into it (the local side of a READ, a stage destination) needs LOCAL_WRITE");
     }
     return c;
 }

@@ -300,6 +300,20 @@ uint32_t HcclComm::remote_rkey_for(uint32_t peer, uint64_t addr, uint64_t bytes,
          " registered (its windows or add_remote_mem)");
 }
 
+void HcclComm::check_local_range(uint64_t addr, uint64_t bytes, const std::string& what) const {
+    std::lock_guard<std::mutex> guard(host_mutex_);
+    local_lkey_for(addr, bytes, what);
+}
+
+void HcclComm::check_one_sided(uint32_t peer, uint64_t local_addr, uint64_t remote_addr, uint64_t bytes,
+                               const std::string& what) const {
+    check_connected(what.c_str());
+    check_peer(peer);
+    std::lock_guard<std::mutex> guard(host_mutex_);
+    local_lkey_for(local_addr, bytes, what);
+    remote_rkey_for(peer, remote_addr, bytes, what);
+}
+
 double HcclComm::run_requests(QpSet& set, const std::vector<std::pair<uint32_t, WorkRequest>>& requests,
                               double submit_cost_ns, double per_wqe_cost_ns, double start_vtime, double timeout_s) {
     std::map<uint32_t, std::vector<WorkRequest>> by_peer;

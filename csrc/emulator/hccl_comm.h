@@ -110,6 +110,12 @@ class HcclComm {
     // to the AICPU server by vector core `core_id` (only core 0 may). Returns a handle for wait().
     uint64_t batch_write(uint64_t items_addr, uint32_t num_items, uint32_t core_id);
     double batch_write_wait(uint64_t handle, double timeout_s);
+    // What the one-sided API and the AICPU server check, for callers that must refuse a request before anything
+    // moves: [addr, +bytes) inside the windows or memory registered with register_local (NotRegistered,
+    // BoundsError naming `what`), and the remote range inside memory `peer` registered.
+    void check_local_range(uint64_t addr, uint64_t bytes, const std::string& what) const;
+    void check_one_sided(uint32_t peer, uint64_t local_addr, uint64_t remote_addr, uint64_t bytes,
+                         const std::string& what) const;
     uint64_t batch_write_issues() const { return aicpu_issues_; }
 
     // Notify flags: a per-call magic that is never reused, so a stale flag is never taken as ready.

@@ -202,9 +202,9 @@ def test_cq_overrun_is_reported(C, two_devices, poisoned):
     qp = d0.create_qp(cq, None, 16, 4)
     qp.post([write(C, src, 0, dst, 8 * i, 8) for i in range(8)], 0.0, 10.0)
     qp.drain(10.0)
-    assert len(cq.poll(16, 0.0)) == 4
-    with pytest.raises(errors.QueueError, match="overran"):
-        cq.poll(16, 0.0)
+    for _ in range(2):  # the CQ is in error: its first poll and every later one report the 4 lost completions
+        with pytest.raises(errors.QueueError, match="overran: 4 completions"):
+            cq.poll(16, 0.0)
 
 
 def test_queue_arguments_are_validated(C, two_devices):

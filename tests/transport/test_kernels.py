@@ -64,7 +64,7 @@ def test_aiv_post_wqe_reports_a_full_sq_that_never_drains(C, emu, poisoned):
         src, dst = poisoned(d0, 1 << 16), poisoned(d1, 1 << 16)
         cq = d0.create_cq(64)
         qp = d0.create_qp(cq, None, 4, 4)
-        d0.close()  # the NIC stops: nothing retires, the SQ stays full
+        d0.nic.set_paused(True)  # nothing retires, the SQ stays full
         run = C.launch_aiv_post_wqe(
             [qp], *segment_arrays(src, dst, [0] * 6, [64] * 6, [0] * 6), 2, 0.0, 1000.0, UB_BYTES, 0.3
         )
@@ -82,9 +82,9 @@ def test_hccl_stage_copies_exactly(C, emu, total, cores, chunk_blocks):
         s, d = np.frombuffer(src, np.uint8), np.frombuffer(dst, np.uint8)
         s[:] = np.random.default_rng(total).integers(0, 256, s.size, dtype=np.uint8)
         d[:] = POISON
-        C.launch_hccl_stage(src.addr + 3, dst.addr + 5, total, cores, chunk_blocks * 32, 2, UB_BYTES, TIMEOUT_S).wait(
-            TIMEOUT_S
-        )
+        C.launch_hccl_stage(
+            d0, src.addr + 3, src.lkey, dst.addr + 5, dst.lkey, total, cores, chunk_blocks * 32, 2, UB_BYTES, TIMEOUT_S
+        ).wait(TIMEOUT_S)
         assert np.array_equal(d[5 : 5 + total], s[3 : 3 + total])
         assert (d[:5] == POISON).all() and (d[5 + total :] == POISON).all()
 
@@ -94,12 +94,35 @@ def test_hccl_stage_chunk_past_ub_overflows(C, emu):
         src = d0.alloc_region(1 << 18, C.MemKind.DEVICE_GM, 7)
         dst = d0.alloc_region(1 << 18, C.MemKind.DEVICE_GM, 7)
         np.frombuffer(dst, np.uint8)[:] = POISON
-        run = C.launch_hccl_stage(src.addr, dst.addr, 1 << 18, 2, 128 * 1024, 2, UB_BYTES, TIMEOUT_S)
+        run = C.launch_hccl_stage(
+            d0, src.addr, src.lkey, dst.addr, dst.lkey, 1 << 18, 2, 128 * 1024, 2, UB_BYTES, TIMEOUT_S
+        )
         with pytest.raises(errors.CapacityError, match="UB overflow .* 262144 bytes .* holds 196608"):
             run.wait(TIMEOUT_S)
         assert (np.frombuffer(dst, np.uint8) == POISON).all()
-    with pytest.raises(errors.AlignmentError, match="chunk_bytes 100"):
-        C.launch_hccl_stage(0, 0, 64, 1, 100, 2, UB_BYTES, TIMEOUT_S)
+        with pytest.raises(errors.AlignmentError, match="chunk_bytes 100"):
+            C.launch_hccl_stage(d0, src.addr, src.lkey, dst.addr, dst.lkey, 64, 1, 100, 2, UB_BYTES, TIMEOUT_S)
+
+
+def test_hccl_stage_refuses_ranges_outside_their_registrations(C, emu):
+    """The cores copy through raw pointers, so the launcher checks both ranges as the NIC checks an SGE."""
+    with emu.emulated_devices(2) as (d0, d1):
+        src = d0.alloc_region(4096, C.MemKind.HOST_DRAM, 7)
+        dst = d0.alloc_region(4096, C.MemKind.DEVICE_GM, 7)
+        read_only = d0.alloc_region(4096, C.MemKind.DEVICE_GM, 4)
+        other = d1.alloc_region(4096, C.MemKind.DEVICE_GM, 7)
+        np.frombuffer(dst, np.uint8)[:] = POISON
+        cases = [
+            ((src.addr, 0, dst.addr, dst.lkey, 64), errors.NotRegistered, "source: lkey 0x0 names no live"),
+            ((src.addr + 4000, src.lkey, dst.addr, dst.lkey, 200), errors.BoundsError, "source: local range"),
+            ((src.addr, src.lkey, dst.addr + 1, dst.lkey, 4096), errors.BoundsError, "destination: local range"),
+            ((src.addr, src.lkey, read_only.addr, read_only.lkey, 64), errors.AccessDenied, "destination: .*WRITE"),
+            ((other.addr, other.lkey, dst.addr, dst.lkey, 64), errors.NotRegistered, "source: .*protection domain"),
+        ]
+        for (src_addr, src_lkey, dst_addr, dst_lkey, n), error, match in cases:
+            with pytest.raises(error, match=f"hccl_stage {match}"):
+                C.launch_hccl_stage(d0, src_addr, src_lkey, dst_addr, dst_lkey, n, 1, 4096, 2, UB_BYTES, TIMEOUT_S)
+        assert (np.frombuffer(dst, np.uint8) == POISON).all()
 
 
 def make_comm_pair(C, emu, devices, **config):
@@ -149,26 +172,28 @@ def test_aicpu_batch_write_delivers_through_the_server(C, emu, two_devices, pois
     assert item.tolist() == [src.addr, c1.windows_in.addr, lengths[0], 1 << 32]
 
 
-def test_aicpu_batch_write_reports_a_server_rejection(C, emu, two_devices, poisoned):
+def test_aicpu_batch_write_refuses_bad_items_before_the_cores_start(C, emu, two_devices, poisoned):
+    """What the AICPU server would reject when it serves the issue is refused at launch, so nothing moves."""
     c0, c1 = make_comm_pair(C, emu, two_devices)
     d0, _ = two_devices
     items = d0.alloc_region(4096, C.MemKind.DEVICE_GM, 7)
     c0.register_local(items)
     unregistered = d0.alloc_region(4096, C.MemKind.DEVICE_GM, 7)
-    run = C.launch_aicpu_batch_write(
-        c0,
-        items.addr,
-        np.array([unregistered.addr], np.uint64),
-        np.array([c1.windows_in.addr], np.uint64),
-        np.array([64], np.uint64),
-        1,
-        2,
-        8,
-        UB_BYTES,
-        TIMEOUT_S,
-    )
-    with pytest.raises(errors.NotRegistered, match="BatchWrite item 0"):
-        run.wait(TIMEOUT_S)
+    window = c1.windows_in
+
+    def launch(local, remote, nbytes, items_addr=items.addr, peer=1):
+        arrays = [np.array([v], np.uint64) for v in (local, remote, nbytes)]
+        return C.launch_aicpu_batch_write(c0, items_addr, *arrays, peer, 2, 8, UB_BYTES, TIMEOUT_S)
+
+    with pytest.raises(errors.NotRegistered, match="BatchWrite item 0: local address"):
+        launch(unregistered.addr, window.addr, 64)
+    with pytest.raises(errors.BoundsError, match="BatchWrite item 0: remote range .* on rank 1 runs past"):
+        launch(c0.windows_out.addr, window.addr + window.size - 8, 64)
+    with pytest.raises(errors.NotRegistered, match="BatchWrite item array"):
+        launch(c0.windows_out.addr, window.addr, 64, items_addr=unregistered.addr)
+    with pytest.raises(errors.ConfigError, match="peer rank 5 is outside world size 2"):
+        launch(c0.windows_out.addr, window.addr, 64, peer=5)
+    assert c0.batch_write_issues == 0
 
 
 # ---- what hardware punishes --------------------------------------------------------------------

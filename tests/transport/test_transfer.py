@@ -268,9 +268,20 @@ def test_remote_ready_is_published_after_every_piece(channel, kind):
 def test_error_completion_raises_and_releases(channel, kind):
     memory = MemoryKind.HOST if kind is TransferKind.STAGING else MemoryKind.DEVICE
     region, view = channel.source(10 * MAX_PIECE, memory)
+    sources = [MemorySegment.of_region(region)]
     before = channel.comms[1].notify_value(3)
-    bad = channel.slot(rkey=channel.comms[1].windows_in.rkey ^ 0x80)  # a stale generation of the key
-    ticket = channel.engine.submit([MemorySegment.of_region(region)], bad, notify_slot=3, kind=kind)
+    stale = channel.slot(rkey=channel.comms[1].windows_in.rkey ^ 0x80)  # a stale generation of the key
+    with pytest.raises(errors.InvalidKey, match="segment 0: rkey .* names no live registration"):
+        channel.engine.submit(sources, stale, notify_slot=3, kind=kind)  # refused before anything moves
+    # a destination deregistered after the submit's checks and before the NIC executes: only the NIC sees it
+    target = channel.devices[1].alloc_region(10 * MAX_PIECE, channel.C.MemKind.DEVICE_GM, 7)
+    nic = channel.devices[0].nic
+    nic.set_paused(True)
+    ticket = channel.engine.submit(
+        sources, RemoteSlot(1, target.addr, target.size, target.rkey), notify_slot=3, kind=kind
+    )
+    target.close()
+    nic.set_paused(False)
     with pytest.raises(errors.InvalidKey, match="REMOTE_ACCESS_ERROR"):
         ticket.wait()
     assert channel.engine.staging.num_held == 0
@@ -314,7 +325,7 @@ def test_post_error_when_the_sq_never_drains(C, emu, kind):
         memory = MemoryKind.HOST if kind is TransferKind.STAGING else MemoryKind.DEVICE
         region, _ = ch.source(10 * MAX_PIECE, memory)
         ch.engine.timeout_s = 0.3  # the kernel's bound on each wait for SQ space
-        devices[0].close()  # the NIC stops
+        devices[0].nic.set_paused(True)  # nothing retires
         ticket = ch.engine.submit([MemorySegment.of_region(region)], ch.slot(), notify_slot=1, kind=kind)
         with pytest.raises(errors.QueueError, match=r"post failed .* vector cores \[0\] stayed full .* 3 of 10 pieces"):
             ticket.wait(timeout=10.0)
@@ -330,7 +341,7 @@ def test_completion_timeout_raises_and_releases(C, emu, kind):
         ch = Channel(C, emu, devices)
         memory = MemoryKind.HOST if kind is TransferKind.STAGING else MemoryKind.DEVICE
         region, _ = ch.source(2 * MAX_PIECE, memory)
-        devices[0].close()  # the NIC stops after the posts fit in the SQ
+        devices[0].nic.set_paused(True)  # nothing retires after the posts fit in the SQ
         ticket = ch.engine.submit([MemorySegment.of_region(region)], ch.slot(), notify_slot=2, kind=kind)
         with pytest.raises(errors.WaitTimeout, match=r"completions of ticket .*: 0 of 2 posted WQEs completed"):
             ticket.wait(timeout=0.3)
