@@ -6,7 +6,8 @@ host code (``csrc/npu``, through torch_npu's ``NpuExtension``) and the AscendC k
 (``op_kernels/``, through CANN's ``ascendc_library`` CMake function, for ``SOC_VERSION``).
 
 Flags (environment): ``ADP_WITH_NPU=0|1`` (0 skips the NPU part, 1 makes a missing CANN an error),
-``ADP_WITH_CUDA=0|1`` (reserved for CUDA sources), ``ADP_DEBUG=1`` (``-O0 -g``), ``SOC_VERSION``
+``ADP_WITH_CUDA=0|1`` (reserved for CUDA sources), ``ADP_DEBUG=1`` (``-O0 -g``), ``ADP_SANITIZE=1``
+(AddressSanitizer + UndefinedBehaviorSanitizer; load it with ``tools/sanitize.sh``), ``SOC_VERSION``
 (else read from ``npu-smi``). CANN is looked for in ``ASCEND_HOME_PATH``, ``ASCEND_TOOLKIT_HOME``,
 ``ASCEND_CANN_PACKAGE_PATH``, then ``/usr/local/Ascend/ascend-toolkit/latest`` and
 ``/usr/local/Ascend/cann``. Install with ``pip install --no-build-isolation -e .`` so the build uses
@@ -53,12 +54,18 @@ def extensions():
     from torch.utils.cpp_extension import CppExtension
 
     debug = _env.build_flag("DEBUG") is True
+    sanitize = _env.build_flag("SANITIZE") is True
     cxx_flags = ["-std=c++17", "-O0", "-g"] if debug else ["-std=c++17", "-O2"]
+    # -O1 keeps sanitized runs fast enough while the reports keep their line numbers
+    sanitize_flags = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=undefined"]
+    if sanitize:
+        cxx_flags = ["-std=c++17", "-O1", "-g"] + sanitize_flags
     include_dirs = [str(ROOT / "csrc"), str(ROOT / "op_kernels" / "include"), str(ROOT / "op_kernels" / "emu")]
     # the AscendC kernels also run on the emulator's vector cores, through the headers in op_kernels/emu
     sources = sorted(glob.glob("csrc/emulator/*.cpp") + glob.glob("csrc/bindings/*.cpp") +
                      glob.glob("op_kernels/*/op_kernel/*.cpp") + glob.glob("op_kernels/emu/*.cpp"))
-    summary.append(("emulator", f"built ({len(sources)} C++ sources, {'debug' if debug else 'release'})"))
+    flavour = "sanitized (ASan + UBSan)" if sanitize else "debug" if debug else "release"
+    summary.append(("emulator", f"built ({len(sources)} C++ sources, {flavour})"))
 
     with_npu = _env.build_flag("WITH_NPU")
     cann_root, cann_origin = cann.find_cann()
@@ -100,7 +107,7 @@ def extensions():
     return [ext_cls(name="ascend_dualpath._C", sources=sources, include_dirs=include_dirs,
                     define_macros=define_macros, libraries=libraries, library_dirs=library_dirs,
                     extra_compile_args={"cxx": cxx_flags + ["-Wall", "-Wno-unused-function"]},
-                    extra_link_args=["-lrt", "-lpthread"])]
+                    extra_link_args=["-lrt", "-lpthread"] + (sanitize_flags if sanitize else []))]
 
 
 def cmdclass():

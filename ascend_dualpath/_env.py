@@ -13,7 +13,7 @@ variable                       meaning
 ``ADP_EMU_MTE2_STALL_US``      tests only: every GM -> UB copy of the emulated vector cores of this process takes that
                                many more microseconds (a slow core; widens cross-rank ordering races), read by the
                                emulator at each kernel launch (default 0)
-``ADP_TIMEOUT_S``              default bound, in seconds, for every wait (default 30)
+``ADP_TIMEOUT_S``              default bound, in seconds, for every wait (default 30; finite and > 0)
 ``ADP_FAST_DEBUG``             ``1`` shortens every default wait to 2 s, to fail fast while debugging
 ``ADP_MOE_FUSED``              ``0`` runs the cuda MoE strategy's send and receive halves as two launches (default 1: one)
 ``ADP_DIRECT_LAUNCH``          ``0`` sends every Triton launch through ``kernel[grid](...)`` instead of calling the
@@ -24,6 +24,8 @@ variable                       meaning
 ``ADP_WITH_NPU``               build flag read by ``setup.py``: ``0`` skips the NPU part, ``1`` requires it
 ``ADP_WITH_CUDA``              build flag read by ``setup.py``: ``0`` skips CUDA sources, ``1`` requires them
 ``ADP_DEBUG``                  build flag read by ``setup.py``: ``1`` builds with ``-O0 -g``
+``ADP_SANITIZE``               build flag read by ``setup.py``: ``1`` builds with AddressSanitizer and
+                               UndefinedBehaviorSanitizer (``tools/sanitize.sh`` builds and runs it)
 =============================  =====================================================================
 
 HCCL's own variables (``HCCL_BUFFSIZE``, ``HCCL_RDMA_TC``, ``HCCL_RDMA_SL``,
@@ -78,10 +80,15 @@ def timeout_s() -> float:
     """Default bound for waits; ``ADP_TIMEOUT_S`` if set, else 2 s under ``ADP_FAST_DEBUG``, else 30 s."""
     raw = _get("ADP_TIMEOUT_S")
     if raw is not None:
-        value = float(raw)
-        if value <= 0:
-            raise ValueError(f"ADP_TIMEOUT_S must be > 0 seconds, got {raw!r}")
-        return value
+        # imported here: setup.py imports this module without the package
+        from ascend_dualpath._checks import check_bound
+        from ascend_dualpath.errors import ConfigError
+
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ConfigError(f"ADP_TIMEOUT_S must be a number of seconds, got {raw!r}") from None
+        return check_bound("ADP_TIMEOUT_S", value)
     return FAST_DEBUG_TIMEOUT_S if fast_debug() else DEFAULT_TIMEOUT_S
 
 

@@ -81,3 +81,10 @@ class ChecksumMismatch(StorageReadError):
 
 class AdmissionDeferred(WaitTimeout):
     """A host buffer could not admit an allocation before its deadline (back-pressure: retry later or elsewhere)."""
+
+
+class ArgumentTypeError(ConfigError, TypeError):
+    """An argument has the wrong Python type; the message names the argument and the type received.
+
+    A ConfigError (the argument is out of its documented domain) and a TypeError (generic handlers keep working).
+    """

@@ -26,6 +26,7 @@ from typing import Any
 
 from ascend_dualpath import _env, _ext
 from ascend_dualpath import errors as E
+from ascend_dualpath._checks import check_bound, check_type
 
 WQE_BYTES = 48
 CQE_BYTES = 32
@@ -156,6 +157,7 @@ def new_fabric_name(prefix: str = "fab") -> str:
 
 def product_profile(product: str | None = None, **overrides: Any):
     """The emulated product profile (``A2`` default, or ``ADP_EMU_PRODUCT``), with field overrides."""
+    check_type("product", product, (str, type(None)), where="product_profile")
     name = (product or _env.emu_product() or "A2").upper()
     if name not in ("A2", "A3"):
         raise E.ConfigError(f"unknown emulated product {name!r}; choose A2 or A3")
@@ -180,17 +182,51 @@ def _with_fields(obj, fields: dict):
     for key, value in fields.items():
         if not hasattr(obj, key):
             raise E.ConfigError(f"{type(obj).__name__} has no field {key!r}")
-        setattr(obj, key, value)
+        try:
+            setattr(obj, key, value)
+        except TypeError:  # pybind11's message names neither the field nor the type received
+            expected = type(getattr(obj, key)).__name__
+            raise E.ArgumentTypeError(f"{type(obj).__name__}.{key} must be {expected}, got {type(value).__name__} "
+                                      f"{value!r}") from None
     return obj
 
 
+_stale_shm_reaped = False
+
+
+def reap_stale_shm() -> list[str]:
+    """Remove what dead processes left in ``/dev/shm``: every fabric there is reaped (:meth:`reap_dead_owners`:
+    dead owners' regions and QPs, and the fabric's name when its creator died), then region objects named by a dead
+    process are unlinked. Returns the names removed.
+
+    :func:`create_fabric` runs it once per process, so a crash (``kill -9``, a segfault) leaves nothing behind
+    past the next start. Fabrics still in use by a live process keep working: only their name goes when their
+    creator is dead. Processes sharing a fabric must share a pid namespace (the liveness test is ``kill(pid, 0)``).
+    """
+    global _stale_shm_reaped
+    _stale_shm_reaped = True
+    return list(_ext.load().Fabric.reap_stale_shm())
+
+
 def create_fabric(name: str | None = None, max_regions: int = 4096, max_qps: int = 4096):
-    """A new fabric (registry of regions and QPs in shared memory); other processes ``attach_fabric`` it."""
+    """A new fabric (registry of regions and QPs in shared memory); other processes ``attach_fabric`` it.
+
+    The first call in a process also runs :func:`reap_stale_shm`. After ``fabric.close()`` the fabric refuses new
+    devices, regions and queue pairs with :class:`~ascend_dualpath.errors.QueueError`.
+    """
+    check_type("name", name, (str, type(None)), where="create_fabric")
+    max_regions = check_bound("max_regions", max_regions, integer=True, where="create_fabric")
+    max_qps = check_bound("max_qps", max_qps, integer=True, where="create_fabric")
+    if not _stale_shm_reaped:
+        reap_stale_shm()
     return _ext.load().Fabric.create(name or new_fabric_name(), max_regions, max_qps)
 
 
 def attach_fabric(name: str, timeout_s: float | None = None):
-    return _ext.load().Fabric.attach(name, _env.timeout_s() if timeout_s is None else timeout_s)
+    """The fabric another process created as ``name``, waiting up to ``timeout_s`` for it to appear."""
+    check_type("name", name, str, where="attach_fabric")
+    timeout = _env.timeout_s() if timeout_s is None else check_bound("timeout_s", timeout_s, where="attach_fabric")
+    return _ext.load().Fabric.attach(name, timeout)
 
 
 def open_device(fabric, device_id: int = 0, product: str | None = None, cost=None, **profile_overrides: Any):
@@ -198,7 +234,12 @@ def open_device(fabric, device_id: int = 0, product: str | None = None, cost=Non
 
     Close it (or use it as a context manager) to stop its NIC.
     """
-    return _ext.load().Device(fabric, device_id, product_profile(product, **profile_overrides), cost or cost_model())
+    C = _ext.load()
+    check_type("fabric", fabric, C.Fabric, where="open_device")
+    check_bound("device_id", device_id, integer=True, zero_ok=True, where="open_device")
+    check_type("product", product, (str, type(None)), where="open_device")
+    check_type("cost", cost, (C.CostModel, type(None)), where="open_device")
+    return C.Device(fabric, device_id, product_profile(product, **profile_overrides), cost or cost_model())
 
 
 def device_profile_summary(product: str | None = None) -> dict:
@@ -247,6 +288,7 @@ def init_comm(device, group=None, config=None):
     and no initialized default group, a single-rank communicator is returned.
     """
     C = _ext.load()
+    check_type("device", device, C.Device, where="init_comm")
     import torch.distributed as dist
 
     if group is None and not (dist.is_available() and dist.is_initialized()):

@@ -18,6 +18,7 @@ import collections
 import contextlib
 import dataclasses
 import datetime
+import os
 import pickle
 import queue
 import threading
@@ -27,6 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ascend_dualpath._checks import check_bound, check_type
 from ascend_dualpath.dualpath.connector import HbmSlot, PrefillConnector, wait_reads
 from ascend_dualpath.dualpath.read_paths import (
     DE_RANK,
@@ -67,7 +69,11 @@ KV_FP32_ATOL = 1e-4
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """Sizes and caps shared by both engines (both must use the same values)."""
+    """Sizes and caps shared by both engines (both must use the same values).
+
+    Checked at construction: a wrong type raises :class:`~ascend_dualpath.errors.ArgumentTypeError`, a NaN,
+    infinite or non-positive size, bandwidth or timeout :class:`ConfigError`, each naming the field.
+    """
 
     store_root: str
     model: TinyLlamaConfig = TinyLlamaConfig()
@@ -82,6 +88,18 @@ class EngineConfig:
     idle_timeout_s: float = 600.0
     verify: bool = True
     transfer: str = "transport"  # "transport": the transfer engine's gates (aiv / staging / ...); "hccl": HcclBatchPut
+
+    def __post_init__(self) -> None:
+        where = "EngineConfig"
+        check_type("store_root", self.store_root, (str, os.PathLike), where=where)
+        check_type("model", self.model, TinyLlamaConfig, where=where)
+        check_type("dtype", self.dtype, str, where=where)
+        check_type("verify", self.verify, bool, where=where)
+        check_type("transfer", self.transfer, str, where=where)
+        for name in ("block_tokens", "max_tokens", "pe_buffer_bytes", "de_buffer_bytes"):
+            check_bound(name, getattr(self, name), integer=True, where=where)
+        for name in ("pe_snic_bytes_per_s", "de_snic_bytes_per_s", "timeout_s", "idle_timeout_s"):
+            check_bound(name, getattr(self, name), where=where)
 
     @property
     def torch_dtype(self) -> torch.dtype:

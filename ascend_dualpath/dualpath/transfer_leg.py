@@ -21,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 from ascend_dualpath import _env
+from ascend_dualpath._checks import check_bound
 from ascend_dualpath.errors import AdpError, BoundsError, ProtocolError, QueueError, WaitTimeout
 
 NOTIFY_POLL_S = 50e-6
@@ -99,7 +100,8 @@ class HcclTransferLeg:
 
         self._C = _ext.load()
         self.comm = comm
-        self.timeout_s = timeout_s if timeout_s is not None else _env.timeout_s()
+        self.timeout_s = check_bound("timeout_s", timeout_s, where=type(self).__name__) if timeout_s is not None \
+            else _env.timeout_s()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adp-leg")
         self._lock = threading.Lock()
         self.bytes_sent = 0
@@ -156,7 +158,8 @@ class HcclTransferLeg:
 
     def wait(self, ticket: TransferTicket, timeout_s: float | None = None) -> float:
         """Block until the transfer is done; returns its virtual completion time in ns."""
-        timeout = timeout_s if timeout_s is not None else self.timeout_s
+        timeout = check_bound("timeout_s", timeout_s, zero_ok=True, where=f"wait for {ticket.what}") \
+            if timeout_s is not None else self.timeout_s
         try:
             ticket.vtime_ns = ticket.future.result(timeout)
         except TimeoutError as error:

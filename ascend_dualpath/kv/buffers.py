@@ -10,6 +10,14 @@ Admission is FIFO with back-pressure: an allocation that does not fit waits unti
 or its deadline passes, then raises :class:`AdmissionDeferred`; a request larger than the whole buffer fails
 at once with :class:`CapacityError`. Every lease is released exactly once (double release raises
 :class:`InvalidKey`), by hand, by ``with``, or when its :meth:`HostBuffer.request` scope exits, error or not.
+
+A released lease can no longer reach the buffer through the library: its ``tensor``, ``view``, ``addr``,
+``slice`` and ``full_blocks`` (and those of its slices) raise :class:`InvalidKey`, and every tensor and
+memoryview they handed out is invalidated at release (tensors are re-pointed at empty storage, memoryviews
+released), so a late write through them raises instead of overwriting the next lease at that offset. What
+the library cannot take back: raw addresses (``addr``, ``data_ptr()``) copied before the release, views a caller
+derived from a handed-out tensor (``t[1:]``, ``t.view(...)``), and objects exported from a handed-out
+memoryview (``numpy.frombuffer(view)``) keep pointing at the bytes.
 """
 
 from __future__ import annotations
@@ -19,13 +27,22 @@ import contextlib
 import dataclasses
 import itertools
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from ascend_dualpath import _env
-from ascend_dualpath.errors import AdmissionDeferred, BoundsError, CapacityError, ConfigError, InvalidKey
+from ascend_dualpath._checks import check_bound, check_type
+from ascend_dualpath.errors import (
+    AdmissionDeferred,
+    ArgumentTypeError,
+    BoundsError,
+    CapacityError,
+    ConfigError,
+    InvalidKey,
+)
 from ascend_dualpath.kv.layout import KVLayout
 from ascend_dualpath.kv.store import as_memoryview, buffer_address
 
@@ -44,15 +61,33 @@ class Registration:
 
 @dataclasses.dataclass(frozen=True)
 class Region:
-    """A byte range ``[offset, offset + nbytes)`` of a host buffer's backing, with its registration address."""
+    """A byte range ``[offset, offset + nbytes)`` of a host buffer's backing, with its registration address.
+
+    ``owner`` is the lease the range belongs to (None for a range the caller built by hand): once it is released,
+    every accessor raises :class:`InvalidKey` and what they handed out is invalidated (module docstring).
+    """
 
     buffer: HostBuffer
     offset: int
     nbytes: int
+    owner: Lease | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    def _lease(self) -> Lease | None:
+        return self.owner
+
+    def _handed_out(self, obj: Any) -> Any:
+        """``obj`` (a tensor or memoryview of this range), remembered so that the owner's release invalidates it."""
+        lease = self._lease()
+        if lease is not None:
+            self.buffer._track(lease, obj)
+        return obj
 
     @property
     def addr(self) -> int:
         """Address of the first byte in the registration's address space."""
+        lease = self._lease()
+        if lease is not None:
+            self.buffer._check_live(lease)
         return self.buffer.registration.addr + self.offset
 
     @property
@@ -62,19 +97,22 @@ class Region:
     @property
     def tensor(self) -> torch.Tensor:
         """``uint8 [nbytes]`` view of the range (shares memory with the backing)."""
-        return self.buffer.bytes[self.offset : self.offset + self.nbytes]
+        return self._handed_out(self.buffer.bytes[self.offset : self.offset + self.nbytes])
 
     @property
     def view(self) -> memoryview:
         """Writable memoryview of the range, e.g. a destination for ``LocalBlockStore.read_into``."""
-        return self.buffer.memory[self.offset : self.offset + self.nbytes]
+        return self._handed_out(self.buffer.memory[self.offset : self.offset + self.nbytes])
 
     def slice(self, offset: int, nbytes: int) -> Region:
         """Sub-range at ``offset`` (relative to this range) of ``nbytes`` bytes; out of bounds raises BoundsError."""
+        lease = self._lease()
+        if lease is not None:
+            self.buffer._check_live(lease)
         if offset < 0 or nbytes < 0 or offset + nbytes > self.nbytes:
             raise BoundsError(f"slice [{offset}, {offset + nbytes}) is outside a region of {self.nbytes} bytes "
                               f"(at byte {self.offset} of {self.buffer.role})")
-        return Region(self.buffer, self.offset + offset, nbytes)
+        return Region(self.buffer, self.offset + offset, nbytes, owner=lease)
 
     def full_blocks(self, layout: KVLayout, num_blocks: int | None = None) -> torch.Tensor:
         """``uint8 [n, L, T, C]`` view of the first ``n`` Full Blocks of the range (default: as many as fit)."""
@@ -83,7 +121,7 @@ class Region:
         needed = num_blocks * layout.full_block_bytes
         if needed > self.nbytes:
             raise BoundsError(f"{num_blocks} Full Blocks need {needed} bytes, the region has {self.nbytes}")
-        return layout.as_full_blocks(self.tensor[:needed], num_blocks)
+        return self._handed_out(layout.as_full_blocks(self.tensor[:needed], num_blocks))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +130,9 @@ class Lease(Region):
 
     request_id: Any = None
     lease_id: int = -1
+
+    def _lease(self) -> Lease:
+        return self
 
     def release(self) -> None:
         self.buffer.release(self)
@@ -135,26 +176,30 @@ class HostBuffer:
     alignment : int
         Every lease starts at an address that is a multiple of this (a power of two).
     timeout_s : float, optional
-        Default admission deadline; ``ADP_TIMEOUT_S`` (30 s) when omitted.
+        Default admission deadline (finite, > 0); ``ADP_TIMEOUT_S`` (30 s) when omitted.
+
+    Every argument is checked by name: a wrong type raises :class:`~ascend_dualpath.errors.ArgumentTypeError`,
+    a NaN, infinite or non-positive bound :class:`ConfigError`.
     """
 
     def __init__(self, capacity_bytes: int | None = None, *, backing: Any = None,
                  registration: Registration | None = None, role: str = "de_buffer",
                  alignment: int = DEFAULT_ALIGNMENT, timeout_s: float | None = None) -> None:
-        if role not in ROLES:
-            raise ConfigError(f"role must be one of {ROLES}, got {role!r}")
-        if alignment < 1 or alignment & (alignment - 1):
-            raise ConfigError(f"alignment must be a power of two, got {alignment}")
+        self._check_arguments(capacity_bytes, registration, role, alignment)
         self.role = role
-        self.alignment = alignment
-        self.default_timeout_s = timeout_s
+        self.alignment = int(alignment)
+        self.default_timeout_s = None if timeout_s is None else check_bound("timeout_s", timeout_s, where=role)
         if backing is None:
             if capacity_bytes is None or capacity_bytes < 1:
                 raise ConfigError(f"{role}: capacity_bytes must be >= 1 without a backing, got {capacity_bytes}")
             backing = torch.empty(capacity_bytes + alignment - 1, dtype=torch.uint8,
                                   pin_memory=torch.cuda.is_available())
         self.backing = backing
-        self.memory = as_memoryview(backing, writable=True)
+        try:
+            self.memory = as_memoryview(backing, writable=True)
+        except TypeError:
+            raise ArgumentTypeError(f"{role}: backing must be a writable buffer-protocol object or CPU tensor, "
+                                    f"got {type(backing).__name__}") from None
         self.bytes = torch.frombuffer(self.memory, dtype=torch.uint8) if self.memory.nbytes else torch.empty(
             0, dtype=torch.uint8)
         base_addr = buffer_address(self.memory)
@@ -184,6 +229,17 @@ class HostBuffer:
         self._waiters: list[object] = []
         self._used = 0
         self._ids = itertools.count()
+        self._handed: dict[int, list[weakref.ref]] = {}  # lease id -> tensors / memoryviews handed out for it
+
+    @staticmethod
+    def _check_arguments(capacity_bytes: Any, registration: Any, role: Any, alignment: Any) -> None:
+        if role not in ROLES:
+            raise ConfigError(f"role must be one of {ROLES}, got {role!r}")
+        if check_bound("alignment", alignment, integer=True, where=role) & (alignment - 1):
+            raise ConfigError(f"alignment must be a power of two, got {alignment}")
+        if capacity_bytes is not None:
+            check_type("capacity_bytes", capacity_bytes, int, where=role)
+        check_type("registration", registration, (Registration, type(None)), where=role)
 
     # -- allocation -----------------------------------------------------------------------------------------------
     def _round(self, nbytes: int) -> int:
@@ -208,7 +264,8 @@ class HostBuffer:
         nbytes : int
             Bytes wanted (>= 1); the extent taken is rounded up to ``alignment``.
         timeout_s : float, optional
-            Admission deadline; 0 means do not wait. Default: the buffer's ``timeout_s`` or ``ADP_TIMEOUT_S``.
+            Admission deadline (finite, >= 0); 0 means do not wait. Default: the buffer's ``timeout_s`` or
+            ``ADP_TIMEOUT_S``.
 
         Raises
         ------
@@ -217,6 +274,7 @@ class HostBuffer:
         AdmissionDeferred
             No space became free before the deadline; nothing was allocated.
         """
+        check_type("nbytes", nbytes, int, where=f"{self.role} allocate")
         if nbytes < 1:
             raise BoundsError(f"{self.role}: allocation of {nbytes} bytes for request {request_id!r}; needs >= 1")
         size = self._round(nbytes)
@@ -225,6 +283,8 @@ class HostBuffer:
                                 f"capacity is {self.capacity_bytes}")
         if timeout_s is None:
             timeout_s = self.default_timeout_s if self.default_timeout_s is not None else _env.timeout_s()
+        else:
+            timeout_s = check_bound("timeout_s", timeout_s, zero_ok=True, where=f"{self.role} allocate")
         turn = object()
         with self._cond:
             self._waiters.append(turn)
@@ -244,7 +304,7 @@ class HostBuffer:
                     del self._free[index]
                 else:
                     self._free[index][0] = start + size
-                lease = Lease(self, start, nbytes, request_id, next(self._ids))
+                lease = Lease(self, start, nbytes, request_id=request_id, lease_id=next(self._ids))
                 self._leases[lease.lease_id] = lease
                 self._extent_bytes[lease.lease_id] = size
                 self._by_request.setdefault(request_id, set()).add(lease.lease_id)
@@ -270,7 +330,30 @@ class HostBuffer:
                 del self._by_request[lease.request_id]
             self._used -= size
             self._insert_free(lease.offset, lease.offset + size)
+            self._invalidate(self._handed.pop(lease.lease_id, []))
             self._cond.notify_all()
+
+    def _check_live(self, lease: Lease) -> None:
+        if self._leases.get(lease.lease_id) is not lease:
+            raise InvalidKey(f"{self.role}: lease {lease.lease_id} of request {lease.request_id!r} ({lease.nbytes} "
+                             f"bytes at {lease.offset}) was released; its bytes may belong to another lease now")
+
+    def _track(self, lease: Lease, obj: Any) -> None:
+        with self._cond:
+            self._check_live(lease)
+            self._handed.setdefault(lease.lease_id, []).append(weakref.ref(obj))
+
+    @staticmethod
+    def _invalidate(handed: list[weakref.ref]) -> None:
+        """Cut what a released lease handed out off the backing, so that late writes raise instead of landing."""
+        for ref in handed:
+            obj = ref()
+            if isinstance(obj, torch.Tensor):
+                with torch.no_grad():
+                    obj.set_(torch.empty(0, dtype=obj.dtype))  # 0 elements: any index or copy_ now raises
+            elif isinstance(obj, memoryview):
+                with contextlib.suppress(BufferError):  # exported further (numpy.frombuffer): cannot be taken back
+                    obj.release()
 
     def _insert_free(self, start: int, end: int) -> None:
         index = bisect.bisect_left(self._free, [start, end])

@@ -5,7 +5,9 @@ header (magic, version, layout fingerprint, block id, parent id, payload size, C
 the header) followed by the ``[L, T, C]`` payload, zero-padded to a multiple of 4096 bytes so that
 ``O_DIRECT`` reads stay aligned. Writes go to a temporary file in the same directory, are fsync'ed and then
 renamed over the final name (and the directory fsync'ed), so a crash leaves either the whole block or
-nothing visible; temporaries left by a crash are removed when the store is opened.
+nothing visible; temporaries left by a crash are removed when the store is opened. The index follows the disk:
+a block whose file was deleted behind the store's back counts as absent (``contains``, ``longest_prefix``,
+``read_into`` stat or open it) and leaves the index with its descendants.
 
 :class:`BlockStore` is the seam for other backends (3FS through USRBIO, Mooncake Store): the read paths
 only use that protocol. :class:`ReadQueue` models one node's storage NIC: a FIFO of block reads paced by a
@@ -16,6 +18,7 @@ scheduler's ``read_q``).
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import dataclasses
 import errno
@@ -34,6 +37,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from ascend_dualpath import _env
+from ascend_dualpath._checks import check_bound, check_type
 from ascend_dualpath.errors import (
     BoundsError,
     CapacityError,
@@ -223,10 +227,17 @@ class LocalBlockStore:
         The outcome is in :attr:`io_mode` and :attr:`io_mode_reason`.
     faults : FaultInjector, optional
         Test hooks.
+
+    After :meth:`close` every call raises :class:`QueueError` naming the store.
     """
 
     def __init__(self, root: str | Path, layout: KVLayout, *, direct_io: bool | None = None,
                  faults: FaultInjector | None = None) -> None:
+        check_type("root", root, (str, os.PathLike), where="LocalBlockStore")
+        check_type("layout", layout, KVLayout, where="LocalBlockStore")
+        check_type("direct_io", direct_io, (bool, type(None)), where="LocalBlockStore")
+        check_type("faults", faults, (FaultInjector, type(None)), where="LocalBlockStore")
+        self._closed = False
         self.root = Path(root)
         self.layout = layout
         self.faults = faults or FaultInjector()
@@ -306,6 +317,7 @@ class LocalBlockStore:
         the parent recorded in its header; stops at the first block that is absent (its descendants would be
         unreachable). Returns the number of blocks adopted.
         """
+        self._check_open("refresh")
         adopted = 0
         for block_id in block_ids:
             if block_id in self.index:
@@ -323,12 +335,42 @@ class LocalBlockStore:
         name = block_id.hex()
         return self._blocks_dir / name[:2] / f"{name}{BLOCK_SUFFIX}"
 
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise QueueError(f"block store at {self.root} is closed: cannot {what}")
+
+    def _check_id(self, name: str, block_id: Any) -> None:
+        check_type(name, block_id, bytes, where=f"block store at {self.root}")
+        if len(block_id) != BLOCK_ID_BYTES:
+            raise InvalidKey(f"{name} must be {BLOCK_ID_BYTES} bytes, got {len(block_id)}")
+
+    def _on_disk(self, block_id: bytes) -> bool:
+        """Whether an indexed block's file still exists; a vanished one leaves the index with its descendants."""
+        if self.path_of(block_id).exists():
+            return True
+        self._forget(block_id)
+        return False
+
+    def _forget(self, block_id: bytes) -> None:
+        with contextlib.suppress(InvalidKey):  # another thread forgot it first
+            removed = self.index.remove(block_id)
+            log.warning("block store %s: block %s was deleted behind the store; dropped it and %d descendant(s) "
+                        "from the index", self.root, block_id.hex(), len(removed) - 1)
+
     def contains(self, block_id: bytes) -> bool:
-        return block_id in self.index
+        """Whether the block is indexed and its file is still on disk."""
+        self._check_open("look up a block")
+        self._check_id("block_id", block_id)
+        return block_id in self.index and self._on_disk(block_id)
 
     def longest_prefix(self, block_ids: Sequence[bytes]) -> int:
-        """Number of leading blocks of ``block_ids`` (a hash chain) that the store holds."""
-        return self.index.longest_prefix(block_ids)
+        """Number of leading blocks of ``block_ids`` (a hash chain) that the store holds, their files checked."""
+        self._check_open("match a prefix")
+        matched = self.index.longest_prefix(block_ids)
+        for position, block_id in enumerate(block_ids[:matched]):
+            if not self._on_disk(block_id):
+                return position
+        return matched
 
     # -- writes ---------------------------------------------------------------------------------------------------
     def write_block(self, block_id: bytes, parent_id: bytes | None, payload: Any) -> bool:
@@ -341,6 +383,9 @@ class LocalBlockStore:
         payload : buffer or torch.Tensor
             ``full_block_bytes`` bytes of a ``[L, T, C]`` block.
         """
+        self._check_open("write a block")
+        check_type("block_id", block_id, bytes, where=f"block store at {self.root}")
+        check_type("parent_id", parent_id, (bytes, type(None)), where=f"block store at {self.root}")
         if len(block_id) != BLOCK_ID_BYTES or (parent_id is not None and len(parent_id) != BLOCK_ID_BYTES):
             raise InvalidKey(f"block ids must be {BLOCK_ID_BYTES} bytes, got {len(block_id)} "
                              f"and {None if parent_id is None else len(parent_id)}")
@@ -387,6 +432,8 @@ class LocalBlockStore:
 
     def remove(self, block_id: bytes) -> list[bytes]:
         """Delete a block and its descendants (unreachable without it); returns the removed ids."""
+        self._check_open("remove a block")
+        self._check_id("block_id", block_id)
         removed = self.index.remove(block_id)
         for current in removed:
             self.path_of(current).unlink(missing_ok=True)
@@ -418,10 +465,13 @@ class LocalBlockStore:
         Raises
         ------
         StorageReadError
-            The block is not stored, or its file is short, malformed or unreadable.
+            The block is not stored, its file vanished (ENOENT; the block and its descendants leave the index),
+            or its file is short, malformed or unreadable.
         ChecksumMismatch
             The bytes read do not match the stored CRC-32.
         """
+        self._check_open("read a block")
+        self._check_id("block_id", block_id)
         view = as_memoryview(dest, writable=True)
         expected = self.layout.full_block_bytes
         if view.nbytes != expected:
@@ -457,6 +507,8 @@ class LocalBlockStore:
             raise
         except OSError as error:
             self._restore(view, saved)
+            if error.errno == errno.ENOENT:
+                self._forget(block_id)
             raise StorageReadError(error.errno or errno.EIO,
                                    f"reading block {block_id.hex()} from {path} failed: {error}") from error
 
@@ -487,6 +539,8 @@ class LocalBlockStore:
             view[bulk:] = page[:tail]
 
     def close(self) -> None:
+        """Release the read scratch page of the calling thread; every later call raises :class:`QueueError`."""
+        self._closed = True
         page = getattr(self._scratch, "page", None)
         if page is not None:
             page.close()
@@ -521,7 +575,8 @@ class ManualClock:
     def __init__(self, start: float = 0.0, *, auto_advance: bool = False, timeout_s: float | None = None) -> None:
         self._now = start
         self._auto = auto_advance
-        self._timeout_s = timeout_s if timeout_s is not None else _env.timeout_s()
+        self._timeout_s = check_bound("timeout_s", timeout_s, where="manual clock") if timeout_s is not None \
+            else _env.timeout_s()
         self._cond = threading.Condition()
         self._sleepers = 0
         self.sleeps: list[float] = []
@@ -553,7 +608,8 @@ class ManualClock:
 
     def wait_for_sleepers(self, count: int = 1, timeout_s: float | None = None) -> None:
         """Block until ``count`` threads sleep on this clock (bounded by real time)."""
-        timeout = timeout_s if timeout_s is not None else self._timeout_s
+        timeout = check_bound("timeout_s", timeout_s, where="manual clock") if timeout_s is not None \
+            else self._timeout_s
         with self._cond:
             if not self._cond.wait_for(lambda: self._sleepers >= count, timeout):
                 raise WaitTimeout(f"manual clock: waited {timeout} s for {count} sleeper(s), saw {self._sleepers}")
@@ -568,12 +624,8 @@ class TokenBucket:
     """
 
     def __init__(self, rate_bytes_per_s: float, burst_bytes: int, now: float) -> None:
-        if rate_bytes_per_s <= 0:
-            raise ConfigError(f"bandwidth must be > 0 bytes/s, got {rate_bytes_per_s}")
-        if burst_bytes <= 0:
-            raise ConfigError(f"burst must be > 0 bytes, got {burst_bytes}")
-        self.rate = float(rate_bytes_per_s)
-        self.burst = float(burst_bytes)
+        self.rate = check_bound("bandwidth_bytes_per_s", rate_bytes_per_s, where="token bucket")
+        self.burst = float(check_bound("burst_bytes", burst_bytes, integer=True, where="token bucket"))
         self._tokens = float(burst_bytes)
         self._last = now
 
@@ -614,7 +666,8 @@ class ReadTicket:
         return self._done.is_set()
 
     def wait(self, timeout_s: float | None = None) -> None:
-        timeout = timeout_s if timeout_s is not None else _env.timeout_s()
+        timeout = check_bound("timeout_s", timeout_s, zero_ok=True, where=f"read of block {self.block_id.hex()}") \
+            if timeout_s is not None else _env.timeout_s()
         if not self._done.wait(timeout):
             state = "queued" if self.started_at is None else "reading"
             raise WaitTimeout(f"read of block {self.block_id.hex()} ({self.nbytes} bytes) not done after "
@@ -676,8 +729,14 @@ class ReadQueue:
     def __init__(self, store: BlockStore, bandwidth_bytes_per_s: float, *, burst_bytes: int | None = None,
                  io_depth: int = 4, max_queued_bytes: int | None = None, clock: Clock | None = None,
                  node: str = "node0") -> None:
-        if io_depth < 1:
-            raise ConfigError(f"io_depth must be >= 1, got {io_depth}")
+        where = f"read queue of {node}"
+        check_type("store", store, BlockStore, where=where)
+        check_bound("bandwidth_bytes_per_s", bandwidth_bytes_per_s, where=where)
+        if burst_bytes is not None:
+            check_bound("burst_bytes", burst_bytes, integer=True, where=where)
+        io_depth = check_bound("io_depth", io_depth, integer=True, where=where)
+        if max_queued_bytes is not None:
+            check_bound("max_queued_bytes", max_queued_bytes, integer=True, where=where)
         self.store = store
         self.node = node
         self.clock = clock or MonotonicClock()
@@ -779,7 +838,8 @@ class ReadQueue:
 
     def close(self, timeout_s: float | None = None) -> None:
         """Stop the queue: queued reads fail with :class:`QueueError`, in-flight reads finish first."""
-        timeout = timeout_s if timeout_s is not None else _env.timeout_s()
+        timeout = check_bound("timeout_s", timeout_s, where=f"read queue of {self.node}") if timeout_s is not None \
+            else _env.timeout_s()
         with self._cond:
             if self._closed:
                 return

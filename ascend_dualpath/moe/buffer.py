@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ascend_dualpath import _env
+from ascend_dualpath._checks import check_bound, check_type
 from ascend_dualpath.errors import AlignmentError, BoundsError, CapacityError, ConfigError, PayloadTooLarge
 from ascend_dualpath.moe import quant
 from ascend_dualpath.moe.event import EventOverlap
@@ -133,7 +134,10 @@ class Buffer:
     ranks_per_node : int, keyword-only
         Ranks sharing a node (node = rank // ranks_per_node); default 8, DeepEP's NVLink domain.
     timeout_s : float, keyword-only
-        Bound of every wait; default ``ADP_TIMEOUT_S`` (:func:`ascend_dualpath._env.timeout_s`).
+        Bound of every wait (finite, > 0); default ``ADP_TIMEOUT_S`` (:func:`ascend_dualpath._env.timeout_s`).
+
+    Arguments are checked by name before any communication: a wrong type raises
+    :class:`~ascend_dualpath.errors.ArgumentTypeError`, a NaN, infinite or non-positive bound :class:`ConfigError`.
     """
 
     num_sms = 0
@@ -147,6 +151,16 @@ class Buffer:
 
         from ascend_dualpath.moe import strategies
 
+        for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes),
+                            ("num_qps_per_rank", num_qps_per_rank), ("ranks_per_node", ranks_per_node)):
+            check_type(name, value, int, where="Buffer")
+        for name, value in (("low_latency_mode", low_latency_mode), ("explicitly_destroy", explicitly_destroy),
+                            ("allow_nvlink_for_low_latency_mode", allow_nvlink_for_low_latency_mode),
+                            ("allow_mnnvl", allow_mnnvl)):
+            check_type(name, value, bool, where="Buffer")
+        check_type("strategy", strategy, str, where="Buffer")
+        # checked before any wait: a NaN bound would never expire
+        timeout_s = check_bound("timeout_s", timeout_s, where="Buffer") if timeout_s is not None else _env.timeout_s()
         for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
             if value < 0 or value % BUFFER_ALIGNMENT_BYTES:
                 raise AlignmentError(f"{name}={value} must be a non-negative multiple of {BUFFER_ALIGNMENT_BYTES}")
@@ -165,9 +179,7 @@ class Buffer:
         self.num_rdma_bytes = num_rdma_bytes
         self.low_latency_mode = low_latency_mode
         self.explicitly_destroy = explicitly_destroy
-        self.timeout_s = float(timeout_s) if timeout_s is not None else _env.timeout_s()
-        if self.timeout_s <= 0:
-            raise ConfigError(f"timeout_s={self.timeout_s} must be > 0")
+        self.timeout_s = timeout_s
         self.strategy_name = strategies.resolve(strategy, self.group)
         # aiv takes two hops (RDMA to the same-index rank of the target node, then intra-node) across nodes
         options = {"ranks_per_node": self.ranks_per_node} if self.strategy_name == "aiv" else {}

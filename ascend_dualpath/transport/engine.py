@@ -16,17 +16,11 @@ from dataclasses import dataclass, field
 
 from ascend_dualpath import _env
 from ascend_dualpath import errors as E
+from ascend_dualpath._checks import check_bound, check_type
 from ascend_dualpath.transport.kinds import MemoryKind, Selection, TransferKind
 from ascend_dualpath.transport.segments import MemorySegment, RemoteSlot, WirePiece, split_segments
 
 STAGING_ALIGN = 512  # staging buffers start on 512-byte boundaries (full-speed MTE bursts)
-
-
-def _checked_timeout(name: str, value) -> float:
-    """``value`` as seconds; ConfigError naming ``name`` unless it is a finite number > 0 (NaN would wait forever)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise E.ConfigError(f"{name} must be a finite number of seconds > 0, got {value!r}")
-    return float(value)
 
 
 @dataclass(frozen=True)
@@ -153,7 +147,8 @@ class TransferEngine(abc.ABC):
     _ticket_ids = itertools.count(1)
 
     def __init__(self, timeout_s: float | None = None):
-        self.timeout_s = _env.timeout_s() if timeout_s is None else _checked_timeout("timeout_s", timeout_s)
+        where = type(self).__name__
+        self.timeout_s = _env.timeout_s() if timeout_s is None else check_bound("timeout_s", timeout_s, where=where)
 
     @abc.abstractmethod
     def select(self, sources: Sequence[MemorySegment]) -> Selection:
@@ -200,7 +195,15 @@ class TransferEngine(abc.ABC):
         kind: TransferKind | str | None = None,
     ) -> PreparedTransfer:
         """Route a request once (as :meth:`submit` would) for repeated submission; errors of the gates, an
-        override the sources do not allow and a slot overflow are raised here."""
+        override the sources do not allow and a slot overflow are raised here; so is an argument of the wrong
+        type (:class:`~ascend_dualpath.errors.ArgumentTypeError`, naming it)."""
+        where = f"{type(self).__name__}.submit"
+        check_type("sources", sources, (list, tuple), where=where)
+        for index, source in enumerate(sources):
+            check_type(f"sources[{index}]", source, MemorySegment, where=where)
+        check_type("remote", remote, RemoteSlot, where=where)
+        check_type("notify_slot", notify_slot, (int, type(None)), where=where)
+        check_type("kind", kind, (TransferKind, str, type(None)), where=where)
         sources = list(sources)
         selection, pieces = self._route(sources, remote, kind)
         return PreparedTransfer(self, sources, remote, notify_slot, selection, pieces)
@@ -236,7 +239,8 @@ class TransferEngine(abc.ABC):
             if ticket.result is None:
                 raise E.ProtocolError(f"ticket {ticket.id} was never started")
             return ticket.result
-        timeout_s = self.timeout_s if timeout is None else _checked_timeout("timeout", timeout)
+        timeout_s = self.timeout_s if timeout is None else check_bound("timeout", timeout, zero_ok=True,
+                                                                                where=f"ticket {ticket.id}")
         try:
             result = self._finish(ticket, timeout_s)
             if ticket.notify_slot is not None:  # only after every piece completed

@@ -193,8 +193,11 @@ PYBIND11_MODULE(_C, m) {
         .def_property_readonly("name", &Fabric::name)
         .def_property_readonly("is_creator", &Fabric::is_creator)
         .def("close", &Fabric::close)
+        .def_property_readonly("closed", &Fabric::closed)
+        .def_property_readonly("creator_pid", &Fabric::creator_pid)
         .def_property_readonly("num_live_regions", &Fabric::num_live_regions)
         .def("reap_dead_owners", &Fabric::reap_dead_owners)
+        .def_static("reap_stale_shm", &Fabric::reap_stale_shm, py::arg("shm_dir") = "/dev/shm")
         .def("lookup_rkey", [](const Fabric& f, uint32_t rkey) -> py::object {
             RegionInfo info;
             if (!f.lookup_rkey(rkey, &info) || !f.region_shm_name(info, &info.shm_name)) return py::none();
@@ -251,6 +254,7 @@ PYBIND11_MODULE(_C, m) {
         .def_property_readonly("lkey", &CompletionQueue::lkey)
         .def_property_readonly("consumer_index", &CompletionQueue::consumer_index)
         .def_property_readonly("region", &CompletionQueue::region)
+        .def_property_readonly("closed", &CompletionQueue::closed)
         .def("poll", &CompletionQueue::poll, py::arg("max_entries"), py::arg("timeout_s"),
              py::call_guard<py::gil_scoped_release>())
         .def("close", &CompletionQueue::close);

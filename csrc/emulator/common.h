@@ -2,6 +2,7 @@
 #pragma once
 
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <sstream>
 #include <stdexcept>
@@ -45,11 +46,19 @@ inline std::string hex(uint64_t v) {
 
 using Clock = std::chrono::steady_clock;
 
+// Every bound on a wait passes through here: NaN compares false with everything, so a NaN deadline
+// would never expire, and infinity or a negative value is no bound at all.
+inline void check_timeout(double timeout_s) {
+    if (!(timeout_s >= 0.0) || !std::isfinite(timeout_s))
+        fail(ErrorKind::kConfig, "timeout_s must be a finite number of seconds >= 0, got ", timeout_s);
+}
+
 // Spin-then-sleep waiting used by every poll loop: cheap when the answer comes fast, and gentle on a
 // 2-core machine when it does not. `ready()` is polled until it returns true or `timeout_s` passes;
 // returns false on timeout so the caller can raise an error that says what it waited for.
 template <typename Pred>
 bool wait_until(Pred&& ready, double timeout_s) {
+    check_timeout(timeout_s);
     const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s);
     for (uint32_t spins = 0;; ++spins) {
         if (ready()) return true;

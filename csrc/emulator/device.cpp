@@ -48,9 +48,15 @@ bool CompletionQueue::push(uint8_t* base, uint32_t depth, Cqe cqe) {
     return true;
 }
 
+void CompletionQueue::check_open(const char* what) const {
+    if (closed()) fail(ErrorKind::kQueue, "CQ (lkey ", hex(lkey()), ", depth ", depth_, ") is closed: cannot ", what);
+}
+
 uint32_t CompletionQueue::consumer_index() const { return atomic_at<uint32_t>(*region_, 64).load(); }
 
 std::vector<Completion> CompletionQueue::poll(uint32_t max_entries, double timeout_s) {
+    check_timeout(timeout_s);
+    check_open("poll");
     uint8_t* base = region_->data();
     auto& consumer = atomic_at<uint32_t>(*region_, 64);
     auto& overrun = atomic_at<uint32_t>(*region_, 128);
@@ -110,6 +116,8 @@ QueuePair::QueuePair(std::shared_ptr<Fabric> fabric, std::shared_ptr<Nic> nic, u
         fail(ErrorKind::kConfig, "wqe_size must be a multiple of 16 in [", kWqeBytes, ", 256], got ", wqe_size);
     if (sl > 7) fail(ErrorKind::kConfig, "service level must be in [0, 7], got ", sl);
     if (!send_cq_) fail(ErrorKind::kConfig, "a queue pair needs a send CQ");
+    send_cq_->check_open("create a queue pair on it (send CQ)");
+    if (recv_cq_) recv_cq_->check_open("create a queue pair on it (receive CQ)");
     ring_offset_ = align_up(kDirtyOffset + depth, 4096);
     region_ = std::make_shared<Region>(fabric_, MemKind::kDeviceGm, ring_offset_ + uint64_t(depth) * wqe_size,
                                        kLocalWrite, pd, device_id);
@@ -119,8 +127,7 @@ QueuePair::QueuePair(std::shared_ptr<Fabric> fabric, std::shared_ptr<Nic> nic, u
 QueuePair::~QueuePair() { close(); }
 
 void QueuePair::close() {
-    if (closed_) return;
-    closed_ = true;
+    if (closed_.exchange(true)) return;
     nic_->detach(this);
     fabric_->deregister_qp(qpn_);
     region_->close();
@@ -133,7 +140,14 @@ std::atomic<uint64_t>& QueuePair::post_vtime_ref() const { return atomic_at<uint
 uint32_t QueuePair::head() const { return head_ref().load(std::memory_order_acquire); }
 uint32_t QueuePair::tail() const { return tail_ref().load(std::memory_order_acquire); }
 
+void QueuePair::check_open(const char* what) const {
+    if (closed_.load()) fail(ErrorKind::kQueue, "qpn ", qpn_, " is closed: cannot ", what);
+    if (send_cq_->closed())
+        fail(ErrorKind::kQueue, "qpn ", qpn_, ": its send CQ (lkey ", hex(send_cq_->lkey()), ") is closed: cannot ", what);
+}
+
 void QueuePair::connect(uint32_t dest_qpn) {
+    check_open("connect");
     QpInfo info;
     if (!fabric_->lookup_qp(dest_qpn, &info))
         fail(ErrorKind::kInvalidKey, "qpn ", dest_qpn, " names no live queue pair on fabric '", fabric_->name(), "'");
@@ -149,7 +163,7 @@ void QueuePair::wait_for_space(uint32_t head, uint32_t needed, double timeout_s)
 }
 
 uint32_t QueuePair::post(const std::vector<WorkRequest>& requests, double submit_cost_ns, double timeout_s, int sl) {
-    if (closed_) fail(ErrorKind::kQueue, "qpn ", qpn_, " is closed");
+    check_open("post");
     std::lock_guard<std::mutex> guard(post_mutex_);
     uint32_t head = head_ref().load(std::memory_order_relaxed);
     const uint32_t shift = owner_shift();
@@ -174,13 +188,18 @@ uint32_t QueuePair::post(const std::vector<WorkRequest>& requests, double submit
 }
 
 void QueuePair::write_wqe_bytes(uint32_t index, const uint8_t* bytes, uint32_t size) {
+    check_open("write a WQE");
     if (size > wqe_size_) fail(ErrorKind::kPayloadTooLarge, "WQE of ", size, " bytes exceeds the slot size ", wqe_size_);
     std::memcpy(region_->data() + ring_offset_ + uint64_t(index % depth_) * wqe_size_, bytes, size);
 }
 
-void QueuePair::set_head(uint32_t head) { head_ref().store(head, std::memory_order_release); }
+void QueuePair::set_head(uint32_t head) {
+    check_open("set the head");
+    head_ref().store(head, std::memory_order_release);
+}
 
 void QueuePair::ring_doorbell(uint64_t value, double post_vtime_ns) {
+    check_open("ring the doorbell");
     uint64_t bits;
     std::memcpy(&bits, &post_vtime_ns, sizeof(bits));
     post_vtime_ref().store(bits, std::memory_order_relaxed);
@@ -188,6 +207,7 @@ void QueuePair::ring_doorbell(uint64_t value, double post_vtime_ns) {
 }
 
 void QueuePair::drain(double timeout_s) {
+    if (closed_.load()) fail(ErrorKind::kQueue, "qpn ", qpn_, " is closed: cannot drain");
     const uint32_t target = head();
     if (!wait_until([&] { return tail() == target; }, timeout_s))
         fail(ErrorKind::kTimeout, "timed out after ", timeout_s, " s draining qpn ", qpn_, ": head=", target,
@@ -298,8 +318,10 @@ bool Nic::take_doorbell(QueuePair& qp) {
         cqe.byte_4 = (status_for(kSynBadDoorbell) << 8) | (kSynBadDoorbell << 16);
         cqe.qpn = qp.qpn_;
         cqe.wqe_index = qp.nic_ci_;
-        qp.send_cq_->record_detail(qp.qpn_, qp.nic_ci_, detail);
-        CompletionQueue::push(qp.send_cq_->region()->data(), qp.send_cq_->depth(), cqe);
+        if (!qp.send_cq_->closed()) {
+            qp.send_cq_->record_detail(qp.qpn_, qp.nic_ci_, detail);
+            CompletionQueue::push(qp.send_cq_->region()->data(), qp.send_cq_->depth(), cqe);
+        }
         return true;
     }
     const uint32_t target = qp.nic_ci_ + pending_after;
@@ -360,6 +382,9 @@ void Nic::retire_one(QueuePair& qp) {
     std::string detail;
     double vtime = ready_ns;
     uint32_t syndrome;
+    // a closed send CQ takes no CQE: the QP goes to ERROR and its WQEs are flushed without one
+    const bool cq_open = !qp.send_cq_->closed();
+    if (!cq_open) qp.state_.store(QpState::kError);
     if (qp.state_.load() == QpState::kError) {
         syndrome = kSynFlushed;
         detail = cat("qpn ", qp.qpn_, " is in the ERROR state: WQE ", index, " flushed without executing");
@@ -374,7 +399,7 @@ void Nic::retire_one(QueuePair& qp) {
         syndrome = execute(qp, w, index, &detail, &vtime);
     }
     if (syndrome != kSynNone) qp.state_.store(QpState::kError);  // RC semantics: the first error kills the QP
-    if (syndrome != kSynNone || (w.byte_4 & kSignaledBit)) {
+    if (cq_open && (syndrome != kSynNone || (w.byte_4 & kSignaledBit))) {
         Cqe cqe{};
         cqe.byte_4 = (w.byte_4 & kOpcodeMask) | (status_for(syndrome) << 8) | (syndrome << 16);
         cqe.qpn = qp.qpn_;

@@ -47,7 +47,12 @@ class CompletionQueue {
     uint32_t depth() const { return depth_; }
     uint32_t lkey() const { return region_->info().lkey; }
     const std::shared_ptr<Region>& region() const { return region_; }
+    // A closed CQ refuses polls, new queue pairs and posts on the queue pairs that complete into it;
+    // the NIC flushes such WQEs without writing a CQE.
     void close() { region_->close(); }
+    bool closed() const { return !region_->registered(); }
+    // QueueError naming this CQ when it is closed; `what` says what was refused.
+    void check_open(const char* what) const;
 
     // Producer side; `base` is this CQ's ring as mapped by the caller (possibly another process).
     // Returns false (and sets the overrun flag) when the consumer has not freed a slot.
@@ -135,6 +140,7 @@ class QueuePair {
     std::atomic<uint64_t>& doorbell_ref() const;
     std::atomic<uint64_t>& post_vtime_ref() const;
     void wait_for_space(uint32_t head, uint32_t needed, double timeout_s);
+    void check_open(const char* what) const;
 
     std::shared_ptr<Fabric> fabric_;
     std::shared_ptr<Nic> nic_;
@@ -154,7 +160,7 @@ class QueuePair {
     bool nic_sl_bad_ = false;    // a doorbell carried the wrong SL: WQEs from nic_sl_bad_from_ fail
     uint32_t nic_sl_bad_from_ = 0;
     std::string nic_sl_detail_;
-    bool closed_ = false;
+    std::atomic<bool> closed_{false};
 };
 
 // The NIC engine: one thread per device. It takes doorbells from every attached QP, then executes

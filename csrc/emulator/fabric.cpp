@@ -1,5 +1,6 @@
 #include "emulator/fabric.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -15,7 +16,7 @@ namespace adp::emu {
 
 namespace {
 constexpr uint64_t kMagic = 0x4144505f46414231ull;  // "ADP_FAB1"
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;  // 2: the creator's pid in the header
 constexpr uint32_t kStateFree = 0, kStateLive = 1;
 constexpr uint32_t kRemoteKeyBit = 0x80000000u;  // lkeys and rkeys differ, so one is never taken for the other
 
@@ -27,6 +28,8 @@ uint32_t key_slot(uint32_t key) { return ((key & ~kRemoteKeyBit) >> 8) - 1; }
 std::string shm_path(const std::string& name) { return name[0] == '/' ? name : "/" + name; }
 
 std::string errno_text() { return std::strerror(errno); }
+
+bool process_dead(uint32_t pid) { return pid != 0 && ::kill(pid_t(pid), 0) != 0 && errno == ESRCH; }
 }  // namespace
 
 struct Fabric::Header {
@@ -34,6 +37,7 @@ struct Fabric::Header {
     uint32_t version;
     uint32_t max_regions;
     uint32_t max_qps;
+    uint32_t creator_pid;  // whose death orphans the fabric's name (reap_dead_owners unlinks it then)
     std::atomic<uint32_t> next_pd;
     std::atomic<uint32_t> num_live_regions;
     pthread_mutex_t mutex;  // process-shared, robust: guards all entry writes
@@ -107,6 +111,7 @@ std::shared_ptr<Fabric> Fabric::create(const std::string& name, uint32_t max_reg
     h->version = kVersion;
     h->max_regions = max_regions;
     h->max_qps = max_qps;
+    h->creator_pid = uint32_t(getpid());
     h->next_pd.store(1);
     h->num_live_regions.store(0);
     pthread_mutexattr_t attr;
@@ -147,14 +152,24 @@ std::shared_ptr<Fabric> Fabric::attach(const std::string& name, double timeout_s
 void Fabric::close() {
     if (creator_ && !unlinked_) shm_unlink(shm_path("adp." + name_).c_str());
     unlinked_ = true;
+    closed_.store(true);
 }
+
+void Fabric::check_open(const char* what) const {
+    if (closed_.load()) fail(ErrorKind::kQueue, "fabric '", name_, "' is closed: cannot ", what);
+}
+
+uint32_t Fabric::creator_pid() const { return header_->creator_pid; }
 
 Fabric::~Fabric() {
     close();
     if (base_) munmap(base_, bytes_);
 }
 
-uint32_t Fabric::allocate_pd() { return header_->next_pd.fetch_add(1); }
+uint32_t Fabric::allocate_pd() {
+    check_open("open a device");
+    return header_->next_pd.fetch_add(1);
+}
 uint32_t Fabric::max_regions() const { return header_->max_regions; }
 uint32_t Fabric::num_live_regions() const { return header_->num_live_regions.load(); }
 
@@ -162,6 +177,7 @@ RegionInfo Fabric::register_region(const std::string& shm_name, MemKind kind, ui
                                    uint32_t access, uint32_t pd, uint32_t device_id) {
     if (shm_name.size() >= sizeof(RegionEntry::shm_name))
         fail(ErrorKind::kConfig, "shared-memory name '", shm_name, "' longer than ", sizeof(RegionEntry::shm_name) - 1);
+    check_open("register a region");
     RegistryLock lock(&header_->mutex);
     RegionEntry* table = regions();
     for (uint32_t slot = 0; slot < header_->max_regions; ++slot) {
@@ -279,6 +295,7 @@ AccessCheck Fabric::check_local(uint32_t lkey, uint32_t pd, uint64_t va, uint64_
 }
 
 uint32_t Fabric::register_qp(uint32_t device_id, uint32_t recv_cq_lkey, uint32_t recv_cq_depth) {
+    check_open("register a queue pair");
     RegistryLock lock(&header_->mutex);
     QpEntry* table = qps();
     for (uint32_t slot = 0; slot < header_->max_qps; ++slot) {
@@ -313,9 +330,12 @@ bool Fabric::lookup_qp(uint32_t qpn, QpInfo* out) const {
 }
 
 uint32_t Fabric::reap_dead_owners() {
-    auto dead = [](uint32_t pid) { return pid != 0 && ::kill(pid_t(pid), 0) != 0 && errno == ESRCH; };
+    auto dead = process_dead;
     uint32_t reaped = 0;
     RegistryLock lock(&header_->mutex);
+    // nobody is left to unlink the name of a fabric whose creator died: every later attach would find a
+    // fabric that no creator will close
+    if (!creator_ && dead(header_->creator_pid) && shm_unlink(shm_path("adp." + name_).c_str()) == 0) ++reaped;
     for (uint32_t slot = 0; slot < header_->max_regions; ++slot) {
         RegionEntry& e = regions()[slot];
         if (e.state.load() != kStateLive || !dead(e.owner_pid)) continue;
@@ -331,6 +351,43 @@ uint32_t Fabric::reap_dead_owners() {
         ++reaped;
     }
     return reaped;
+}
+
+namespace {
+// `adp.<fabric>.<pid>.<counter>`, as Region names its objects: the pid, or 0 for any other name.
+uint32_t region_object_pid(const std::string& name) {
+    const size_t last = name.rfind('.');
+    const size_t pid_start = last == std::string::npos || last == 0 ? std::string::npos : name.rfind('.', last - 1);
+    if (pid_start == std::string::npos || pid_start < 4) return 0;
+    const std::string counter = name.substr(last + 1), pid = name.substr(pid_start + 1, last - pid_start - 1);
+    auto digits = [](const std::string& t) { return !t.empty() && t.size() <= 10 && t.find_first_not_of("0123456789") == std::string::npos; };
+    return digits(counter) && digits(pid) ? uint32_t(std::stoul(pid)) : 0;
+}
+}  // namespace
+
+std::vector<std::string> Fabric::reap_stale_shm(const std::string& shm_dir) {
+    std::vector<std::string> names, removed;
+    if (DIR* dir = opendir(shm_dir.c_str())) {
+        while (const dirent* entry = readdir(dir))
+            if (std::strncmp(entry->d_name, "adp.", 4) == 0) names.emplace_back(entry->d_name);
+        closedir(dir);
+    }
+    std::vector<std::string> regions;
+    for (const std::string& name : names) {
+        std::shared_ptr<Fabric> fabric;
+        try {  // a fabric file, complete and of this layout; anything else is a region object
+            fabric = attach(name.substr(4), 0.0);
+        } catch (const Error&) {
+            regions.push_back(name);
+            continue;
+        }
+        // a live fabric loses its dead owners' entries (their objects are unlinked below or here), a dead one its name
+        fabric->reap_dead_owners();
+        if (process_dead(fabric->creator_pid())) removed.push_back(name);
+    }
+    for (const std::string& name : regions)
+        if (process_dead(region_object_pid(name)) && shm_unlink(shm_path(name).c_str()) == 0) removed.push_back(name);
+    return removed;
 }
 
 bool Fabric::region_shm_name(const RegionInfo& region, std::string* out) const {

@@ -16,6 +16,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "emulator/common.h"
 
@@ -74,9 +75,12 @@ class Fabric {
 
     const std::string& name() const { return name_; }
     bool is_creator() const { return creator_; }
-    // Creator only: removes the fabric's name so no process can attach any more. Devices and regions
-    // already attached keep working; the memory goes with the last of them.
+    // Removes the fabric's name (creator only) so no process can attach any more, and closes this
+    // handle: registering regions or queue pairs through it raises QueueError. Regions and queue pairs
+    // already registered keep working; the memory goes with the last of them.
     void close();
+    bool closed() const { return closed_.load(); }
+    uint32_t creator_pid() const;
     uint32_t allocate_pd();
     uint32_t max_regions() const;
     uint32_t num_live_regions() const;
@@ -99,8 +103,13 @@ class Fabric {
     void deregister_qp(uint32_t qpn);
     bool lookup_qp(uint32_t qpn, QpInfo* out) const;
     // Deregisters every region and QP whose owner process has died (and unlinks that memory), so
-    // their keys fail at once instead of pointing at orphaned memory. Returns how many were reaped.
+    // their keys fail at once instead of pointing at orphaned memory, and unlinks the fabric's own name
+    // when its creator has died. Returns how many were reaped (the name counts as one).
     uint32_t reap_dead_owners();
+    // What dead processes left in `shm_dir` (/dev/shm): every fabric found is reaped as above (its name
+    // goes when its creator died), then every region object named by a dead process is unlinked.
+    // Processes using a fabric must share a pid namespace. Returns the names removed.
+    static std::vector<std::string> reap_stale_shm(const std::string& shm_dir);
     // The shared-memory name of a live registration (left out of hot-path lookups: it allocates).
     bool region_shm_name(const RegionInfo& region, std::string* out) const;
 
@@ -110,6 +119,7 @@ class Fabric {
     struct QpEntry;
     Fabric() = default;
     void map(int fd, size_t bytes);
+    void check_open(const char* what) const;
     bool read_region(uint32_t slot, RegionInfo* out, bool with_name) const;
     RegionEntry* regions() const;
     QpEntry* qps() const;
@@ -117,6 +127,7 @@ class Fabric {
     std::string name_;
     bool creator_ = false;
     bool unlinked_ = false;
+    std::atomic<bool> closed_{false};
     void* base_ = nullptr;
     size_t bytes_ = 0;
     Header* header_ = nullptr;
@@ -152,7 +163,7 @@ class Region {
     Region& operator=(const Region&) = delete;
 
     void close();
-    bool registered() const { return registered_; }
+    bool registered() const { return registered_.load(std::memory_order_acquire); }
     uint8_t* data() const { return data_; }
     uint64_t addr() const { return reinterpret_cast<uint64_t>(data_); }
     const RegionInfo& info() const { return info_; }
@@ -165,7 +176,7 @@ class Region {
     RegionInfo info_;
     uint8_t* data_ = nullptr;
     size_t mapped_bytes_ = 0;
-    bool registered_ = false;
+    std::atomic<bool> registered_{false};  // read by NIC threads of this process (a closed CQ takes no CQE)
 };
 
 }  // namespace adp::emu

@@ -467,6 +467,7 @@ void HcclComm::aicpu_server() {
 }
 
 double HcclComm::batch_write_wait(uint64_t handle, double timeout_s) {
+    check_timeout(timeout_s);
     std::unique_lock<std::mutex> lock(aicpu_mutex_);
     auto it = aicpu_jobs_.find(handle);
     if (it == aicpu_jobs_.end()) fail(ErrorKind::kInvalidKey, "BatchWrite handle ", handle, " is unknown or already waited");

@@ -177,6 +177,7 @@ Launch::Launch(std::string name, uint32_t block_dim, uint32_t ub_bytes, double t
       timeout_s_(timeout_s),
       hccl_context_(hccl_context) {
     if (block_dim == 0) fail(ErrorKind::kConfig, "kernel ", name_, ": block_dim must be >= 1");
+    check_timeout(timeout_s);
     if (const char* stall = std::getenv("ADP_EMU_MTE2_STALL_US")) {
         char* end = nullptr;
         const unsigned long us = std::strtoul(stall, &end, 10);
@@ -232,6 +233,7 @@ void Launch::check_aborted() const {
 }
 
 void Launch::wait(double timeout_s) {
+    check_timeout(timeout_s);
     std::unique_lock<std::mutex> lock(mutex_);
     if (!cv_.wait_for(lock, std::chrono::duration<double>(timeout_s), [&] { return finished_ == block_dim_; }))
         fail(ErrorKind::kTimeout, "timed out after ", timeout_s, " s waiting for kernel ", name_, ": ",

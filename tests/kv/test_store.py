@@ -330,7 +330,7 @@ def test_token_bucket_rules():
     assert bucket.delay_for(500, 0.1) == pytest.approx(0.4)  # oversized: waits for a full bucket only
     bucket.take(500, 0.5)
     assert bucket.delay_for(1, 0.5) == pytest.approx(4.51)
-    with pytest.raises(ConfigError, match="bandwidth must be > 0"):
+    with pytest.raises(ConfigError, match="bandwidth_bytes_per_s must be > 0"):
         TokenBucket(0, 1, 0.0)
 
 

@@ -341,7 +341,7 @@ def test_completion_timeout_raises_and_releases(C, emu, kind):
         ch = Channel(C, emu, devices)
         memory = MemoryKind.HOST if kind is TransferKind.STAGING else MemoryKind.DEVICE
         region, _ = ch.source(2 * MAX_PIECE, memory)
-        devices[0].nic.set_paused(True)  # nothing retires after the posts fit in the SQ
+        devices[0].nic.set_paused(True)  # the NIC executes nothing: the posts fit in the SQ, no CQE comes
         ticket = ch.engine.submit([MemorySegment.of_region(region)], ch.slot(), notify_slot=2, kind=kind)
         with pytest.raises(errors.WaitTimeout, match=r"completions of ticket .*: 0 of 2 posted WQEs completed"):
             ticket.wait(timeout=0.3)
