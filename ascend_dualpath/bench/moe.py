@@ -21,7 +21,9 @@ dispatch or combine recorded with :meth:`~ascend_dualpath.moe.Buffer.capture_gra
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -334,6 +336,9 @@ def run(args: argparse.Namespace) -> int:
             p.join(timeout=30 if finished else 1)
             if p.is_alive():
                 p.kill()
+        # destroy_process_group deletes the rendezvous file, but a rank that failed or was killed never calls it
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(store)
     if not finished:
         print(f"bench moe: incomplete (a rank failed or the run exceeded {args.deadline_s:g} s); "
               f"{len(result['rows'])} rows measured", file=sys.stderr)
