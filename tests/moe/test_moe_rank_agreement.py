@@ -8,6 +8,8 @@ raise a ConfigError with the same message, naming the field and both ranks' valu
 
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 import torch
 
@@ -83,8 +85,10 @@ def disagreeing_ranks(rank: int, world: int, strategy: str) -> dict:
 
 
 @pytest.mark.parametrize("strategy", ["alltoall", "aiv"])
-def test_d04_ranks_that_disagree_on_shapes_all_raise_the_same_error(strategy):
+def test_d04_ranks_that_disagree_on_shapes_all_raise_the_same_error(strategy, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the ranks' rendezvous file goes
     results = _spawn.run_ranks(WORLD, disagreeing_ranks, strategy, timeout_s=RUN_S)
+    assert list(tmp_path.iterdir()) == [], "the rendezvous file was left behind"
     for rank, result in enumerate(results):
         assert "__fatal__" not in result, f"rank {rank}: {result['__fatal__']}"
     for field, (_, (value0, value1)) in CASES.items():
