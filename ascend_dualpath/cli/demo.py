@@ -83,9 +83,9 @@ def reap_dead_runs() -> list[str]:
     removed = []
     for directory, prefix in ((SHM_DIR, "adp.demo"), (tempfile.gettempdir(), STORE_PREFIX)):
         names = os.listdir(directory) if os.path.isdir(directory) else []
-        for name in names:
+        for name in filter(lambda n, prefix=prefix: n.startswith(prefix), names):
             pid = name[len(prefix):].split("x" if directory == SHM_DIR else "-")[0]
-            if not name.startswith(prefix) or not pid.isdigit() or _pid_alive(int(pid)):
+            if not pid.isdigit() or _pid_alive(int(pid)):
                 continue
             path = os.path.join(directory, name)
             if os.path.isdir(path):
@@ -108,9 +108,10 @@ def _engine_child(parent_pid: int, rank: int, port: int, fabric_name: str, confi
 
 def _stop_engines(procs: list, finishing: bool) -> None:
     """Wait (bounded) for engines that are ``finishing`` their job; SIGTERM right away otherwise (an interrupt)."""
-    for p in procs:
-        if not finishing:
+    if not finishing:
+        for p in procs:
             p.terminate()
+    for p in procs:
         p.join(10 if finishing else 5)
         if p.is_alive():
             p.kill()
