@@ -21,7 +21,9 @@ dispatch or combine recorded with :meth:`~ascend_dualpath.moe.Buffer.capture_gra
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -178,7 +180,10 @@ def _worker(rank, world, store, args, queue):
     import torch
     import torch.distributed as dist
 
+    from ascend_dualpath._process import watch_parent
     from ascend_dualpath.moe import quant
+
+    watch_parent(os.getppid())  # a rank outliving the benchmark (killed) would wait on its peers for nothing
 
     device, group = join_group(rank, world, store)
     cuda = device.type == "cuda"
@@ -301,13 +306,16 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import torch.multiprocessing as mp
 
+    from ascend_dualpath._process import sigint_blocked
+
     world = args.ranks or (torch.cuda.device_count() if torch.cuda.device_count() >= 2 else 2)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     store = tempfile.mktemp(prefix="adp_bench_moe_")
     procs = [ctx.Process(target=_worker, args=(r, world, store, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
+    with sigint_blocked():  # Ctrl-C stops the benchmark process, which stops the ranks
+        for p in procs:
+            p.start()
     import queue as queue_module
     import time
 
@@ -330,10 +338,16 @@ def run(args: argparse.Namespace) -> int:
             else:
                 finished = True
     finally:
+        if not finished:  # a rank failed, the deadline passed or an interrupt: stop the ranks together, quietly
+            for p in procs:
+                p.terminate()
         for p in procs:
-            p.join(timeout=30 if finished else 1)
+            p.join(timeout=30 if finished else 5)
             if p.is_alive():
                 p.kill()
+        # destroy_process_group deletes the rendezvous file, but a rank that failed or was killed never calls it
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(store)
     if not finished:
         print(f"bench moe: incomplete (a rank failed or the run exceeded {args.deadline_s:g} s); "
               f"{len(result['rows'])} rows measured", file=sys.stderr)

@@ -1,7 +1,9 @@
 """Command line: ``python -m ascend_dualpath {info, demo, bench, ...}``.
 
 Each command lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``; only
-the chosen command's module is imported, so ``info`` never pays for the simulator's imports.
+the chosen command's module is imported, so ``info`` never pays for the simulator's imports. Every command runs
+inside :func:`~ascend_dualpath.cli._signals.handle_signals`: SIGINT or SIGTERM stops the command's children and
+ends it with one line on stderr and exit status 130 or 143.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+from ascend_dualpath.cli._signals import handle_signals
 
 COMMANDS = {
     "info": ("ascend_dualpath.cli.info", "version, backends and the emulated device profile"),
@@ -40,4 +44,6 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(module_name)
     parser = argparse.ArgumentParser(prog=f"python -m ascend_dualpath {name}", description=help_text)
     module.add_arguments(parser)
-    return int(module.run(parser.parse_args(rest)) or 0)
+    args = parser.parse_args(rest)
+    with handle_signals(name):
+        return int(module.run(args) or 0)

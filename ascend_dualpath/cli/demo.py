@@ -5,15 +5,26 @@ fabric, control over gloo), replays synthetic multi-turn agent conversations (Ta
 down), and reads each turn's cached prefix through the PE or the DE storage NIC as the scheduler decides.
 Prints per turn the path, bytes read through each storage NIC, time to first token and fallbacks, then a
 summary; every turn is checked against a no-cache run. ``--compare`` also runs the PE-only baseline.
+
+What a run leaves behind is removed whichever way it ends: the engines' fabric (``/dev/shm/adp.demo<pid>x<n>*``)
+and the block store (``$TMPDIR/adp-demo-store-<pid>-*``) by this process on a normal end, an error, SIGINT or
+SIGTERM (the engines are stopped first); by the engines themselves when this process is killed (each engine
+watches its parent and, once it is gone, removes both and exits within 0.2 s); and, should the engines have been
+killed too, by the next ``demo`` start, which removes the leftovers of every demo whose process is dead.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import shutil
 import socket
 import tempfile
 import time
+
+SHM_DIR = "/dev/shm"
+STORE_PREFIX = "adp-demo-store-"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,26 +53,93 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _remove_run_files(fabric_name: str, store_root: str | None) -> None:
+    """Remove the shared memory of fabric ``fabric_name`` (its table and every region) and the store directory."""
+    table = f"adp.{fabric_name}"
+    for name in os.listdir(SHM_DIR):
+        if name == table or name.startswith(table + "."):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(SHM_DIR, name))
+    if store_root is not None:
+        shutil.rmtree(store_root, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def reap_dead_runs() -> list[str]:
+    """Remove the fabrics and stores of demos whose process is dead (killed with its engines); returns the paths.
+
+    Both carry the demo's pid: fabrics are ``adp.demo<pid>x<n>*`` in /dev/shm, stores ``adp-demo-store-<pid>-*``
+    in the temporary directory.
+    """
+    removed = []
+    for directory, prefix in ((SHM_DIR, "adp.demo"), (tempfile.gettempdir(), STORE_PREFIX)):
+        names = os.listdir(directory) if os.path.isdir(directory) else []
+        for name in filter(lambda n, prefix=prefix: n.startswith(prefix), names):
+            pid = name[len(prefix):].split("x" if directory == SHM_DIR else "-")[0]
+            if not pid.isdigit() or _pid_alive(int(pid)):
+                continue
+            path = os.path.join(directory, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            removed.append(path)
+    return removed
+
+
+def _engine_child(parent_pid: int, rank: int, port: int, fabric_name: str, config, job: dict, events) -> None:
+    """An engine process that removes the run's fabric and store and exits if the demo process dies."""
+    from ascend_dualpath._process import watch_parent
+    from ascend_dualpath.dualpath.engine import engine_process
+
+    watch_parent(parent_pid, lambda: _remove_run_files(fabric_name, config.store_root))
+    engine_process(rank, port, fabric_name, config, job, events)
+
+
+def _stop_engines(procs: list, finishing: bool) -> None:
+    """Wait (bounded) for engines that are ``finishing`` their job; SIGTERM right away otherwise (an interrupt)."""
+    if not finishing:
+        for p in procs:
+            p.terminate()
+    for p in procs:
+        p.join(10 if finishing else 5)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+
+
 def run_job(config, job: dict, on_event, kill_pe_after: int | None = None) -> dict:
     """Run the two engine processes for one job; ``on_event`` sees every event; returns the DE summary.
 
     Raises RuntimeError naming the engine and its error if either fails or the job does not finish in time.
+    Whichever way it ends (an interrupt included), the engines are stopped and the fabric is removed.
     """
     import multiprocessing as mp
     import signal
 
+    from ascend_dualpath._process import sigint_blocked
     from ascend_dualpath.backends.emulator import new_fabric_name
-    from ascend_dualpath.dualpath.engine import engine_process
 
     ctx = mp.get_context("spawn")
     events = ctx.Queue()
     fabric_name = new_fabric_name("demo")
     port = _free_port()
-    procs = [ctx.Process(target=engine_process, args=(rank, port, fabric_name, config, job, events))
+    procs = [ctx.Process(target=_engine_child, args=(os.getpid(), rank, port, fabric_name, config, job, events))
              for rank in range(2)]
-    for p in procs:
-        p.start()
-    summary, error, turns, pe_pid, death_seen = None, None, 0, None, None
+    with sigint_blocked():  # Ctrl-C is for this process; it stops the engines
+        for p in procs:
+            p.start()
+    summary, error, turns, pe_pid, death_seen, ended = None, None, 0, None, None, False
     deadline = time.monotonic() + config.idle_timeout_s
     roles = ("prefill engine", "decode engine")
     try:
@@ -93,14 +171,10 @@ def run_job(config, job: dict, on_event, kill_pe_after: int | None = None) -> di
                     if kill_pe_after is not None and turns == kill_pe_after and pe_pid is not None:
                         os.kill(pe_pid, signal.SIGKILL)
                 on_event(event)
+        ended = True
     finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        for name in [n for n in os.listdir("/dev/shm") if n.startswith(f"adp.{fabric_name}")]:
-            os.unlink(os.path.join("/dev/shm", name))
+        _stop_engines(procs, finishing=ended)
+        _remove_run_files(fabric_name, None)
     if error is not None:
         raise RuntimeError(error)
     return summary
@@ -132,6 +206,7 @@ def _aggregate(summary: dict, turns: list[dict]) -> dict:
 
 
 def _run_mode(args, mode: str, console) -> dict | None:
+    from rich.markup import escape
     from rich.progress import Progress
     from rich.table import Table
 
@@ -142,7 +217,7 @@ def _run_mode(args, mode: str, console) -> dict | None:
                                             seed=args.seed)
     longest = max(c.max_context() for c in conversations)
     timeout = args.timeout or 30.0
-    with tempfile.TemporaryDirectory(prefix="adp-demo-store-") as root:
+    with tempfile.TemporaryDirectory(prefix=f"{STORE_PREFIX}{os.getpid()}-") as root:
         config = EngineConfig(root, dtype=args.dtype, max_tokens=max(256, -(-longest // 256) * 256),
                               pe_snic_bytes_per_s=args.snic_mbps * 1e6, de_snic_bytes_per_s=args.snic_mbps * 1e6,
                               timeout_s=timeout, idle_timeout_s=max(120.0, 20 * timeout), verify=not args.no_verify)
@@ -153,8 +228,9 @@ def _run_mode(args, mode: str, console) -> dict | None:
                        "fallback"):
             table.add_column(column, justify="right")
         with Progress(console=console, transient=True) as progress:
-            task = progress.add_task(f"[{mode}] turns served", total=total)
-            check_task = progress.add_task(f"[{mode}] turns verified", total=total, visible=not args.no_verify)
+            task = progress.add_task(escape(f"[{mode}] turns served"), total=total)
+            check_task = progress.add_task(escape(f"[{mode}] turns verified"), total=total,
+                                           visible=not args.no_verify)
 
             def on_event(event) -> None:
                 if event[0] == "turn":
@@ -164,7 +240,7 @@ def _run_mode(args, mode: str, console) -> dict | None:
                     table.add_row(str(t["agent_id"]), str(t["turn"]), t["path"], str(t["prompt_tokens"]),
                                   str(t["hit_tokens"]), f"{t['pe_read_bytes'] / 1024:.0f}",
                                   f"{t['de_read_bytes'] / 1024:.0f}", f"{t['ttft_s'] * 1e3:.0f}",
-                                  "; ".join(t["fallbacks"] + ([t["error"]] if t["error"] else []))[:60])
+                                  escape("; ".join(t["fallbacks"] + ([t["error"]] if t["error"] else []))[:60]))
                 elif event[0] == "verified":
                     progress.advance(check_task)
 
@@ -172,13 +248,14 @@ def _run_mode(args, mode: str, console) -> dict | None:
                 summary = run_job(config, {"conversations": conversations, "mode": mode}, on_event,
                                   args.kill_pe_after)
             except RuntimeError as error:
-                console.print(f"[red]demo ({mode}) failed: {error}")
+                console.print(f"[red]demo ({mode}) failed: {escape(str(error))}")
                 return None
     console.print(table)
     return _aggregate(summary, turns)
 
 
 def _print_summary(console, results: dict[str, dict]) -> bool:
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title="summary")
@@ -194,8 +271,8 @@ def _print_summary(console, results: dict[str, dict]) -> bool:
         ("fallbacks / deferred / failed turns", lambda r: f"{r['fallbacks']} / {r['deferred']} / {r['failed']}"),
         ("DE NIC virtual clock (transfers)", lambda r: f"{r['nic_vtime_ns'] / 1e3:.0f} us, "
                                                        f"{r['nic_bytes'] / 2**20:.1f} MiB"),
-        ("DE transfer requests by kind", lambda r: ", ".join(f"{k} {n}" for k, n in sorted(r["transfer_kinds"].items()))
-         or "-"),
+        ("DE transfer requests by kind", lambda r: escape(", ".join(f"{k} {n}" for k, n in
+                                                                    sorted(r["transfer_kinds"].items())) or "-")),
         ("loaded KV bit-exact", lambda r: _count(r, "loaded_exact")),
         ("KV within tolerance of float64", lambda r: _count(r, "kv_ok") + (
             f" (worst {max(c['kv_max_err'] for c in r['checks']):.3f})" if r["checks"] else "")),
@@ -231,6 +308,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.turns is None:
         args.turns = 8 if args.compare else 4
+    reap_dead_runs()
     console = Console()
     console.print(f"DualPath demo: {args.agents} agents x {args.turns} turns, first prompt {args.first_prompt} "
                   f"tokens, +{args.append} per turn, {args.gen} generated; storage NIC cap {args.snic_mbps} MB/s "

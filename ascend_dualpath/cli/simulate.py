@@ -42,6 +42,7 @@ def _parse_pd(text: str) -> tuple[int, int]:
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.markup import escape
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
@@ -89,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
                     progress=lambda done, total, task=task: progress.update(task, completed=done))
 
     reductions = reductions_vs_basic(ablation)
-    table = Table(title=f"Offline ablation: {args.model} {args.pd}, {args.agents} agents, max len {args.max_len}")
+    table = Table(title=escape(f"Offline ablation: {args.model} {args.pd}, {args.agents} agents, max len {args.max_len}"))
     for column in ("mode", "JCT (s)", "vs basic", "reduction", "mean TTFT (s)", "mean TPOT (ms)", "SNIC max/avg"):
         table.add_column(column, justify="right")
     basic_jct = ablation[Mode.BASIC].jct_s
@@ -133,8 +134,8 @@ def run(args: argparse.Namespace) -> int:
             console.print(f"online APS capacity ({mode.value}): {aps:.3f}")
     if sweep_counts:
         written = plot_figures(args.out, sweep, ablation)
-        console.print("figures: " + ", ".join(written))
+        console.print("figures: " + escape(", ".join(map(str, written))))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
-    console.print(f"results: {args.out / 'results.json'}")
+    console.print(f"results: {escape(str(args.out / 'results.json'))}")
     return 0

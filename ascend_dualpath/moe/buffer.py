@@ -116,6 +116,39 @@ def _align_up(value: int, alignment: int) -> int:
     return -(-value // alignment) * alignment
 
 
+# What every rank must pass alike to an op that exchanges counts, as a fixed-size int64 vector gathered before any
+# exchange whose size depends on it: gloo aborts the process (EnforceNotMet) when the ranks' sizes differ.
+AGREEMENT_OPS = ("dispatch", "low-latency dispatch")
+AGREEMENT_FIELDS = ("op", "num_experts", "hidden", "x_dtype", "scales_dtype", "scales_width", "num_topk",
+                    "num_worst_tokens", "num_max_dispatch_tokens_per_rank", "use_fp8", "round_scale", "use_ue8m0")
+# dtypes travel as their index here + 1 (0: no such tensor), so a disagreement message can name them
+AGREEMENT_DTYPES = (*SUPPORTED_X_DTYPES, torch.float8_e4m3fn, torch.int8, torch.int32)
+
+
+def _agreement_vector(op: str, **fields: Any) -> torch.Tensor:
+    """int64 [len(AGREEMENT_FIELDS)] for ``op`` (one of AGREEMENT_OPS) and ``fields`` (AGREEMENT_FIELDS names;
+    absent ones are 0, dtypes by code)."""
+    codes = {"op": AGREEMENT_OPS.index(op)}
+    for name, value in fields.items():
+        codes[name] = AGREEMENT_DTYPES.index(value) + 1 if isinstance(value, torch.dtype) else int(value)
+    return torch.tensor([codes.get(name, 0) for name in AGREEMENT_FIELDS], dtype=torch.int64)
+
+
+def _check_agreement(table: torch.Tensor, what: str) -> None:
+    """Raise the same ConfigError on every rank if the gathered rows (int64 [R, len(AGREEMENT_FIELDS)]) differ,
+    naming the first field that differs and each rank's value."""
+    for column, name in enumerate(AGREEMENT_FIELDS):
+        values = table[:, column].tolist()
+        if len(set(values)) == 1:
+            continue
+        if name == "op":
+            values = [AGREEMENT_OPS[v] for v in values]
+        elif name.endswith("dtype"):
+            values = [str(AGREEMENT_DTYPES[v - 1]) if v else "none" for v in values]
+        shown = ", ".join(f"rank {rank}: {value}" for rank, value in enumerate(values))
+        raise ConfigError(f"{what}: ranks disagree on {name} ({shown}); every rank must pass the same")
+
+
 class Buffer:
     """DeepEP-compatible MoE communication buffer.
 
@@ -389,9 +422,16 @@ class Buffer:
             self._check_capacity(int(num_tokens_per_rank.sum()) * row_bytes, f"dispatch on rank {self.rank} (send)")
         if previous_event is not None:
             previous_event.current_stream_wait()
-        # One exchange carries every rank's counts per rank and per expert and the statistics its inputs are
-        # checked with (id range, layout sums), so all ranks raise the same error before any data moves, with
-        # a single host synchronisation.
+        # The ranks first agree on the shapes and options (the count table's width depends on num_experts), then
+        # one exchange carries every rank's counts per rank and per expert and the statistics its inputs are
+        # checked with (id range, layout sums), so all ranks raise the same error before any data moves.
+        scales = parts[1] if len(parts) > 1 else None
+        agreement = _agreement_vector(
+            "dispatch", num_experts=num_experts, hidden=parts[0].shape[1], x_dtype=parts[0].dtype,
+            scales_dtype=scales.dtype if scales is not None else 0,
+            scales_width=math.prod(scales.shape[1:]) if scales is not None else 0,
+            num_topk=0 if topk_idx is None else topk_idx.shape[1], num_worst_tokens=num_worst_tokens)
+        _check_agreement(self.strategy.exchange_counts(agreement.to(parts[0].device), "dispatch shapes"), "dispatch")
         table = self.strategy.exchange_dispatch_counts(num_tokens_per_rank, num_tokens_per_expert, topk_idx,
                                                        is_token_in_rank, "dispatch token counts")
         count_matrix = table[:, :self.group_size]
@@ -653,7 +693,15 @@ class Buffer:
         token_of, slot_of, dest_key = self._ll_selections(topk_idx, local_experts)
         dest_rank = dest_key // local_experts
         send_counts = torch.bincount(dest_rank, minlength=num_ranks)
-        count_matrix = self.strategy.exchange_counts(send_counts, "low-latency dispatch counts")
+        # the shapes and options every rank must share travel with the counts (fixed size: one exchange)
+        agreement = _agreement_vector(
+            "low-latency dispatch", num_experts=num_experts, hidden=hidden, x_dtype=x.dtype,
+            num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank, use_fp8=use_fp8,
+            round_scale=round_scale, use_ue8m0=use_ue8m0)
+        table = self.strategy.exchange_counts(torch.cat([send_counts, agreement.to(device)]),
+                                              "low-latency dispatch counts")
+        _check_agreement(table[:, num_ranks:], "low_latency_dispatch")
+        count_matrix = table[:, :num_ranks]
         payload = [x.index_select(0, token_of)]
         if use_fp8:
             payload = list(quant.per_token_cast_to_fp8(payload[0], round_scale=round_scale))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import tempfile
@@ -55,4 +56,7 @@ def run_ranks(world: int, fn, *args, timeout_s: float = RUN_TIMEOUT_S, backend: 
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        # the ranks skip destroy_process_group (os._exit), which would delete the rendezvous file
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(store.name)
     return [out[r] for r in range(world)]
