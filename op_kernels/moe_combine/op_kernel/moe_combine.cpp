@@ -57,9 +57,11 @@ __aicore__ inline void store_element(const LocalTensor<uint8_t>& row, uint32_t i
 
 class Reducer {
    public:
-    // Both tilings stay in GM: their fields are read through these references.
-    __aicore__ inline Reducer(const __gm__ adp::moe::ExchangeTiling& t, const __gm__ ReduceTiling& r) : t_(t), r_(r) {
-        x_bytes_ = r.hidden * element_bytes(r.dtype);
+    // Both tilings stay in GM and are read through these references; the fields of the per-element loops
+    // are read once, here.
+    __aicore__ inline Reducer(const __gm__ adp::moe::ExchangeTiling& t, const __gm__ ReduceTiling& r)
+        : t_(t), r_(r), hidden_(r.hidden), topk_(r.topk), dtype_(r.dtype) {
+        x_bytes_ = hidden_ * element_bytes(dtype_);
         pipe_.InitBuffer(acc_, r.hidden * 4);
         pipe_.InitBuffer(row_, adp::moe::align32(x_bytes_));
         pipe_.InitBuffer(acc_w_, adp::moe::align32(r.topk * 4) + 32);
@@ -69,30 +71,30 @@ class Reducer {
     __aicore__ inline void Token(uint64_t token) {
         LocalTensor<float> acc = acc_.Get<float>(), acc_w = acc_w_.Get<float>();
         LocalTensor<uint8_t> row = row_.Get<uint8_t>();
-        for (uint32_t i = 0; i < r_.hidden; ++i) acc.SetValue(i, 0.0f);
-        for (uint32_t k = 0; k < r_.topk; ++k) acc_w.SetValue(k, 0.0f);
+        for (uint32_t i = 0; i < hidden_; ++i) acc.SetValue(i, 0.0f);
+        for (uint32_t k = 0; k < topk_; ++k) acc_w.SetValue(k, 0.0f);
         const __gm__ int32_t* slots = reinterpret_cast<__gm__ int32_t*>(r_.slots) + token * t_.world;
         for (uint32_t d = 0; d < t_.world; ++d) {
             if (slots[d] < 0) continue;
             const uint64_t src = t_.recv_window + uint64_t(slots[d]) * t_.row_bytes;
             Load(row, src, x_bytes_);
-            for (uint32_t i = 0; i < r_.hidden; ++i) acc.SetValue(i, acc.GetValue(i) + load_element(row, i, r_.dtype));
-            if (r_.topk) {
+            for (uint32_t i = 0; i < hidden_; ++i) acc.SetValue(i, acc.GetValue(i) + load_element(row, i, dtype_));
+            if (topk_) {
                 LocalTensor<uint8_t> row_w = row_w_.Get<uint8_t>();
-                Load(row_w, src + x_bytes_, r_.topk * 4);
+                Load(row_w, src + x_bytes_, topk_ * 4);
                 LocalTensor<float> w = row_w.ReinterpretCast<float>();
-                for (uint32_t k = 0; k < r_.topk; ++k) acc_w.SetValue(k, acc_w.GetValue(k) + w.GetValue(k));
+                for (uint32_t k = 0; k < topk_; ++k) acc_w.SetValue(k, acc_w.GetValue(k) + w.GetValue(k));
             }
         }
         for (uint32_t b = 0; b < 2; ++b) {
             const uint64_t bias = r_.bias[b];
             if (!bias) continue;
             Load(row, bias + token * x_bytes_, x_bytes_);
-            for (uint32_t i = 0; i < r_.hidden; ++i) acc.SetValue(i, acc.GetValue(i) + load_element(row, i, r_.dtype));
+            for (uint32_t i = 0; i < hidden_; ++i) acc.SetValue(i, acc.GetValue(i) + load_element(row, i, dtype_));
         }
-        for (uint32_t i = 0; i < r_.hidden; ++i) store_element(row, i, acc.GetValue(i), r_.dtype);
+        for (uint32_t i = 0; i < hidden_; ++i) store_element(row, i, acc.GetValue(i), dtype_);
         Store(r_.out_x + token * x_bytes_, row, x_bytes_);
-        if (r_.topk) Store(r_.out_w + token * r_.topk * 4, acc_w.ReinterpretCast<uint8_t>(), r_.topk * 4);
+        if (topk_) Store(r_.out_w + token * topk_ * 4, acc_w.ReinterpretCast<uint8_t>(), topk_ * 4);
     }
 
    private:
@@ -116,6 +118,7 @@ class Reducer {
     const __gm__ ReduceTiling& r_;
     TPipe pipe_;
     TBuf<TPosition::VECCALC> acc_, row_, acc_w_, row_w_;
+    uint32_t hidden_, topk_, dtype_;
     uint32_t x_bytes_ = 0;
 };
 
