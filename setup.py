@@ -34,23 +34,24 @@ import cann  # noqa: E402  (CANN and SOC_VERSION detection, shared with `info`)
 del sys.path[:2]
 
 summary: list[tuple[str, str]] = []
+kernel_libraries: list[Path] = []  # shared libraries that _C links and that go beside it
 
 
-def build_ascendc_kernels(cann_root: Path, soc: str) -> Path:
-    """Compile op_kernels/ with CANN's ascendc_library; returns the directory of the built library."""
+def build_ascendc_kernels(cann_root: Path, soc: str) -> dict[str, str]:
+    """Configure and build op_kernels/ (CMake, CANN's ascendc_library); returns what the configure wrote:
+    the shared library of the launched kernels and the directory of their aclrtlaunch_*.h."""
     build_dir = ROOT / "build" / "op_kernels"
-    build_dir.mkdir(parents=True, exist_ok=True)
-    subprocess.check_call(["cmake", str(ROOT / "op_kernels"), f"-DASCEND_HOME_PATH={cann_root}", f"-DSOC_VERSION={soc}",
-                           f"-DASCENDC_CMAKE_DIR={cann.ascendc_cmake_dir(cann_root)}", "-DCMAKE_BUILD_TYPE=Release"],
-                          cwd=build_dir)
-    subprocess.check_call(["cmake", "--build", ".", "-j", str(os.cpu_count() or 2)], cwd=build_dir)
-    return build_dir
+    subprocess.check_call(cann.kernel_cmake_args(ROOT / "op_kernels", build_dir, cann_root, soc))
+    subprocess.check_call(["cmake", "--build", str(build_dir), "-j", str(os.cpu_count() or 2)])
+    return cann.read_kernel_build(build_dir)
 
 
 def extensions():
     if importlib.util.find_spec("torch") is None:
-        raise SystemExit("ascend_dualpath builds against an installed torch: run `pip install torch==2.13.0` "
-                         "(CPU build) first, then `pip install --no-build-isolation -e .`")
+        raise SystemExit(
+            "ascend_dualpath builds against an installed torch: run `pip install torch==2.13.0` "
+            "(CPU build) first, then `pip install --no-build-isolation -e .`"
+        )
     from torch.utils.cpp_extension import CppExtension
 
     debug = _env.build_flag("DEBUG") is True
@@ -62,16 +63,22 @@ def extensions():
         cxx_flags = ["-std=c++17", "-O1", "-g"] + sanitize_flags
     include_dirs = [str(ROOT / "csrc"), str(ROOT / "op_kernels" / "include"), str(ROOT / "op_kernels" / "emu")]
     # the AscendC kernels also run on the emulator's vector cores, through the headers in op_kernels/emu
-    sources = sorted(glob.glob("csrc/emulator/*.cpp") + glob.glob("csrc/bindings/*.cpp") +
-                     glob.glob("op_kernels/*/op_kernel/*.cpp") + glob.glob("op_kernels/emu/*.cpp"))
+    sources = sorted(
+        glob.glob("csrc/emulator/*.cpp")
+        + glob.glob("csrc/bindings/*.cpp")
+        + glob.glob("op_kernels/*/op_kernel/*.cpp")
+        + glob.glob("op_kernels/emu/*.cpp")
+    )
     flavour = "sanitized (ASan + UBSan)" if sanitize else "debug" if debug else "release"
     summary.append(("emulator", f"built ({len(sources)} C++ sources, {flavour})"))
 
     with_npu = _env.build_flag("WITH_NPU")
     cann_root, cann_origin = cann.find_cann()
     torch_npu_found = importlib.util.find_spec("torch_npu") is not None
-    define_macros = []
-    libraries, library_dirs = [], []
+    # ADP_EMULATOR: the kernels are also built for the emulator's vector cores (its virtual clock and
+    # AscendC stand-ins in op_kernels/emu); the deprecated Hccl calls bisheng warns about fail here.
+    define_macros = [("ADP_EMULATOR", "1")]
+    libraries, library_dirs, link_args = [], [], ["-lrt", "-lpthread"]
     ext_cls = CppExtension
     if with_npu is False:
         summary.append(("npu", "skipped: ADP_WITH_NPU=0"))
@@ -83,31 +90,57 @@ def extensions():
     else:
         soc, soc_origin = cann.find_soc_version()
         if soc is None:
-            raise SystemExit(f"CANN found at {cann_root} but SOC_VERSION is unknown ({soc_origin}); "
-                             "export SOC_VERSION, e.g. Ascend910B1 (A2) or Ascend910_9391 (A3)")
+            raise SystemExit(
+                f"CANN found at {cann_root} but SOC_VERSION is unknown ({soc_origin}); "
+                "export SOC_VERSION, e.g. Ascend910B1 (A2) or Ascend910_9391 (A3)"
+            )
         from torch_npu.utils.cpp_extension import NpuExtension
 
         ext_cls = NpuExtension
         sources += sorted(glob.glob("csrc/npu/*.cpp"))
         define_macros.append(("ADP_WITH_NPU", "1"))
         include_dirs += [str(cann_root / "include")]
-        if glob.glob(str(ROOT / "op_kernels" / "*" / "op_kernel" / "*.cpp")):
-            kernel_dir = build_ascendc_kernels(cann_root, soc)
-            libraries.append("adp_kernels")
-            library_dirs.append(str(kernel_dir))
-            define_macros.append(("ADP_WITH_ASCENDC_KERNELS", "1"))
-            summary.append(("npu", f"built for {soc} ({soc_origin}), CANN at {cann_root} ({cann_origin}), kernels included"))
-        else:
-            summary.append(("npu", f"built for {soc} ({soc_origin}), CANN at {cann_root}; no AscendC kernel sources yet"))
+        kernels = build_ascendc_kernels(cann_root, soc)
+        library = Path(kernels["library"])
+        include_dirs.append(kernels["include"])  # aclrtlaunch_<kernel>.h of the launched kernels
+        libraries.append("adp_kernels")
+        library_dirs.append(str(library.parent))
+        # BuildWithSummary copies the library beside _C, where $ORIGIN finds it at import
+        link_args.append("-Wl,-rpath,$ORIGIN")
+        kernel_libraries.append(library)
+        define_macros.append(("ADP_WITH_ASCENDC_KERNELS", "1"))
+        summary.append(
+            (
+                "npu",
+                f"built for {soc} ({soc_origin}), CANN at {cann_root} ({cann_origin}), "
+                f"kernels {kernels['kernels'].replace(';', ', ')} in {library.name}",
+            )
+        )
 
     with_cuda = _env.build_flag("WITH_CUDA")
-    summary.append(("cuda", "skipped: ADP_WITH_CUDA=0" if with_cuda is False else
-                    "no compiled CUDA sources; the cuda backend uses Triton/torch kernels at run time"))
+    summary.append(
+        (
+            "cuda",
+            "skipped: ADP_WITH_CUDA=0"
+            if with_cuda is False
+            else "no compiled CUDA sources; the cuda backend uses Triton/torch kernels at run time",
+        )
+    )
 
-    return [ext_cls(name="ascend_dualpath._C", sources=sources, include_dirs=include_dirs,
-                    define_macros=define_macros, libraries=libraries, library_dirs=library_dirs,
-                    extra_compile_args={"cxx": cxx_flags + ["-Wall", "-Wno-unused-function"]},
-                    extra_link_args=["-lrt", "-lpthread"] + (sanitize_flags if sanitize else []))]
+    return [
+        ext_cls(
+            name="ascend_dualpath._C",
+            sources=sources,
+            include_dirs=include_dirs,
+            define_macros=define_macros,
+            libraries=libraries,
+            library_dirs=library_dirs,
+            extra_compile_args={
+                "cxx": cxx_flags + ["-Wall", "-Wno-unused-function", "-Werror=deprecated-declarations"]
+            },
+            extra_link_args=link_args + (sanitize_flags if sanitize else []),
+        )
+    ]
 
 
 def cmdclass():
@@ -116,6 +149,10 @@ def cmdclass():
     class BuildWithSummary(BuildExtension):
         def run(self):
             super().run()
+            package_dir = Path(self.get_ext_fullpath("ascend_dualpath._C")).parent
+            for library in kernel_libraries:
+                shutil.copy2(library, package_dir / library.name)
+                summary.append(("kernels", f"{library.name} copied to {package_dir}"))
             print("\nascend_dualpath build summary:")
             for part, status in summary:
                 print(f"  {part:<9} {status}")

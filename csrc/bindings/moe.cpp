@@ -120,8 +120,8 @@ void register_moe(py::module_& m) {
             t.magic = field<uint64_t>(params, "magic");
             t.items = field<uint64_t>(params, "items");
             t.send_lkey = comm->windows_out()->info().lkey;
-            t.start_vtime_ns = field<double>(params, "start_vtime_ns");
-            t.submit_ns = field<double>(params, "submit_ns");
+            t.clock.start_vtime_ns = field<double>(params, "start_vtime_ns");
+            t.clock.submit_ns = field<double>(params, "submit_ns");
             if (t.max_payload == 0) fail(ErrorKind::kConfig, "max_payload must be >= 1 byte");
             auto table = peer_table.unchecked<2>();
             for (uint32_t p = 0; p < world; ++p) {

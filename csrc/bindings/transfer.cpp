@@ -191,8 +191,8 @@ void register_transfer(py::module_& m) {
             t->num_segments = uint32_t(run->segments.size());
             t->doorbell_batch = doorbell_batch;
             t->timeout_cycles = uint64_t(timeout_s * kernel::kSystemCycleHz);
-            t->start_vtime_ns = start_vtime_ns;
-            t->submit_ns = submit_ns;
+            t->clock.start_vtime_ns = start_vtime_ns;
+            t->clock.submit_ns = submit_ns;
             run->register_rings();
             KernelRun* raw = run.get();
             run->launch = std::make_unique<kernel::Launch>(

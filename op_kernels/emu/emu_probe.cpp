@@ -28,8 +28,8 @@ extern "C" __global__ __aicore__ void emu_probe(GM_ADDR mode_addr, GM_ADDR queue
         TQue<TPosition::VECIN, 2> que;
         pipe.InitBuffer(que, 2, 100 * 1024);
     } else if (mode == kProbeUnflushedWqe || mode == kProbeFlushedWqe) {
-        const adp::xfer::AivQueue q = *reinterpret_cast<__gm__ adp::xfer::AivQueue*>(queue_addr);
-        const adp::xfer::Segment s = *reinterpret_cast<__gm__ adp::xfer::Segment*>(segment_addr);
+        const __gm__ adp::xfer::AivQueue& q = *reinterpret_cast<__gm__ adp::xfer::AivQueue*>(queue_addr);
+        const __gm__ adp::xfer::Segment& s = *reinterpret_cast<__gm__ adp::xfer::Segment*>(segment_addr);
         GlobalTensor<uint32_t> sq, head;
         GlobalTensor<uint64_t> doorbell;
         sq.SetGlobalBuffer(reinterpret_cast<__gm__ uint32_t*>(q.sq_addr), uint64_t(q.depth) * q.wqe_size / 4);

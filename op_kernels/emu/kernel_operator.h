@@ -8,6 +8,7 @@
 // 32-byte aligned (AlignmentError), UB allocations past the buffer (CapacityError), a WaitFlag with
 // no SetFlag before it (ProtocolError: a hang on hardware), and scalar/DataCopy writes into an SQ ring
 // that are not flushed by DataCacheCleanAndInvalid before the doorbell (the NIC fails the WQE).
+// The HCCL kernel API is in lib/hccl/hccl.h, as in AscendC: a kernel that uses Hccl includes it.
 #pragma once
 
 #include <cstdint>
@@ -17,10 +18,30 @@
 #include "emulator/common.h"
 #include "emulator/kernel_runner.h"
 
+#if !defined(ADP_EMULATOR)
+#error "op_kernels/emu is the CPU emulator's AscendC: build it with ADP_EMULATOR defined (setup.py does)"
+#endif
+
 #define __aicore__
 #define __global__
 #define __gm__
 #define GM_ADDR uint8_t*
+
+// bisheng's built-in 16-bit float of the AI core; the host compiler's is _Float16.
+using half = _Float16;
+
+// KERNEL_TASK_TYPE_DEFAULT (kernel_macros.h): the launch type of a kernel, here only type-checked.
+enum KernelMetaType {
+    KERNEL_TYPE_AIV_ONLY,
+    KERNEL_TYPE_AIC_ONLY,
+    KERNEL_TYPE_MIX_AIV_1_0,
+    KERNEL_TYPE_MIX_AIC_1_0,
+    KERNEL_TYPE_MIX_AIC_1_1,
+    KERNEL_TYPE_MIX_AIC_1_2,
+};
+#define KERNEL_TASK_TYPE_DEFAULT(type)                                                                          \
+    static_assert(std::is_same_v<std::remove_cv_t<decltype(type)>, KernelMetaType>, "KERNEL_TASK_TYPE_DEFAULT " \
+                                                                                    "takes a KernelMetaType")
 
 enum pipe_t { PIPE_S = 0, PIPE_V, PIPE_M, PIPE_MTE1, PIPE_MTE2, PIPE_MTE3, PIPE_ALL };
 
@@ -448,67 +469,5 @@ template <typename T, CacheLine entireType>
 void DataCacheCleanAndInvalid(const GlobalTensor<T>& dstTensor) {
     DataCacheCleanAndInvalid<T, entireType, DcciDst::CACHELINE_OUT>(dstTensor);
 }
-
-// ---- HCCL kernel API (AICPU server) -------------------------------------------------------------
-
-using HcclHandle = int8_t;
-enum class HcclServerType : uint32_t { HCCL_SERVER_TYPE_AICPU = 0, HCCL_SERVER_TYPE_END };
-
-template <int32_t index>
-GM_ADDR GetHcclContext() {
-    return static_cast<GM_ADDR>(emu_detail::rt::current_core().launch->hccl_context());
-}
-
-template <HcclServerType serverType = HcclServerType::HCCL_SERVER_TYPE_AICPU>
-class Hccl {
-   public:
-    void Init(GM_ADDR context, __gm__ void* initTiling = nullptr) {
-        (void)initTiling;
-        context_ = context;
-    }
-    template <bool commit = false>
-    HcclHandle BatchWrite(GM_ADDR batchWriteInfo, uint32_t itemNum, uint16_t queueID = 0U) {
-        if (queueID != 0)
-            emu_detail::fail(emu_detail::ErrorKind::kConfig, "Hccl::BatchWrite: queueID ", queueID,
-                             " unsupported; only 0");
-        if (num_prepared_ == kMaxHandles)
-            emu_detail::fail(emu_detail::ErrorKind::kCapacity, "Hccl: more than ", kMaxHandles, " prepared tasks");
-        const HcclHandle h = HcclHandle(num_prepared_++);
-        prepared_[h] = {reinterpret_cast<uint64_t>(batchWriteInfo), itemNum, 0, false};
-        if (commit) Commit(h);
-        return h;
-    }
-    void Commit(HcclHandle handleId) {
-        Task& t = task(handleId);
-        t.server_handle = emu_detail::rt::hccl_batch_write(context_, t.items, t.num_items, uint32_t(GetBlockIdx()));
-        t.committed = true;
-    }
-    int32_t Wait(HcclHandle handleId) {
-        Task& t = task(handleId);
-        if (!t.committed)
-            emu_detail::fail(emu_detail::ErrorKind::kProtocol, "Hccl::Wait on task ", int32_t(handleId),
-                             " that was never committed: a hang on hardware");
-        return emu_detail::rt::hccl_batch_write_wait(context_, t.server_handle);
-    }
-    template <bool sync = true>
-    void Finalize() {}
-
-   private:
-    struct Task {
-        uint64_t items;
-        uint32_t num_items;
-        uint64_t server_handle;
-        bool committed;
-    };
-    Task& task(HcclHandle h) {
-        if (h < 0 || h >= num_prepared_)
-            emu_detail::fail(emu_detail::ErrorKind::kInvalidKey, "Hccl: unknown task handle ", int32_t(h));
-        return prepared_[h];
-    }
-    static constexpr int32_t kMaxHandles = 64;
-    GM_ADDR context_ = nullptr;
-    Task prepared_[kMaxHandles] = {};
-    int32_t num_prepared_ = 0;
-};
 
 }  // namespace AscendC

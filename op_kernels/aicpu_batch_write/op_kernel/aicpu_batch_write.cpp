@@ -1,6 +1,7 @@
 // AICPU BatchWrite: the vector cores fill 32-byte BatchWrite items (one per segment) in UB and copy
 // them to the item array in GM; after SyncAll, core 0 alone (it owns the hcclMsgArea) hands the array
 // to the AICPU server and waits for it. The AICPU then posts the WQEs; the cores post none.
+#include "adp/hccl_batch_write.h"
 #include "adp/transfer_kernels.h"
 #include "adp/wqe_hns.h"
 #include "kernel_operator.h"
@@ -9,7 +10,8 @@ using namespace AscendC;
 
 extern "C" __global__ __aicore__ void aicpu_batch_write(GM_ADDR segments, GM_ADDR items, GM_ADDR status,
                                                         GM_ADDR tiling) {
-    const adp::xfer::BatchWriteTiling t = *reinterpret_cast<__gm__ adp::xfer::BatchWriteTiling*>(tiling);
+    KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_MIX_AIV_1_0);  // SyncAll below
+    const __gm__ adp::xfer::BatchWriteTiling& t = *reinterpret_cast<__gm__ adp::xfer::BatchWriteTiling*>(tiling);
     const uint64_t core = uint64_t(GetBlockIdx());
     uint64_t begin, end;
     adp::xfer::core_share(t.num_segments, core, uint64_t(GetBlockNum()), &begin, &end);
@@ -26,7 +28,7 @@ extern "C" __global__ __aicore__ void aicpu_batch_write(GM_ADDR segments, GM_ADD
     for (uint64_t first = begin; first < end; first += t.items_per_round) {
         const uint64_t n = end - first < t.items_per_round ? end - first : t.items_per_round;
         for (uint64_t i = 0; i < n; ++i) {
-            const adp::xfer::Segment s = segs[first + i];
+            const __gm__ adp::xfer::Segment& s = segs[first + i];
             ub.SetValue(uint32_t(i * kWordsPerItem + 0), s.local_addr);
             ub.SetValue(uint32_t(i * kWordsPerItem + 1), s.remote_addr);
             ub.SetValue(uint32_t(i * kWordsPerItem + 2), uint64_t(s.length));  // INT8: count = bytes
@@ -44,13 +46,7 @@ extern "C" __global__ __aicore__ void aicpu_batch_write(GM_ADDR segments, GM_ADD
     GlobalTensor<uint32_t> out;
     out.SetGlobalBuffer(reinterpret_cast<__gm__ uint32_t*>(status) + core * 4, 4);
     uint32_t code = adp::xfer::kCoreOk;
-    if (core == 0) {
-        Hccl<HcclServerType::HCCL_SERVER_TYPE_AICPU> hccl;
-        hccl.Init(GetHcclContext<0>());
-        const HcclHandle handle = hccl.BatchWrite<true>(items, t.num_segments);
-        if (hccl.Wait(handle) != 0) code = adp::xfer::kCoreBatchWriteFailed;
-        hccl.Finalize();
-    }
+    if (core == 0 && !adp::hccl::batch_write(&t.hccl, items, t.num_segments)) code = adp::xfer::kCoreBatchWriteFailed;
     out.SetValue(0, code);
     out.SetValue(1, uint32_t(end - begin));
     out.SetValue(2, 0);

@@ -10,17 +10,17 @@
 using namespace AscendC;
 
 extern "C" __global__ __aicore__ void aiv_post_wqe(GM_ADDR segments, GM_ADDR queues, GM_ADDR status, GM_ADDR tiling) {
-    const adp::xfer::AivPostTiling t = *reinterpret_cast<__gm__ adp::xfer::AivPostTiling*>(tiling);
+    const __gm__ adp::xfer::AivPostTiling& t = *reinterpret_cast<__gm__ adp::xfer::AivPostTiling*>(tiling);
     const uint64_t core = uint64_t(GetBlockIdx());
     uint64_t begin, end;
     adp::xfer::core_share(t.num_segments, core, uint64_t(GetBlockNum()), &begin, &end);
-    const adp::xfer::AivQueue queue = reinterpret_cast<__gm__ adp::xfer::AivQueue*>(queues)[core];
-    adp::aiv::SqPoster poster(queue, t.timeout_cycles, t.start_vtime_ns, t.submit_ns, t.doorbell_batch);
+    adp::aiv::SqPoster poster(reinterpret_cast<__gm__ adp::xfer::AivQueue*>(queues) + core, t.timeout_cycles, t.clock,
+                              t.doorbell_batch);
     const __gm__ adp::xfer::Segment* segs = reinterpret_cast<__gm__ adp::xfer::Segment*>(segments);
 
     uint32_t code = adp::xfer::kCoreOk;
     for (uint64_t i = begin; i < end; ++i) {
-        const adp::xfer::Segment seg = segs[i];
+        const __gm__ adp::xfer::Segment& seg = segs[i];
         if (!poster.Post(seg.local_addr, seg.lkey, seg.remote_addr, seg.rkey, seg.length, true)) {  // one CQE each
             code = adp::xfer::kCoreSqTimeout;
             break;

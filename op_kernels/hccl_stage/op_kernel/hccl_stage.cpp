@@ -13,7 +13,8 @@ constexpr uint64_t kAlign = 32;
 
 class Stager {
    public:
-    __aicore__ inline Stager(GM_ADDR src, GM_ADDR dst, const adp::xfer::StageTiling& t, uint64_t begin, uint64_t end)
+    __aicore__ inline Stager(GM_ADDR src, GM_ADDR dst, const __gm__ adp::xfer::StageTiling& t, uint64_t begin,
+                             uint64_t end)
         : begin_(begin), end_(end), chunk_(t.chunk_bytes) {
         src_.SetGlobalBuffer(src, t.total_bytes);
         dst_.SetGlobalBuffer(dst, t.total_bytes);
@@ -61,7 +62,7 @@ class Stager {
 }  // namespace
 
 extern "C" __global__ __aicore__ void hccl_stage(GM_ADDR src, GM_ADDR dst, GM_ADDR tiling) {
-    const adp::xfer::StageTiling t = *reinterpret_cast<__gm__ adp::xfer::StageTiling*>(tiling);
+    const __gm__ adp::xfer::StageTiling& t = *reinterpret_cast<__gm__ adp::xfer::StageTiling*>(tiling);
     // spans in whole 32-byte blocks, so that only the last core handles an unaligned tail
     const uint64_t blocks = (t.total_bytes + kAlign - 1) / kAlign;
     uint64_t first, last;

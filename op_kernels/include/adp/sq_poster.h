@@ -12,7 +12,7 @@
 #include "adp/wqe_hns.h"
 #include "kernel_operator.h"
 
-#if !defined(__CCE_AICORE__)
+#if defined(ADP_EMULATOR)
 #include <thread>
 #endif
 
@@ -22,7 +22,7 @@ constexpr uint32_t kCacheLineBytes = 64;
 
 // Spin-loop pause: nothing on the AI core; on the CPU emulator, give the host cores to other ranks.
 __aicore__ inline void relax() {
-#if !defined(__CCE_AICORE__)
+#if defined(ADP_EMULATOR)
     std::this_thread::yield();
 #endif
 }
@@ -42,19 +42,25 @@ __aicore__ inline void flush(const AscendC::GlobalTensor<T>& t) {
 
 class SqPoster {
    public:
+    // `queue`: the queue pair's descriptor in GM (read field by field: a struct in GM is not copied out).
     // `timeout_cycles` bounds each wait for SQ space (GetSystemCycle() units); `doorbell_batch` > 0 rings the
-    // doorbell every that many WQEs (0: only in Ring() and when the SQ is full). `start_vtime_ns` and
-    // `submit_ns` are the emulator's virtual clock (the time posting starts, the cost of one WQE); hardware
-    // ignores the word they are written to.
-    __aicore__ inline SqPoster(const adp::xfer::AivQueue& q, uint64_t timeout_cycles, double start_vtime_ns,
-                               double submit_ns, uint32_t doorbell_batch = 0)
-        : q_(q), timeout_cycles_(timeout_cycles), submit_ns_(submit_ns), vtime_ns_(start_vtime_ns),
-          doorbell_batch_(doorbell_batch) {
-        sq_ = gm_at<uint32_t>(q.sq_addr, uint64_t(q.depth) * q.wqe_size / 4);
-        head_word_ = gm_at<uint32_t>(q.head_addr, 1);
-        tail_word_ = gm_at<uint32_t>(q.tail_addr, 1);
-        doorbell_ = gm_at<uint64_t>(q.doorbell_addr, 1);
-        post_vtime_ = gm_at<uint64_t>(q.post_vtime_addr, 1);
+    // doorbell every that many WQEs (0: only in Ring() and when the SQ is full). `clock` is the emulator's
+    // virtual clock (the time posting starts, the cost of one WQE); the device never reads it.
+    __aicore__ inline SqPoster(const __gm__ adp::xfer::AivQueue* queue, uint64_t timeout_cycles,
+                               const __gm__ adp::xfer::EmulatorClock& clock, uint32_t doorbell_batch = 0)
+        : depth_(queue->depth), wqe_size_(queue->wqe_size), owner_shift_(queue->owner_shift),
+          qpn_(queue->qpn), sl_(queue->sl), timeout_cycles_(timeout_cycles), doorbell_batch_(doorbell_batch) {
+        sq_ = gm_at<uint32_t>(queue->sq_addr, uint64_t(depth_) * wqe_size_ / 4);
+        head_word_ = gm_at<uint32_t>(queue->head_addr, 1);
+        tail_word_ = gm_at<uint32_t>(queue->tail_addr, 1);
+        doorbell_ = gm_at<uint64_t>(queue->doorbell_addr, 1);
+#if defined(ADP_EMULATOR)
+        post_vtime_ = gm_at<uint64_t>(queue->post_vtime_addr, 1);
+        vtime_ns_ = clock.start_vtime_ns;
+        submit_ns_ = clock.submit_ns;
+#else
+        (void)clock;
+#endif
         flush(head_word_);
         head_ = head_word_.GetValue(0);
         rung_ = head_;
@@ -66,9 +72,9 @@ class SqPoster {
                                 bool signaled) {
         if (!WaitForSpace()) return false;
         const adp::wqe::RcSendWqe w = adp::wqe::encode_rc_wqe(
-            adp::wqe::kOpcodeWrite, adp::wqe::owner_for_index(head_, q_.owner_shift), signaled, length, rkey, remote,
+            adp::wqe::kOpcodeWrite, adp::wqe::owner_for_index(head_, owner_shift_), signaled, length, rkey, remote,
             lkey, local);
-        const uint64_t slot_words = uint64_t(head_ % q_.depth) * q_.wqe_size / 4;
+        const uint64_t slot_words = uint64_t(head_ % depth_) * wqe_size_ / 4;
         const uint32_t* words = reinterpret_cast<const uint32_t*>(&w);
         for (uint32_t i = 0; i < adp::wqe::kWqeBytes / 4; ++i) sq_.SetValue(slot_words + i, words[i]);
         const uint64_t slot_bytes = slot_words * 4;  // the ring starts on a cache line
@@ -77,7 +83,9 @@ class SqPoster {
             flush(sq_[line / 4]);
         ++head_;
         ++posted_;
+#if defined(ADP_EMULATOR)
         vtime_ns_ += submit_ns_;
+#endif
         if (doorbell_batch_ && head_ - rung_ >= doorbell_batch_) Ring();
         return true;
     }
@@ -85,14 +93,16 @@ class SqPoster {
     // Publishes the producer index and rings the doorbell for every WQE posted since the last ring.
     __aicore__ inline void Ring() {
         if (head_ == rung_) return;
+#if defined(ADP_EMULATOR)
         uint64_t vbits;
         static_assert(sizeof(vbits) == sizeof(vtime_ns_), "virtual time is a double");
         __builtin_memcpy(&vbits, &vtime_ns_, sizeof(vbits));
         post_vtime_.SetValue(0, vbits);
         flush(post_vtime_);
+#endif
         head_word_.SetValue(0, head_);
         flush(head_word_);
-        doorbell_.SetValue(0, adp::wqe::encode_sq_doorbell(q_.qpn, head_, q_.sl));
+        doorbell_.SetValue(0, adp::wqe::encode_sq_doorbell(qpn_, head_, sl_));
         flush(doorbell_);
         rung_ = head_;
     }
@@ -106,10 +116,10 @@ class SqPoster {
     __aicore__ inline bool WaitForSpace() {
         flush(tail_word_);  // drop a stale cached copy: the NIC advances the tail behind the core's back
         tail_ = tail_word_.GetValue(0);
-        if (head_ - tail_ + 1 <= q_.depth - 1) return true;
+        if (head_ - tail_ + 1 <= depth_ - 1) return true;
         Ring();  // the NIC retires only what a doorbell covers
         const int64_t start = AscendC::GetSystemCycle();
-        while (head_ - tail_ + 1 > q_.depth - 1) {
+        while (head_ - tail_ + 1 > depth_ - 1) {
             if (uint64_t(AscendC::GetSystemCycle() - start) > timeout_cycles_) return false;
             relax();
             flush(tail_word_);
@@ -118,13 +128,15 @@ class SqPoster {
         return true;
     }
 
-    adp::xfer::AivQueue q_;
+    uint32_t depth_, wqe_size_, owner_shift_, qpn_, sl_;  // of the queue pair
     uint64_t timeout_cycles_;
-    double submit_ns_;
-    double vtime_ns_;
     uint32_t doorbell_batch_;
     AscendC::GlobalTensor<uint32_t> sq_, head_word_, tail_word_;
-    AscendC::GlobalTensor<uint64_t> doorbell_, post_vtime_;
+    AscendC::GlobalTensor<uint64_t> doorbell_;
+#if defined(ADP_EMULATOR)
+    AscendC::GlobalTensor<uint64_t> post_vtime_;
+    double vtime_ns_ = 0, submit_ns_ = 0;
+#endif
     uint32_t head_ = 0, rung_ = 0, tail_ = 0, posted_ = 0;
 };
 

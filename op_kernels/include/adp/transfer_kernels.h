@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "adp/device.h"
+
 namespace adp::xfer {
 
 #pragma pack(push, 1)
@@ -34,12 +36,29 @@ struct AivQueue {
     uint32_t reserved;
 };
 
+// The emulator's virtual clock, carried in the tilings of the posting kernels. The AI core has no double
+// and hardware has no virtual time: on the device these are 16 bytes the kernels never read.
+struct EmulatorClock {
+#if defined(ADP_EMULATOR)
+    double start_vtime_ns;  // virtual time at which the cores start posting
+    double submit_ns;       // virtual cost of building, flushing and posting one WQE
+#else
+    uint64_t unused[2];
+#endif
+};
+
 struct AivPostTiling {
     uint32_t num_segments;
     uint32_t doorbell_batch;  // ring the doorbell after this many WQEs (and whenever the SQ is full)
     uint64_t timeout_cycles;  // bound of each wait for SQ space, in GetSystemCycle() units
-    double start_vtime_ns;    // emulator only: virtual time at which the cores start posting
-    double submit_ns;         // emulator only: virtual cost of building, flushing and posting one WQE
+    EmulatorClock clock;
+};
+
+// What Hccl::InitV2 and SetCcTilingV2 read (kernel_tiling.h: Mc2InitTiling, then one Mc2CcTiling), filled
+// on the host by CANN's Mc2CcTilingConfig::GetTiling; the kernels copy it out of GM before InitV2.
+struct HcclTiling {
+    uint8_t init[64];  // Mc2InitTiling
+    uint8_t cc[280];   // Mc2CcTiling of the BatchWrite (offsetof(HcclTiling, cc) goes to SetCcTilingV2)
 };
 
 struct StageTiling {
@@ -53,6 +72,7 @@ struct BatchWriteTiling {
     uint32_t remote_rank;
     uint32_t items_per_round;  // items built in UB per DataCopy to GM
     uint32_t reserved;
+    HcclTiling hccl;  // all zero on the emulator, whose Hccl ignores it
 };
 
 // Written by each core at exit.
@@ -67,6 +87,8 @@ struct CoreStatus {
 static_assert(sizeof(Segment) == 32, "Segment is 32 bytes");
 static_assert(sizeof(AivQueue) == 64, "AivQueue is 64 bytes");
 static_assert(sizeof(CoreStatus) == 16, "CoreStatus is 16 bytes");
+static_assert(sizeof(EmulatorClock) == 16, "EmulatorClock has one layout on the emulator and the device");
+static_assert(sizeof(HcclTiling) == 344, "HcclTiling is Mc2InitTiling (64) + Mc2CcTiling (280)");
 
 constexpr uint32_t kCoreOk = 0;
 constexpr uint32_t kCoreSqTimeout = 1;
@@ -75,7 +97,7 @@ constexpr uint32_t kCoreBatchWriteFailed = 2;
 constexpr uint32_t kHcclDataTypeInt8 = 0;  // HcclDataType INT8: BatchWrite counts are bytes
 
 // Contiguous share [begin, end) of `total` items for core `idx` of `num` cores.
-inline void core_share(uint64_t total, uint64_t idx, uint64_t num, uint64_t* begin, uint64_t* end) {
+ADP_HOST_DEVICE void core_share(uint64_t total, uint64_t idx, uint64_t num, uint64_t* begin, uint64_t* end) {
     *begin = total * idx / num;
     *end = total * (idx + 1) / num;
 }

@@ -3,11 +3,13 @@
 // The layout is the one CANN's AIV-direct paths write (ops-transformer MC2 A2 layered kernels,
 // asc-devkit hcomm_aiv.h, hicann/shmem in-die RDMA backend): a 16-byte control segment, a 16-byte RC
 // segment and one 16-byte SGE, 48 bytes in all, little-endian. Plain C++ only: no torch, no AscendC,
-// so the same encoders serve kernels (through op_kernels/emu on the CPU) and csrc/.
+// so the same encoders serve kernels (AI core, or op_kernels/emu on the CPU) and csrc/; the helpers the
+// kernels call are ADP_HOST_DEVICE.
 #pragma once
 
 #include <cstdint>
-#include <cstring>
+
+#include "adp/device.h"
 
 namespace adp::wqe {
 
@@ -44,10 +46,11 @@ struct RcSendWqe {
 static_assert(sizeof(RcSendWqe) == kWqeBytes, "WQE+SGE must be 48 bytes");
 
 // Owner value a poster computes for producer index `head` (shift = log2(SQ depth) in the kernels).
-inline uint32_t owner_for_index(uint32_t head, uint32_t shift) { return (head >> shift) & 1u; }
+ADP_HOST_DEVICE uint32_t owner_for_index(uint32_t head, uint32_t shift) { return (head >> shift) & 1u; }
 
-inline RcSendWqe encode_rc_wqe(uint32_t opcode, uint32_t owner, bool signaled, uint32_t length, uint32_t rkey,
-                               uint64_t remote_va, uint32_t lkey, uint64_t local_va, uint32_t imm = 0) {
+ADP_HOST_DEVICE RcSendWqe encode_rc_wqe(uint32_t opcode, uint32_t owner, bool signaled, uint32_t length,
+                                        uint32_t rkey, uint64_t remote_va, uint32_t lkey, uint64_t local_va,
+                                        uint32_t imm = 0) {
     RcSendWqe w{};
     w.byte_4 = (opcode & kOpcodeMask) | ((~owner << 7) & kOwnerBit) | (signaled ? kSignaledBit : 0u);
     w.msg_len = length;
@@ -66,7 +69,7 @@ inline RcSendWqe encode_rc_wqe(uint32_t opcode, uint32_t owner, bool signaled, u
 // qpn[0:23] | cmd[24:27] (0 = SQ doorbell) | producer index mod 65536 [32:47] | SL [48:50]
 constexpr uint64_t kDoorbellCmdSq = 0;
 
-inline uint64_t encode_sq_doorbell(uint32_t qpn, uint32_t pi, uint32_t sl) {
+ADP_HOST_DEVICE uint64_t encode_sq_doorbell(uint32_t qpn, uint32_t pi, uint32_t sl) {
     return (uint64_t(qpn) & 0xffffffu) | (kDoorbellCmdSq << 24) | ((uint64_t(pi) & 0xffffu) << 32) |
            ((uint64_t(sl) & 0x7u) << 48);
 }

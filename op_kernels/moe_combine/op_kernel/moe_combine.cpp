@@ -25,18 +25,18 @@ struct ReduceTiling {
 
 __aicore__ inline uint32_t element_bytes(uint32_t dtype) { return dtype == kFp32 ? 4 : 2; }
 
+// float <-> its bits, through a union (the AI core has no memcpy; AscendC's own scalar casts do the same).
+union FloatBits {
+    float f;
+    uint32_t u;
+};
+
 __aicore__ inline float load_element(const LocalTensor<uint8_t>& row, uint32_t i, uint32_t dtype) {
     if (dtype == kFp32) return row.ReinterpretCast<float>().GetValue(i);
-    const uint16_t bits = row.ReinterpretCast<uint16_t>().GetValue(i);
-    if (dtype == kBf16) {
-        const uint32_t wide = uint32_t(bits) << 16;
-        float f;
-        __builtin_memcpy(&f, &wide, 4);
-        return f;
-    }
-    _Float16 h;
-    __builtin_memcpy(&h, &bits, 2);
-    return float(h);
+    if (dtype == kFp16) return float(row.ReinterpretCast<half>().GetValue(i));
+    FloatBits v;
+    v.u = uint32_t(row.ReinterpretCast<uint16_t>().GetValue(i)) << 16;  // bfloat16: the high half of a float
+    return v.f;
 }
 
 __aicore__ inline void store_element(const LocalTensor<uint8_t>& row, uint32_t i, float value, uint32_t dtype) {
@@ -44,23 +44,24 @@ __aicore__ inline void store_element(const LocalTensor<uint8_t>& row, uint32_t i
         row.ReinterpretCast<float>().SetValue(i, value);
         return;
     }
-    uint16_t bits;
-    if (dtype == kBf16) {
-        uint32_t u;
-        __builtin_memcpy(&u, &value, 4);
-        // round to nearest-even, as torch's float -> bfloat16 conversion does
-        bits = value != value ? uint16_t(0x7fc0) : uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-    } else {
-        const _Float16 h = _Float16(value);
-        __builtin_memcpy(&bits, &h, 2);
+    if (dtype == kFp16) {
+        row.ReinterpretCast<half>().SetValue(i, half(value));
+        return;
     }
+    FloatBits v;
+    v.f = value;
+    // round to nearest-even, as torch's float -> bfloat16 conversion does
+    const uint16_t bits = value != value ? uint16_t(0x7fc0) : uint16_t((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
     row.ReinterpretCast<uint16_t>().SetValue(i, bits);
 }
 
 class Reducer {
    public:
-    __aicore__ inline Reducer(const adp::moe::ExchangeTiling& t, const ReduceTiling& r) : t_(t), r_(r) {
-        x_bytes_ = r.hidden * element_bytes(r.dtype);
+    // Both tilings stay in GM and are read through these references; the fields of the per-element loops
+    // are read once, here.
+    __aicore__ inline Reducer(const __gm__ adp::moe::ExchangeTiling& t, const __gm__ ReduceTiling& r)
+        : t_(t), r_(r), hidden_(r.hidden), topk_(r.topk), dtype_(r.dtype) {
+        x_bytes_ = hidden_ * element_bytes(dtype_);
         pipe_.InitBuffer(acc_, r.hidden * 4);
         pipe_.InitBuffer(row_, adp::moe::align32(x_bytes_));
         pipe_.InitBuffer(acc_w_, adp::moe::align32(r.topk * 4) + 32);
@@ -70,30 +71,30 @@ class Reducer {
     __aicore__ inline void Token(uint64_t token) {
         LocalTensor<float> acc = acc_.Get<float>(), acc_w = acc_w_.Get<float>();
         LocalTensor<uint8_t> row = row_.Get<uint8_t>();
-        for (uint32_t i = 0; i < r_.hidden; ++i) acc.SetValue(i, 0.0f);
-        for (uint32_t k = 0; k < r_.topk; ++k) acc_w.SetValue(k, 0.0f);
+        for (uint32_t i = 0; i < hidden_; ++i) acc.SetValue(i, 0.0f);
+        for (uint32_t k = 0; k < topk_; ++k) acc_w.SetValue(k, 0.0f);
         const __gm__ int32_t* slots = reinterpret_cast<__gm__ int32_t*>(r_.slots) + token * t_.world;
         for (uint32_t d = 0; d < t_.world; ++d) {
             if (slots[d] < 0) continue;
             const uint64_t src = t_.recv_window + uint64_t(slots[d]) * t_.row_bytes;
             Load(row, src, x_bytes_);
-            for (uint32_t i = 0; i < r_.hidden; ++i) acc.SetValue(i, acc.GetValue(i) + load_element(row, i, r_.dtype));
-            if (r_.topk) {
+            for (uint32_t i = 0; i < hidden_; ++i) acc.SetValue(i, acc.GetValue(i) + load_element(row, i, dtype_));
+            if (topk_) {
                 LocalTensor<uint8_t> row_w = row_w_.Get<uint8_t>();
-                Load(row_w, src + x_bytes_, r_.topk * 4);
+                Load(row_w, src + x_bytes_, topk_ * 4);
                 LocalTensor<float> w = row_w.ReinterpretCast<float>();
-                for (uint32_t k = 0; k < r_.topk; ++k) acc_w.SetValue(k, acc_w.GetValue(k) + w.GetValue(k));
+                for (uint32_t k = 0; k < topk_; ++k) acc_w.SetValue(k, acc_w.GetValue(k) + w.GetValue(k));
             }
         }
         for (uint32_t b = 0; b < 2; ++b) {
             const uint64_t bias = r_.bias[b];
             if (!bias) continue;
             Load(row, bias + token * x_bytes_, x_bytes_);
-            for (uint32_t i = 0; i < r_.hidden; ++i) acc.SetValue(i, acc.GetValue(i) + load_element(row, i, r_.dtype));
+            for (uint32_t i = 0; i < hidden_; ++i) acc.SetValue(i, acc.GetValue(i) + load_element(row, i, dtype_));
         }
-        for (uint32_t i = 0; i < r_.hidden; ++i) store_element(row, i, acc.GetValue(i), r_.dtype);
+        for (uint32_t i = 0; i < hidden_; ++i) store_element(row, i, acc.GetValue(i), dtype_);
         Store(r_.out_x + token * x_bytes_, row, x_bytes_);
-        if (r_.topk) Store(r_.out_w + token * r_.topk * 4, acc_w.ReinterpretCast<uint8_t>(), r_.topk * 4);
+        if (topk_) Store(r_.out_w + token * topk_ * 4, acc_w.ReinterpretCast<uint8_t>(), topk_ * 4);
     }
 
    private:
@@ -113,10 +114,11 @@ class Reducer {
         WaitFlag<HardEvent::MTE3_S>(0);
     }
 
-    const adp::moe::ExchangeTiling& t_;
-    const ReduceTiling& r_;
+    const __gm__ adp::moe::ExchangeTiling& t_;
+    const __gm__ ReduceTiling& r_;
     TPipe pipe_;
     TBuf<TPosition::VECCALC> acc_, row_, acc_w_, row_w_;
+    uint32_t hidden_, topk_, dtype_;
     uint32_t x_bytes_ = 0;
 };
 
@@ -124,8 +126,9 @@ class Reducer {
 
 extern "C" __global__ __aicore__ void moe_combine(GM_ADDR tiling, GM_ADDR peers, GM_ADDR in_parts, GM_ADDR reduce,
                                                   GM_ADDR send_index, GM_ADDR queues, GM_ADDR status) {
-    const adp::moe::ExchangeTiling t = *reinterpret_cast<__gm__ adp::moe::ExchangeTiling*>(tiling);
-    const ReduceTiling r = *reinterpret_cast<__gm__ ReduceTiling*>(reduce);
+    KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_MIX_AIV_1_0);  // SyncAll below and in send_phase
+    const __gm__ adp::moe::ExchangeTiling& t = *reinterpret_cast<__gm__ adp::moe::ExchangeTiling*>(tiling);
+    const __gm__ ReduceTiling& r = *reinterpret_cast<__gm__ ReduceTiling*>(reduce);
     const auto* peer_table = reinterpret_cast<__gm__ adp::moe::ExchangePeer*>(peers);
     const uint64_t core = uint64_t(GetBlockIdx()), cores = uint64_t(GetBlockNum());
     adp::moe::ExchangeOutcome outcome;

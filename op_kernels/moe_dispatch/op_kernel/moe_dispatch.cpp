@@ -9,7 +9,8 @@ using namespace AscendC;
 
 extern "C" __global__ __aicore__ void moe_dispatch(GM_ADDR tiling, GM_ADDR peers, GM_ADDR in_parts, GM_ADDR out_parts,
                                                    GM_ADDR send_index, GM_ADDR queues, GM_ADDR status) {
-    const adp::moe::ExchangeTiling t = *reinterpret_cast<__gm__ adp::moe::ExchangeTiling*>(tiling);
+    KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_MIX_AIV_1_0);  // SyncAll in send_phase
+    const __gm__ adp::moe::ExchangeTiling& t = *reinterpret_cast<__gm__ adp::moe::ExchangeTiling*>(tiling);
     const auto* peer_table = reinterpret_cast<__gm__ adp::moe::ExchangePeer*>(peers);
     adp::moe::ExchangeOutcome outcome;
     adp::moe::send_phase(t, peer_table, reinterpret_cast<__gm__ adp::moe::RowPart*>(in_parts),

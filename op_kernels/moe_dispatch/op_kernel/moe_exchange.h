@@ -14,6 +14,7 @@
 // grows every op, so a stale flag is never taken as ready.
 #pragma once
 
+#include "adp/hccl_batch_write.h"
 #include "adp/sq_poster.h"
 #include "adp/transfer_kernels.h"
 #include "adp/wqe_hns.h"
@@ -44,8 +45,8 @@ struct ExchangeTiling {
     uint64_t items;          // BatchWrite item array, registered with the communicator (AICPU dataplane)
     uint32_t send_lkey;      // lkey of the send window and the magic staging word
     uint32_t reserved;
-    double start_vtime_ns;   // emulator only: virtual time at which the cores start posting
-    double submit_ns;        // emulator only: virtual cost of one AIV-posted WQE
+    adp::xfer::EmulatorClock clock;  // the emulator's virtual clock (start of posting, cost of one WQE)
+    adp::xfer::HcclTiling hccl;      // InitV2/SetCcTilingV2 tiling of core 0's BatchWrite (AICPU dataplane)
 };
 
 struct ExchangePeer {
@@ -86,12 +87,14 @@ __aicore__ inline uint32_t align32(uint32_t bytes) { return (bytes + 31) / 32 * 
 // 32-byte aligned slot) -> GM with DataCopyPad, so no part needs 32-byte aligned lengths or addresses.
 class RowMover {
    public:
-    __aicore__ inline RowMover(AscendC::TPipe& pipe, const RowPart* parts, uint32_t num_parts) : num_parts_(num_parts) {
+    __aicore__ inline RowMover(AscendC::TPipe& pipe, const __gm__ RowPart* parts, uint32_t num_parts)
+        : num_parts_(num_parts) {
         uint32_t ub_bytes = 0;
         for (uint32_t p = 0; p < num_parts; ++p) {
-            parts_[p] = parts[p];
+            parts_[p].addr = parts[p].addr;
+            parts_[p].row_bytes = parts[p].row_bytes;
             ub_offset_[p] = ub_bytes;
-            ub_bytes += align32(parts[p].row_bytes);
+            ub_bytes += align32(parts_[p].row_bytes);
         }
         pipe.InitBuffer(buf_, ub_bytes ? ub_bytes : 32);
     }
@@ -164,11 +167,26 @@ __aicore__ inline bool any_core_failed(GM_ADDR status) {
     return false;
 }
 
+// Writes BatchWrite item `index` (source, destination, bytes, destination rank) through UB into `items`.
+__aicore__ inline void put_item(const AscendC::LocalTensor<uint64_t>& ub, const AscendC::GlobalTensor<uint64_t>& items,
+                                uint64_t index, uint64_t local, uint64_t remote, uint64_t length, uint64_t rank) {
+    ub.SetValue(0, local);
+    ub.SetValue(1, remote);
+    ub.SetValue(2, length);  // INT8 items: count = bytes
+    ub.SetValue(3, uint64_t(adp::xfer::kHcclDataTypeInt8) | (rank << 32));
+    AscendC::SetFlag<AscendC::HardEvent::S_MTE3>(0);
+    AscendC::WaitFlag<AscendC::HardEvent::S_MTE3>(0);
+    AscendC::DataCopy(items[index * 4], ub, 4);
+    AscendC::SetFlag<AscendC::HardEvent::MTE3_S>(0);
+    AscendC::WaitFlag<AscendC::HardEvent::MTE3_S>(0);
+}
+
 // Send phase for the destinations of this core (d % cores == core), then, on the AICPU dataplane,
-// SyncAll and core 0's BatchWrite. Every core reaches the SyncAll, also after a failure.
-__aicore__ inline void send_phase(const ExchangeTiling& t, const ExchangePeer* peers, const RowPart* in_parts,
-                                  const int32_t* send_index, const adp::xfer::AivQueue* queues,
-                                  ExchangeOutcome* outcome) {
+// SyncAll and core 0's BatchWrite. Every core reaches the SyncAll, also after a failure. Every pointer
+// is into GM (the tiling, the peer table, the row parts, the send index and the queue descriptors).
+__aicore__ inline void send_phase(const __gm__ ExchangeTiling& t, const __gm__ ExchangePeer* peers,
+                                  const __gm__ RowPart* in_parts, const __gm__ int32_t* send_index,
+                                  const __gm__ adp::xfer::AivQueue* queues, ExchangeOutcome* outcome) {
     const uint64_t core = uint64_t(AscendC::GetBlockIdx()), cores = uint64_t(AscendC::GetBlockNum());
     const uint64_t w = t.row_bytes;
     {
@@ -180,7 +198,7 @@ __aicore__ inline void send_phase(const ExchangeTiling& t, const ExchangePeer* p
         staging.SetValue(0, t.magic);  // every core stores the same word
         flush(staging);
         for (uint64_t d = core; d < t.world; d += cores) {
-            const ExchangePeer& peer = peers[d];
+            const __gm__ ExchangePeer& peer = peers[d];
             const bool self = d == t.rank;
             const uint64_t block = self ? t.recv_window + uint64_t(peers[t.rank].recv_begin) * w
                                         : t.send_window + uint64_t(peer.send_begin) * w;
@@ -191,7 +209,7 @@ __aicore__ inline void send_phase(const ExchangeTiling& t, const ExchangePeer* p
             AscendC::WaitFlag<AscendC::HardEvent::MTE3_S>(0);
             const uint64_t bytes = uint64_t(peer.send_count) * w;
             if (t.dataplane == kDataplaneAiv) {
-                adp::aiv::SqPoster poster(queues[d], t.timeout_cycles, t.start_vtime_ns, t.submit_ns);
+                adp::aiv::SqPoster poster(queues + d, t.timeout_cycles, t.clock);
                 bool ok = true;
                 for (uint64_t off = 0; ok && off < bytes; off += t.max_payload) {
                     const uint32_t n = uint32_t(bytes - off < t.max_payload ? bytes - off : t.max_payload);
@@ -209,33 +227,18 @@ __aicore__ inline void send_phase(const ExchangeTiling& t, const ExchangePeer* p
                 AscendC::LocalTensor<uint64_t> ub = item_buf.Get<uint64_t>();
                 AscendC::GlobalTensor<uint64_t> items = gm_at<uint64_t>(t.items, uint64_t(t.total_items) * 4);
                 uint64_t index = peer.item_begin;
-                auto put = [&](uint64_t local, uint64_t remote, uint64_t length) {
-                    ub.SetValue(0, local);
-                    ub.SetValue(1, remote);
-                    ub.SetValue(2, length);  // INT8 items: count = bytes
-                    ub.SetValue(3, uint64_t(adp::xfer::kHcclDataTypeInt8) | (d << 32));
-                    AscendC::SetFlag<AscendC::HardEvent::S_MTE3>(0);
-                    AscendC::WaitFlag<AscendC::HardEvent::S_MTE3>(0);
-                    AscendC::DataCopy(items[index * 4], ub, 4);
-                    AscendC::SetFlag<AscendC::HardEvent::MTE3_S>(0);
-                    AscendC::WaitFlag<AscendC::HardEvent::MTE3_S>(0);
-                    ++index;
-                };
                 for (uint64_t off = 0; off < bytes; off += t.max_payload)
-                    put(block + off, peer.remote_recv + off, bytes - off < t.max_payload ? bytes - off : t.max_payload);
-                put(t.magic_staging, peer.remote_notify, 8);
+                    put_item(ub, items, index++, block + off, peer.remote_recv + off,
+                             bytes - off < t.max_payload ? bytes - off : t.max_payload, d);
+                put_item(ub, items, index++, t.magic_staging, peer.remote_notify, 8, d);
                 outcome->posted += uint32_t(index - peer.item_begin);
             }
         }
     }
     AscendC::SyncAll();  // rows for this rank are in its window; the item array is complete
-    if (t.dataplane == kDataplaneAicpu && core == 0 && t.total_items) {
-        AscendC::Hccl<AscendC::HcclServerType::HCCL_SERVER_TYPE_AICPU> hccl;
-        hccl.Init(AscendC::GetHcclContext<0>());
-        const AscendC::HcclHandle handle = hccl.BatchWrite<true>(reinterpret_cast<GM_ADDR>(t.items), t.total_items);
-        if (hccl.Wait(handle) != 0) outcome->code = adp::xfer::kCoreBatchWriteFailed;
-        hccl.Finalize();
-    }
+    if (t.dataplane == kDataplaneAicpu && core == 0 && t.total_items &&
+        !adp::hccl::batch_write(&t.hccl, reinterpret_cast<GM_ADDR>(t.items), t.total_items))
+        outcome->code = adp::xfer::kCoreBatchWriteFailed;
 }
 
 // A magic is tag << 56 | source << 32 | op counter. The slot may already hold the source's magic of the
@@ -247,7 +250,7 @@ __aicore__ inline bool notify_reached(uint64_t value, uint64_t expect) {
 }
 
 // Waits until source s has raised this op's magic (or a later one) in slot s (bounded); false on timeout.
-__aicore__ inline bool wait_notify(const ExchangeTiling& t, const ExchangePeer& peer, uint64_t source) {
+__aicore__ inline bool wait_notify(const __gm__ ExchangeTiling& t, const __gm__ ExchangePeer& peer, uint64_t source) {
     AscendC::GlobalTensor<uint64_t> slot = gm_at<uint64_t>(t.notify_base + source * kNotifySlotBytes, 1);
     const int64_t start = AscendC::GetSystemCycle();
     while (true) {
@@ -260,14 +263,14 @@ __aicore__ inline bool wait_notify(const ExchangeTiling& t, const ExchangePeer& 
 
 // Receive phase for the sources of this core (s % cores == core): wait for each source's notify, then,
 // when `out_parts` is given, unpack its rows.
-__aicore__ inline void receive_phase(const ExchangeTiling& t, const ExchangePeer* peers, const RowPart* out_parts,
-                                     ExchangeOutcome* outcome) {
+__aicore__ inline void receive_phase(const __gm__ ExchangeTiling& t, const __gm__ ExchangePeer* peers,
+                                     const __gm__ RowPart* out_parts, ExchangeOutcome* outcome) {
     const uint64_t core = uint64_t(AscendC::GetBlockIdx()), cores = uint64_t(AscendC::GetBlockNum());
     AscendC::TPipe pipe;
     RowMover mover(pipe, out_parts, t.num_out_parts);
     for (uint64_t s = core; s < t.world; s += cores) {
         if (outcome->code != adp::xfer::kCoreOk) return;
-        const ExchangePeer& peer = peers[s];
+        const __gm__ ExchangePeer& peer = peers[s];
         if (s != t.rank && peer.expect_magic != 0 && !wait_notify(t, peer, s)) {
             outcome->code = kCoreNotifyTimeout;
             outcome->detail = uint32_t(s);
