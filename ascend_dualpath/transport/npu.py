@@ -165,6 +165,7 @@ class NpuTransferEngine(TransferEngine):
         """An engine over the HCCL communicator of a torch_npu process group, on the current NPU."""
         import torch
         import torch.distributed as dist
+        import torch_npu  # noqa: F401  (adds torch.npu)
 
         rank = dist.get_rank(process_group)
         return cls(hccl_comm_handle(process_group, rank), peer, torch.npu.current_device(), **options)
@@ -275,13 +276,14 @@ class NpuTransferEngine(TransferEngine):
 
     # ---- start -------------------------------------------------------------------------------------
 
-    def _check_ranges(self, pieces: Sequence[WirePiece], remote_addr: int, remote_nbytes: int) -> None:
+    def _check_ranges(self, pieces: Sequence[WirePiece], remote_addr: int, remote_nbytes: int,
+                      what: str = "remote slot") -> None:
         for i, p in enumerate(pieces):
             if not any(r.holds(p.local_addr, p.nbytes) for r in self._local):
                 raise E.NotRegistered(f"piece {i} [{p.local_addr:#x}, +{p.nbytes}) lies in no registered local "
                                       f"region ({len(self._local)} registered)")
         if not any(r.holds(remote_addr, remote_nbytes) for r in self._remote):
-            raise E.BoundsError(f"remote slot [{remote_addr:#x}, +{remote_nbytes}) lies in no region the peer "
+            raise E.BoundsError(f"{what} [{remote_addr:#x}, +{remote_nbytes}) lies in no region the peer "
                                 f"registered ({len(self._remote)} declared with add_remote_region)")
 
     def _check_device(self) -> None:
@@ -309,6 +311,7 @@ class NpuTransferEngine(TransferEngine):
             raise E.ConfigError("a notify slot was asked for, but the engine has no notify tensor")
         if not 0 <= slot < self.notify.numel():
             raise E.BoundsError(f"notify slot {slot} is outside [0, {self.notify.numel()})")
+        self._check_ranges([], self.notify_remote_addr + slot * NOTIFY_BYTES, NOTIFY_BYTES, f"notify slot {slot}")
 
     def _put(self, pieces: Sequence[WirePiece]) -> int:
         """Enqueue one HcclBatchPut of ``pieces`` and an event record after it; returns the event."""
@@ -359,7 +362,6 @@ class NpuTransferEngine(TransferEngine):
         local = self.notify.data_ptr() + slot * NOTIFY_BYTES
         remote = self.notify_remote_addr + slot * NOTIFY_BYTES
         piece = WirePiece(local, remote, NOTIFY_BYTES, 0, 0, 0)
-        self._check_ranges([piece], remote, NOTIFY_BYTES)
         event = self._put([piece])
         try:
             self._await(event, timeout_s, lambda: f"the notify put of ticket {ticket.id} (slot {slot})")

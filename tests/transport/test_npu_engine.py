@@ -373,6 +373,13 @@ def test_notify_slot_bounds(memory):
     with pytest.raises(E.BoundsError, match=r"notify slot 2 is outside \[0, 2\)"):
         engine.submit([MemorySegment(src.data_ptr(), 64, MemoryKind.DEVICE)], RemoteSlot(PEER, dst.data_ptr(), 64),
                       notify_slot=2)
+    elsewhere, _ = _engine(notify_slots=2, remote=dst)
+    elsewhere.register(src.data_ptr(), src.numel())
+    elsewhere.add_remote_region(dst.data_ptr(), 16384)  # the peer's notify words are not in a declared region
+    elsewhere.prepare_comm()
+    with pytest.raises(E.BoundsError, match="notify slot 1 .* lies in no region the peer registered"):
+        elsewhere.submit([MemorySegment(src.data_ptr(), 64, MemoryKind.DEVICE)], RemoteSlot(PEER, dst.data_ptr(), 64),
+                         notify_slot=1)
     plain, _ = _engine()
     with pytest.raises(E.ConfigError, match="no notify tensor"):
         plain.submit([MemorySegment(src.data_ptr(), 64, MemoryKind.DEVICE)], RemoteSlot(PEER, dst.data_ptr(), 64),
