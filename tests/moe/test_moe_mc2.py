@@ -241,9 +241,10 @@ def test_hccl_buffsize_env_and_check():
 class _FakeNpu(types.ModuleType):
     """Records every MC2 call; ``versions`` says which op pairs exist."""
 
-    def __init__(self, versions=("v1", "v2")):
+    def __init__(self, versions=("v1", "v2"), soc_version=253):
         super().__init__("torch_npu")
         self.calls = []
+        self.npu = types.SimpleNamespace(get_soc_version=lambda: soc_version)
         for version, suffix in (("v1", ""), ("v2", "_v2")):
             if version in versions:
                 for op in ("dispatch", "combine"):
@@ -295,8 +296,8 @@ def fake_dist(monkeypatch):
     return types.SimpleNamespace(made=made, collectives=collectives)
 
 
-def _strategy(monkeypatch, versions=("v1", "v2"), **options):
-    fake = _FakeNpu(versions)
+def _strategy(monkeypatch, versions=("v1", "v2"), soc_version=253, **options):
+    fake = _FakeNpu(versions, soc_version)
     monkeypatch.setitem(__import__("sys").modules, "torch_npu", fake)
     return fake, mc2.Mc2Strategy(_FakeGroup("ep"), 5.0, **options)
 
@@ -366,6 +367,19 @@ def test_buffer_too_small_is_refused_before_the_op(monkeypatch, fake_dist):
     strategy.hccl_buffsize_mb = None
     strategy.dispatch_expanded(x, ids, 256)
     assert len(fake.calls) == 1
+
+
+@pytest.mark.parametrize("soc_version, product", [(220, "A2"), (224, "A2"), (250, "A3"), (255, "A3")])
+def test_product_from_the_soc_version(monkeypatch, fake_dist, soc_version, product):
+    _, strategy = _strategy(monkeypatch, soc_version=soc_version)
+    assert strategy.product == product
+
+
+def test_an_unknown_soc_needs_an_explicit_product(monkeypatch, fake_dist):
+    with pytest.raises(ConfigError, match="SoC version 202 is neither Atlas A2"):
+        _strategy(monkeypatch, soc_version=202)
+    _, strategy = _strategy(monkeypatch, soc_version=202, product="A2")
+    assert strategy.product == "A2"
 
 
 def test_invalid_call_never_reaches_the_op(monkeypatch, fake_dist):

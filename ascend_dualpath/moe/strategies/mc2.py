@@ -56,6 +56,8 @@ DEFAULT_HCCL_BUFFSIZE_MB = 200  # CANN's default when HCCL_BUFFSIZE is unset
 # the comm_alg values each op accepts, per product (v1 takes none)
 DISPATCH_V2_COMM_ALGS = {"A2": ("", "fullmesh", "hierarchy"), "A3": ("", "fullmesh_v1", "fullmesh_v2", "hierarchy")}
 COMBINE_V2_COMM_ALGS = {"A2": ("", "fullmesh", "hierarchy"), "A3": ("", "hierarchy")}
+# torch_npu.npu.get_soc_version() codes per product (Ascend910B1..B4 variants; Ascend910_93xx)
+SOC_VERSIONS = {"A2": range(220, 226), "A3": range(250, 256)}
 
 
 @dataclass(frozen=True)
@@ -331,6 +333,16 @@ def op_version(torch_npu: Any, requested: str = "auto") -> str:
     return requested
 
 
+def product_of(soc_version: int) -> str:
+    """"A2" or "A3" for a ``torch_npu.npu.get_soc_version()`` code; ConfigError for another chip."""
+    for product, codes in SOC_VERSIONS.items():
+        if soc_version in codes:
+            return product
+    raise ConfigError(f"SoC version {soc_version} is neither Atlas A2 ({SOC_VERSIONS['A2'].start}-"
+                      f"{SOC_VERSIONS['A2'].stop - 1}) nor A3 ({SOC_VERSIONS['A3'].start}-{SOC_VERSIONS['A3'].stop - 1}):"
+                      f" MC2 is documented for those two; pass product= explicitly to override")
+
+
 def availability(group: Any) -> tuple[bool, str]:
     if importlib.util.find_spec("torch_npu") is None:
         return False, "mc2 strategy needs torch_npu (torch_npu is not installed)"
@@ -352,7 +364,7 @@ class Mc2Strategy(AllToAllStrategy):
     ----------
     group : the hccl process group whose communicator the MC2 ops use (their EP domain); nothing else runs on it.
     timeout_s : bound of every wait of the all_to_all fallback.
-    product : "A2" or "A3".
+    product : "A2", "A3" or "auto" (from ``torch_npu.npu.get_soc_version()``, see :func:`product_of`).
     version : "auto" (v2 where torch_npu has it, else v1), "v1" or "v2".
     comm_alg : v2's ``comm_alg`` ("" = the product's default, see :func:`resolve_comm_alg`).
     fallback_group : the hccl group of the all_to_all ops; None makes one over ``group``'s ranks
@@ -363,7 +375,7 @@ class Mc2Strategy(AllToAllStrategy):
 
     name = "mc2"
 
-    def __init__(self, group: Any, timeout_s: float, product: str = "A3", version: str = "auto", comm_alg: str = "",
+    def __init__(self, group: Any, timeout_s: float, product: str = "auto", version: str = "auto", comm_alg: str = "",
                  fallback_group: Any = None, hccl_buffsize_mb: int | None = None) -> None:
         import torch.distributed as dist
         import torch_npu
@@ -376,9 +388,9 @@ class Mc2Strategy(AllToAllStrategy):
                               "other operator")
         super().__init__(fallback_group, timeout_s)
         self.torch_npu = torch_npu
-        self.product = product
+        self.product = product_of(torch_npu.npu.get_soc_version()) if product == "auto" else product
         self.version = op_version(torch_npu, version)
-        resolve_comm_alg(self.version, product, comm_alg)  # a bad product or comm_alg fails at construction
+        resolve_comm_alg(self.version, self.product, comm_alg)  # a bad product or comm_alg fails at construction
         self.comm_alg = comm_alg
         self.mc2_group = group
         self.rank = dist.get_rank(group)
