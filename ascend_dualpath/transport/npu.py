@@ -54,6 +54,8 @@ MAX_PIECE = 1 << 62  # HcclBatchPut takes any byte count per descriptor (u64); t
 SPIN_S = 2e-3  # a wait polls without sleeping this long, then every POLL_S
 POLL_S = 50e-6
 DEFAULT_PREPARE_TIMEOUT_S = 120  # hixl's default for HcclCommPrepare
+# descriptors per HcclBatchPut: hixl's batch size (no limit is documented; larger requests take several calls)
+MAX_DESCS_PER_PUT = 256
 
 # HcclResult (hccl/hccl_types.h of the torch_npu wheel)
 HCCL_RESULT_NAMES = {
@@ -314,15 +316,20 @@ class NpuTransferEngine(TransferEngine):
         self._check_ranges([], self.notify_remote_addr + slot * NOTIFY_BYTES, NOTIFY_BYTES, f"notify slot {slot}")
 
     def _put(self, pieces: Sequence[WirePiece]) -> int:
-        """Enqueue one HcclBatchPut of ``pieces`` and an event record after it; returns the event."""
+        """Enqueue HcclBatchPut of ``pieces`` (``MAX_DESCS_PER_PUT`` per call) and an event record after the last;
+        returns the event."""
         import torch
 
         descs = torch.tensor([[p.local_addr, p.remote_addr, p.nbytes] for p in pieces], dtype=torch.int64)
         rc, event = self.native.create_event()
         check("aclrtCreateEventWithFlag", rc, "for a put's completion")
         try:
-            self.native.enqueue_batch_put(self.comm, self.peer, descs, event)
+            for start in range(0, len(pieces), MAX_DESCS_PER_PUT):
+                last = start + MAX_DESCS_PER_PUT >= len(pieces)
+                self.native.enqueue_batch_put(self.comm, self.peer, descs[start:start + MAX_DESCS_PER_PUT],
+                                              event if last else 0)
         except BaseException:
+            # an earlier chunk may be queued: the event was not recorded, so it can go
             check("aclrtDestroyEvent", self.native.destroy_event(event), "after a failed enqueue")
             raise
         return event

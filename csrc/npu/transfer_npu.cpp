@@ -205,13 +205,14 @@ void register_hccl(py::module_& npu) {
         py::gil_scoped_release release;
         return int64_t(prepare(as_ptr(comm), &config, int32_t(timeout_s)));
     });
-    // HcclBatchPut of descs, then aclrtRecordEvent(event), in order on the current stream's task queue
+    // HcclBatchPut of descs, then aclrtRecordEvent(event) unless event is 0, in order on the current stream's task
+    // queue
     npu.def("enqueue_batch_put", [](int64_t comm, int64_t remote_rank, at::Tensor descs, int64_t event) {
         BatchPutFn put = require(hccl_symbols().batch_put, "HcclBatchPut");
         auto list = std::make_shared<std::vector<OneSideOpDesc>>(one_side_descs(descs));
         on_task_queue("adp_hccl_batch_put", [=](aclrtStream stream) -> int {
             const int32_t rc = put(as_ptr(comm), uint32_t(remote_rank), list->data(), uint32_t(list->size()), stream);
-            if (rc != 0) return keep_async("HcclBatchPut", rc);
+            if (rc != 0 || event == 0) return keep_async("HcclBatchPut", rc);
             return keep_async("aclrtRecordEvent", aclrtRecordEvent(static_cast<aclrtEvent>(as_ptr(event)), stream));
         });
     });

@@ -32,6 +32,7 @@ class FakeNative:
         self.polls_to_complete = polls_to_complete  # None: a put never completes
         self.async_error = None
         self.events: dict[int, dict] = {}
+        self.pending: list = []  # descriptors of puts queued without an event
         self._next = 0x1000
 
     def _handle(self):
@@ -75,8 +76,10 @@ class FakeNative:
 
     def enqueue_batch_put(self, comm, remote_rank, descs, event):
         assert descs.dtype == torch.int64 and descs.dim() == 2 and descs.shape[1] == 3
-        self.calls.append(("enqueue_batch_put", comm, remote_rank, descs.tolist()))
-        self.events[event]["descs"] = descs.tolist()
+        self.calls.append(("enqueue_batch_put", comm, remote_rank, descs.tolist(), event))
+        self.pending += descs.tolist()
+        if event:  # recorded after this put: everything queued so far completes with it
+            self.events[event]["descs"], self.pending = self.pending, []
         if "HcclBatchPut" in self.rcs:
             self.async_error = ("HcclBatchPut", self.rcs["HcclBatchPut"])
 
@@ -329,6 +332,18 @@ def test_pieces_land_bit_exact_and_the_notify_follows(memory):
                                              [src.data_ptr() + 5000, dst.data_ptr() + 1100, 3000]]
     assert all(e["destroyed"] for e in fake.events.values())
     assert result.kind is TransferKind.HOST and result.nbytes == 4000 and result.num_pieces == 2
+
+
+def test_large_requests_take_several_puts_and_one_event(memory):
+    src, dst = memory
+    engine, fake = _engine()
+    _ready(engine, src, dst)
+    sources = [MemorySegment(src.data_ptr() + 16 * i, 16, MemoryKind.DEVICE) for i in range(600)]
+    engine.transfer(sources, RemoteSlot(PEER, dst.data_ptr(), 9600))
+    puts = [c for c in fake.calls if c[0] == "enqueue_batch_put"]
+    assert [len(c[3]) for c in puts] == [256, 256, 88]
+    assert [c[4] != 0 for c in puts] == [False, False, True]  # the event follows the last put only
+    assert torch.equal(dst[:9600], src[:9600])
 
 
 def test_a_failed_put_on_the_task_queue_is_raised_by_name(memory):
