@@ -68,6 +68,11 @@ class BackendUnavailable(AdpError):
     """The requested backend cannot run here; the message says why."""
 
 
+class DeviceError(AdpError):
+    """A device runtime or collective-library call (ACL, HCCL) returned an error code; the message names the
+    call, the code's name and value, and what was asked of it."""
+
+
 class StorageReadError(OSError, AdpError):
     """A KV block could not be read from the block store (missing block, I/O error, short or malformed file).
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import abc
 import itertools
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
