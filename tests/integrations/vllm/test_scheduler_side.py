@@ -151,15 +151,18 @@ def test_the_decode_instance_receives_the_prompt_asynchronously(instance):
     assert scheduled.scheduled_new_reqs == [] and scheduled.num_scheduled_tokens == {}
     assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     (recv,) = scheduled.kv_connector_metadata.recvs
-    assert (recv.req_id, recv.computed, recv.prompt_tokens, len(recv.block_ids)) == ("d", 0, 100, 4)
+    # The DE takes the full blocks below the last prompt token and computes the partial tail itself; while it
+    # waits, vLLM has allocated only the blocks of the received tokens.
+    assert (recv.req_id, recv.computed, recv.end, len(recv.block_ids)) == ("d", 0, 96, 3)
     for _ in range(2):  # nothing moves until the worker reports the receive
         scheduled, _ = step(scheduler)
         assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS and scheduled.num_scheduled_tokens == {}
         assert scheduled.kv_connector_metadata.recvs == []
     step(scheduler, finished_recving={"d"})
     scheduled, _ = step(scheduler)
-    # The whole prompt arrived: vLLM recomputes the last prompt token to sample the first output token.
-    assert scheduled.num_scheduled_tokens == {"d": 1} and request.status == RequestStatus.RUNNING
+    assert scheduled.num_scheduled_tokens == {"d": 100 - 96} and request.status == RequestStatus.RUNNING
+    (new,) = scheduled.scheduled_new_reqs  # scheduled as new once received, with the tail block added
+    assert new.num_computed_tokens == 96 and list(new.block_ids[0][:3]) == recv.block_ids and len(new.block_ids[0]) == 4
     assert list(request.output_token_ids) == [SAMPLED_TOKEN]
 
 
