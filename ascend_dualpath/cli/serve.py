@@ -41,6 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="bound of every wait in the connectors and the proxy (default ADP_TIMEOUT_S or 30)",
     )
     parser.add_argument(
+        "--on-load-failure",
+        choices=["recompute", "fail"],
+        default="recompute",
+        help="vLLM's kv_load_failure_policy: a KV load that fails is recomputed (default) or fails its request",
+    )
+    parser.add_argument(
         "--startup-timeout",
         type=float,
         default=300.0,
@@ -62,5 +68,6 @@ def run(args: argparse.Namespace) -> int:
         model=args.model, port=args.port, policy=args.policy, store=args.store, snic_mbps=args.snic_mbps,
         block_size=args.block_size, timeout_s=args.timeout if args.timeout is not None else _env.timeout_s(),
         startup_timeout_s=args.startup_timeout, vllm_args=tuple(args.vllm_args),
+        load_failure_policy=args.on_load_failure,
     )  # fmt: skip
     return serve(opts)

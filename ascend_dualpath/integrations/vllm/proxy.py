@@ -447,6 +447,8 @@ class DualPathProxy:
         return web.json_response({"prefill": pe, "decode": de}, status=200 if healthy else 503)
 
     async def metrics_text(self, request: web.Request) -> web.Response:
+        # fresh connector figures: the last request's status predates its own reads
+        await asyncio.gather(self._status("prefill", self.cfg.prefill_kv), self._status("decode", self.cfg.decode_kv))
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 

@@ -52,6 +52,7 @@ class DualPathScheduler:
         self._prefill: dict[str, tuple[XferParams, list[int], int]] = {}  # req_id -> (xfer, block table, prompt)
         self._hits: dict[str, tuple[int, list[bytes]]] = {}  # req_id -> (hit tokens, store ids)
         self._persisting: set[str] = set()  # finished requests whose blocks are being written
+        self._received: set[str] = set()  # decode requests that had their one receive
 
     # -- admission ------------------------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -59,6 +60,8 @@ class DualPathScheduler:
         xfer = XferParams.from_request(request.kv_transfer_params)
         prompt = request.num_prompt_tokens
         if xfer is not None and xfer.role == "decode":
+            if request.request_id in self._received:
+                return 0, False  # its receive failed and vLLM recomputes it (kv_load_failure_policy=recompute)
             missing = self.received_end(prompt) - num_computed_tokens
             return (missing, True) if missing > 0 else (0, False)
         hit = self.stored_prefix_tokens(request)
@@ -87,6 +90,7 @@ class DualPathScheduler:
             self._prefill[request.request_id] = (xfer, block_ids, request.num_prompt_tokens)
         if xfer is not None and xfer.role == "decode":
             if num_external_tokens > 0:
+                self._received.add(request.request_id)
                 self._pending_recvs[request.request_id] = RecvSpec(
                     request.request_id, xfer, computed, self.received_end(request.num_prompt_tokens), block_ids
                 )
@@ -132,6 +136,7 @@ class DualPathScheduler:
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         """Persist a finished decode/standalone request's new full blocks; True keeps its blocks until written."""
         self._hits.pop(request.request_id, None)
+        self._received.discard(request.request_id)
         xfer = XferParams.from_request(request.kv_transfer_params)
         if self._prefill.pop(request.request_id, None) is not None or xfer is not None and xfer.role == "prefill":
             return False, None

@@ -71,6 +71,7 @@ class ServePlan:
     de_port: int
     fabric: str
     vllm_args: tuple[str, ...] = ()
+    load_failure_policy: str = "recompute"
 
     def instance_port(self, role: str) -> int:
         return self.pe_port if role == "prefill" else self.de_port
@@ -123,6 +124,7 @@ def kv_transfer_config(plan: ServePlan, role: str) -> dict:
         "kv_connector_module_path": "ascend_dualpath.integrations.vllm.connector",
         "kv_role": KV_ROLES[role],
         "kv_connector_extra_config": extra,
+        "kv_load_failure_policy": plan.load_failure_policy,
     }
 
 
@@ -144,6 +146,9 @@ def instance_argv(plan: ServePlan, role: str) -> list[str]:
         *vllm_serve_command(), "--model", plan.model,
         "--host", "127.0.0.1", "--port", str(plan.instance_port(role)),
         "--enforce-eager", "--block-size", str(plan.block_size),
+        # the block store is the cache: vLLM's own prefix cache would serve repeated prefixes from HBM and hide
+        # the storage reads DualPath schedules (an --enable-prefix-caching after -- wins)
+        "--no-enable-prefix-caching",
         "--kv-transfer-config", json.dumps(kv_transfer_config(plan, role), separators=(",", ":")),
         *plan.vllm_args,
     ]  # fmt: skip
@@ -359,6 +364,7 @@ class ServeOptions:
     timeout_s: float = dataclasses.field(default_factory=_env.timeout_s)
     startup_timeout_s: float = 300.0
     vllm_args: tuple[str, ...] = ()
+    load_failure_policy: str = "recompute"
 
     def validate(self) -> None:
         if not os.path.isdir(self.model):
@@ -378,7 +384,7 @@ def make_plan(opts: ServeOptions, store: str) -> ServePlan:
         model=os.path.abspath(opts.model), port=opts.port, policy=opts.policy, store=store,
         snic_mbps=opts.snic_mbps, block_size=opts.block_size, timeout_s=opts.timeout_s,
         pe_port=pe_port, de_port=de_port, fabric=f"serve{os.getpid()}x{secrets.token_hex(4)}",
-        vllm_args=tuple(opts.vllm_args),
+        vllm_args=tuple(opts.vllm_args), load_failure_policy=opts.load_failure_policy,
     )  # fmt: skip
 
 

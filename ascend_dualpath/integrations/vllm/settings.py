@@ -14,6 +14,7 @@ from ascend_dualpath.kv.layout import BLOCK_ID_BYTES
 # vLLM's kv_role -> what this instance is in DualPath
 INSTANCE_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "standalone"}
 DEFAULT_NODES = {"prefill": "pe", "decode": "de", "standalone": "node0"}
+UNCAPPED_BYTES_PER_S = 1e15  # "no storage-NIC cap": 1 PB/s, far above any disk, so reads are never paced
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +31,7 @@ class ConnectorSettings:
     node : str
         Name of this instance's storage NIC in metrics.
     snic_bytes_per_s : float
-        Cap of this instance's storage reads (``snic_mbps`` x 10^6); ``inf`` when not capped.
+        Cap of this instance's storage reads (``snic_mbps`` x 10^6); ``UNCAPPED_BYTES_PER_S`` when not capped.
     side_port : int or None
         Port of the side channel on 127.0.0.1 (required for ``prefill`` and ``decode``).
     fabric : str
@@ -68,7 +69,7 @@ class ConnectorSettings:
         if side_port is not None and not (isinstance(side_port, int) and 0 < side_port < 65536):
             raise ConfigError(f"kv_connector_extra_config['side_port'] must be a TCP port, got {side_port!r}")
         mbps = extra.get("snic_mbps")
-        snic = math.inf if mbps is None else _positive("snic_mbps", mbps) * 1e6
+        snic = UNCAPPED_BYTES_PER_S if mbps is None else _positive("snic_mbps", mbps) * 1e6
         timeout = _positive("timeout_s", extra["timeout_s"]) if "timeout_s" in extra else _env.timeout_s()
         return cls(
             role=role,

@@ -212,7 +212,6 @@ def test_a_bad_block_of_the_decode_receive_with_a_valid_prefix(instance, policy)
     assert scheduled.kv_connector_metadata.recvs == []
 
 
-@pytest.mark.xfail(strict=True, reason="DualPathScheduler asks for the same remote receive again after it failed")
 def test_a_decode_receive_that_failed_from_its_first_block_is_computed_locally(instance):
     """recompute, first block bad: vLLM frees the blocks and asks the connector again from 0 tokens. A decode
     request whose PE already finished must then be computed locally; answering with another async receive parks
@@ -253,7 +252,6 @@ def test_a_failed_decode_receive_under_fail_ends_the_request(instance):
     assert outputs[0].outputs[0].finish_reason.name == "ERROR"
 
 
-@pytest.mark.xfail(strict=True, reason="DualPathScheduler asks for the same remote receive again after it failed")
 def test_a_failed_decode_receive_under_recompute_is_computed_locally(instance):
     config, scheduler = instance("kv_consumer")
     request = make_request(config, "d", prompt(82, 100), kv_transfer_params=dualpath("decode"))

@@ -1,0 +1,225 @@
+"""End to end on a real vLLM (CPU): ``serve`` with each read-path policy against a plain vLLM server.
+
+Multi-turn conversations whose prompts extend the previous turn; every turn's greedy text must equal the plain
+server's; after the first turn the prefix comes from storage (bytes per storage NIC in the proxy's /metrics); a
+corrupted stored block is caught by its checksum and recomputed; killing the PE mid-request ends the request with
+an error and ``serve`` exits cleanly, leaving nothing behind. Slow: each deployment takes 30-90 s to start here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[3]
+STARTUP_S = 420
+TURNS = 3
+GEN_TOKENS = 16
+ENV = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def _post(url: str, body: dict, timeout: float = 120) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as reply:
+        return json.loads(reply.read())
+
+
+def _get(url: str, timeout: float = 10) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as reply:
+        return reply.read().decode()
+
+
+def _wait_http(url: str, proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + STARTUP_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"{url} exited with {proc.returncode} during start-up:\n{log.read_text()[-3000:]}")
+        try:
+            _get(url, timeout=2)
+            return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            time.sleep(1)
+    pytest.fail(f"{url} did not come up in {STARTUP_S} s:\n{log.read_text()[-3000:]}")
+
+
+def _stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+    if proc.poll() is None:
+        os.killpg(proc.pid, sig)
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc.wait(10)
+
+
+def _free_port() -> int:
+    from ascend_dualpath.integrations.vllm.serve import pick_instance_ports
+
+    return pick_instance_ports(1)[0]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    from ascend_dualpath.models.tiny_hf import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny-model")))
+
+
+@pytest.fixture(scope="module")
+def plain(model, tmp_path_factory):
+    """A plain vLLM server of the same model: the reference text."""
+    port = _free_port()
+    log = tmp_path_factory.mktemp("plain") / "plain.log"
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+            "--port", str(port), "--enforce-eager", "--block-size", "32", "--no-enable-prefix-caching"]
+    proc = subprocess.Popen(argv, env={**os.environ, **ENV}, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/health", proc, log)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        _stop(proc)
+
+
+def _serve(model: str, tmp: Path, *args: str, env: dict | None = None) -> tuple[subprocess.Popen, str, Path]:
+    port = _free_port()
+    log = tmp / "serve.log"
+    argv = [sys.executable, "-m", "ascend_dualpath", "serve", "--model", model, "--port", str(port),
+            "--store", str(tmp / "store"), "--timeout", "20", *args]
+    proc = subprocess.Popen(argv, env={**os.environ, **ENV, **(env or {})}, stdout=log.open("w"),
+                            stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+    _wait_http(f"http://127.0.0.1:{port}/health", proc, log)
+    return proc, f"http://127.0.0.1:{port}", log
+
+
+def _vocab(model: str) -> list[str]:
+    words = list(json.loads(Path(model, "tokenizer.json").read_text())["model"]["vocab"])
+    return [w for w in words if w.isalpha()][:300]
+
+
+def _conversation(model: str, agent: int) -> list[str]:
+    """Turn appendices of one agent: the first is its long opening, then short user messages."""
+    words = _vocab(model)
+    opening = " ".join(words[(agent * 37 + 7 * i) % len(words)] for i in range(110))
+    appends = [" ".join(words[(agent * 11 + turn * 13 + i) % len(words)] for i in range(24)) for turn in range(1, TURNS)]
+    return [opening, *appends]
+
+
+def _complete(url: str, model: str, prompt: str, stream: bool = False) -> str:
+    body = {"model": model, "prompt": prompt, "max_tokens": GEN_TOKENS, "temperature": 0, "ignore_eos": True}
+    if not stream:
+        return _post(f"{url}/v1/completions", body)["choices"][0]["text"]
+    request = urllib.request.Request(f"{url}/v1/completions", json.dumps({**body, "stream": True}).encode(),
+                                     {"Content-Type": "application/json"})
+    text = []
+    with urllib.request.urlopen(request, timeout=120) as reply:
+        for line in reply:
+            line = line.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text.append(json.loads(line[6:])["choices"][0]["text"])
+    return "".join(text)
+
+
+def _run_conversations(url: str, plain: str, model: str, agents: int = 2) -> list[tuple[str, str]]:
+    """Every turn through ``url`` and through the plain server: ``[(ours, plain), ...]``."""
+    pairs = []
+    for agent in range(agents):
+        prompt = ""
+        for turn, append in enumerate(_conversation(model, agent)):
+            prompt = f"{prompt} {append}".strip()
+            ours = _complete(url, model, prompt, stream=(turn == 1))
+            pairs.append((ours, _complete(plain, model, prompt)))
+            prompt += ours
+    return pairs
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def _assert_nothing_left(fabric_prefix: str = "adp.serve") -> None:
+    left = [p for p in os.listdir("/dev/shm") if p.startswith(fabric_prefix)]
+    assert not left, f"left in /dev/shm: {left}"
+
+
+@pytest.mark.parametrize(("policy", "multiprocess"), [("pe", "0"), ("de", "0"), ("dual", "1")])
+def test_serve_matches_plain_vllm_and_loads_from_storage(model, plain, tmp_path, policy, multiprocess):
+    proc, url, log = _serve(model, tmp_path, "--policy", policy, env={"VLLM_ENABLE_V1_MULTIPROCESSING": multiprocess})
+    try:
+        pairs = _run_conversations(url, plain, model)
+        for turn, (ours, reference) in enumerate(pairs):
+            assert ours == reference, f"turn {turn}: {ours!r} != plain vLLM's {reference!r}"
+        metrics = _get(f"{url}/metrics")
+        read = {node: _metric(metrics, "adp_snic_read_bytes", node=node) for node in ("pe", "de")}
+        assert sum(read.values()) > 0, metrics
+        if policy == "pe":
+            assert read["de"] == 0 < read["pe"]
+        if policy == "de":
+            assert read["pe"] == 0 < read["de"]
+        # every turn after the first loaded its prefix: one load per such turn, on the chosen path
+        loads = sum(_metric(metrics, "adp_loads", path=p) for p in ("pe", "de"))
+        assert loads >= 2 * (TURNS - 1), metrics
+        assert _metric(metrics, "adp_failures") == 0, metrics
+        if policy == "dual":
+            _check_corrupted_block_is_recomputed(url, plain, model, tmp_path / "store")
+    finally:
+        code = _stop(proc)
+    assert code == 128 + signal.SIGTERM, log.read_text()[-3000:]
+    assert "serve: stopped by SIGTERM" in log.read_text()
+    _assert_nothing_left()
+
+
+def _check_corrupted_block_is_recomputed(url: str, plain: str, model: str, store: Path) -> None:
+    """Flip one payload byte of every stored block: the next turn is caught by the checksums, recomputed (the
+    serve default ``--on-load-failure recompute``), and its text is still the plain server's."""
+    blocks = sorted(store.rglob("*.kvb"))
+    assert blocks, f"no block files under {store}"
+    for path in blocks:
+        raw = bytearray(path.read_bytes())
+        raw[-1] ^= 0xFF
+        path.write_bytes(raw)
+    prompt = " ".join(_conversation(model, 0)[:2])
+    assert _complete(url, model, prompt) == _complete(plain, model, prompt)
+    metrics = _get(f"{url}/metrics")
+    assert _metric(metrics, "adp_checksum_errors") >= 1, metrics
+
+
+def test_killing_the_pe_mid_request_fails_it_and_serve_exits_cleanly(model, tmp_path):
+    proc, url, log = _serve(model, tmp_path, "--policy", "pe", env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    try:
+        deadline = time.monotonic() + 30
+        while "serve: ready" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        pe_port = int(log.read_text().split("prefill :")[1].split(",")[0].split(")")[0])
+        pe_pid = int(subprocess.check_output(["fuser", "-n", "tcp", str(pe_port)], stderr=subprocess.DEVNULL).split()[0])
+        body = {"model": model, "prompt": " ".join(_conversation(model, 0)), "max_tokens": 400, "temperature": 0}
+        started = time.monotonic()
+        os.kill(pe_pid, signal.SIGKILL)
+        with pytest.raises(urllib.error.HTTPError) as error:
+            _post(f"{url}/v1/completions", body, timeout=60)
+        assert error.value.code >= 500
+        assert time.monotonic() - started < 60
+        assert proc.wait(60) == 1, log.read_text()[-3000:]  # a child that died stops the whole deployment
+    finally:
+        _stop(proc)
+    assert "prefill" in log.read_text()
+    _assert_nothing_left()
