@@ -132,22 +132,39 @@ class Decision:
     rule: str
 
 
-def decide(policy: str, pe_status: dict | None, de_status: dict | None) -> tuple[str, str]:
+def decide(
+    policy: str, pe_status: dict | None, de_status: dict | None, assigned: dict[str, int] | None = None
+) -> tuple[str, str]:
     """``(path, rule)`` for one request from the two connectors' status replies (None: no answer).
 
-    ``dual`` applies the scheduler rule to the read-queue lengths (tokens); its tie-break compares the
-    blocks each node has read so far (the same unit on both sides, so the order equals the tokens').
+    ``dual`` applies the scheduler rule to the read-queue lengths (tokens): what each node's connector reports
+    queued or being read, plus ``assigned`` (tokens of requests this proxy sent that way whose prefill has not
+    finished: their reads are not queued yet when requests arrive together, and the paper's read queue counts
+    them). Its tie-break compares the blocks each node has read so far.
     """
     if policy in ("pe", "de"):
         return policy, f"forced:{policy}"
     if pe_status is None or de_status is None:
         return "pe", "fallback:side-channel"
-    pe_queue, de_queue = int(pe_status["read_queue_tokens"]), int(de_status["read_queue_tokens"])
+    assigned = assigned or {}
+    pe_queue = int(pe_status["read_queue_tokens"]) + assigned.get("pe", 0)
+    de_queue = int(de_status["read_queue_tokens"]) + assigned.get("de", 0)
     pe_read, de_read = int(pe_status["snic_read_blocks"]), int(de_status["snic_read_blocks"])
     path = choose_read_path(pe_queue, de_queue, pe_read, de_read).value
     if pe_queue != de_queue:
         return path, "shorter-queue"
     return path, "tie:fewer-reads" if pe_read != de_read else "tie:pe"
+
+
+def estimated_tokens(body: dict) -> int:
+    """Prompt tokens of a request as the proxy can guess them without a tokenizer: its words (a constant factor
+    off for subword tokenizers, the same on both paths, so comparisons hold)."""
+    prompt = body.get("prompt")
+    if prompt is None:
+        prompt = " ".join(str(m.get("content", "")) for m in body.get("messages") or [] if isinstance(m, dict))
+    if isinstance(prompt, list):
+        return len(prompt) if prompt and isinstance(prompt[0], int) else sum(len(str(p).split()) for p in prompt)
+    return len(str(prompt).split())
 
 
 def _with_dualpath(body: dict, params: dict) -> dict:
@@ -304,6 +321,7 @@ class DualPathProxy:
         self.cfg = cfg
         self.metrics = _Metrics()
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=DECISIONS_KEPT)
+        self.assigned = {"pe": 0, "de": 0}  # tokens of requests sent each way whose prefill has not finished
         self.session: aiohttp.ClientSession | None = None
         self.zmq_ctx: zmq.asyncio.Context | None = None
 
@@ -345,7 +363,7 @@ class DualPathProxy:
         pe_status, de_status = await asyncio.gather(
             self._status("prefill", self.cfg.prefill_kv), self._status("decode", self.cfg.decode_kv)
         )
-        path, rule = decide(self.cfg.policy, pe_status, de_status)
+        path, rule = decide(self.cfg.policy, pe_status, de_status, self.assigned)
         decision = Decision(
             xfer_id=uuid.uuid4().hex,
             endpoint=endpoint,
@@ -357,6 +375,9 @@ class DualPathProxy:
         self.decisions.append(decision)
         self.metrics.requests.labels(endpoint=endpoint, path=path).inc()
         return decision
+
+    def _unassign(self, path: str, tokens: int) -> None:
+        self.assigned[path] -= tokens
 
     async def _prefill(self, url: str, body: dict) -> None:
         """Send the PE's request and read its whole answer; raises UpstreamError on any failure."""
@@ -378,6 +399,8 @@ class DualPathProxy:
         if not isinstance(body, dict):
             return self._client_error(f"request body must be a JSON object, got {type(body).__name__}")
         decision = await self._decide(endpoint)
+        tokens = estimated_tokens(body)
+        self.assigned[decision.path] += tokens
         pe_body = prefill_body(body, decision, self.cfg.decode_kv, chat=endpoint == "/v1/chat/completions")
         de_body = decode_body(body, decision, self.cfg.prefill_kv)
         decode = _DecodeStream()
@@ -385,6 +408,7 @@ class DualPathProxy:
         de_task = asyncio.create_task(
             decode.run(self.session, self.cfg.decode_url + endpoint, de_body, self.cfg.timeout_s)
         )
+        pe_task.add_done_callback(lambda _: self._unassign(decision.path, tokens))
         try:
             failure = await _first_failure(pe_task, decode.head)
             if failure is not None:

@@ -141,6 +141,7 @@ class DualPathWorker:
         self._layer_of: dict[str, int] = {}
         self.adapter = None
         self.dataplane: Dataplane | None = None
+        self._private_host = None
         self.side: SideChannel | None = None
         self._peer: PeerClient | None = None
         self._lock = threading.Lock()
@@ -238,14 +239,16 @@ class DualPathWorker:
         return self.layout.block_tokens
 
     def _host(self):
-        if self.dataplane is None:  # standalone: storage reads go to a private host buffer
+        """Where this instance's storage reads land: the registered host buffer, or (standalone) a private one."""
+        if self.dataplane is not None:
+            return self.dataplane.host
+        if self._private_host is None:
             from ascend_dualpath.kv.buffers import HostBuffer
 
-            self.dataplane_host = getattr(self, "dataplane_host", None) or HostBuffer(
+            self._private_host = HostBuffer(
                 self.settings.host_buffer_mb << 20, role="pe_buffer", timeout_s=self.settings.timeout_s
             )
-            return self.dataplane_host
-        return self.dataplane.host
+        return self._private_host
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         layer = self._layer_of.get(layer_name)

@@ -351,7 +351,7 @@ def test_silent_side_channel_is_counted_and_falls_back_to_pe():
             )
             metrics = await h.metrics()
             key = ("adp_proxy_side_channel_failures_total", frozenset({("instance", "decode")}))
-            assert metrics[key] == 1.0
+            assert metrics[key] >= 1.0  # /metrics asks again
 
     run(body())
 

@@ -82,10 +82,24 @@ def plain(model, tmp_path_factory):
     """A plain vLLM server of the same model: the reference text."""
     port = _free_port()
     log = tmp_path_factory.mktemp("plain") / "plain.log"
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-            "--port", str(port), "--enforce-eager", "--block-size", "32", "--no-enable-prefix-caching"]
-    proc = subprocess.Popen(argv, env={**os.environ, **ENV}, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    argv = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--enforce-eager",
+        "--block-size",
+        "32",
+        "--no-enable-prefix-caching",
+    ]
+    proc = subprocess.Popen(
+        argv, env={**os.environ, **ENV}, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
     try:
         _wait_http(f"http://127.0.0.1:{port}/health", proc, log)
         yield f"http://127.0.0.1:{port}"
@@ -96,10 +110,29 @@ def plain(model, tmp_path_factory):
 def _serve(model: str, tmp: Path, *args: str, env: dict | None = None) -> tuple[subprocess.Popen, str, Path]:
     port = _free_port()
     log = tmp / "serve.log"
-    argv = [sys.executable, "-m", "ascend_dualpath", "serve", "--model", model, "--port", str(port),
-            "--store", str(tmp / "store"), "--timeout", "20", *args]
-    proc = subprocess.Popen(argv, env={**os.environ, **ENV, **(env or {})}, stdout=log.open("w"),
-                            stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+    argv = [
+        sys.executable,
+        "-m",
+        "ascend_dualpath",
+        "serve",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        "--store",
+        str(tmp / "store"),
+        "--timeout",
+        "20",
+        *args,
+    ]
+    proc = subprocess.Popen(
+        argv,
+        env={**os.environ, **ENV, **(env or {})},
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        cwd=ROOT,
+    )
     _wait_http(f"http://127.0.0.1:{port}/health", proc, log)
     return proc, f"http://127.0.0.1:{port}", log
 
@@ -113,7 +146,9 @@ def _conversation(model: str, agent: int) -> list[str]:
     """Turn appendices of one agent: the first is its long opening, then short user messages."""
     words = _vocab(model)
     opening = " ".join(words[(agent * 37 + 7 * i) % len(words)] for i in range(110))
-    appends = [" ".join(words[(agent * 11 + turn * 13 + i) % len(words)] for i in range(24)) for turn in range(1, TURNS)]
+    appends = [
+        " ".join(words[(agent * 11 + turn * 13 + i) % len(words)] for i in range(24)) for turn in range(1, TURNS)
+    ]
     return [opening, *appends]
 
 
@@ -121,8 +156,9 @@ def _complete(url: str, model: str, prompt: str, stream: bool = False) -> str:
     body = {"model": model, "prompt": prompt, "max_tokens": GEN_TOKENS, "temperature": 0, "ignore_eos": True}
     if not stream:
         return _post(f"{url}/v1/completions", body)["choices"][0]["text"]
-    request = urllib.request.Request(f"{url}/v1/completions", json.dumps({**body, "stream": True}).encode(),
-                                     {"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"{url}/v1/completions", json.dumps({**body, "stream": True}).encode(), {"Content-Type": "application/json"}
+    )
     text = []
     with urllib.request.urlopen(request, timeout=120) as reply:
         for line in reply:
@@ -210,7 +246,9 @@ def test_killing_the_pe_mid_request_fails_it_and_serve_exits_cleanly(model, tmp_
         while "serve: ready" not in log.read_text() and time.monotonic() < deadline:
             time.sleep(0.2)
         pe_port = int(log.read_text().split("prefill :")[1].split(",")[0].split(")")[0])
-        pe_pid = int(subprocess.check_output(["fuser", "-n", "tcp", str(pe_port)], stderr=subprocess.DEVNULL).split()[0])
+        pe_pid = int(
+            subprocess.check_output(["fuser", "-n", "tcp", str(pe_port)], stderr=subprocess.DEVNULL).split()[0]
+        )
         body = {"model": model, "prompt": " ".join(_conversation(model, 0)), "max_tokens": 400, "temperature": 0}
         started = time.monotonic()
         os.kill(pe_pid, signal.SIGKILL)

@@ -1,0 +1,341 @@
+"""Multi-turn agents through a P/D pair on real vLLM (CPU): DualPath ``dual`` vs ``pe`` vs vLLM's ExampleConnector.
+
+    python3 tools/bench_vllm_serving.py [--agents 4] [--turns 4] [--snic-mbps 4] [--out results.json]
+
+Each agent opens with a long prompt and then appends a short user message per turn (the prompt extends the
+previous turn and its answer), so after the first turn almost every prompt token is a storage hit. The storage
+NICs are capped (``--snic-mbps`` per instance) so that reading binds. Measured per deployment, in one run: job
+completion time (all agents, all turns) and TTFT p50/p99 (first streamed chunk at the client), plus whether each
+turn's greedy text equals the first deployment's. The baseline is a plain vLLM P/D pair with vLLM's own
+``ExampleConnector`` (the prefill saves each whole prompt's KV to shared storage, the decode loads the whole
+prefix before decoding); its reads are not capped (it has no storage-NIC model), which favours it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+}
+STARTUP_S = 600
+
+
+def _words(model: str) -> list[str]:
+    vocab = json.loads(Path(model, "tokenizer.json").read_text())["model"]["vocab"]
+    return [w for w in vocab if w.isalpha()][:400]
+
+
+def conversations(model: str, agents: int, turns: int, opening: int, append: int) -> list[list[str]]:
+    words = _words(model)
+    out = []
+    for a in range(agents):
+        first = " ".join(words[(a * 53 + 7 * i) % len(words)] for i in range(opening))
+        rest = [" ".join(words[(a * 17 + t * 31 + i) % len(words)] for i in range(append)) for t in range(1, turns)]
+        out.append([first, *rest])
+    return out
+
+
+async def _stream(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[str, float, float]:
+    """(text, ttft_s, total_s) of one streamed completion."""
+    start = time.perf_counter()
+    ttft, text = None, []
+    async with session.post(url, json={**body, "stream": True}) as reply:
+        reply.raise_for_status()
+        async for raw in reply.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "choices" not in event:
+                raise RuntimeError(f"{url} answered {event}")
+            chunk = event["choices"][0]["text"]
+            if ttft is None and chunk:
+                ttft = time.perf_counter() - start
+            text.append(chunk)
+    return "".join(text), ttft or 0.0, time.perf_counter() - start
+
+
+async def run_agents(target, model: str, convs: list[list[str]], gen: int) -> dict:
+    """Every agent's turns in order, agents concurrently; returns texts, TTFTs and the job completion time."""
+    timeout = aiohttp.ClientTimeout(total=900)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+
+        async def agent(turns: list[str]) -> list[tuple[str, float]]:
+            prompt, out = "", []
+            for append in turns:
+                prompt = f"{prompt} {append}".strip()
+                body = {"model": model, "prompt": prompt, "max_tokens": gen, "temperature": 0, "ignore_eos": True}
+                text, ttft = await target(session, body)
+                out.append((text, ttft))
+                prompt += text
+            return out
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(agent(turns) for turns in convs))
+        jct = time.perf_counter() - start
+    texts = [[t for t, _ in r] for r in results]
+    ttfts = [ttft for r in results for _, ttft in r[1:]]  # turns after the first: the storage-hit turns
+    return {
+        "jct_s": jct,
+        "texts": texts,
+        "ttft_p50_s": statistics.median(ttfts),
+        "ttft_p99_s": sorted(ttfts)[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+    }
+
+
+def _wait(url: str, proc: subprocess.Popen, log: str | None = None) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + STARTUP_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = Path(log).read_text()[-3000:] if log else ""
+            raise SystemExit(f"{url}: process exited with {proc.returncode} during start-up\n{tail}")
+        try:
+            urllib.request.urlopen(url, timeout=2).read()
+            return
+        except OSError:
+            time.sleep(1)
+    raise SystemExit(f"{url} did not come up within {STARTUP_S} s")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def bench_serve(model: str, policy: str, args, port: int, convs) -> dict:
+    with tempfile.TemporaryDirectory(prefix="adp-bench-") as tmp:
+        argv = [
+            sys.executable,
+            "-m",
+            "ascend_dualpath",
+            "serve",
+            "--model",
+            model,
+            "--port",
+            str(port),
+            "--policy",
+            policy,
+            "--snic-mbps",
+            str(args.snic_mbps),
+            "--store",
+            f"{tmp}/store",
+            "--timeout",
+            "120",
+        ]
+        proc = subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            env={**os.environ, **ENV},
+            stdout=open(f"{tmp}/serve.log", "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            url = f"http://127.0.0.1:{port}"
+            _wait(f"{url}/health", proc)
+
+            async def target(session, body):
+                text, ttft, _ = await _stream(session, f"{url}/v1/completions", body)
+                return text, ttft
+
+            result = asyncio.run(run_agents(target, model, convs, args.gen))
+            import urllib.request
+
+            result["metrics"] = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+            return result
+        finally:
+            _stop(proc)
+
+
+# vLLM 0.32.0's CPU attention dies with SIGILL on the decode side of a P/D pair unless the process asked Linux for
+# the AMX tile state first (the DualPath worker does, see integrations/vllm/worker.py); give the baseline the same.
+AMX_SITECUSTOMIZE = """import ctypes, platform
+if platform.machine() == "x86_64":
+    ctypes.CDLL(None).syscall(158, 0x1023, 18)  # arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
+"""
+
+
+def bench_plain(model: str, args, port: int, convs) -> dict:
+    """One plain vLLM server, no P/D and no connector: the reference text."""
+    with tempfile.TemporaryDirectory(prefix="adp-bench-plain-") as tmp:
+        argv = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--enforce-eager",
+            "--block-size",
+            "32",
+            "--no-enable-prefix-caching",
+        ]
+        proc = subprocess.Popen(
+            argv,
+            env={**os.environ, **ENV},
+            stdout=open(f"{tmp}/plain.log", "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            _wait(f"http://127.0.0.1:{port}/health", proc, f"{tmp}/plain.log")
+
+            async def target(session, body):
+                text, ttft, _ = await _stream(session, f"http://127.0.0.1:{port}/v1/completions", body)
+                return text, ttft
+
+            return asyncio.run(run_agents(target, model, convs, args.gen))
+        finally:
+            _stop(proc)
+
+
+def _snic_bytes(metrics: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        s.labels["node"]: s.value
+        for f in text_string_to_metric_families(metrics)
+        for s in f.samples
+        if s.name == "adp_snic_read_bytes"
+    }
+
+
+def bench_example(model: str, args, ports: tuple[int, int], convs) -> dict:
+    with tempfile.TemporaryDirectory(prefix="adp-bench-example-") as tmp:
+        Path(tmp, "site").mkdir()
+        Path(tmp, "site", "sitecustomize.py").write_text(AMX_SITECUSTOMIZE)
+        pythonpath = os.pathsep.join(filter(None, [f"{tmp}/site", os.environ.get("PYTHONPATH")]))
+        procs = []
+        for role, port, bind in (("kv_producer", ports[0], "0"), ("kv_consumer", ports[1], "1")):
+            kv = {
+                "kv_connector": "ExampleConnector",
+                "kv_role": role,
+                "kv_connector_extra_config": {"shared_storage_path": f"{tmp}/shared"},
+            }
+            argv = [
+                sys.executable,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                model,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--enforce-eager",
+                "--block-size",
+                "32",
+                "--no-enable-prefix-caching",
+                "--kv-transfer-config",
+                json.dumps(kv),
+            ]
+            procs.append(
+                subprocess.Popen(
+                    argv,
+                    env={**os.environ, **ENV, "VLLM_CPU_OMP_THREADS_BIND": bind, "PYTHONPATH": pythonpath},
+                    stdout=open(f"{tmp}/{role}.log", "w"),
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+        try:
+            for port, proc, role in zip(ports, procs, ("kv_producer", "kv_consumer"), strict=True):
+                _wait(f"http://127.0.0.1:{port}/health", proc, f"{tmp}/{role}.log")
+            prefill, decode = (f"http://127.0.0.1:{p}" for p in ports)
+
+            async def target(session, body):
+                start = time.perf_counter()
+                async with session.post(f"{prefill}/v1/completions", json={**body, "max_tokens": 1}) as reply:
+                    reply.raise_for_status()
+                    await reply.read()
+                prefilled = time.perf_counter() - start
+                text, ttft, _ = await _stream(session, f"{decode}/v1/completions", body)
+                return text, prefilled + ttft  # the client's first token comes after both legs
+
+            try:
+                return asyncio.run(run_agents(target, model, convs, args.gen))
+            except (RuntimeError, aiohttp.ClientError) as error:
+                log = Path(tmp, "kv_consumer.log").read_text()
+                cause = [line for line in log.splitlines() if "Error" in line or "Fatal" in line][-5:]
+                return {"error": f"{error}", "decode_log": cause}
+        finally:
+            for proc in procs:
+                _stop(proc)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="model directory (default: a fresh make-tiny-model)")
+    parser.add_argument("--agents", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--opening", type=int, default=1200, help="words of each agent's first prompt")
+    parser.add_argument("--append", type=int, default=48, help="words each later turn appends")
+    parser.add_argument("--gen", type=int, default=16, help="tokens generated per turn")
+    parser.add_argument("--snic-mbps", type=float, default=4.0, help="storage-NIC cap of each instance, MB/s")
+    parser.add_argument("--skip-example", action="store_true", help="leave out the ExampleConnector baseline")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    args = parser.parse_args()
+    from ascend_dualpath.integrations.vllm.serve import pick_instance_ports
+    from ascend_dualpath.models.tiny_hf import make_tiny_model
+
+    model = args.model or str(make_tiny_model(tempfile.mkdtemp(prefix="adp-bench-model-")))
+    convs = conversations(model, args.agents, args.turns, args.opening, args.append)
+    ports = pick_instance_ports(5)
+    results = {
+        "dual": bench_serve(model, "dual", args, ports[0], convs),
+        "pe": bench_serve(model, "pe", args, ports[1], convs),
+    }
+    if not args.skip_example:
+        results["example"] = bench_example(model, args, (ports[2], ports[3]), convs)
+    results["plain"] = bench_plain(model, args, ports[4], convs)
+    reference = results["plain"]["texts"]
+    print(f"{args.agents} agents x {args.turns} turns, SNIC cap {args.snic_mbps} MB/s per instance")
+    print(f"{'deployment':<12}{'JCT s':>9}{'TTFT p50 s':>12}{'TTFT p99 s':>12}  text = plain's  SNIC MB read (pe/de)")
+    for name, r in results.items():
+        if "error" in r:
+            print(f"{name:<12}failed: {r['error']}; decode log: {r['decode_log']}")
+            continue
+        same = sum(a == b for x, y in zip(r["texts"], reference, strict=True) for a, b in zip(x, y, strict=True))
+        read = _snic_bytes(r["metrics"]) if "metrics" in r else {}
+        r["snic_read_bytes"] = read
+        snic = f"{read.get('pe', 0) / 1e6:.1f} / {read.get('de', 0) / 1e6:.1f}" if read else "-"
+        print(
+            f"{name:<12}{r['jct_s']:>9.2f}{r['ttft_p50_s']:>12.3f}{r['ttft_p99_s']:>12.3f}  "
+            f"{same:>6}/{args.agents * args.turns:<8}{snic:>20}"
+        )
+    print(f"dual vs pe: {results['pe']['jct_s'] / results['dual']['jct_s']:.2f}x job completion time")
+    if args.out:
+        Path(args.out).write_text(
+            json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "metrics"} for k, v in results.items()}, indent=1)
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
