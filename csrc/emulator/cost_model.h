@@ -25,7 +25,7 @@ struct CostModel {
     double local_bytes_per_ns = 100.0; // NIC loopback between two regions of the same device
 };
 
-// What the emulated device reports as its product; figures from ../shared/reference/ascend_facts.md.
+// What the emulated device reports as its product; figures from public Ascend product documentation.
 struct ProductProfile {
     std::string name;              // "A2" or "A3"
     std::string soc_version;       // SOC_VERSION as the build and npu-smi name it
