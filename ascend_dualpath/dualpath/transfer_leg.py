@@ -191,17 +191,21 @@ class TransportTransferLeg(HcclTransferLeg):
         Connected communicator.
     timeout_s : float, optional
         Bound of each transfer and notify (default ``ADP_TIMEOUT_S``).
+    backend : str
+        Whose engine moves the bytes (:func:`~ascend_dualpath.transport.create_engine`); the leg's communicator
+        is the emulator's, so ``emulator`` is the one that runs today.
     **engine_options
-        Passed to :class:`~ascend_dualpath.transport.emulator.EmulatedTransferEngine` (``block_dim``, ...).
+        Passed to the engine's constructor (``block_dim``, ...).
     """
 
-    def __init__(self, comm: Any, timeout_s: float | None = None, **engine_options: Any) -> None:
-        from ascend_dualpath.transport.emulator import EmulatedTransferEngine
+    def __init__(self, comm: Any, timeout_s: float | None = None, backend: str = "emulator",
+                 **engine_options: Any) -> None:
+        from ascend_dualpath.transport import create_engine
 
         super().__init__(comm, timeout_s)
         # one engine per destination rank (itself included: the DE loads into its own HBM), made up front so
         # their queues and buffers exist for the leg's whole life
-        self._engines = [EmulatedTransferEngine(comm, peer, timeout_s=self.timeout_s, **engine_options)
+        self._engines = [create_engine(backend, comm, peer, timeout_s=self.timeout_s, **engine_options)
                          for peer in range(comm.world_size)]
         self._regions = [comm.windows_in, comm.windows_out]
         self.kinds_used: dict[str, int] = {}

@@ -2,10 +2,9 @@
 
 Importing this package touches no device; backends load their runtime when an engine is created::
 
-    from ascend_dualpath.transport import MemorySegment, RemoteSlot, TransferKind
-    from ascend_dualpath.transport.emulator import EmulatedTransferEngine
+    from ascend_dualpath.transport import MemorySegment, RemoteSlot, create_engine
 
-    engine = EmulatedTransferEngine(comm, peer=1)
+    engine = create_engine("emulator", comm, peer=1)
     ticket = engine.submit([MemorySegment.of_region(kv_region)], RemoteSlot(1, addr, nbytes, rkey), notify_slot=3)
     result = ticket.wait(timeout=5.0)       # result.kind, result.selection.decided_by, ...
 """
@@ -13,6 +12,7 @@ Importing this package touches no device; backends load their runtime when an en
 from __future__ import annotations
 
 from ascend_dualpath.transport.engine import PreparedTransfer, StagingPool, Ticket, TransferEngine, TransferResult
+from ascend_dualpath.transport.factory import create_engine, engine_class
 from ascend_dualpath.transport.kinds import (
     AIV_DATAPLANE_BIT,
     ChannelCapabilities,
@@ -39,6 +39,8 @@ __all__ = [
     "TransferKind",
     "TransferResult",
     "WirePiece",
+    "create_engine",
+    "engine_class",
     "select_kind",
     "split_segments",
 ]

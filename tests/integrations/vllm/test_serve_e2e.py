@@ -2,8 +2,8 @@
 
 Multi-turn conversations whose prompts extend the previous turn; every turn's greedy text must equal the plain
 server's; after the first turn the prefix comes from storage (bytes per storage NIC in the proxy's /metrics); a
-corrupted stored block is caught by its checksum and recomputed; killing the PE mid-request ends the request with
-an error and ``serve`` exits cleanly, leaving nothing behind. Slow: each deployment takes 30-90 s to start here.
+corrupted stored block is caught by its checksum and recomputed; killing the PE or the DE mid-request ends the request with
+an error and ``serve`` exits cleanly (the PE or the DE), leaving nothing behind. Slow: each deployment takes 30-90 s to start here.
 """
 
 from __future__ import annotations
@@ -239,7 +239,8 @@ def _check_corrupted_block_is_recomputed(url: str, plain: str, model: str, store
     assert _metric(metrics, "adp_checksum_errors") >= 1, metrics
 
 
-def test_killing_the_pe_mid_request_fails_it_and_serve_exits_cleanly(model, tmp_path):
+@pytest.mark.parametrize("victim", ["prefill", "decode"])
+def test_killing_an_instance_mid_request_fails_it_and_serve_exits_cleanly(model, tmp_path, victim):
     proc, url, log = _serve(model, tmp_path, "--policy", "pe", env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     try:
         deadline = time.monotonic() + 30
@@ -251,7 +252,7 @@ def test_killing_the_pe_mid_request_fails_it_and_serve_exits_cleanly(model, tmp_
         )
         body = {"model": model, "prompt": " ".join(_conversation(model, 0)), "max_tokens": 400, "temperature": 0}
         started = time.monotonic()
-        os.kill(pe_pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
         with pytest.raises(urllib.error.HTTPError) as error:
             _post(f"{url}/v1/completions", body, timeout=60)
         assert error.value.code >= 500
@@ -259,5 +260,5 @@ def test_killing_the_pe_mid_request_fails_it_and_serve_exits_cleanly(model, tmp_
         assert proc.wait(60) == 1, log.read_text()[-3000:]  # a child that died stops the whole deployment
     finally:
         _stop(proc)
-    assert "prefill" in log.read_text()
+    assert victim in log.read_text()
     _assert_nothing_left()
