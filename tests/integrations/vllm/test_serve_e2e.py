@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -246,16 +247,28 @@ def test_killing_an_instance_mid_request_fails_it_and_serve_exits_cleanly(model,
         deadline = time.monotonic() + 30
         while "serve: ready" not in log.read_text() and time.monotonic() < deadline:
             time.sleep(0.2)
-        pe_port = int(log.read_text().split("prefill :")[1].split(",")[0].split(")")[0])
-        pe_pid = int(
-            subprocess.check_output(["fuser", "-n", "tcp", str(pe_port)], stderr=subprocess.DEVNULL).split()[0]
-        )
-        body = {"model": model, "prompt": " ".join(_conversation(model, 0)), "max_tokens": 400, "temperature": 0}
+        port = int(log.read_text().split(f"{victim} :")[1].split(",")[0].split(")")[0])
+        pid = int(subprocess.check_output(["fuser", "-n", "tcp", str(port)], stderr=subprocess.DEVNULL).split()[0])
+        words = _vocab(model)
+        prompt = " ".join(words[(7 * i) % len(words)] for i in range(1500))  # a prefill long enough to hit
+        body = {"model": model, "prompt": prompt, "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+        outcome: dict = {}
+
+        def send() -> None:
+            try:
+                outcome["reply"] = _post(f"{url}/v1/completions", body, timeout=60)
+            except urllib.error.HTTPError as exc:
+                outcome["error"] = exc
+
+        sender = threading.Thread(target=send)
         started = time.monotonic()
+        sender.start()
+        time.sleep(0.2 if victim == "prefill" else 1.5)  # the PE is prefilling / the DE is decoding
         os.kill(pid, signal.SIGKILL)
-        with pytest.raises(urllib.error.HTTPError) as error:
-            _post(f"{url}/v1/completions", body, timeout=60)
-        assert error.value.code >= 500
+        sender.join(90)
+        assert "error" in outcome, f"the request survived the {victim}'s death: {outcome}"
+        error = outcome["error"]
+        assert error.code >= 500
         assert time.monotonic() - started < 60
         assert proc.wait(60) == 1, log.read_text()[-3000:]  # a child that died stops the whole deployment
     finally:
