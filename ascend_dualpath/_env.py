@@ -21,6 +21,8 @@ variable                       meaning
                                ``ascend_dualpath._triton_launch``)
 ``ADP_MOE_DIRECT_LAUNCH``      the same for the cuda MoE strategy alone; when set it wins over ``ADP_DIRECT_LAUNCH``
 ``ADP_TRACE_DIR``              where the simulator finds shared traces (default ``<repo>/../shared/traces``)
+``ADP_VLLM_SERVE_CMD``         tests only: the command ``serve`` runs instead of vLLM's OpenAI API server (split like
+                               a shell would)
 ``ADP_WITH_NPU``               build flag read by ``setup.py``: ``0`` skips the NPU part, ``1`` requires it
 ``ADP_WITH_CUDA``              build flag read by ``setup.py``: ``0`` skips CUDA sources, ``1`` requires them
 ``ADP_DEBUG``                  build flag read by ``setup.py``: ``1`` builds with ``-O0 -g``
@@ -70,6 +72,10 @@ def emu_capability_bitmap() -> int | None:
 
 def trace_dir() -> str | None:
     return _get("ADP_TRACE_DIR")
+
+
+def vllm_serve_cmd() -> str | None:
+    return _get("ADP_VLLM_SERVE_CMD")
 
 
 def fast_debug() -> bool:

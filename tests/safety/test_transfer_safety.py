@@ -151,9 +151,11 @@ def test_d11_a_notify_slot_out_of_range_is_refused_before_the_data_moves(emu, ki
         rig = Rig(devices)
         src = rig.source("src", 3 * 4096 + 5, host=kind is TransferKind.STAGING)
         segment = MemorySegment.of_region(src)
-        for slot in (1024, -1, 1 << 40, 2.0):
+        for slot in (1024, -1, 1 << 40):
             with pytest.raises(errors.BoundsError, match=rf"notify slot {slot!r} is outside \[0, 1024\)"):
                 rig.engine.submit([segment], rig.slot(), notify_slot=slot, kind=kind)
+        with pytest.raises(errors.ArgumentTypeError, match="notify_slot must be int or None, got float"):
+            rig.engine.submit([segment], rig.slot(), notify_slot=2.0, kind=kind)
         prepared = rig.engine.prepare([segment], rig.slot(), notify_slot=1024, kind=kind)
         with pytest.raises(errors.BoundsError, match="notify slot 1024"):
             prepared.submit()
@@ -174,8 +176,8 @@ CONSTRUCTOR_CASES = [
     ({"stage_chunk_bytes": 100}, "stage_chunk_bytes 100 is not a multiple of 32"),
     ({"stage_chunk_bytes": 1 << 20}, r"stage_chunk_bytes 1048576 is outside \[32, 98304\]"),
     ({"staging_capacity": 0}, "staging_capacity 0 is outside"),
-    ({"timeout_s": math.nan}, "timeout_s must be a finite number of seconds > 0, got nan"),
-    ({"timeout_s": 0}, "timeout_s must be a finite number of seconds > 0, got 0"),
+    ({"timeout_s": math.nan}, "timeout_s must be a finite number > 0, got nan"),
+    ({"timeout_s": 0}, "timeout_s must be > 0, got 0"),
 ]
 
 
@@ -192,7 +194,7 @@ def test_d12_engine_arguments_are_validated_by_name(emu):
                 EmulatedTransferEngine(rig.comms[0], peer, **args)
         src = rig.source("src", 100)
         ticket = rig.engine.submit([MemorySegment.of_region(src)], rig.slot())
-        with pytest.raises(errors.ConfigError, match="timeout must be a finite number of seconds > 0, got inf"):
+        with pytest.raises(errors.ConfigError, match="timeout must be a finite number >= 0, got inf"):
             ticket.wait(math.inf)
         ticket.wait()
 

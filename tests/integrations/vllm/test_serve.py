@@ -65,6 +65,7 @@ def test_kv_transfer_config_per_role():
         "kv_role": "kv_producer",
         "kv_connector_extra_config": {"store": "/s", "node": "pe", "side_port": 41100, "fabric": "servefab",
                                       "timeout_s": 12.0, "snic_mbps": 250.0},
+        "kv_load_failure_policy": "recompute",
     }  # fmt: skip
     de = serve_mod.kv_transfer_config(plan(), "decode")
     assert de["kv_role"] == "kv_consumer" and de["kv_connector_extra_config"]["side_port"] == 42100
