@@ -20,7 +20,7 @@ variable                       meaning
                                compiled binary's launcher directly after a site's first launch (default 1;
                                ``ascend_dualpath._triton_launch``)
 ``ADP_MOE_DIRECT_LAUNCH``      the same for the cuda MoE strategy alone; when set it wins over ``ADP_DIRECT_LAUNCH``
-``ADP_TRACE_DIR``              where the simulator finds shared traces (default ``<repo>/../shared/traces``)
+``ADP_TRACE_DIR``              where the simulator finds shared traces (default: the ones shipped in ``ascend_dualpath/sim/data``)
 ``ADP_VLLM_SERVE_CMD``         tests only: the command ``serve`` runs instead of vLLM's OpenAI API server (split like
                                a shell would)
 ``ADP_WITH_NPU``               build flag read by ``setup.py``: ``0`` skips the NPU part, ``1`` requires it

@@ -178,31 +178,37 @@ if platform.machine() == "x86_64":
 """
 
 
+def _api_server(model: str, port: int, log: str, extra: list[str] = (), env: dict | None = None) -> subprocess.Popen:
+    """vLLM's OpenAI API server (``vllm serve``'s server) of ``model`` on ``port``, in its own session."""
+    argv = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--enforce-eager",
+        "--block-size",
+        "32",
+        "--no-enable-prefix-caching",
+        *extra,
+    ]
+    return subprocess.Popen(
+        argv,
+        env={**os.environ, **ENV, **(env or {})},
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
 def bench_plain(model: str, args, port: int, convs) -> dict:
     """One plain vLLM server, no P/D and no connector: the reference text."""
     with tempfile.TemporaryDirectory(prefix="adp-bench-plain-") as tmp:
-        argv = [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            model,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--enforce-eager",
-            "--block-size",
-            "32",
-            "--no-enable-prefix-caching",
-        ]
-        proc = subprocess.Popen(
-            argv,
-            env={**os.environ, **ENV},
-            stdout=open(f"{tmp}/plain.log", "w"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        proc = _api_server(model, port, f"{tmp}/plain.log")
         try:
             _wait(f"http://127.0.0.1:{port}/health", proc, f"{tmp}/plain.log")
 
@@ -238,32 +244,8 @@ def bench_example(model: str, args, ports: tuple[int, int], convs) -> dict:
                 "kv_role": role,
                 "kv_connector_extra_config": {"shared_storage_path": f"{tmp}/shared"},
             }
-            argv = [
-                sys.executable,
-                "-m",
-                "vllm.entrypoints.openai.api_server",
-                "--model",
-                model,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--enforce-eager",
-                "--block-size",
-                "32",
-                "--no-enable-prefix-caching",
-                "--kv-transfer-config",
-                json.dumps(kv),
-            ]
-            procs.append(
-                subprocess.Popen(
-                    argv,
-                    env={**os.environ, **ENV, "VLLM_CPU_OMP_THREADS_BIND": bind, "PYTHONPATH": pythonpath},
-                    stdout=open(f"{tmp}/{role}.log", "w"),
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
+            env = {"VLLM_CPU_OMP_THREADS_BIND": bind, "PYTHONPATH": pythonpath}
+            procs.append(_api_server(model, port, f"{tmp}/{role}.log", ["--kv-transfer-config", json.dumps(kv)], env))
         try:
             for port, proc, role in zip(ports, procs, ("kv_producer", "kv_consumer"), strict=True):
                 _wait(f"http://127.0.0.1:{port}/health", proc, f"{tmp}/{role}.log")

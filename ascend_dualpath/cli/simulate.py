@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep", default="256,512,1024,2048", help="agent counts for the JCT sweep ('' skips)")
     parser.add_argument("--mooncake", action="store_true", help="also replay the Mooncake conversation trace")
     parser.add_argument("--trace", type=Path, default=None,
-                        help="Mooncake JSONL(.gz) (default $ADP_TRACE_DIR or <repo>/../shared/traces)")
+                        help="Mooncake JSONL(.gz) (default $ADP_TRACE_DIR, else the shipped one)")
     parser.add_argument("--online", action="store_true", help="also search the online APS capacity (slow)")
     parser.add_argument("--online-duration", type=float, default=900.0, help="seconds simulated per online point")
     parser.add_argument("--online-max-aps", type=float, default=8.0, help="upper end of the APS bisection")

@@ -107,9 +107,9 @@ def replay(trajectory: list[tuple[int, int]], block_tokens: int = 64) -> list[Ro
 
 
 def default_trace_dir() -> Path:
-    """``ADP_TRACE_DIR`` if set, else ``<repo>/../shared/traces`` (the team's folder beside the repo root)."""
+    """``ADP_TRACE_DIR`` if set, else the traces shipped in the package (``ascend_dualpath/sim/data``)."""
     configured = _env.trace_dir()
-    return Path(configured) if configured else Path(__file__).resolve().parents[2].parent / "shared" / "traces"
+    return Path(configured) if configured else Path(__file__).resolve().parent / "data"
 
 
 def default_mooncake_path() -> Path:

@@ -10,7 +10,7 @@ u64 = st.integers(0, 2**64 - 1)
 
 
 def reference_wqe(opcode, owner, signaled, length, rkey, remote_addr, lkey, local_addr, imm=0):
-    # ../shared/reference/ascend_facts.md §5.1: byte4 = opcode | (~owner << 7 & 0x80) | 1 << 8 (signaled);
+    # the hns RoCE v2 WQE (rdma-core's public hns provider): byte4 = opcode | (~owner << 7 & 0x80) | 1 << 8 (signaled);
     # msg_len; immt; byte16 = 1 << 24 (num_sge); byte20 = 0; rkey; u64 remote_va; SGE {len, lkey, u64 va}
     byte4 = opcode | ((~owner << 7) & 0x80) | (0x100 if signaled else 0)
     return struct.pack("<IIIIIIQIIQ", byte4, length, imm, 1 << 24, 0, rkey, remote_addr, length, lkey, local_addr)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import queue
 import threading
 import time
 from typing import Any
@@ -114,7 +115,7 @@ class _DeXfer:
     reads_ok: bool = False
     error: str | None = None
     recv: RecvSpec | None = None
-    consumed: Any = None  # queue of layers the PE consumed (DE path pusher)
+    consumed: queue.Queue | None = None  # layers the PE consumed (DE path pusher)
 
 
 class DualPathWorker:
@@ -511,8 +512,6 @@ class DualPathWorker:
         with self._lock:
             self._de_xfers[message["xfer_id"]] = xfer
         if not full:
-            import queue
-
             xfer.consumed = queue.Queue()
             threading.Thread(target=self._push_hits, args=(xfer,), name="adp-de-push", daemon=True).start()
         return {"op": "ok", "lease_addr": int(lease.addr)}
@@ -564,8 +563,6 @@ class DualPathWorker:
 
     def _await_consumed(self, xfer: _DeXfer, layer: int, pushes: list) -> None:
         """Wait (bounded) until the PE consumed hit layer ``layer``; a failed push ends the wait at once."""
-        import queue
-
         deadline = time.monotonic() + self.settings.timeout_s
         while True:
             for ticket in pushes:
