@@ -243,6 +243,38 @@ def _check_corrupted_block_is_recomputed(url: str, plain: str, model: str, store
     assert _metric(metrics, "adp_checksum_errors") >= 1, metrics
 
 
+def _post_killing(url: str, body: dict, pid: int) -> urllib.error.HTTPError:
+    """Send ``body`` and SIGKILL ``pid`` at once (the PE answers its 1-token leg in ~0.2 s); the HTTP error."""
+    outcome: dict = {}
+
+    def send() -> None:
+        try:
+            outcome["reply"] = _post(url, body, timeout=60)
+        except urllib.error.HTTPError as exc:
+            outcome["error"] = exc
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    os.kill(pid, signal.SIGKILL)
+    sender.join(90)
+    assert "error" in outcome, f"the request survived the prefill's death: {outcome}"
+    return outcome["error"]
+
+
+def _stream_killing(url: str, body: dict, pid: int) -> list[str]:
+    """Stream ``body`` and SIGKILL ``pid`` once the first token arrived (decoding is under way, whatever the
+    machine's speed); the SSE ``data:`` payloads received."""
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    events: list[str] = []
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        for line in reply:
+            if line.startswith(b"data: "):
+                events.append(line[6:].decode().strip())
+                if len(events) == 1:
+                    os.kill(pid, signal.SIGKILL)
+    return events
+
+
 @pytest.mark.parametrize("victim", ["prefill", "decode"])
 def test_killing_an_instance_mid_request_fails_it_and_serve_exits_cleanly(model, tmp_path, victim):
     proc, url, log = _serve(model, tmp_path, "--policy", "pe", env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
@@ -254,24 +286,17 @@ def test_killing_an_instance_mid_request_fails_it_and_serve_exits_cleanly(model,
         pid = int(subprocess.check_output(["fuser", "-n", "tcp", str(port)], stderr=subprocess.DEVNULL).split()[0])
         words = _vocab(model)
         prompt = " ".join(words[(7 * i) % len(words)] for i in range(1500))  # a prefill long enough to hit
-        body = {"model": model, "prompt": prompt, "max_tokens": 400, "temperature": 0, "ignore_eos": True}
-        outcome: dict = {}
-
-        def send() -> None:
-            try:
-                outcome["reply"] = _post(f"{url}/v1/completions", body, timeout=60)
-            except urllib.error.HTTPError as exc:
-                outcome["error"] = exc
-
-        sender = threading.Thread(target=send)
+        # the longest answer the model's 4096 positions allow: decoding outlasts the kill on a fast machine
+        body = {"model": model, "prompt": prompt, "max_tokens": 2500, "temperature": 0, "ignore_eos": True}
         started = time.monotonic()
-        sender.start()
-        time.sleep(0.0 if victim == "prefill" else 1.5)  # at once: the PE answers its 1-token leg in ~0.2 s
-        os.kill(pid, signal.SIGKILL)
-        sender.join(90)
-        assert "error" in outcome, f"the request survived the {victim}'s death: {outcome}"
-        error = outcome["error"]
-        assert error.code >= 500
+        if victim == "prefill":
+            error = _post_killing(f"{url}/v1/completions", body, pid)
+            assert error.code >= 500, error
+        else:
+            events = _stream_killing(f"{url}/v1/completions", {**body, "stream": True}, pid)
+            assert "[DONE]" not in events, f"the stream survived the decode's death: {events[-3:]}"
+            assert "decode_error" in events[-1], events[-3:]
+            assert len(events) - 1 < body["max_tokens"], len(events)
         assert time.monotonic() - started < 60
         assert proc.wait(60) == 1, log.read_text()[-3000:]  # a child that died stops the whole deployment
     finally:
