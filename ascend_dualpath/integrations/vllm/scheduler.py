@@ -19,6 +19,7 @@ from typing import Any
 from vllm.v1.request import RequestStatus
 
 from ascend_dualpath.integrations.vllm.metadata import DualPathMetadata, LoadSpec, PersistSpec, RecvSpec, SaveSpec
+from ascend_dualpath.integrations.vllm.persisting import PersistAnnouncements
 from ascend_dualpath.integrations.vllm.protocol import XferParams
 from ascend_dualpath.integrations.vllm.settings import ConnectorSettings, store_ids
 from ascend_dualpath.kv.store import LocalBlockStore
@@ -46,6 +47,7 @@ class DualPathScheduler:
         self.block_size = block_size
         self.store = store
         self.namespace = namespace
+        self.announcements = PersistAnnouncements(settings.store, settings.persist_wait_s)
         self._pending_loads: dict[str, LoadSpec] = {}
         self._pending_recvs: dict[str, RecvSpec] = {}
         self._pending_persists: list[PersistSpec] = []
@@ -55,7 +57,7 @@ class DualPathScheduler:
         self._received: set[str] = set()  # decode requests that had their one receive
 
     # -- admission ------------------------------------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens beyond ``num_computed_tokens`` (block-aligned local hit) that the connector provides."""
         xfer = XferParams.from_request(request.kv_transfer_params)
         prompt = request.num_prompt_tokens
@@ -64,7 +66,9 @@ class DualPathScheduler:
                 return 0, False  # its receive failed and vLLM recomputes it (kv_load_failure_policy=recompute)
             missing = self.received_end(prompt) - num_computed_tokens
             return (missing, True) if missing > 0 else (0, False)
-        hit = self.stored_prefix_tokens(request)
+        hit = self.stored_prefix_tokens(request, num_computed_tokens)
+        if hit is None:
+            return None, False  # vLLM asks again at its next step
         return (hit - num_computed_tokens, False) if hit > num_computed_tokens else (0, False)
 
     def received_end(self, prompt_tokens: int) -> int:
@@ -73,12 +77,21 @@ class DualPathScheduler:
         one-token prefill after a receive that ends inside a block (vLLM 0.32.0, docs/vllm.md)."""
         return (prompt_tokens - 1) // self.block_size * self.block_size
 
-    def stored_prefix_tokens(self, request: Any) -> int:
-        """Tokens of the request's longest stored prefix, block-aligned, leaving >= 1 prompt token to compute."""
+    def stored_prefix_tokens(self, request: Any, num_computed_tokens: int = 0) -> int | None:
+        """Tokens of the request's longest stored prefix, block-aligned, leaving >= 1 prompt token to compute;
+        None while the prefix stops, above the ``num_computed_tokens`` vLLM has locally, at a block that another
+        request is persisting (typically the previous turn of the same conversation)."""
         ids = store_ids(self.namespace, request.block_hashes[: request.num_prompt_tokens // self.block_size])
         self.store.refresh(ids)  # adopt what other instances persisted since
         cap = (request.num_prompt_tokens - 1) // self.block_size
-        hit_blocks = min(self.store.longest_prefix(ids), cap)
+        stored = self.store.longest_prefix(ids)
+        if (
+            stored < cap
+            and (stored + 1) * self.block_size > num_computed_tokens
+            and self.announcements.pending(ids[stored])
+        ):
+            return None
+        hit_blocks = min(stored, cap)
         self._hits[request.request_id] = (hit_blocks * self.block_size, ids)
         return hit_blocks * self.block_size
 
@@ -148,6 +161,7 @@ class DualPathScheduler:
         first = self.store.longest_prefix(ids)
         if first >= full:
             return False, None
+        self.announcements.announce(ids[first:])  # before vLLM sends the answer: the next turn waits for them
         self._pending_persists.append(PersistSpec(request.request_id, first, ids, list(block_ids)))
         self._persisting.add(request.request_id)
         return True, None

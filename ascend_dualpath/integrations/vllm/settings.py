@@ -42,6 +42,9 @@ class ConnectorSettings:
         Size of each HCCL window (the PE's layer slots and send buffers live there).
     host_buffer_mb : int
         Size of the registered host buffer (DE: leases for incoming KV; PE: storage reads).
+    persist_wait_s : float
+        How long a lookup that stops at a block announced for persisting waits for it
+        (:mod:`~ascend_dualpath.integrations.vllm.persisting`).
     """
 
     role: str
@@ -53,6 +56,7 @@ class ConnectorSettings:
     timeout_s: float
     hccl_buffer_mb: int = 64
     host_buffer_mb: int = 256
+    persist_wait_s: float = 5.0
 
     @classmethod
     def from_kv_transfer_config(cls, kv_transfer_config: Any) -> ConnectorSettings:
@@ -81,6 +85,7 @@ class ConnectorSettings:
             timeout_s=timeout,
             hccl_buffer_mb=int(_positive("hccl_buffer_mb", extra.get("hccl_buffer_mb", 64))),
             host_buffer_mb=int(_positive("host_buffer_mb", extra.get("host_buffer_mb", 256))),
+            persist_wait_s=_positive("persist_wait_s", extra.get("persist_wait_s", 5.0)),
         )
 
 

@@ -37,6 +37,7 @@ from ascend_dualpath.dualpath.transfer_leg import PeerAborted, Segment
 from ascend_dualpath.errors import AdpError, ChecksumMismatch, ProtocolError, WaitTimeout
 from ascend_dualpath.integrations.vllm.dataplane import DE_RANK, PE_RANK, Dataplane, open_dataplane
 from ascend_dualpath.integrations.vllm.metadata import DualPathMetadata, LoadSpec, PersistSpec, RecvSpec, SaveSpec
+from ascend_dualpath.integrations.vllm.persisting import PersistAnnouncements
 from ascend_dualpath.integrations.vllm.protocol import PeerClient, SideChannel, XferParams
 from ascend_dualpath.integrations.vllm.settings import ConnectorSettings
 from ascend_dualpath.kv.layout import KVLayout
@@ -137,6 +138,7 @@ class DualPathWorker:
         self.settings, self.layout, self.store = settings, layout, store
         self._adapter_factory = adapter_factory
         self.read_queue = ReadQueue(store, settings.snic_bytes_per_s, node=settings.node)
+        self.announcements = PersistAnnouncements(settings.store, settings.persist_wait_s)
         self.counters = Counters()
         self.caches: list[torch.Tensor] = []
         self._layer_of: dict[str, int] = {}
@@ -702,14 +704,18 @@ class DualPathWorker:
         self._writes.append((spec.req_id, self._writer.submit(self._write_blocks, spec, payloads)))
 
     def _write_blocks(self, spec: PersistSpec, payloads: list) -> None:
-        for i, payload in payloads:
-            parent = spec.store_ids[i - 1] if i > 0 else None
-            try:
-                if self.store.write_block(spec.store_ids[i], parent, payload):
-                    self.counters.persisted_blocks += 1
-            except AdpError:
-                self.counters.failures += 1
-                return  # the chain is broken here: later blocks would be unreachable
+        try:
+            for i, payload in payloads:
+                parent = spec.store_ids[i - 1] if i > 0 else None
+                try:
+                    if self.store.write_block(spec.store_ids[i], parent, payload):
+                        self.counters.persisted_blocks += 1
+                except AdpError:
+                    self.counters.failures += 1
+                    return  # the chain is broken here: later blocks would be unreachable
+                self.announcements.withdraw([spec.store_ids[i]])
+        finally:
+            self.announcements.withdraw(spec.store_ids[spec.first_block :])  # none is awaited any longer
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """``(finished_sending, finished_recving, failed_recving)`` since the last call."""

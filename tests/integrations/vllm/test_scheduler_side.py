@@ -260,3 +260,40 @@ def test_a_failed_decode_receive_under_recompute_is_computed_locally(instance):
     step(scheduler, failed_recving={"d"}, finished_recving={"d"})
     scheduled, _ = step(scheduler)
     assert request.status == RequestStatus.RUNNING and scheduled.num_scheduled_tokens == {"d": 100}
+
+
+def test_the_next_turn_on_another_instance_waits_for_the_blocks_being_persisted(instance):
+    config, finishing = instance()
+    _, other = instance()  # another engine sharing the store, as the next turn's PE does
+    tokens = prompt(73, 100)
+    first = make_request(config, "a", tokens, max_tokens=2)
+    finishing.add_request(first)
+    step(finishing)
+    step(finishing)  # finished: its 3 full blocks are announced before the answer leaves the engine
+    announced = store_ids(finishing.connector.namespace, first.block_hashes[:3])
+    assert all(finishing.connector._scheduler.announcements.pending(i) for i in announced)
+
+    second = make_request(config, "b", [*tokens, *first.output_token_ids, *prompt(74, 40)])
+    other.add_request(second)
+    for _ in range(3):  # held back: admitting it now would recompute what the first turn is writing
+        scheduled, _ = step(other)
+        assert scheduled.scheduled_new_reqs == [] and second.num_computed_tokens == 0
+
+    persist_prefix(finishing, first, 3)  # the DE's worker writes the blocks, then withdraws the announcement
+    finishing.connector._scheduler.announcements.withdraw(announced)
+    scheduled, _ = step(other)
+    (new,) = scheduled.scheduled_new_reqs
+    assert new.num_computed_tokens == 96
+
+
+def test_a_stale_announcement_does_not_hold_a_request_back(instance, monkeypatch):
+    config, scheduler = instance()
+    request = make_request(config, "r", prompt(75, 100))
+    announcements = scheduler.connector._scheduler.announcements
+    ids = store_ids(scheduler.connector.namespace, request.block_hashes[:3])
+    announcements.announce(ids)  # a writer that died: the mark stays on disk
+    monkeypatch.setattr(announcements, "wait_s", 1e-9)
+    scheduler.add_request(request)
+    scheduled, _ = step(scheduler)
+    (new,) = scheduled.scheduled_new_reqs
+    assert new.num_computed_tokens == 0  # recomputed at once, not waited for

@@ -178,10 +178,7 @@ def _run_conversations(url: str, plain: str, model: str, agents: int = 2) -> lis
             prompt = f"{prompt} {append}".strip()
             ours = _complete(url, model, prompt, stream=(turn == 1))
             pairs.append((ours, _complete(plain, model, prompt)))
-            prompt += ours
-            # the DE persists a finished turn's blocks after its answer went out: give the write time, or the next
-            # turn may miss them (an open race, docs/vllm.md)
-            time.sleep(2.0)
+            prompt += ours  # the next turn at once: it must find this turn's blocks (docs/vllm.md, persisting)
     return pairs
 
 
