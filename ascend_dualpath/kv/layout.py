@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ascend_dualpath import ops
 from ascend_dualpath.errors import BoundsError, ConfigError
 
 DEFAULT_BLOCK_TOKENS = 64
@@ -236,7 +237,8 @@ class KVLayout:
         Returns
         -------
         torch.Tensor
-            ``uint8 [..., C]`` rows such that ``field_view(rows, name)`` equals ``fields[name]`` bit for bit.
+            ``uint8 [..., C]`` rows on the fields' device such that ``field_view(rows, name)`` equals
+            ``fields[name]`` bit for bit (the ``ascend_dualpath::kv_encode_rows`` op).
         """
         missing = {f.name for f in self.fields} ^ set(fields)
         if missing:
@@ -253,11 +255,8 @@ class KVLayout:
             if leading is not None and lead != leading:
                 raise ValueError(f"field {field.name!r} has leading shape {lead}, other fields have {leading}")
             leading = lead
-        assert leading is not None
-        rows = torch.empty((*leading, self.token_bytes), dtype=torch.uint8)
-        for field in self.fields:
-            self.field_view(rows, field.name).copy_(fields[field.name])
-        return rows
+        values = [fields[field.name] for field in self.fields]
+        return ops.kv_encode_rows(values, [len(field.shape) for field in self.fields])
 
     def full_blocks_from_layers(self, layer_rows: Sequence[torch.Tensor]) -> torch.Tensor:
         """Pack per-layer token rows into fresh Full Blocks.
