@@ -28,7 +28,10 @@ NAMESPACE = "ascend_dualpath"
 
 @dataclass(frozen=True)
 class OpDef:
-    """One op: ``schema`` (without the namespace), its doc, and a kernel per dispatch key (None: the CPU one)."""
+    """One op: ``schema`` (without the namespace), its doc, and a kernel per dispatch key (None: the CPU one).
+
+    ``on_cuda`` False registers no CUDA kernel (the NPU launchers: their CPU kernel is host-memory only).
+    """
 
     schema: str
     doc: str
@@ -36,6 +39,7 @@ class OpDef:
     fake: Callable
     cuda: Callable | None = None
     npu: Callable | None = None
+    on_cuda: bool = True
 
     @property
     def name(self) -> str:
@@ -173,13 +177,13 @@ OPS: tuple[OpDef, ...] = (
           "Launch the AscendC ``hccl_stage`` kernel: copy ``StageTiling.total_bytes`` bytes from device address "
           "``src_addr`` into the HCCL window tensor (uint8, contiguous) on ``block_dim`` AI cores. tiling: uint8 "
           "[16] ``StageTiling`` (op_kernels/include/adp/transfer_kernels.h). CPU: the same copy in host memory.",
-          npu.hccl_stage_cpu, _returns_nothing_fake, npu=npu.hccl_stage_npu),
+          npu.hccl_stage_cpu, _returns_nothing_fake, npu=npu.hccl_stage_npu, on_cuda=False),
     OpDef("aiv_post_wqe(Tensor segments, Tensor queues, Tensor(a!) status, Tensor tiling, int block_dim) -> ()",
           "Launch the AscendC ``aiv_post_wqe`` kernel: each of ``block_dim`` vector cores posts its share of the "
           "segments (uint8 [n * 32], ``Segment``) as RDMA WQEs to its queue (uint8 [block_dim * 64], ``AivQueue``) "
           "and writes its ``CoreStatus`` into status (uint8 [block_dim * 16]). tiling: ``AivPostTiling``. NPU "
           "only: the emulator posts through its own queue pairs (transport.emulator).",
-          npu.aiv_post_wqe_cpu, _returns_nothing_fake, npu=npu.aiv_post_wqe_npu),
+          npu.aiv_post_wqe_cpu, _returns_nothing_fake, npu=npu.aiv_post_wqe_npu, on_cuda=False),
     OpDef("moe_cached_dispatch(Tensor[] x, int buffer_id, int handle_id) -> Tensor[]",
           "Cached-mode ``Buffer.dispatch``: send ``x`` ([x] bf16/fp16/fp32 [T, H], or [values, scales] as "
           "quantised) along the layout of handle ``handle_id``; returns the received parts, [N, ...] each, N from "
@@ -218,7 +222,8 @@ def register() -> None:
     for op in OPS:
         lib.define(op.schema)
         lib.impl(op.name, op.cpu, "CPU")
-        lib.impl(op.name, op.cuda or op.cpu, "CUDA")
+        if op.on_cuda:
+            lib.impl(op.name, op.cuda or op.cpu, "CUDA")
         if with_npu:
             lib.impl(op.name, op.npu or op.cpu, "PrivateUse1")
         torch.library.register_fake(f"{NAMESPACE}::{op.name}", op.fake, lib=lib)

@@ -111,12 +111,12 @@ def low_latency_dispatch_fake(x, topk_idx, buffer_id, num_max_dispatch_tokens_pe
     local, slots, hidden = num_experts // num_ranks, num_ranks * num_max_dispatch_tokens_per_rank, x.shape[1]
     if not use_fp8:
         values, scales = x.new_empty((local, slots, hidden)), x.new_empty((0,), dtype=torch.float32)
-    elif use_ue8m0:
-        values = x.new_empty((local, slots, hidden), dtype=torch.float8_e4m3fn)
-        scales = x.new_empty((local, slots, hidden // 512), dtype=torch.int32)
     else:
         values = x.new_empty((local, slots, hidden), dtype=torch.float8_e4m3fn)
-        scales = x.new_empty((local, slots, hidden // 128), dtype=torch.float32)
+        columns = hidden // (512 if use_ue8m0 else 128)
+        # column-major in the last two dims, as DeepEP (and Buffer.low_latency_dispatch) lay the scales out
+        scales = x.new_empty_strided((local, slots, columns), (slots * columns, 1, slots),
+                                     dtype=torch.int32 if use_ue8m0 else torch.float32)
     recv_count = x.new_empty((local,), dtype=torch.int32)
     src_info = x.new_empty((local, slots), dtype=torch.int32)
     layout_range = x.new_empty((local, num_ranks), dtype=torch.int64)
