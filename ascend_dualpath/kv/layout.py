@@ -84,8 +84,9 @@ class KVLayout:
         cursor = 0
         for field in self.fields:
             if field.offset != cursor:
-                raise ConfigError(f"field {field.name!r} starts at byte {field.offset}, "
-                                  f"expected {cursor} (packed rows)")
+                raise ConfigError(
+                    f"field {field.name!r} starts at byte {field.offset}, expected {cursor} (packed rows)"
+                )
             if field.offset % field.dtype.itemsize:
                 raise ConfigError(
                     f"field {field.name!r} at byte {field.offset} is not aligned to its {field.dtype} "
@@ -211,8 +212,10 @@ class KVLayout:
             raise BoundsError(f"layer {layer} out of range [0, {self.num_layers})")
         expected_tail = (self.num_layers, self.block_tokens, self.token_bytes)
         if full_blocks.dim() not in (3, 4) or tuple(full_blocks.shape[-3:]) != expected_tail:
-            raise ValueError(f"Full Blocks must be [L, T, C] or [n, L, T, C] with [L, T, C] = {list(expected_tail)}, "
-                             f"got {list(full_blocks.shape)}")
+            raise ValueError(
+                f"Full Blocks must be [L, T, C] or [n, L, T, C] with [L, T, C] = {list(expected_tail)}, "
+                f"got {list(full_blocks.shape)}"
+            )
         return full_blocks.select(-3, layer)
 
     def field_view(self, rows: torch.Tensor, name: str) -> torch.Tensor:
@@ -242,14 +245,15 @@ class KVLayout:
         """
         missing = {f.name for f in self.fields} ^ set(fields)
         if missing:
-            raise KeyError(f"encode_rows needs exactly the fields {[f.name for f in self.fields]}, "
-                           f"got {sorted(fields)}")
+            raise KeyError(
+                f"encode_rows needs exactly the fields {[f.name for f in self.fields]}, got {sorted(fields)}"
+            )
         leading: tuple[int, ...] | None = None
         for field in self.fields:
             value = fields[field.name]
             if value.dtype != field.dtype:
                 raise TypeError(f"field {field.name!r} must be {field.dtype}, got {value.dtype}")
-            if tuple(value.shape[value.dim() - len(field.shape):]) != field.shape:
+            if tuple(value.shape[value.dim() - len(field.shape) :]) != field.shape:
                 raise ValueError(f"field {field.name!r} must end in shape {field.shape}, got {list(value.shape)}")
             lead = tuple(value.shape[: value.dim() - len(field.shape)])
             if leading is not None and lead != leading:

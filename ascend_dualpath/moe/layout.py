@@ -23,6 +23,5 @@ def compute_dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks:
 
     A token counts once per rank and once per node, however many of its experts live there.
     """
-    per_rank, per_rdma_rank, per_expert, in_rank = ops.dispatch_layout(topk_idx, num_experts, num_ranks,
-                                                                       ranks_per_node)
+    per_rank, per_rdma_rank, per_expert, in_rank = ops.dispatch_layout(topk_idx, num_experts, num_ranks, ranks_per_node)
     return per_rank, (per_rdma_rank if num_ranks > ranks_per_node else None), per_expert, in_rank

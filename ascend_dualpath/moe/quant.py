@@ -69,8 +69,10 @@ def per_token_cast_to_fp8(
 def pack_ue8m0(scales: torch.Tensor) -> torch.Tensor:
     """Pack power-of-two float32 scales ``[..., B]`` (``B % 4 == 0``) into int32 ``[..., B/4]`` UE8M0 words."""
     if scales.dtype != torch.float32 or scales.shape[-1] % 4:
-        raise ConfigError(f"UE8M0 packing needs float32 scales with a last dim divisible by 4, got "
-                          f"{scales.dtype} {tuple(scales.shape)}")
+        raise ConfigError(
+            f"UE8M0 packing needs float32 scales with a last dim divisible by 4, got "
+            f"{scales.dtype} {tuple(scales.shape)}"
+        )
     return ops.ue8m0_pack(scales)
 
 

@@ -107,8 +107,9 @@ def hccl_stage(src_addr: int, window: torch.Tensor, tiling: torch.Tensor, block_
     _ops.hccl_stage(src_addr, window, tiling, block_dim)
 
 
-def aiv_post_wqe(segments: torch.Tensor, queues: torch.Tensor, status: torch.Tensor, tiling: torch.Tensor,
-                 block_dim: int) -> None:
+def aiv_post_wqe(
+    segments: torch.Tensor, queues: torch.Tensor, status: torch.Tensor, tiling: torch.Tensor, block_dim: int
+) -> None:
     """Launch ``aiv_post_wqe`` on ``block_dim`` vector cores (NPU only); writes ``status`` in place."""
     _ops.aiv_post_wqe(segments, queues, status, tiling, block_dim)
 
@@ -119,27 +120,48 @@ def moe_cached_dispatch(x: torch.Tensor | Tensors, buffer_id: int, handle_id: in
     return tuple(parts) if isinstance(x, tuple) else parts[0]
 
 
-def moe_combine(x: torch.Tensor, buffer_id: int, handle_id: int, topk_weights: torch.Tensor | None = None,
-                bias: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
-                weighted: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def moe_combine(
+    x: torch.Tensor,
+    buffer_id: int,
+    handle_id: int,
+    topk_weights: torch.Tensor | None = None,
+    bias: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    weighted: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``Buffer.combine``: (combined_x [T, H], combined_topk_weights float32 [T, K] or None)."""
     combined, weights = _ops.moe_combine(x, topk_weights, bias[0], bias[1], buffer_id, handle_id, weighted)
     return combined, (weights if topk_weights is not None else None)
 
 
-def moe_low_latency_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, buffer_id: int,
-                             num_max_dispatch_tokens_per_rank: int, num_experts: int, use_fp8: bool = True,
-                             round_scale: bool = False, use_ue8m0: bool = False) -> Tensors:
+def moe_low_latency_dispatch(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    buffer_id: int,
+    num_max_dispatch_tokens_per_rank: int,
+    num_experts: int,
+    use_fp8: bool = True,
+    round_scale: bool = False,
+    use_ue8m0: bool = False,
+) -> Tensors:
     """(recv_x or (e4m3, scales), recv_count, src_info, layout_range) of ``Buffer.low_latency_dispatch``."""
     values, scales, recv_count, src_info, layout_range = _ops.moe_low_latency_dispatch(
-        x, topk_idx, buffer_id, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0)
+        x, topk_idx, buffer_id, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0
+    )
     recv_x = (values, scales) if use_fp8 else values
     return recv_x, recv_count, src_info, layout_range
 
 
-def moe_low_latency_combine(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                            src_info: torch.Tensor, layout_range: torch.Tensor, buffer_id: int,
-                            num_max_dispatch_tokens_per_rank: int, num_experts: int) -> torch.Tensor:
+def moe_low_latency_combine(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    src_info: torch.Tensor,
+    layout_range: torch.Tensor,
+    buffer_id: int,
+    num_max_dispatch_tokens_per_rank: int,
+    num_experts: int,
+) -> torch.Tensor:
     """bf16 [T, H] weighted sum of the expert outputs x [L, R*M, H] (``Buffer.low_latency_combine``)."""
-    return _ops.moe_low_latency_combine(x, topk_idx, topk_weights, src_info, layout_range, buffer_id,
-                                        num_max_dispatch_tokens_per_rank, num_experts)
+    return _ops.moe_low_latency_combine(
+        x, topk_idx, topk_weights, src_info, layout_range, buffer_id, num_max_dispatch_tokens_per_rank, num_experts
+    )

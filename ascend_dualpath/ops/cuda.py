@@ -41,10 +41,21 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, ra
     if tokens:
         grid = (-(-tokens // LAYOUT_BLOCK_TOKENS),)
         _cuda_kernels.dispatch_layout[grid](
-            topk_idx.contiguous(), counts, in_rank.view(torch.uint8), tokens, topk, num_experts // num_ranks,
-            num_experts, NUM_RANKS=num_ranks, RANKS_PAD=_next_power_of_2(num_ranks), RANKS_PER_NODE=ranks_per_node,
-            NUM_NODES=num_nodes, NODES_PAD=_next_power_of_2(num_nodes), TOPK_PAD=_next_power_of_2(topk),
-            BLOCK_T=LAYOUT_BLOCK_TOKENS)
+            topk_idx.contiguous(),
+            counts,
+            in_rank.view(torch.uint8),
+            tokens,
+            topk,
+            num_experts // num_ranks,
+            num_experts,
+            NUM_RANKS=num_ranks,
+            RANKS_PAD=_next_power_of_2(num_ranks),
+            RANKS_PER_NODE=ranks_per_node,
+            NUM_NODES=num_nodes,
+            NODES_PAD=_next_power_of_2(num_nodes),
+            TOPK_PAD=_next_power_of_2(topk),
+            BLOCK_T=LAYOUT_BLOCK_TOKENS,
+        )
     per_rank = counts[:num_ranks].clone()
     per_node = counts[num_ranks : num_ranks + extra].clone()
     per_expert = counts[num_ranks + extra : num_ranks + extra + num_experts].clone()

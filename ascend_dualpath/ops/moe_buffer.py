@@ -68,26 +68,49 @@ def cached_dispatch(x: list[torch.Tensor], buffer_id: int, handle_id: int) -> li
 def combine(x, topk_weights, bias_0, bias_1, buffer_id: int, handle_id: int, weighted: bool):
     """``Buffer.combine``; the second output is ``[T, 0]`` without ``topk_weights``."""
     handle = handle_of(handle_id)
-    combined, weights, _ = buffer_of(buffer_id).combine(x, handle, topk_weights, bias=(bias_0, bias_1),
-                                                        weighted=weighted)
+    combined, weights, _ = buffer_of(buffer_id).combine(
+        x, handle, topk_weights, bias=(bias_0, bias_1), weighted=weighted
+    )
     if weights is None:
         weights = torch.zeros(combined.shape[0], 0, dtype=torch.float32, device=combined.device)
     return combined, weights
 
 
-def low_latency_dispatch(x, topk_idx, buffer_id: int, num_max_dispatch_tokens_per_rank: int, num_experts: int,
-                         use_fp8: bool, round_scale: bool, use_ue8m0: bool):
+def low_latency_dispatch(
+    x,
+    topk_idx,
+    buffer_id: int,
+    num_max_dispatch_tokens_per_rank: int,
+    num_experts: int,
+    use_fp8: bool,
+    round_scale: bool,
+    use_ue8m0: bool,
+):
     """``Buffer.low_latency_dispatch`` received in full; ``recv_scales`` is ``[0]`` float32 without FP8."""
     recv_x, recv_count, handle, _, _ = buffer_of(buffer_id).low_latency_dispatch(
-        x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8=use_fp8, round_scale=round_scale,
-        use_ue8m0=use_ue8m0)
+        x,
+        topk_idx,
+        num_max_dispatch_tokens_per_rank,
+        num_experts,
+        use_fp8=use_fp8,
+        round_scale=round_scale,
+        use_ue8m0=use_ue8m0,
+    )
     values, scales = recv_x if use_fp8 else (recv_x, torch.zeros(0, dtype=torch.float32, device=x.device))
     src_info, layout_range = handle[0], handle[1]
     return values, scales, recv_count, src_info, layout_range
 
 
-def low_latency_combine(x, topk_idx, topk_weights, src_info, layout_range, buffer_id: int,
-                        num_max_dispatch_tokens_per_rank: int, num_experts: int):
+def low_latency_combine(
+    x,
+    topk_idx,
+    topk_weights,
+    src_info,
+    layout_range,
+    buffer_id: int,
+    num_max_dispatch_tokens_per_rank: int,
+    num_experts: int,
+):
     """``Buffer.low_latency_combine`` with the handle rebuilt from its tensors."""
     handle = (src_info, layout_range, num_max_dispatch_tokens_per_rank, x.shape[2], num_experts)
     return buffer_of(buffer_id).low_latency_combine(x, topk_idx, topk_weights, handle)[0]
@@ -105,8 +128,9 @@ def combine_fake(x, topk_weights, bias_0, bias_1, buffer_id, handle_id, weighted
     return x.new_empty((tokens, x.shape[1])), x.new_empty((tokens, width), dtype=torch.float32)
 
 
-def low_latency_dispatch_fake(x, topk_idx, buffer_id, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
-                              round_scale, use_ue8m0):
+def low_latency_dispatch_fake(
+    x, topk_idx, buffer_id, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0
+):
     num_ranks = buffer_of(buffer_id).group_size
     local, slots, hidden = num_experts // num_ranks, num_ranks * num_max_dispatch_tokens_per_rank, x.shape[1]
     if not use_fp8:
@@ -115,14 +139,16 @@ def low_latency_dispatch_fake(x, topk_idx, buffer_id, num_max_dispatch_tokens_pe
         values = x.new_empty((local, slots, hidden), dtype=torch.float8_e4m3fn)
         columns = hidden // (512 if use_ue8m0 else 128)
         # column-major in the last two dims, as DeepEP (and Buffer.low_latency_dispatch) lay the scales out
-        scales = x.new_empty_strided((local, slots, columns), (slots * columns, 1, slots),
-                                     dtype=torch.int32 if use_ue8m0 else torch.float32)
+        scales = x.new_empty_strided(
+            (local, slots, columns), (slots * columns, 1, slots), dtype=torch.int32 if use_ue8m0 else torch.float32
+        )
     recv_count = x.new_empty((local,), dtype=torch.int32)
     src_info = x.new_empty((local, slots), dtype=torch.int32)
     layout_range = x.new_empty((local, num_ranks), dtype=torch.int64)
     return values, scales, recv_count, src_info, layout_range
 
 
-def low_latency_combine_fake(x, topk_idx, topk_weights, src_info, layout_range, buffer_id,
-                             num_max_dispatch_tokens_per_rank, num_experts):
+def low_latency_combine_fake(
+    x, topk_idx, topk_weights, src_info, layout_range, buffer_id, num_max_dispatch_tokens_per_rank, num_experts
+):
     return x.new_empty((topk_idx.shape[0], x.shape[2]))

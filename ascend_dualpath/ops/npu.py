@@ -29,8 +29,9 @@ def has_torch_npu() -> bool:
 def stage_total_bytes(tiling: torch.Tensor) -> int:
     """``StageTiling.total_bytes`` of a ``uint8 [16]`` tiling tensor (read on the host)."""
     if tiling.dtype != torch.uint8 or tiling.numel() != STAGE_TILING_BYTES:
-        raise ConfigError(f"hccl_stage tiling must be uint8 [{STAGE_TILING_BYTES}], got {tiling.dtype} "
-                          f"{list(tiling.shape)}")
+        raise ConfigError(
+            f"hccl_stage tiling must be uint8 [{STAGE_TILING_BYTES}], got {tiling.dtype} {list(tiling.shape)}"
+        )
     return int(tiling.cpu()[:8].view(torch.int64)[0])
 
 
@@ -61,15 +62,19 @@ def hccl_stage_npu(src_addr: int, window: torch.Tensor, tiling: torch.Tensor, bl
     _launchers().hccl_stage(src_addr, window, tiling, block_dim)
 
 
-def aiv_post_wqe_npu(segments: torch.Tensor, queues: torch.Tensor, status: torch.Tensor, tiling: torch.Tensor,
-                     block_dim: int) -> None:
+def aiv_post_wqe_npu(
+    segments: torch.Tensor, queues: torch.Tensor, status: torch.Tensor, tiling: torch.Tensor, block_dim: int
+) -> None:
     """Enqueue ``aiv_post_wqe`` on ``block_dim`` vector cores of the current NPU stream."""
     _launchers().aiv_post_wqe(segments, queues, status, tiling, block_dim)
 
 
-def aiv_post_wqe_cpu(segments: torch.Tensor, queues: torch.Tensor, status: torch.Tensor, tiling: torch.Tensor,
-                     block_dim: int) -> None:
+def aiv_post_wqe_cpu(
+    segments: torch.Tensor, queues: torch.Tensor, status: torch.Tensor, tiling: torch.Tensor, block_dim: int
+) -> None:
     """No CPU kernel: posting WQEs needs the emulated fabric's queue pairs (``transport.emulator`` launches the
     emulated kernel through ``_C.launch_aiv_post_wqe``)."""
-    raise BackendUnavailable("aiv_post_wqe runs on an NPU (PrivateUse1); on the emulator use "
-                             "transport.emulator's AIV path, which owns the emulated queue pairs")
+    raise BackendUnavailable(
+        "aiv_post_wqe runs on an NPU (PrivateUse1); on the emulator use "
+        "transport.emulator's AIV path, which owns the emulated queue pairs"
+    )

@@ -34,18 +34,24 @@ def float_samples(device: str) -> list[torch.Tensor]:
     g = _gen(1)
     bf16 = torch.randn(7, 512, generator=g).to(torch.bfloat16)
     bf16[2] = 0
-    return [t.to(device) for t in (
-        bf16,
-        (torch.randn(3, 1024, generator=g) * 1e3).to(torch.float16),
-        torch.randn(4, 512, generator=g) * 1e-6,
-        torch.empty(0, 512),
-        torch.randn(1, 512, generator=g).to(torch.bfloat16),
-    )]
+    return [
+        t.to(device)
+        for t in (
+            bf16,
+            (torch.randn(3, 1024, generator=g) * 1e3).to(torch.float16),
+            torch.randn(4, 512, generator=g) * 1e-6,
+            torch.empty(0, 512),
+            torch.randn(1, 512, generator=g).to(torch.bfloat16),
+        )
+    ]
 
 
 def fp8_quantize_samples(device: str) -> list[tuple]:
-    return [(x, round_scale, use_ue8m0) for x in float_samples(device)
-            for round_scale, use_ue8m0 in ((False, False), (True, False), (True, True))]
+    return [
+        (x, round_scale, use_ue8m0)
+        for x in float_samples(device)
+        for round_scale, use_ue8m0 in ((False, False), (True, False), (True, True))
+    ]
 
 
 def fp8_dequantize_samples(device: str) -> list[tuple]:

@@ -53,8 +53,9 @@ def test_quantisation_matches_replaced(seed):
             new = ops.fp8_quantize(x, round_scale, use_ue8m0)
             old = replaced.per_token_cast_to_fp8(x, round_scale, use_ue8m0)
             assert all(same(a, b) for a, b in zip(new, old, strict=True))
-            assert all(same(a, b) for a, b in zip(quant.per_token_cast_to_fp8(x, round_scale, use_ue8m0), old,
-                                                  strict=True))
+            assert all(
+                same(a, b) for a, b in zip(quant.per_token_cast_to_fp8(x, round_scale, use_ue8m0), old, strict=True)
+            )
             assert same(ops.fp8_dequantize(*new), replaced.per_token_cast_back(*old))
             assert same(quant.per_token_cast_back(*new), replaced.per_token_cast_back(*old))
         new8, old8 = ops.int8_quantize(x), replaced.per_token_cast_to_int8(x)
@@ -102,8 +103,10 @@ def test_flash_attn_adapter_matches_replaced():
     cache = torch.randn(6, 2, 4, 16, generator=g).to(torch.bfloat16)
     adapter = FlashAttnAdapter.from_cache(cache)
     blocks, offsets = torch.tensor([4, 4, 1, 0]), torch.tensor([3, 0, 2, 1])
-    assert same(adapter._gather(cache, blocks, offsets).contiguous(),
-                replaced.flash_attn_gather(cache, blocks, offsets).contiguous())
+    assert same(
+        adapter._gather(cache, blocks, offsets).contiguous(),
+        replaced.flash_attn_gather(cache, blocks, offsets).contiguous(),
+    )
     typed = torch.randn(4, 2, 2, 8, generator=g).to(torch.bfloat16)
     old = cache.clone()
     replaced.flash_attn_scatter(old, blocks, offsets, typed)
@@ -117,8 +120,12 @@ def test_mla_adapters_round_trip_exactly():
     adapter = MlaAdapter.from_cache(cache)
     table = [2, 0]
     rows = adapter.read_tokens(cache, table, 3, 12)
-    assert same(rows, cache.squeeze(1)[torch.tensor([2] * 5 + [0] * 4), torch.tensor([3, 4, 5, 6, 7, 0, 1, 2, 3])]
-                .contiguous().view(torch.uint8))
+    assert same(
+        rows,
+        cache.squeeze(1)[torch.tensor([2] * 5 + [0] * 4), torch.tensor([3, 4, 5, 6, 7, 0, 1, 2, 3])]
+        .contiguous()
+        .view(torch.uint8),
+    )
     nope, rope = torch.zeros(4, 8, 1, 64, dtype=torch.bfloat16), torch.zeros(4, 8, 1, 8, dtype=torch.bfloat16)
     ascend = AscendMlaAdapter.from_cache((nope, rope))
     latent = torch.randn(5, 72, generator=g).to(torch.bfloat16)

@@ -27,8 +27,21 @@ def step(topk_idx, x, kv, nope, scale, rope, cache, blocks, offsets):
     fp8_rows = FP8.encode_rows(nope=nope, scale=scale, rope=rope)
     ops.kv_scatter_tokens(cache, blocks, offsets, kv)
     staged = ops.kv_gather_tokens(cache, blocks, offsets)
-    return (per_rank, per_rdma_rank, per_expert, in_rank, x_e4m3.view(torch.uint8), ue8m0, fp8_back, x_int8,
-            int8_scales, int8_back, rows, fp8_rows, staged * 2)
+    return (
+        per_rank,
+        per_rdma_rank,
+        per_expert,
+        in_rank,
+        x_e4m3.view(torch.uint8),
+        ue8m0,
+        fp8_back,
+        x_int8,
+        int8_scales,
+        int8_back,
+        rows,
+        fp8_rows,
+        staged * 2,
+    )
 
 
 def inputs():
@@ -70,5 +83,13 @@ def test_compiled_step_traces_the_ops_not_their_bodies():
     torch._dynamo.reset()
     torch.compile(step, fullgraph=True, backend=backend)(*inputs())
     called = {name.split(".")[1] for name in seen if name.startswith("ascend_dualpath.")}
-    assert {"dispatch_layout", "fp8_quantize", "fp8_dequantize", "int8_quantize", "int8_dequantize",
-            "kv_encode_rows", "kv_scatter_tokens", "kv_gather_tokens"} <= called
+    assert {
+        "dispatch_layout",
+        "fp8_quantize",
+        "fp8_dequantize",
+        "int8_quantize",
+        "int8_dequantize",
+        "kv_encode_rows",
+        "kv_scatter_tokens",
+        "kv_gather_tokens",
+    } <= called

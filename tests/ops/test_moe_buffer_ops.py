@@ -28,11 +28,24 @@ def moe():
         x = torch.randn(TOKENS, HIDDEN, generator=g).to(torch.bfloat16)
         per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, NUM_EXPERTS)
         recv_x, _, recv_weights, _, handle, _ = buffer.dispatch(
-            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-            topk_idx=topk_idx, topk_weights=topk_weights)
+            x,
+            num_tokens_per_rank=per_rank,
+            is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert,
+            topk_idx=topk_idx,
+            topk_weights=topk_weights,
+        )
         ids = {"buffer_id": ops.register_buffer(buffer), "handle_id": ops.register_handle(handle)}
-        yield dict(buffer=buffer, handle=handle, x=x, topk_idx=topk_idx, topk_weights=topk_weights, recv_x=recv_x,
-                   recv_weights=recv_weights, **ids)
+        yield dict(
+            buffer=buffer,
+            handle=handle,
+            x=x,
+            topk_idx=topk_idx,
+            topk_weights=topk_weights,
+            recv_x=recv_x,
+            recv_weights=recv_weights,
+            **ids,
+        )
         ops.release(ids["buffer_id"])
         ops.release(ids["handle_id"])
     finally:
@@ -57,8 +70,9 @@ def test_cached_dispatch_opcheck_and_equality(moe):
         _opcheck("moe_cached_dispatch", (parts, b, h))
         eager = moe["buffer"].dispatch(x, handle=moe["handle"])[0]
         got = ops.moe_cached_dispatch(x, b, h)
-        for want, have in zip(eager if isinstance(x, tuple) else (eager,), got if isinstance(x, tuple) else (got,),
-                              strict=True):
+        for want, have in zip(
+            eager if isinstance(x, tuple) else (eager,), got if isinstance(x, tuple) else (got,), strict=True
+        ):
             assert torch.equal(_bits(want), _bits(have))
 
 
@@ -69,35 +83,54 @@ def _bits(t):
 def test_combine_opcheck_and_equality(moe):
     b, h = moe["buffer_id"], moe["handle_id"]
     bias = torch.ones(TOKENS, HIDDEN, dtype=torch.bfloat16)
-    for weights, bias_0, weighted in ((moe["recv_weights"], None, False), (None, None, False),
-                                      (moe["recv_weights"], bias, True)):
+    for weights, bias_0, weighted in (
+        (moe["recv_weights"], None, False),
+        (None, None, False),
+        (moe["recv_weights"], bias, True),
+    ):
         _opcheck("moe_combine", (moe["recv_x"], weights, bias_0, None, b, h, weighted))
         combined, combined_weights = ops.moe_combine(moe["recv_x"], b, h, weights, (bias_0, None), weighted)
-        eager, eager_weights, _ = moe["buffer"].combine(moe["recv_x"], moe["handle"], weights, bias=bias_0,
-                                                        weighted=weighted)
+        eager, eager_weights, _ = moe["buffer"].combine(
+            moe["recv_x"], moe["handle"], weights, bias=bias_0, weighted=weighted
+        )
         assert torch.equal(combined, eager)
         assert (combined_weights is None) == (eager_weights is None)
         if eager_weights is not None:
             assert torch.equal(combined_weights, eager_weights)
 
 
-@pytest.mark.parametrize(("use_fp8", "round_scale", "use_ue8m0"),
-                         [(False, False, False), (True, False, False), (True, True, True)])
+@pytest.mark.parametrize(
+    ("use_fp8", "round_scale", "use_ue8m0"), [(False, False, False), (True, False, False), (True, True, True)]
+)
 def test_low_latency_pair_opcheck_and_equality(moe, use_fp8, round_scale, use_ue8m0):
     b = moe["buffer_id"]
     args = (moe["x"], moe["topk_idx"], b, MAX_TOKENS, NUM_EXPERTS, use_fp8, round_scale, use_ue8m0)
     _opcheck("moe_low_latency_dispatch", args)
     recv_x, recv_count, src_info, layout_range = ops.moe_low_latency_dispatch(*args)
     eager_x, eager_count, handle, _, _ = moe["buffer"].low_latency_dispatch(
-        moe["x"], moe["topk_idx"], MAX_TOKENS, NUM_EXPERTS, use_fp8=use_fp8, round_scale=round_scale,
-        use_ue8m0=use_ue8m0)
+        moe["x"],
+        moe["topk_idx"],
+        MAX_TOKENS,
+        NUM_EXPERTS,
+        use_fp8=use_fp8,
+        round_scale=round_scale,
+        use_ue8m0=use_ue8m0,
+    )
     pairs = list(zip(recv_x, eager_x, strict=True)) if use_fp8 else [(recv_x, eager_x)]
     pairs += [(recv_count, eager_count), (src_info, handle[0]), (layout_range, handle[1])]
     for have, want in pairs:
         assert torch.equal(_bits(have), _bits(want)) and have.stride() == want.stride()
     expert_out = torch.randn(recv_x[0].shape if use_fp8 else recv_x.shape).to(torch.bfloat16)
-    combine_args = (expert_out, moe["topk_idx"], moe["topk_weights"], src_info, layout_range, b, MAX_TOKENS,
-                    NUM_EXPERTS)
+    combine_args = (
+        expert_out,
+        moe["topk_idx"],
+        moe["topk_weights"],
+        src_info,
+        layout_range,
+        b,
+        MAX_TOKENS,
+        NUM_EXPERTS,
+    )
     _opcheck("moe_low_latency_combine", combine_args)
     eager_out = moe["buffer"].low_latency_combine(expert_out, moe["topk_idx"], moe["topk_weights"], handle)[0]
     assert torch.equal(ops.moe_low_latency_combine(*combine_args), eager_out)
@@ -111,10 +144,12 @@ def test_compiled_moe_step_equals_eager(moe, backend):
     def step(x, topk_idx, topk_weights):
         recv = ops.moe_cached_dispatch(x, b, h)
         combined, _ = ops.moe_combine(recv * 2, b, h)
-        ll_x, _, src_info, layout_range = ops.moe_low_latency_dispatch(x, topk_idx, b, MAX_TOKENS, NUM_EXPERTS,
-                                                                       use_fp8=False)
-        ll_out = ops.moe_low_latency_combine(ll_x, topk_idx, topk_weights, src_info, layout_range, b, MAX_TOKENS,
-                                             NUM_EXPERTS)
+        ll_x, _, src_info, layout_range = ops.moe_low_latency_dispatch(
+            x, topk_idx, b, MAX_TOKENS, NUM_EXPERTS, use_fp8=False
+        )
+        ll_out = ops.moe_low_latency_combine(
+            ll_x, topk_idx, topk_weights, src_info, layout_range, b, MAX_TOKENS, NUM_EXPERTS
+        )
         return combined, ll_out
 
     torch._dynamo.reset()

@@ -55,14 +55,22 @@ def test_mutated_arguments_are_annotated():
         schema = getattr(torch.ops.ascend_dualpath, op.name).default._schema
         written[op.name] = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
     assert {k: v for k, v in written.items() if v} == {
-        "kv_scatter_tokens": ["cache"], "hccl_stage": ["window"], "aiv_post_wqe": ["status"]}
+        "kv_scatter_tokens": ["cache"],
+        "hccl_stage": ["window"],
+        "aiv_post_wqe": ["status"],
+    }
 
 
 def test_aiv_post_wqe_fake_and_no_cpu_kernel():
     """The fake kernel traces (no output, status written in place); the CPU kernel refuses, naming the emulator's
     path (the emulated kernel needs the fabric's queue pairs)."""
-    args = (torch.zeros(64, dtype=torch.uint8), torch.zeros(128, dtype=torch.uint8),
-            torch.zeros(32, dtype=torch.uint8), torch.zeros(32, dtype=torch.uint8), 2)
+    args = (
+        torch.zeros(64, dtype=torch.uint8),
+        torch.zeros(128, dtype=torch.uint8),
+        torch.zeros(32, dtype=torch.uint8),
+        torch.zeros(32, dtype=torch.uint8),
+        2,
+    )
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode() as mode:

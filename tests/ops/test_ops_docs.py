@@ -31,6 +31,7 @@ def test_docs_list_every_op_with_its_schema():
 
 def test_registry_has_no_op_beyond_ops():
     """Nothing else registers under the namespace (one registration point)."""
-    registered = {name.split("::")[1] for name in torch._C._dispatch_get_all_op_names()
-                  if name.startswith("ascend_dualpath::")}
+    registered = {
+        name.split("::")[1] for name in torch._C._dispatch_get_all_op_names() if name.startswith("ascend_dualpath::")
+    }
     assert registered == {op.name for op in ops.OPS}
