@@ -13,6 +13,8 @@ import math
 
 import torch
 
+from ascend_dualpath.errors import ConfigError
+
 FP8_BLOCK = 128
 FP8_E4M3_MAX = 448.0
 INT8_MAX = 127.0
@@ -79,12 +81,21 @@ def fp8_quantize(x: torch.Tensor, round_scale: bool, use_ue8m0: bool) -> tuple[t
     x_e4m3 = (blocks / scales.unsqueeze(2)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     x_e4m3 = x_e4m3.view(tokens, hidden)
     if use_ue8m0:
-        return x_e4m3, ue8m0_pack(scales)
+        return x_e4m3, _pack_exponents(scales)
     return x_e4m3, scales
 
 
 def ue8m0_pack(scales: torch.Tensor) -> torch.Tensor:
-    """Power-of-two float32 ``[..., B]`` → int32 ``[..., B/4]``, byte ``j`` of word ``i`` = exponent of ``4i+j``."""
+    """Power-of-two float32 ``[..., B]`` → int32 ``[..., B/4]``, byte ``j`` of word ``i`` = exponent of ``4i+j``.
+
+    The power-of-two check reads the data, so it lives here, in the kernel: callers stay traceable.
+    """
+    if bool(((scales.contiguous().view(torch.int32) & 0x7FFFFF) != 0).any()):
+        raise ConfigError("UE8M0 packing needs power-of-two scales (round_scale=True)")
+    return _pack_exponents(scales)
+
+
+def _pack_exponents(scales: torch.Tensor) -> torch.Tensor:
     exponent = (scales.contiguous().view(torch.int32) >> 23) & 0xFF
     exponent = exponent.view(*scales.shape[:-1], scales.shape[-1] // 4, 4)
     packed = exponent[..., 0] | (exponent[..., 1] << 8) | (exponent[..., 2] << 16) | (exponent[..., 3] << 24)

@@ -99,3 +99,17 @@ def test_hccl_stage_rejects_a_short_window():
     source = torch.zeros(64, dtype=torch.uint8)
     with pytest.raises(BoundsError, match="total_bytes=64 exceeds the window's 32 bytes"):
         ops.hccl_stage(source.data_ptr(), torch.zeros(32, dtype=torch.uint8), stage_tiling(64), 1)
+
+
+def test_dispatch_keys_per_op():
+    """CPU and a fake everywhere; CUDA for all but the NPU launchers; PrivateUse1 only where torch_npu is."""
+    import importlib.util
+
+    with_npu = importlib.util.find_spec("torch_npu") is not None
+    for op in ops.OPS:
+        qualname = f"ascend_dualpath::{op.name}"
+        has = torch._C._dispatch_has_kernel_for_dispatch_key
+        assert has(qualname, "CPU")
+        assert has(qualname, "CUDA") == (op.name not in ("hccl_stage", "aiv_post_wqe"))
+        assert has(qualname, "PrivateUse1") == with_npu
+        assert torch._library.simple_registry.singleton.find(qualname).fake_impl.kernel is not None
