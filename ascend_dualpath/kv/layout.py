@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ascend_dualpath import ops
 from ascend_dualpath.errors import BoundsError, ConfigError
 
 DEFAULT_BLOCK_TOKENS = 64
@@ -83,8 +84,9 @@ class KVLayout:
         cursor = 0
         for field in self.fields:
             if field.offset != cursor:
-                raise ConfigError(f"field {field.name!r} starts at byte {field.offset}, "
-                                  f"expected {cursor} (packed rows)")
+                raise ConfigError(
+                    f"field {field.name!r} starts at byte {field.offset}, expected {cursor} (packed rows)"
+                )
             if field.offset % field.dtype.itemsize:
                 raise ConfigError(
                     f"field {field.name!r} at byte {field.offset} is not aligned to its {field.dtype} "
@@ -210,8 +212,10 @@ class KVLayout:
             raise BoundsError(f"layer {layer} out of range [0, {self.num_layers})")
         expected_tail = (self.num_layers, self.block_tokens, self.token_bytes)
         if full_blocks.dim() not in (3, 4) or tuple(full_blocks.shape[-3:]) != expected_tail:
-            raise ValueError(f"Full Blocks must be [L, T, C] or [n, L, T, C] with [L, T, C] = {list(expected_tail)}, "
-                             f"got {list(full_blocks.shape)}")
+            raise ValueError(
+                f"Full Blocks must be [L, T, C] or [n, L, T, C] with [L, T, C] = {list(expected_tail)}, "
+                f"got {list(full_blocks.shape)}"
+            )
         return full_blocks.select(-3, layer)
 
     def field_view(self, rows: torch.Tensor, name: str) -> torch.Tensor:
@@ -236,28 +240,27 @@ class KVLayout:
         Returns
         -------
         torch.Tensor
-            ``uint8 [..., C]`` rows such that ``field_view(rows, name)`` equals ``fields[name]`` bit for bit.
+            ``uint8 [..., C]`` rows on the fields' device such that ``field_view(rows, name)`` equals
+            ``fields[name]`` bit for bit (the ``ascend_dualpath::kv_encode_rows`` op).
         """
         missing = {f.name for f in self.fields} ^ set(fields)
         if missing:
-            raise KeyError(f"encode_rows needs exactly the fields {[f.name for f in self.fields]}, "
-                           f"got {sorted(fields)}")
+            raise KeyError(
+                f"encode_rows needs exactly the fields {[f.name for f in self.fields]}, got {sorted(fields)}"
+            )
         leading: tuple[int, ...] | None = None
         for field in self.fields:
             value = fields[field.name]
             if value.dtype != field.dtype:
                 raise TypeError(f"field {field.name!r} must be {field.dtype}, got {value.dtype}")
-            if tuple(value.shape[value.dim() - len(field.shape):]) != field.shape:
+            if tuple(value.shape[value.dim() - len(field.shape) :]) != field.shape:
                 raise ValueError(f"field {field.name!r} must end in shape {field.shape}, got {list(value.shape)}")
             lead = tuple(value.shape[: value.dim() - len(field.shape)])
             if leading is not None and lead != leading:
                 raise ValueError(f"field {field.name!r} has leading shape {lead}, other fields have {leading}")
             leading = lead
-        assert leading is not None
-        rows = torch.empty((*leading, self.token_bytes), dtype=torch.uint8)
-        for field in self.fields:
-            self.field_view(rows, field.name).copy_(fields[field.name])
-        return rows
+        values = [fields[field.name] for field in self.fields]
+        return ops.kv_encode_rows(values, [len(field.shape) for field in self.fields])
 
     def full_blocks_from_layers(self, layer_rows: Sequence[torch.Tensor]) -> torch.Tensor:
         """Pack per-layer token rows into fresh Full Blocks.

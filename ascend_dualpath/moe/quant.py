@@ -19,26 +19,16 @@ from __future__ import annotations
 
 import torch
 
+from ascend_dualpath import ops
 from ascend_dualpath.errors import AlignmentError, ConfigError
-
-FP8_BLOCK = 128
-FP8_E4M3_MAX = 448.0
-INT8_MAX = 127.0
-# Smallest amax used when computing a scale, so an all-zero block gets a finite, non-zero scale.
-AMAX_FLOOR = 1e-4
-UE8M0_BIAS = 127
-
-
-def _divide(numerator: torch.Tensor, denominator: float) -> torch.Tensor:
-    """``numerator / denominator`` correctly rounded on every device (see the module's rounding rule)."""
-    return numerator / torch.full((), denominator, dtype=numerator.dtype, device=numerator.device)
-
-
-def round_up_to_power_of_two(scales: torch.Tensor) -> torch.Tensor:
-    """Smallest power of two ``>=`` each positive, normal float32 scale, exactly (from the float32 bits)."""
-    bits = scales.contiguous().view(torch.int32)
-    exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
-    return (exponent << 23).view(torch.float32)
+from ascend_dualpath.ops.cpu import (  # noqa: F401  (re-exported: the format's constants and exact rounding)
+    AMAX_FLOOR,
+    FP8_BLOCK,
+    FP8_E4M3_MAX,
+    INT8_MAX,
+    UE8M0_BIAS,
+    round_up_to_power_of_two,
+)
 
 
 def _check_2d_float(x: torch.Tensor, name: str) -> None:
@@ -73,50 +63,30 @@ def per_token_cast_to_fp8(
         raise ConfigError("use_ue8m0=True needs round_scale=True (UE8M0 holds powers of two only)")
     if use_ue8m0 and hidden % (4 * FP8_BLOCK):
         raise AlignmentError(f"UE8M0 packing needs hidden % {4 * FP8_BLOCK} == 0, got hidden={hidden}")
-    blocks = x.float().view(tokens, hidden // FP8_BLOCK, FP8_BLOCK)
-    amax = blocks.abs().amax(dim=2).clamp(min=AMAX_FLOOR)
-    scales = _divide(amax, FP8_E4M3_MAX)
-    if round_scale:
-        scales = round_up_to_power_of_two(scales)
-    x_e4m3 = (blocks / scales.unsqueeze(2)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-    x_e4m3 = x_e4m3.view(tokens, hidden)
-    if use_ue8m0:
-        return x_e4m3, pack_ue8m0(scales)
-    return x_e4m3, scales
+    return ops.fp8_quantize(x, round_scale, use_ue8m0)
 
 
 def pack_ue8m0(scales: torch.Tensor) -> torch.Tensor:
     """Pack power-of-two float32 scales ``[..., B]`` (``B % 4 == 0``) into int32 ``[..., B/4]`` UE8M0 words."""
     if scales.dtype != torch.float32 or scales.shape[-1] % 4:
-        raise ConfigError(f"UE8M0 packing needs float32 scales with a last dim divisible by 4, got "
-                          f"{scales.dtype} {tuple(scales.shape)}")
-    exponent = (scales.contiguous().view(torch.int32) >> 23) & 0xFF
-    mantissa = scales.contiguous().view(torch.int32) & 0x7FFFFF
-    if bool((mantissa != 0).any()):
-        raise ConfigError("UE8M0 packing needs power-of-two scales (round_scale=True)")
-    exponent = exponent.view(*scales.shape[:-1], scales.shape[-1] // 4, 4)
-    packed = exponent[..., 0] | (exponent[..., 1] << 8) | (exponent[..., 2] << 16) | (exponent[..., 3] << 24)
-    return packed.to(torch.int32)
+        raise ConfigError(
+            f"UE8M0 packing needs float32 scales with a last dim divisible by 4, got "
+            f"{scales.dtype} {tuple(scales.shape)}"
+        )
+    return ops.ue8m0_pack(scales)
 
 
 def unpack_ue8m0(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_ue8m0`: int32 ``[..., B/4]`` → float32 ``[..., B]`` powers of two."""
     if packed.dtype != torch.int32:
         raise ConfigError(f"UE8M0 scales must be int32, got {packed.dtype}")
-    words = packed.to(torch.int64) & 0xFFFFFFFF
-    exponent = torch.stack([(words >> (8 * j)) & 0xFF for j in range(4)], dim=-1)
-    exponent = exponent.reshape(*packed.shape[:-1], packed.shape[-1] * 4).to(torch.int32)
-    return (exponent << 23).view(torch.float32)
+    return ops.ue8m0_unpack(packed)
 
 
 def per_token_cast_back(x_e4m3: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Dequantise FP8: ``[T, H]`` e4m3 and float32 ``[T, H/128]`` (or UE8M0 int32 ``[T, H/512]``) → float32
     ``[T, H]``."""
-    if scales.dtype == torch.int32:
-        scales = unpack_ue8m0(scales)
-    tokens, hidden = x_e4m3.shape
-    blocks = x_e4m3.float().view(tokens, hidden // FP8_BLOCK, FP8_BLOCK)
-    return (blocks * scales.unsqueeze(2)).view(tokens, hidden)
+    return ops.fp8_dequantize(x_e4m3, scales)
 
 
 def per_token_cast_to_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,12 +101,9 @@ def per_token_cast_to_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     (x_int8 [T, H] int8, scales [T] float32) with ``x ≈ x_int8 * scales[:, None]``
     """
     _check_2d_float(x, "x")
-    values = x.float()
-    scales = _divide(values.abs().amax(dim=1).clamp(min=AMAX_FLOOR), INT8_MAX)
-    quantised = torch.round(values / scales.unsqueeze(1)).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return quantised, scales
+    return ops.int8_quantize(x)
 
 
 def per_token_cast_back_int8(x_int8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Dequantise INT8: ``[T, H]`` int8 and float32 ``[T]`` → float32 ``[T, H]``."""
-    return x_int8.float() * scales.reshape(-1, 1)
+    return ops.int8_dequantize(x_int8, scales)

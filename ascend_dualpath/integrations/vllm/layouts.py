@@ -6,7 +6,9 @@ An adapter reads and writes the rows of token positions ``[start, end)`` of one 
 in block ``block_table[t // block_size]`` at offset ``t % block_size``. Block ids index dim 0 of the cache
 tensor the adapter is given (vLLM's *kernel* blocks; equal to the scheduler's blocks unless vLLM splits a
 manager block into kernel blocks). Every copy is one vectorized gather or ``index_put_`` over views of the
-cache, so ``write_tokens`` changes exactly the bytes of the written tokens.
+cache, so ``write_tokens`` changes exactly the bytes of the written tokens. Every adapter but ``CPU_ATTN`` (whose
+pages permute elements per ISA) copies through the ``ascend_dualpath::kv_gather_tokens`` / ``kv_scatter_tokens``
+ops on a ``[num_blocks, block_size, *row]`` view of the cache.
 
 Layouts, as vLLM 0.32.0 hands each layer's cache to a KV connector (``register_kv_caches``; the per-layer
 tensor is the logical 4-D view ``[num_blocks, H, N, C]`` that ``vllm.v1.kv_cache_interface.create_kv_cache_views``
@@ -50,6 +52,7 @@ from typing import ClassVar
 
 import torch
 
+from ascend_dualpath import ops
 from ascend_dualpath.errors import BoundsError, ConfigError
 from ascend_dualpath.kv.layout import KVLayout
 
@@ -275,12 +278,13 @@ class FlashAttnAdapter(PagedKVAdapter):
         self._expect(cache, self.shape, "FLASH_ATTN cache")
 
     def _gather(self, cache, blocks, offsets):
-        picked = cache[blocks.to(cache.device), :, offsets.to(cache.device), :]  # [n, H, 2D]
+        # [B, N, H, 2D] view, token dim second as the op takes it
+        picked = ops.kv_gather_tokens(cache.transpose(1, 2), blocks.to(cache.device), offsets.to(cache.device))
         return picked.unflatten(-1, (2, -1)).transpose(1, 2)  # [n, 2, H, D]
 
     def _scatter(self, cache, blocks, offsets, typed):
         packed = typed.transpose(1, 2).flatten(-2)  # [n, H, 2D]
-        cache[blocks.to(cache.device), :, offsets.to(cache.device), :] = packed
+        ops.kv_scatter_tokens(cache.transpose(1, 2), blocks.to(cache.device), offsets.to(cache.device), packed)
 
 
 class MlaAdapter(PagedKVAdapter):
@@ -319,10 +323,10 @@ class MlaAdapter(PagedKVAdapter):
         return cache.squeeze(1) if cache.dim() == 4 else cache  # [B, N, latent], a view
 
     def _gather(self, cache, blocks, offsets):
-        return self._latents(cache)[blocks.to(cache.device), offsets.to(cache.device)]
+        return ops.kv_gather_tokens(self._latents(cache), blocks.to(cache.device), offsets.to(cache.device))
 
     def _scatter(self, cache, blocks, offsets, typed):
-        self._latents(cache)[blocks.to(cache.device), offsets.to(cache.device)] = typed
+        ops.kv_scatter_tokens(self._latents(cache), blocks.to(cache.device), offsets.to(cache.device), typed)
 
 
 class AscendAttnAdapter(PagedKVAdapter):
@@ -358,13 +362,13 @@ class AscendAttnAdapter(PagedKVAdapter):
     def _gather(self, cache, blocks, offsets):
         device = cache[0].device
         blocks, offsets = blocks.to(device), offsets.to(device)
-        return torch.stack([part[blocks, offsets] for part in cache], dim=1)  # [n, 2, H, D]
+        return torch.stack([ops.kv_gather_tokens(part, blocks, offsets) for part in cache], dim=1)  # [n, 2, H, D]
 
     def _scatter(self, cache, blocks, offsets, typed):
         device = cache[0].device
         blocks, offsets = blocks.to(device), offsets.to(device)
         for index, part in enumerate(cache):
-            part[blocks, offsets] = typed[:, index]
+            ops.kv_scatter_tokens(part, blocks, offsets, typed[:, index])
 
 
 class AscendMlaAdapter(PagedKVAdapter):
@@ -404,14 +408,14 @@ class AscendMlaAdapter(PagedKVAdapter):
     def _gather(self, cache, blocks, offsets):
         device = cache[0].device
         blocks, offsets = blocks.to(device), offsets.to(device)
-        return torch.cat([part[blocks, offsets, 0] for part in cache], dim=-1)  # [n, latent]
+        return torch.cat([ops.kv_gather_tokens(part, blocks, offsets)[:, 0] for part in cache], dim=-1)  # [n, latent]
 
     def _scatter(self, cache, blocks, offsets, typed):
         device = cache[0].device
         blocks, offsets = blocks.to(device), offsets.to(device)
         nope, rope = cache
-        nope[blocks, offsets, 0] = typed[:, : self.nope_dim]
-        rope[blocks, offsets, 0] = typed[:, self.nope_dim :]
+        ops.kv_scatter_tokens(nope, blocks, offsets, typed[:, None, : self.nope_dim])
+        ops.kv_scatter_tokens(rope, blocks, offsets, typed[:, None, self.nope_dim :])
 
 
 ADAPTERS: tuple[type[PagedKVAdapter], ...] = (
