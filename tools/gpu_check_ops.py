@@ -37,10 +37,13 @@ def _flat(value) -> list[torch.Tensor]:
     return []
 
 
-def _clone(args: tuple) -> tuple:
-    return tuple(
-        [t.clone() for t in a] if isinstance(a, list) else a.clone() if isinstance(a, torch.Tensor) else a for a in args
-    )
+def _clone(value):
+    """``value`` with every tensor in it (nested in lists and tuples) cloned; other items as they are."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, list | tuple):
+        return type(value)(_clone(item) for item in value)
+    return value
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
