@@ -46,8 +46,11 @@ def test_round_robin_unbalances_storage_nics_and_the_scheduler_much_less(ablatio
     assert snic_max_over_avg(ablation[Mode.SCHEDULER]) <= round_robin - 0.20
 
 
-@pytest.mark.xfail(strict=True, reason="1.19 on the full 2048-agent run, 1.254 on this window, which runs at "
-                   "50-60% SNIC load where 'shorter queue' still favours the 2 PE nodes (see docs/simulator.md)")
+@pytest.mark.xfail(
+    strict=True,
+    reason="1.19 on the full 2048-agent run, 1.254 on this window, which runs at "
+    "50-60% SNIC load where 'shorter queue' still favours the 2 PE nodes (see docs/simulator.md)",
+)
 def test_scheduler_storage_nic_balance_reaches_the_papers_1_25(ablation):
     assert snic_max_over_avg(ablation[Mode.SCHEDULER]) <= 1.25
 
