@@ -311,6 +311,7 @@ class _PrefillEngineView:
     group_id: int
     tokens: int
     version: int = 0
+    pushed_key: tuple[bool, int, int] | None = None  # the key of its live heap entry
 
 
 class Scheduler:
@@ -369,9 +370,12 @@ class Scheduler:
     def register_prefill_group(self, report: GroupReport) -> None:
         """Make a PE group's engines eligible before its first pull (a pull does this too)."""
         self._update_read_queues(report.read_queue_tokens)
-        pending = self._undelivered.setdefault(report.group_id, [])
+        assigned_to: dict[int, int] = {}
+        for assignment in self._undelivered.setdefault(report.group_id, []):
+            engine_id = assignment.prefill_engine
+            assigned_to[engine_id] = assigned_to.get(engine_id, 0) + assignment.request.prompt_tokens
         for engine in report.engines:
-            assigned = sum(a.request.prompt_tokens for a in pending if a.prefill_engine == engine.engine_id)
+            assigned = assigned_to.get(engine.engine_id, 0)
             view = self._prefill_engines.get(engine.engine_id)
             if view is None:
                 view = self._prefill_engines[engine.engine_id] = _PrefillEngineView(
@@ -435,11 +439,17 @@ class Scheduler:
         return view.tokens > self.beta, category, view.tokens
 
     def _push_prefill(self, engine_id: int) -> None:
+        """Give the engine a heap entry with its current key, unless its live entry already has that key (a
+        pull that changes nothing for an engine then costs no heap operation: at 10,000 engines most pulls)."""
         view = self._prefill_engines[engine_id]
+        key = self._prefill_key(engine_id)
+        if key == view.pushed_key:
+            return
         view.version += 1
-        heapq.heappush(self._prefill_heap, (*self._prefill_key(engine_id), engine_id, view.version))
+        view.pushed_key = key
+        heapq.heappush(self._prefill_heap, (*key, engine_id, view.version))
         if len(self._prefill_heap) > 4 * len(self._prefill_engines) + 64:  # drop the stale entries
-            self._prefill_heap = [(*self._prefill_key(e), e, v.version) for e, v in self._prefill_engines.items()]
+            self._prefill_heap = [(*v.pushed_key, e, v.version) for e, v in self._prefill_engines.items()]
             heapq.heapify(self._prefill_heap)
 
     def _best_prefill_engine(self) -> int | None:
@@ -451,6 +461,7 @@ class Scheduler:
                 heapq.heappop(heap)
             elif (excluded, category, tokens) != self._prefill_key(engine_id):
                 heapq.heappop(heap)  # its node's read queue grew past alpha since the push
+                self._prefill_engines[engine_id].pushed_key = None  # its entry is gone: push even an equal key
                 self._push_prefill(engine_id)
             else:
                 return None if excluded else engine_id

@@ -578,15 +578,18 @@ class ClusterSim:
                 break
         return batch
 
-    def _engine_pass(self, pe: _Engine, batch: list[tuple[PrefillWork, int]]) -> tuple[float, float, float]:
+    def _engine_pass(
+        self, pe: _Engine, batch: list[tuple[PrefillWork, int]], routed_s: float
+    ) -> tuple[float, float, float]:
         """``(time, time at zero submission cost, compute time)`` of one engine's share of a pass: compute
-        plus, per mode, the KV movement that cannot hide behind it (see the module docstring). Layerwise
-        modes move every request's KV as one layer block per layer, posted by the transfer kind."""
+        (its tokens' attention and non-expert GEMMs, plus ``routed_s``, its share of the instance's routed-expert
+        GEMMs) plus, per mode, the KV movement that cannot hide behind it (see the module docstring).
+        Layerwise modes move every request's KV as one layer block per layer, posted by the transfer kind."""
         kv = self.model.kv_bytes_per_token
-        compute = load_h2d = load_rdma = write = posting = serial = 0.0
+        compute, load_h2d, load_rdma, write, posting, serial = routed_s, 0.0, 0.0, 0.0, 0.0, 0.0
         for index, (work, take) in enumerate(batch):
             compute += self.profile.attention_flops(work.cached, take) * self.profile.seconds_per_flop
-            compute += self.model.gemm_flops(take) / self.hw.prefill_flops_per_s
+            compute += self.model.dense_gemm_flops(take) / self.hw.prefill_flops_per_s
             _, req, first_pass = pe.ready[index]
             hit = req.request.cached_tokens if first_pass else 0
             if req.path is ReadPath.PE:
@@ -628,23 +631,31 @@ class ClusterSim:
         return layers * post, layers * copy
 
     def _prefill_step(self, domain: _Domain) -> None:
-        """One lock-step pass of a domain: it lasts as long as its slowest engine (:meth:`_engine_pass`);
-        what the submissions added to it is charged to every request in it."""
-        step_time = step_free = 0.0
+        """One lock-step pass of a domain: it lasts as long as its slowest engine (:meth:`_engine_pass`).
+        Expert parallelism spreads the routed-expert GEMMs of every token in the pass evenly over the
+        instance's ranks (expert load balanced); attention, the other GEMMs and the KV movement stay with the
+        rank that holds the tokens, and the ranks still wait for the slowest one at every layer. What the
+        submissions added to the pass is charged to every request in it."""
         plan = []
         for engine_id in domain.engines:
             pe = self.engines[engine_id]
             batch = self._batch(pe) if pe.ready else []
-            if not batch:
-                continue
-            engine_time, engine_free, compute = self._engine_pass(pe, batch)
-            step_time, step_free = max(step_time, engine_time), max(step_free, engine_free)
-            self._busy["prefill_compute"] += compute
-            plan.append((pe, batch))
+            if batch:
+                plan.append((pe, batch))
         if not plan:
             domain.step_busy = False
             return
-        self._busy["prefill_pass"] += step_time * len(domain.engines)  # every rank takes part in the pass
+        tokens = sum(take for _, batch in plan for _, take in batch)
+        routed_s = self.model.routed_gemm_flops(tokens) / len(domain.engines) / self.hw.prefill_flops_per_s
+        step_time = step_free = 0.0
+        for pe, batch in plan:
+            engine_time, engine_free, compute = self._engine_pass(pe, batch, routed_s)
+            step_time, step_free = max(step_time, engine_time), max(step_free, engine_free)
+            self._busy["prefill_compute"] += compute
+        # every rank takes part in the pass (an idle one still runs its experts for the others)
+        self._busy["prefill_pass"] += step_time * len(domain.engines)
+        if len(plan) < len(domain.engines):
+            self._busy["prefill_compute"] += routed_s * (len(domain.engines) - len(plan))
         if step_time > step_free:
             for pe, batch in plan:
                 for index in range(len(batch)):

@@ -82,6 +82,14 @@ class ModelConfig:
     def gemm_flops(self, tokens: int) -> float:
         return 2.0 * self.active_params * tokens
 
+    def dense_gemm_flops(self, tokens: int) -> float:
+        """GEMM FLOPs a rank spends on its own tokens: everything but the routed experts."""
+        return 2.0 * self.active_params * (1.0 - self.routed_expert_fraction) * tokens
+
+    def routed_gemm_flops(self, tokens: int) -> float:
+        """GEMM FLOPs of the routed experts for ``tokens`` tokens, wherever expert parallelism runs them."""
+        return 2.0 * self.active_params * self.routed_expert_fraction * tokens
+
     def attention_flops(self, cached: int, bsz: int) -> float:
         return self.profile_template().attention_flops(cached, bsz)
 
@@ -112,6 +120,8 @@ DS_660B = ModelConfig(
     decode_read_bytes_per_ctx_token=132 * 61,
     decode_read_bytes_per_attended=656 * 61,
     decode_step_fixed_s=0.025,
+    # routed experts: 8 of 256 per token x 58 MoE layers x 3 x 7168 x 2048 = 20.4B of the 37B activated
+    routed_expert_fraction=0.55,
 )
 
 # The paper's internal DS 27B (§A.2: hidden 2560, 30 layers, 72 routed experts top-6 + 2 shared, DSA
@@ -129,6 +139,8 @@ DS_27B = ModelConfig(
     decode_read_bytes_per_ctx_token=132 * 30,
     decode_read_bytes_per_attended=656 * 30,
     decode_step_fixed_s=0.012,
+    # assumed: FFN ~ 2/3 of the activated parameters, 6 of its 8 active experts routed (2 shared)
+    routed_expert_fraction=0.5,
 )
 
 # Qwen2.5-32B: 64 layers, 40 query heads, GQA with 8 KV heads of dim 128, FP16 KV (Table 1 footnote):
