@@ -118,7 +118,7 @@ def _plan_run(args: argparse.Namespace) -> int:
     from ascend_dualpath.sim.trace_file import read_agent_trace, table2_trace
     from ascend_dualpath.sim.transfer import parse_kinds
 
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 150)  # files and pipes get whole tables
     spec = load_cluster(args.cluster if args.cluster is not None else "ds660b_2p4d")
     agents = (
         read_agent_trace(args.trace) if args.trace is not None else table2_trace(args.agents, args.max_len, args.seed)
@@ -197,7 +197,15 @@ def _kinds_table(report: dict):
     from rich.table import Table
 
     table = Table(title=f"Transfer kinds ({report['mode']}): submission of the layer blocks")
-    for column in ("kind", "JCT (s)", "vs free", "TTFT p50/p99 (s)", "submit share mean/p99", "Amdahl bound"):
+    for column in (
+        "kind",
+        "JCT (s)",
+        "vs free",
+        "TTFT p50/p99 (s)",
+        "request share mean/p99",
+        "prefill-pass share",
+        "Amdahl bound",
+    ):
         table.add_column(column, justify="right")
     for kind, summary in report["kinds"].items():
         share = summary["submit_share"]
@@ -207,6 +215,7 @@ def _kinds_table(report: dict):
             f"{share['jct_over_free']:.4f}x",
             f"{summary['ttft_s']['p50']:.3f}/{summary['ttft_s']['p99']:.3f}",
             f"{100 * share['mean']:.2f}%/{100 * share['p99']:.2f}%",
+            f"{100 * share['prefill_pass']:.2f}%",
             f"{share['amdahl_bound']:.4f}x",
         )
     return table

@@ -51,7 +51,18 @@ from ascend_dualpath.sim.models import GB, HardwareConfig, ModelConfig, engine_p
 from ascend_dualpath.sim.traces import Round
 from ascend_dualpath.sim.transfer import SubmissionCosts, TransferKind
 
-RESOURCES = ("storage_nic", "prefill_compute", "prefill_pass", "decode", "pe_cnic_in", "pe_cnic_out", "de_cnic_in")
+# busy_s keys; decode_hbm is in byte-seconds of DE KV HBM reserved, the rest in resource-seconds
+RESOURCES = (
+    "storage_nic",
+    "prefill_compute",
+    "prefill_pass",
+    "prefill_submit",
+    "decode_steps",
+    "decode_hbm",
+    "pe_cnic_in",
+    "pe_cnic_out",
+    "de_cnic_in",
+)
 
 
 class Mode(enum.Enum):
@@ -262,7 +273,7 @@ class SimResult:
     read_bytes_by_path: dict[str, float]
     requests: list[RequestRecord] = field(default_factory=list)
     busy_s: dict[str, float] = field(default_factory=dict)
-    units: dict[str, int] = field(default_factory=dict)
+    units: dict[str, float] = field(default_factory=dict)
     transfer_kind: TransferKind | None = None
 
     @property
@@ -358,6 +369,7 @@ class ClusterSim:
         self._total_rounds = sum(len(rounds) for rounds in self.agents)
         self._records: list[RequestRecord] = []
         self._busy = dict.fromkeys(RESOURCES, 0.0)
+        self._hbm_reserved, self._hbm_since = 0.0, 0.0  # DE KV HBM reserved in all, and since when
 
     def _check_fits(self, agent_names: Sequence[str] | None) -> None:
         """Refuse, before the run, a request that no DE's HBM (prompt + output KV) or node DRAM (prompt KV)
@@ -410,11 +422,14 @@ class ClusterSim:
         if progress is not None:
             progress(self._completed, self._total_rounds)
         self._busy["storage_nic"] = sum(end - start for n in self.nodes for start, end, _ in n.reads)
+        self._reserve_hbm(0.0)
         units = {
             "storage_nic": len(self.nodes),
             "prefill_compute": len(self.pe_ids),
             "prefill_pass": len(self.pe_ids),
-            "decode": len(self.de_ids),
+            "prefill_submit": len(self.pe_ids),
+            "decode_steps": len(self.de_ids),
+            "decode_hbm": self.de_kv_hbm * len(self.de_ids),
             "pe_cnic_in": len(self.pe_ids),
             "pe_cnic_out": len(self.pe_ids),
             "de_cnic_in": len(self.de_ids),
@@ -498,9 +513,16 @@ class ClusterSim:
             self._admit_decode(req, de)
             self._place(Assignment(req.request, next(self._rr_pe), de, next(self._rr_path)))
 
+    def _reserve_hbm(self, delta: float) -> None:
+        """Account the DE KV HBM reserved so far (its time integral is decode_hbm) and change it by ``delta``."""
+        self._busy["decode_hbm"] += self._hbm_reserved * (self.now - self._hbm_since)
+        self._hbm_reserved += delta
+        self._hbm_since = self.now
+
     def _admit_decode(self, req: _Req, de: int) -> None:
         engine = self.engines[de]
         engine.free_hbm -= req.request.decode_hbm_bytes
+        self._reserve_hbm(req.request.decode_hbm_bytes)
         engine.tokens += req.request.prompt_tokens
         engine.seqs += 1
         req.de = de
@@ -656,6 +678,7 @@ class ClusterSim:
         self._busy["prefill_pass"] += step_time * len(domain.engines)
         if len(plan) < len(domain.engines):
             self._busy["prefill_compute"] += routed_s * (len(domain.engines) - len(plan))
+        self._busy["prefill_submit"] += (step_time - step_free) * len(domain.engines)
         if step_time > step_free:
             for pe, batch in plan:
                 for index in range(len(batch)):
@@ -751,7 +774,7 @@ class ClusterSim:
             return
         domain.step_busy = True
         duration = self.model.decode_step_fixed_s + step_bytes / self.hw.hbm_bytes_per_s
-        self._busy["decode"] += duration * len(domain.engines)
+        self._busy["decode_steps"] += duration * len(domain.engines)
         self._at(self.now + duration, self._decode_step_done, domain)
 
     def _decode_step_done(self, domain: _Domain) -> None:
@@ -790,6 +813,7 @@ class ClusterSim:
         de.tokens -= req.request.prompt_tokens + steps
         de.seqs -= 1
         de.free_hbm += req.request.decode_hbm_bytes
+        self._reserve_hbm(-req.request.decode_hbm_bytes)
         del self._by_id[req.request.request_id]
         self._completed += 1
         agent = req.agent

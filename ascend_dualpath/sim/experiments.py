@@ -102,8 +102,10 @@ def snic_max_over_avg(result: SimResult, window_s: float = 5.0, middle_bytes: fl
     return sum(ratios) / len(ratios)
 
 
-# the resources a run can be bound by; prefill_compute is the useful part of prefill_pass and not listed
-BINDING_CANDIDATES = ("storage_nic", "prefill_pass", "decode", "pe_cnic_in", "pe_cnic_out", "de_cnic_in")
+# the resources a run can be bound by. Not listed: prefill_compute and prefill_submit (parts of prefill_pass),
+# decode_steps (a lock-step decode instance steps whenever it holds a sequence, so it reads ~100% at any load;
+# decode capacity is its KV HBM)
+BINDING_CANDIDATES = ("storage_nic", "prefill_pass", "decode_hbm", "pe_cnic_in", "pe_cnic_out", "de_cnic_in")
 SUBMIT_SHARE_LIMIT = 0.05  # the seed's stop condition: submission under 5% of the critical path keeps the host path
 
 
@@ -128,9 +130,11 @@ def summarise(result: SimResult, ttft_slo_s: float = TTFT_SLO_S, tpot_slo_s: flo
     ``slo_attainment`` is the fraction of requests whose own TTFT and TPOT (when it generated more than one
     token) meet the SLOs; ``utilisation[resource]`` its busy resource-seconds over its count times the run's
     length (``prefill_pass`` counts every rank of a lock-step pass, ``prefill_compute`` only the FLOPs);
-    ``binding_resource`` the busiest of :data:`BINDING_CANDIDATES`; ``submit_share`` (with a transfer kind)
-    the share of each request's critical path (arrival to decode start) spent on layer-block submissions,
-    with the Amdahl bound ``1 / (1 - mean share)`` of removing them and whether it is under
+    ``decode_hbm`` is the time-average share of DE KV HBM reserved; ``binding_resource`` the busiest of
+    :data:`BINDING_CANDIDATES`. ``submit_share`` (with a transfer kind): ``mean``/``p50``/``p99`` of the share
+    of each request's critical path (arrival to decode start) its own passes and P->D copy spent on layer-block
+    submissions, ``prefill_pass`` the share of all prefill pass time they took, ``share`` the larger of the
+    mean and that, with the Amdahl bound ``1 / (1 - share)`` of removing them and whether it is under
     :data:`SUBMIT_SHARE_LIMIT` (:func:`host_path_verdict` turns that into the seed's verdict).
     """
     records = result.requests
@@ -160,12 +164,19 @@ def summarise(result: SimResult, ttft_slo_s: float = TTFT_SLO_S, tpot_slo_s: flo
     }
     if result.transfer_kind is not None:
         shares = [r.submit_share for r in records]
-        mean_share = sum(shares) / len(shares)
+        per_request = sum(shares) / len(shares)
+        pass_busy = result.busy_s["prefill_pass"]
+        prefill_share = result.busy_s["prefill_submit"] / pass_busy if pass_busy > 0 else 0.0
+        # under load a pass that submissions lengthened delays every request queued behind it, which no
+        # request's own passes show: where prefill binds, its time share is the larger and the one that counts
+        share = max(per_request, prefill_share)
         summary["submit_share"] = {
             "kind": result.transfer_kind.value,
             **_spread(shares),
-            "amdahl_bound": 1 / (1 - mean_share),
-            "below_limit": mean_share < SUBMIT_SHARE_LIMIT,
+            "prefill_pass": prefill_share,
+            "share": share,
+            "amdahl_bound": 1 / (1 - share),
+            "below_limit": share < SUBMIT_SHARE_LIMIT,
         }
     return summary
 

@@ -102,5 +102,5 @@ def run_transfer_kinds(
     for summary in runs.values():
         summary["submit_share"]["jct_over_free"] = summary["jct_s"] / reference
     host = next((runs[k.value] for k in (TransferKind.HOST, TransferKind.HOST_BATCHED) if k.value in runs), None)
-    verdict = host_path_verdict(host["submit_share"]["mean"]) if host else None
+    verdict = host_path_verdict(host["submit_share"]["share"]) if host else None
     return {"mode": mode.value, "kinds": runs, "verdict": verdict}

@@ -68,7 +68,7 @@ def test_summary_figures_are_consistent():
     assert all(0 <= value <= 1 + 1e-9 for value in summary["utilisation"].values())
     assert summary["utilisation"]["prefill_compute"] <= summary["utilisation"]["prefill_pass"] + 1e-12
     assert summary["binding_resource"] == max(
-        ("storage_nic", "prefill_pass", "decode", "pe_cnic_in", "pe_cnic_out", "de_cnic_in"),
+        ("storage_nic", "prefill_pass", "decode_hbm", "pe_cnic_in", "pe_cnic_out", "de_cnic_in"),
         key=summary["utilisation"].get,
     )
     loose = summarise(result, ttft_slo_s=1e9, tpot_slo_s=1e9)["slo"]["attainment"]
@@ -134,7 +134,7 @@ def test_each_kind_at_zero_cost_equals_free_and_free_equals_no_kind():
     assert free["jct_s"] == plain.jct_s
     for kind in kinds:
         assert report["kinds"][kind.value]["jct_s"] == free["jct_s"]
-        assert report["kinds"][kind.value]["submit_share"]["mean"] == 0.0
+        assert report["kinds"][kind.value]["submit_share"]["share"] == 0.0
 
 
 def test_verdict_flips_where_the_host_share_crosses_five_percent():
@@ -142,8 +142,8 @@ def test_verdict_flips_where_the_host_share_crosses_five_percent():
     assert host_path_verdict(SUBMIT_SHARE_LIMIT).startswith("device-side submission pays")
     cheap = _kinds(SubmissionCosts(host_submit_s=0.9e-6))  # ~1% (just above the 0.84 us wire time per segment)
     costly = _kinds(SubmissionCosts())
-    cheap_share = cheap["kinds"]["host"]["submit_share"]["mean"]
-    costly_share = costly["kinds"]["host"]["submit_share"]["mean"]
+    cheap_share = cheap["kinds"]["host"]["submit_share"]["share"]
+    costly_share = costly["kinds"]["host"]["submit_share"]["share"]
     assert 0 < cheap_share < SUBMIT_SHARE_LIMIT < costly_share
     assert cheap["verdict"].startswith("keep the host path")
     assert costly["verdict"].startswith("device-side submission pays")
