@@ -146,7 +146,8 @@ def _plan_run(args: argparse.Namespace) -> int:
     console.print(_modes_table(results))
     if kinds:
         console.print(_kinds_table(results["transfer_kinds"]))
-        console.print(escape(f"verdict: {results['transfer_kinds']['verdict'] or 'no host kind was run'}"))
+        for kind, verdict in results["transfer_kinds"]["verdict"].items() or [("host", "no host kind was run")]:
+            console.print(escape(f"verdict ({kind}): {verdict}"))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2))

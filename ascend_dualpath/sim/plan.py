@@ -82,7 +82,8 @@ def run_transfer_kinds(
     progress: Progress | None = None,
 ) -> dict:
     """``mode`` once per transfer kind plus the ``free`` reference (wire only), summarised; ``verdict`` is the
-    seed's stop condition on the host path's share (per segment if run, else batched), None without one.
+    seed's stop condition on each host kind run (``host``: a submission per segment; ``host-batched``: one per
+    layer block), by kind.
 
     Raises
     ------
@@ -101,6 +102,9 @@ def run_transfer_kinds(
     reference = runs[TransferKind.FREE.value]["jct_s"]
     for summary in runs.values():
         summary["submit_share"]["jct_over_free"] = summary["jct_s"] / reference
-    host = next((runs[k.value] for k in (TransferKind.HOST, TransferKind.HOST_BATCHED) if k.value in runs), None)
-    verdict = host_path_verdict(host["submit_share"]["share"]) if host else None
-    return {"mode": mode.value, "kinds": runs, "verdict": verdict}
+    verdicts = {
+        kind.value: host_path_verdict(runs[kind.value]["submit_share"]["share"])
+        for kind in (TransferKind.HOST, TransferKind.HOST_BATCHED)
+        if kind.value in runs
+    }
+    return {"mode": mode.value, "kinds": runs, "verdict": verdicts}

@@ -145,7 +145,7 @@ def test_verdict_flips_where_the_host_share_crosses_five_percent():
     cheap_share = cheap["kinds"]["host"]["submit_share"]["share"]
     costly_share = costly["kinds"]["host"]["submit_share"]["share"]
     assert 0 < cheap_share < SUBMIT_SHARE_LIMIT < costly_share
-    assert cheap["verdict"].startswith("keep the host path")
-    assert costly["verdict"].startswith("device-side submission pays")
+    assert cheap["verdict"]["host"].startswith("keep the host path")
+    assert costly["verdict"]["host"].startswith("device-side submission pays")
     assert costly["kinds"]["host"]["jct_s"] > costly["kinds"]["free"]["jct_s"]
     assert costly["kinds"]["host"]["submit_share"]["amdahl_bound"] == pytest.approx(1 / (1 - costly_share))
