@@ -152,8 +152,11 @@ class Assignment:
 
 
 def plan_prefill(
-    waiting: Iterable[Request], engines: Sequence[EngineState], read_queue_tokens: dict[int, int],
-    alpha: int, beta: int,
+    waiting: Iterable[Request],
+    engines: Sequence[EngineState],
+    read_queue_tokens: dict[int, int],
+    alpha: int,
+    beta: int,
 ) -> list[tuple[Request, int]]:
     """Place FIFO-ordered requests on a PE group's engines (paper §6, PE scheduling).
 
@@ -240,8 +243,9 @@ def plan_decode(private_queue: Sequence[Request], engines: Sequence[EngineState]
     return placed
 
 
-def choose_read_path(pe_node_queue_tokens: int, de_node_queue_tokens: int,
-                     pe_node_read_tokens: int = 0, de_node_read_tokens: int = 0) -> ReadPath:
+def choose_read_path(
+    pe_node_queue_tokens: int, de_node_queue_tokens: int, pe_node_read_tokens: int = 0, de_node_read_tokens: int = 0
+) -> ReadPath:
     """Read on the side with the shorter storage read queue (paper §6: "the side with the shorter read
     queue"); queues in tokens, waiting plus in flight.
 
@@ -266,7 +270,8 @@ class PrefillWork:
 
 
 def plan_prefill_batch(
-    queue: Iterable[PrefillWork], attention_time: Callable[[int, int], float],
+    queue: Iterable[PrefillWork],
+    attention_time: Callable[[int, int], float],
     quota_s: float = DEFAULT_COMPUTE_QUOTA_S,
 ) -> list[tuple[PrefillWork, int]]:
     """Fill one forward pass in FIFO order up to ``quota_s`` of predicted attention time (paper §6.2).
@@ -359,8 +364,12 @@ class Scheduler:
     @property
     def queued(self) -> int:
         """Requests not yet handed to a PE group (waiting for a DE, a PE, or their PE group's pull)."""
-        return (len(self._decode_global) + sum(map(len, self._decode_private.values())) + len(self._prefill_waiting)
-                + sum(map(len, self._undelivered.values())))
+        return (
+            len(self._decode_global)
+            + sum(map(len, self._decode_private.values()))
+            + len(self._prefill_waiting)
+            + sum(map(len, self._undelivered.values()))
+        )
 
     def register_decode_group(self, group_id: int, total_tokens: int = 0) -> None:
         """Make a DE group eligible for phase 1 before its first pull."""
@@ -379,7 +388,8 @@ class Scheduler:
             view = self._prefill_engines.get(engine.engine_id)
             if view is None:
                 view = self._prefill_engines[engine.engine_id] = _PrefillEngineView(
-                    engine.node_id, report.group_id, engine.tokens + assigned)
+                    engine.node_id, report.group_id, engine.tokens + assigned
+                )
                 self._prefill_engines_of_node.setdefault(engine.node_id, []).append(engine.engine_id)
             view.tokens = engine.tokens + assigned
             self._push_prefill(engine.engine_id)
@@ -415,8 +425,12 @@ class Scheduler:
             request, de, de_node = self._prefill_waiting.popleft()
             view = self._prefill_engines[engine_id]
             view.tokens += request.prompt_tokens
-            path = choose_read_path(self._read_queue.get(view.node_id, 0), self._read_queue.get(de_node, 0),
-                                    self._read_assigned.get(view.node_id, 0), self._read_assigned.get(de_node, 0))
+            path = choose_read_path(
+                self._read_queue.get(view.node_id, 0),
+                self._read_queue.get(de_node, 0),
+                self._read_assigned.get(view.node_id, 0),
+                self._read_assigned.get(de_node, 0),
+            )
             read_node = view.node_id if path is ReadPath.PE else de_node
             self._read_queue[read_node] = self._read_queue.get(read_node, 0) + request.cached_tokens
             self._read_assigned[read_node] = self._read_assigned.get(read_node, 0) + request.cached_tokens
@@ -426,8 +440,11 @@ class Scheduler:
         delivered = self._undelivered.get(report.group_id, [])
         self._undelivered[report.group_id] = []
         for assignment in delivered:  # their reads start now: from here on the nodes' reports count them
-            read_node = self._prefill_engines[assignment.prefill_engine].node_id if (
-                assignment.read_path is ReadPath.PE) else self._decode_node[assignment.decode_engine]
+            read_node = (
+                self._prefill_engines[assignment.prefill_engine].node_id
+                if (assignment.read_path is ReadPath.PE)
+                else self._decode_node[assignment.decode_engine]
+            )
             self._undelivered_reads[read_node] -= assignment.request.cached_tokens
         return delivered
 

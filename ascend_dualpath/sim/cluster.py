@@ -2,15 +2,18 @@
 
 What is modelled (each figure physically motivated, see docs/simulator.md):
 
-* nodes of ``g`` engines; a prefill (PE) or decode (DE) role per node; one storage NIC per node that
-  serves its read queue FIFO at full rate (3FS saturates it) into the node's DRAM buffer; a compute NIC
-  per engine (bandwidth ``B``) that carries H2D, PE<->DE layer blocks and PE->DE KV;
-* forward passes in lock-step per expert-parallel instance (all of a role's nodes when the weights need
-  more than one GPU: ranks wait for the slowest at every layer's all-to-all), else per engine; pass time
-  per engine from FLOPs (GEMMs at 2 x activated params per token, attention from the pair counts of
-  :class:`~ascend_dualpath.dualpath.scheduler.EngineProfile`);
+* nodes of ``g`` engines (an engine is ``tp`` accelerators); a prefill (PE) or decode (DE) role per node;
+  one storage NIC per node that serves its read queue FIFO at full rate (3FS saturates it) into the node's
+  DRAM buffer; a compute NIC per engine (bandwidth ``B``) that carries the PE<->DE layer blocks and P->D KV,
+  and a PCIe link per engine for DRAM -> HBM copies;
+* forward passes in lock-step per expert-parallel instance (ranks wait for the slowest at every layer's
+  all-to-all); per rank, its own tokens' attention (pair counts of
+  :class:`~ascend_dualpath.dualpath.scheduler.EngineProfile`) and non-expert GEMMs, plus an even share of
+  the routed-expert GEMMs of all the instance's tokens;
 * DE decode steps in lock-step per instance: a fixed part (weights, EP latency) plus the HBM bytes the
-  batch's attention reads; HBM admission per DE;
+  batch's attention reads; HBM admission per DE; a request no DE can ever hold is refused before the run;
+* layer-block submission cost per transfer kind (:mod:`ascend_dualpath.sim.transfer`), tool latency between
+  an agent's turns;
 * modes: ``basic`` (the baseline the PE read path was derived from, §4.1: storage -> PE buffer, then all
   layers' KV copied into PE HBM before the pass, which therefore waits for that H2D; the whole prompt KV
   stays in PE HBM until it has been sent PE HBM -> DE HBM after the pass, so PE HBM bounds the batch),
@@ -20,9 +23,9 @@ What is modelled (each figure physically motivated, see docs/simulator.md):
   scheduler with every storage read, H2D and P->D transfer free).
 
 What is not: storage writes (they use the SNIC's other direction), CNIC contention between different
-engines' transfers (each engine's own whole-prompt transfers are serialised on its NIC; the bandwidth
-model keeps 2P4D-like ratios bottleneck-free), DRAM buffer capacity, tool latency (zero, as in the
-paper's evaluation), failures.
+engines' transfers and with model traffic (each engine's own whole-prompt transfers are serialised on its
+NIC; :func:`pd_ratio_warning` flags P/D ratios outside the bandwidth model's bottleneck-free interval), DRAM
+buffer capacity, TP collectives, expert-load imbalance, failures.
 """
 
 from __future__ import annotations
