@@ -149,3 +149,14 @@ def test_verdict_flips_where_the_host_share_crosses_five_percent():
     assert costly["verdict"]["host"].startswith("device-side submission pays")
     assert costly["kinds"]["host"]["jct_s"] > costly["kinds"]["free"]["jct_s"]
     assert costly["kinds"]["host"]["submit_share"]["amdahl_bound"] == pytest.approx(1 / (1 - costly_share))
+
+
+def test_online_replays_start_times_and_offline_starts_every_agent_at_zero():
+    from ascend_dualpath.sim.plan import simulate_trace
+
+    spec = load_cluster("qwen32b_1p1d")
+    agents = [AgentTrace("a", (Turn(500, 3),), start_s=0.0), AgentTrace("b", (Turn(500, 3),), start_s=100.0)]
+    online = simulate_trace(spec, agents, Mode.ORACLE, online=True)
+    offline = simulate_trace(spec, agents, Mode.ORACLE)
+    assert online.agent_finish_s[1] > 100.0 > offline.agent_finish_s[1]
+    assert [r.arrival_s for r in online.requests] == [0.0, 100.0]
