@@ -166,7 +166,7 @@ setup(
     version=(ROOT / "ascend_dualpath" / "version.py").read_text().split('"')[1],
     description="DualPath KV loading, AIV-direct RDMA and DeepEP-style MoE for Ascend NPUs, with a CPU emulator",
     packages=find_packages(include=["ascend_dualpath", "ascend_dualpath.*"]),
-    package_data={"ascend_dualpath.sim": ["data/*.jsonl.gz", "data/README.md"]},
+    package_data={"ascend_dualpath.sim": ["data/*.jsonl.gz", "data/README.md", "data/clusters/*.toml"]},
     python_requires=">=3.10",
     # torch is not pinned here: a range that admits a newer release would pull a CUDA build on a
     # CPU machine. Install torch first (README); any torch >= 2.4 works.

@@ -152,8 +152,11 @@ class Assignment:
 
 
 def plan_prefill(
-    waiting: Iterable[Request], engines: Sequence[EngineState], read_queue_tokens: dict[int, int],
-    alpha: int, beta: int,
+    waiting: Iterable[Request],
+    engines: Sequence[EngineState],
+    read_queue_tokens: dict[int, int],
+    alpha: int,
+    beta: int,
 ) -> list[tuple[Request, int]]:
     """Place FIFO-ordered requests on a PE group's engines (paper §6, PE scheduling).
 
@@ -240,8 +243,9 @@ def plan_decode(private_queue: Sequence[Request], engines: Sequence[EngineState]
     return placed
 
 
-def choose_read_path(pe_node_queue_tokens: int, de_node_queue_tokens: int,
-                     pe_node_read_tokens: int = 0, de_node_read_tokens: int = 0) -> ReadPath:
+def choose_read_path(
+    pe_node_queue_tokens: int, de_node_queue_tokens: int, pe_node_read_tokens: int = 0, de_node_read_tokens: int = 0
+) -> ReadPath:
     """Read on the side with the shorter storage read queue (paper §6: "the side with the shorter read
     queue"); queues in tokens, waiting plus in flight.
 
@@ -266,7 +270,8 @@ class PrefillWork:
 
 
 def plan_prefill_batch(
-    queue: Iterable[PrefillWork], attention_time: Callable[[int, int], float],
+    queue: Iterable[PrefillWork],
+    attention_time: Callable[[int, int], float],
     quota_s: float = DEFAULT_COMPUTE_QUOTA_S,
 ) -> list[tuple[PrefillWork, int]]:
     """Fill one forward pass in FIFO order up to ``quota_s`` of predicted attention time (paper §6.2).
@@ -311,6 +316,7 @@ class _PrefillEngineView:
     group_id: int
     tokens: int
     version: int = 0
+    pushed_key: tuple[bool, int, int] | None = None  # the key of its live heap entry
 
 
 class Scheduler:
@@ -358,8 +364,12 @@ class Scheduler:
     @property
     def queued(self) -> int:
         """Requests not yet handed to a PE group (waiting for a DE, a PE, or their PE group's pull)."""
-        return (len(self._decode_global) + sum(map(len, self._decode_private.values())) + len(self._prefill_waiting)
-                + sum(map(len, self._undelivered.values())))
+        return (
+            len(self._decode_global)
+            + sum(map(len, self._decode_private.values()))
+            + len(self._prefill_waiting)
+            + sum(map(len, self._undelivered.values()))
+        )
 
     def register_decode_group(self, group_id: int, total_tokens: int = 0) -> None:
         """Make a DE group eligible for phase 1 before its first pull."""
@@ -369,13 +379,17 @@ class Scheduler:
     def register_prefill_group(self, report: GroupReport) -> None:
         """Make a PE group's engines eligible before its first pull (a pull does this too)."""
         self._update_read_queues(report.read_queue_tokens)
-        pending = self._undelivered.setdefault(report.group_id, [])
+        assigned_to: dict[int, int] = {}
+        for assignment in self._undelivered.setdefault(report.group_id, []):
+            engine_id = assignment.prefill_engine
+            assigned_to[engine_id] = assigned_to.get(engine_id, 0) + assignment.request.prompt_tokens
         for engine in report.engines:
-            assigned = sum(a.request.prompt_tokens for a in pending if a.prefill_engine == engine.engine_id)
+            assigned = assigned_to.get(engine.engine_id, 0)
             view = self._prefill_engines.get(engine.engine_id)
             if view is None:
                 view = self._prefill_engines[engine.engine_id] = _PrefillEngineView(
-                    engine.node_id, report.group_id, engine.tokens + assigned)
+                    engine.node_id, report.group_id, engine.tokens + assigned
+                )
                 self._prefill_engines_of_node.setdefault(engine.node_id, []).append(engine.engine_id)
             view.tokens = engine.tokens + assigned
             self._push_prefill(engine.engine_id)
@@ -411,8 +425,12 @@ class Scheduler:
             request, de, de_node = self._prefill_waiting.popleft()
             view = self._prefill_engines[engine_id]
             view.tokens += request.prompt_tokens
-            path = choose_read_path(self._read_queue.get(view.node_id, 0), self._read_queue.get(de_node, 0),
-                                    self._read_assigned.get(view.node_id, 0), self._read_assigned.get(de_node, 0))
+            path = choose_read_path(
+                self._read_queue.get(view.node_id, 0),
+                self._read_queue.get(de_node, 0),
+                self._read_assigned.get(view.node_id, 0),
+                self._read_assigned.get(de_node, 0),
+            )
             read_node = view.node_id if path is ReadPath.PE else de_node
             self._read_queue[read_node] = self._read_queue.get(read_node, 0) + request.cached_tokens
             self._read_assigned[read_node] = self._read_assigned.get(read_node, 0) + request.cached_tokens
@@ -422,8 +440,11 @@ class Scheduler:
         delivered = self._undelivered.get(report.group_id, [])
         self._undelivered[report.group_id] = []
         for assignment in delivered:  # their reads start now: from here on the nodes' reports count them
-            read_node = self._prefill_engines[assignment.prefill_engine].node_id if (
-                assignment.read_path is ReadPath.PE) else self._decode_node[assignment.decode_engine]
+            read_node = (
+                self._prefill_engines[assignment.prefill_engine].node_id
+                if (assignment.read_path is ReadPath.PE)
+                else self._decode_node[assignment.decode_engine]
+            )
             self._undelivered_reads[read_node] -= assignment.request.cached_tokens
         return delivered
 
@@ -435,11 +456,17 @@ class Scheduler:
         return view.tokens > self.beta, category, view.tokens
 
     def _push_prefill(self, engine_id: int) -> None:
+        """Give the engine a heap entry with its current key, unless its live entry already has that key (a
+        pull that changes nothing for an engine then costs no heap operation: at 10,000 engines most pulls)."""
         view = self._prefill_engines[engine_id]
+        key = self._prefill_key(engine_id)
+        if key == view.pushed_key:
+            return
         view.version += 1
-        heapq.heappush(self._prefill_heap, (*self._prefill_key(engine_id), engine_id, view.version))
+        view.pushed_key = key
+        heapq.heappush(self._prefill_heap, (*key, engine_id, view.version))
         if len(self._prefill_heap) > 4 * len(self._prefill_engines) + 64:  # drop the stale entries
-            self._prefill_heap = [(*self._prefill_key(e), e, v.version) for e, v in self._prefill_engines.items()]
+            self._prefill_heap = [(*v.pushed_key, e, v.version) for e, v in self._prefill_engines.items()]
             heapq.heapify(self._prefill_heap)
 
     def _best_prefill_engine(self) -> int | None:
@@ -451,6 +478,7 @@ class Scheduler:
                 heapq.heappop(heap)
             elif (excluded, category, tokens) != self._prefill_key(engine_id):
                 heapq.heappop(heap)  # its node's read queue grew past alpha since the push
+                self._prefill_engines[engine_id].pushed_key = None  # its entry is gone: push even an equal key
                 self._push_prefill(engine_id)
             else:
                 return None if excluded else engine_id

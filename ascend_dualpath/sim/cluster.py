@@ -2,15 +2,18 @@
 
 What is modelled (each figure physically motivated, see docs/simulator.md):
 
-* nodes of ``g`` engines; a prefill (PE) or decode (DE) role per node; one storage NIC per node that
-  serves its read queue FIFO at full rate (3FS saturates it) into the node's DRAM buffer; a compute NIC
-  per engine (bandwidth ``B``) that carries H2D, PE<->DE layer blocks and PE->DE KV;
-* forward passes in lock-step per expert-parallel instance (all of a role's nodes when the weights need
-  more than one GPU: ranks wait for the slowest at every layer's all-to-all), else per engine; pass time
-  per engine from FLOPs (GEMMs at 2 x activated params per token, attention from the pair counts of
-  :class:`~ascend_dualpath.dualpath.scheduler.EngineProfile`);
+* nodes of ``g`` engines (an engine is ``tp`` accelerators); a prefill (PE) or decode (DE) role per node;
+  one storage NIC per node that serves its read queue FIFO at full rate (3FS saturates it) into the node's
+  DRAM buffer; a compute NIC per engine (bandwidth ``B``) that carries the PE<->DE layer blocks and P->D KV,
+  and a PCIe link per engine for DRAM -> HBM copies;
+* forward passes in lock-step per expert-parallel instance (ranks wait for the slowest at every layer's
+  all-to-all); per rank, its own tokens' attention (pair counts of
+  :class:`~ascend_dualpath.dualpath.scheduler.EngineProfile`) and non-expert GEMMs, plus an even share of
+  the routed-expert GEMMs of all the instance's tokens;
 * DE decode steps in lock-step per instance: a fixed part (weights, EP latency) plus the HBM bytes the
-  batch's attention reads; HBM admission per DE;
+  batch's attention reads; HBM admission per DE; a request no DE can ever hold is refused before the run;
+* layer-block submission cost per transfer kind (:mod:`ascend_dualpath.sim.transfer`), tool latency between
+  an agent's turns;
 * modes: ``basic`` (the baseline the PE read path was derived from, §4.1: storage -> PE buffer, then all
   layers' KV copied into PE HBM before the pass, which therefore waits for that H2D; the whole prompt KV
   stays in PE HBM until it has been sent PE HBM -> DE HBM after the pass, so PE HBM bounds the batch),
@@ -20,9 +23,9 @@ What is modelled (each figure physically motivated, see docs/simulator.md):
   scheduler with every storage read, H2D and P->D transfer free).
 
 What is not: storage writes (they use the SNIC's other direction), CNIC contention between different
-engines' transfers (each engine's own whole-prompt transfers are serialised on its NIC; the bandwidth
-model keeps 2P4D-like ratios bottleneck-free), DRAM buffer capacity, tool latency (zero, as in the
-paper's evaluation), failures.
+engines' transfers and with model traffic (each engine's own whole-prompt transfers are serialised on its
+NIC; :func:`pd_ratio_warning` flags P/D ratios outside the bandwidth model's bottleneck-free interval), DRAM
+buffer capacity, TP collectives, expert-load imbalance, failures.
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ import heapq
 import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from ascend_dualpath.dualpath.model import pd_ratio_bounds
 from ascend_dualpath.dualpath.scheduler import (
     DEFAULT_COMPUTE_QUOTA_S,
     Assignment,
@@ -48,6 +52,20 @@ from ascend_dualpath.dualpath.scheduler import (
 from ascend_dualpath.errors import CapacityError, ConfigError
 from ascend_dualpath.sim.models import GB, HardwareConfig, ModelConfig, engine_profile
 from ascend_dualpath.sim.traces import Round
+from ascend_dualpath.sim.transfer import SubmissionCosts, TransferKind
+
+# busy_s keys; decode_hbm is in byte-seconds of DE KV HBM reserved, the rest in resource-seconds
+RESOURCES = (
+    "storage_nic",
+    "prefill_compute",
+    "prefill_pass",
+    "prefill_submit",
+    "decode_steps",
+    "decode_hbm",
+    "pe_cnic_in",
+    "pe_cnic_out",
+    "de_cnic_in",
+)
 
 
 class Mode(enum.Enum):
@@ -72,9 +90,14 @@ class Mode(enum.Enum):
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    """Cluster shape and the few runtime knobs. ``workspace_bytes`` is HBM kept for activations and
-    communication buffers on every engine; ``max_batch_tokens`` is the chunked-prefill token budget of
-    the non-adaptive modes (the adaptive one uses the compute quota)."""
+    """Cluster shape and the few runtime knobs.
+
+    ``workspace_bytes`` is HBM kept for activations and communication buffers on every accelerator;
+    ``max_batch_tokens`` is the chunked-prefill token budget of the non-adaptive modes (the adaptive one uses
+    the compute quota). ``tp`` accelerators form one engine (tensor parallel: their HBM, HBM bandwidth,
+    compute, CNICs and PCIe links add up; the TP collectives are not charged). ``prefill_ep`` / ``decode_ep``
+    are the engines of one expert-parallel instance (lock-step, weights sharded over it); ``None`` picks all of
+    the role's engines when the weights do not fit one engine, else 1 (data parallel)."""
 
     model: ModelConfig
     hardware: HardwareConfig = HardwareConfig()
@@ -85,20 +108,84 @@ class ClusterConfig:
     compute_quota_s: float = DEFAULT_COMPUTE_QUOTA_S
     max_batch_tokens: int = 16384
     workspace_bytes: float = 8 * GB
+    tp: int = 1
+    prefill_ep: int | None = None
+    decode_ep: int | None = None
 
     def __post_init__(self) -> None:
         if self.prefill_nodes < 1 or self.decode_nodes < 1:
             raise ConfigError(f"need >= 1 prefill and decode node, got {self.prefill_nodes}P{self.decode_nodes}D")
-        for role, nodes in (("PE", self.prefill_nodes), ("DE", self.decode_nodes)):
-            if self.kv_hbm_bytes(nodes) <= 0:
-                raise CapacityError(f"{role}: weights of {self.model.name} leave no HBM for KV on {nodes} nodes")
+        if self.tp < 1 or self.hardware.gpus_per_node % self.tp:
+            raise ConfigError(f"tp={self.tp} must divide the {self.hardware.gpus_per_node} accelerators per node")
+        for role in ("pe", "de"):
+            engines = self.role_engines(role)
+            ep = self.ep_size(role)
+            if ep < 1 or engines % ep:
+                raise ConfigError(f"{role}_ep={ep} must divide the role's {engines} engines")
+            if self.kv_hbm_bytes(role) <= 0:
+                raise CapacityError(
+                    f"{role.upper()}: weights of {self.model.name} ({self.model.weight_bytes / GB:.0f} GB over ep={ep}) "
+                    f"leave no HBM for KV in an engine of {self.engine_hardware.hbm_bytes / GB:.0f} GB (tp={self.tp})"
+                )
 
-    def kv_hbm_bytes(self, nodes: int) -> float:
-        """HBM per engine left for KV when the weights are sharded over ``nodes`` nodes (EP/DP)."""
-        engines = nodes * self.hardware.gpus_per_node
-        weights = self.model.weight_bytes / engines if self.model.weight_bytes > self.hardware.hbm_bytes else (
-            self.model.weight_bytes)  # a model that fits one GPU is replicated (DP)
-        return self.hardware.hbm_bytes - weights - self.workspace_bytes
+    @property
+    def engine_hardware(self) -> HardwareConfig:
+        """The hardware of one engine of ``tp`` accelerators, as the simulator sees it (per-node figures kept)."""
+        hw, tp = self.hardware, self.tp
+        return replace(
+            hw,
+            gpus_per_node=hw.gpus_per_node // tp,
+            cnic_bytes_per_s=hw.cnic_bytes_per_s * tp,
+            pcie_bytes_per_s=hw.pcie_bytes_per_s * tp,
+            hbm_bytes=hw.hbm_bytes * tp,
+            hbm_bytes_per_s=hw.hbm_bytes_per_s * tp,
+            peak_flops=hw.peak_flops * tp,
+        )
+
+    def role_engines(self, role: str) -> int:
+        """Engines of the ``"pe"`` or ``"de"`` role."""
+        nodes = self.prefill_nodes if role == "pe" else self.decode_nodes
+        return nodes * self.engine_hardware.gpus_per_node
+
+    def ep_size(self, role: str) -> int:
+        """Engines per expert-parallel instance of the ``"pe"`` or ``"de"`` role."""
+        explicit = self.prefill_ep if role == "pe" else self.decode_ep
+        if explicit is not None:
+            return explicit
+        return self.role_engines(role) if self.model.weight_bytes > self.engine_hardware.hbm_bytes else 1
+
+    def kv_hbm_bytes(self, role: str) -> float:
+        """HBM per engine left for KV when the weights are sharded over the role's EP instance (a model that
+        fits one engine and runs with ep=1 is replicated, DP)."""
+        return (
+            self.engine_hardware.hbm_bytes
+            - self.model.weight_bytes / self.ep_size(role)
+            - self.workspace_bytes * self.tp
+        )
+
+
+def pd_ratio_warning(config: ClusterConfig) -> str | None:
+    """A warning when the cluster's P/D node ratio is outside the bandwidth model's bottleneck-free interval
+    (paper eq. 9, :func:`~ascend_dualpath.dualpath.model.pd_ratio_bounds`), else None. Outside it some NIC or
+    DRAM carries more than its bandwidth in the paper's model; the simulator does not model compute-NIC
+    contention between engines, so its figures there are optimistic."""
+    hw = config.hardware
+    s = hw.snic_bytes_per_s / hw.cnic_bytes_per_s
+    if not 0 < s < hw.gpus_per_node:
+        return (
+            f"the storage NIC ({hw.snic_bytes_per_s / GB:.0f} GB/s) must be slower than the node's "
+            f"{hw.gpus_per_node} compute NICs together for the P/D bandwidth model; it was not checked"
+        )
+    bounds = pd_ratio_bounds(hw.gpus_per_node, s, hw.dram_bytes_per_s, hw.snic_bytes_per_s)
+    ratio = config.prefill_nodes / config.decode_nodes
+    if bounds.lower <= ratio <= bounds.upper:
+        return None
+    limit = "pe_cnic_write" if ratio < bounds.lower else bounds.binding  # the lower end is s/(g-s), PE CNIC write
+    return (
+        f"P/D = {config.prefill_nodes}/{config.decode_nodes} = {ratio:.3f} is outside the bottleneck-free "
+        f"interval [{float(bounds.lower):.3f}, {float(bounds.upper):.3f}] (exceeded: {limit}); "
+        "compute-NIC contention is not simulated, so these figures are optimistic"
+    )
 
 
 @dataclass
@@ -117,6 +204,7 @@ class _Req:
     finish_step: int = 0
     ctx: int = 0
     attended: int = 0
+    exposed_submit_s: float = 0.0  # time the kind's layer-block submissions added to this request's passes
 
 
 @dataclass
@@ -157,9 +245,24 @@ class _Domain:
     completed_steps: int = 0
 
 
+@dataclass(frozen=True)
+class RequestRecord:
+    """One finished request: arrival, TTFT, TPOT (None with a single output token), tokens, and the share of
+    its critical path (arrival to decode start) that layer-block submissions added."""
+
+    arrival_s: float
+    ttft_s: float
+    tpot_s: float | None
+    prompt_tokens: int
+    gen_tokens: int
+    submit_share: float
+
+
 @dataclass
 class SimResult:
-    """What one run measured. Times in seconds; ``snic_reads[node]`` lists (start, end, bytes)."""
+    """What one run measured. Times in seconds; ``snic_reads[node]`` lists (start, end, bytes);
+    ``busy_s[resource]`` is the resource-seconds a resource worked and ``units[resource]`` how many of it
+    there are (their ratio over the run's length is its utilisation)."""
 
     mode: Mode
     jct_s: float
@@ -171,6 +274,10 @@ class SimResult:
     prefill_nodes: list[int]
     decode_nodes: list[int]
     read_bytes_by_path: dict[str, float]
+    requests: list[RequestRecord] = field(default_factory=list)
+    busy_s: dict[str, float] = field(default_factory=dict)
+    units: dict[str, float] = field(default_factory=dict)
+    transfer_kind: TransferKind | None = None
 
     @property
     def mean_ttft_s(self) -> float:
@@ -185,18 +292,38 @@ class ClusterSim:
     """One simulated cluster running a set of agents (each a list of :class:`Round`).
 
     ``agent_start_s[i]`` is when agent ``i`` issues its first round (0 for offline runs); every later
-    round is issued when the previous one finishes decoding (zero tool latency).
+    round is issued ``tool_s`` after the previous one finishes decoding. ``transfer_kind`` charges the
+    layer-block transfers of the layerwise modes the submission cost of that kind (``costs``, default the
+    emulator's); None moves them at wire speed only. ``agent_names`` name agents in errors.
+
+    Raises
+    ------
+    CapacityError
+        A request can never fit: its KV exceeds a DE's HBM for KV or a node's DRAM.
     """
 
-    def __init__(self, config: ClusterConfig, mode: Mode, agents: Sequence[Sequence[Round]],
-                 agent_start_s: Sequence[float] | None = None):
+    def __init__(
+        self,
+        config: ClusterConfig,
+        mode: Mode,
+        agents: Sequence[Sequence[Round]],
+        agent_start_s: Sequence[float] | None = None,
+        transfer_kind: TransferKind | None = None,
+        costs: SubmissionCosts | None = None,
+        agent_names: Sequence[str] | None = None,
+    ):
         if not agents:
             raise ConfigError("no agents to simulate")
         self.config, self.mode = config, mode
-        self.model, self.hw = config.model, config.hardware
+        self.model, self.hw = config.model, config.engine_hardware
+        self.transfer_kind = transfer_kind if mode.layerwise and not mode.io_free else None
+        self.costs = costs or SubmissionCosts()
         self.agents = [list(rounds) for rounds in agents]
         if any(not rounds for rounds in self.agents):
             raise ConfigError("every agent needs at least one round")
+        self.pe_kv_hbm = config.kv_hbm_bytes("pe")
+        self.de_kv_hbm = config.kv_hbm_bytes("de")
+        self._check_fits(agent_names)
         # alpha/beta are "profiled in advance" (§A.4): here on the workload's mean request
         requests = [r for rounds in self.agents for r in rounds]
         mean_cached = sum(r.cached_tokens for r in requests) // len(requests)
@@ -215,8 +342,6 @@ class ClusterSim:
         self._domain_of = {e: domain for domain in self.domains for e in domain.engines}
         self.pe_ids = [e for n in self.pe_nodes for e in self.nodes[n].engines]
         self.de_ids = [e for n in self.de_nodes for e in self.nodes[n].engines]
-        self.pe_kv_hbm = config.kv_hbm_bytes(config.prefill_nodes)
-        self.de_kv_hbm = config.kv_hbm_bytes(config.decode_nodes)
         for e in self.pe_ids:
             self.engines[e].free_hbm = self.pe_kv_hbm
         for e in self.de_ids:
@@ -245,15 +370,36 @@ class ClusterSim:
         self._completed = 0
         self._request_ids = itertools.count()
         self._total_rounds = sum(len(rounds) for rounds in self.agents)
+        self._records: list[RequestRecord] = []
+        self._busy = dict.fromkeys(RESOURCES, 0.0)
+        self._hbm_reserved, self._hbm_since = 0.0, 0.0  # DE KV HBM reserved in all, and since when
+
+    def _check_fits(self, agent_names: Sequence[str] | None) -> None:
+        """Refuse, before the run, a request that no DE's HBM (prompt + output KV) or node DRAM (prompt KV)
+        can ever hold: it would wait for admission forever."""
+        kv = self.model.kv_bytes_per_token
+        for agent, rounds in enumerate(self.agents):
+            for index, rnd in enumerate(rounds):
+                name = repr(agent_names[agent]) if agent_names else str(agent)
+                hbm = (rnd.prompt_tokens + rnd.gen_tokens) * kv
+                if hbm > self.de_kv_hbm:
+                    raise CapacityError(
+                        f"agent {name} turn {index}: {rnd.prompt_tokens}+{rnd.gen_tokens} tokens need "
+                        f"{hbm / GB:.1f} GB of decode HBM, a DE has {self.de_kv_hbm / GB:.1f} GB for KV "
+                        f"(at most {int(self.de_kv_hbm // kv)} tokens; a larger tp or ep gives more)"
+                    )
+                if rnd.prompt_tokens * kv > self.hw.dram_bytes:
+                    raise CapacityError(
+                        f"agent {name} turn {index}: prompt KV {rnd.prompt_tokens * kv / GB:.1f} GB "
+                        f"exceeds a node's DRAM of {self.hw.dram_bytes / GB:.1f} GB"
+                    )
 
     def _lockstep_domains(self, role_nodes: list[int]) -> list[_Domain]:
-        """One EP instance over all of a role's nodes when the weights need more than one GPU (the
-        same sharding :meth:`ClusterConfig.kv_hbm_bytes` assumes: DS-660B's 690 GB do not fit a node's
-        640 GB), else every engine on its own (data parallel, e.g. Qwen2.5-32B, §7.1)."""
+        """The role's EP instances of :meth:`ClusterConfig.ep_size` consecutive engines (all of the role for
+        DS-660B, whose 690 GB do not fit a node's 640 GB; one engine each for a replicated model, DP)."""
         engines = [e for n in role_nodes for e in self.nodes[n].engines]
-        if self.model.weight_bytes > self.hw.hbm_bytes:
-            return [_Domain(engines)]
-        return [_Domain([e]) for e in engines]
+        size = self.config.ep_size("pe" if role_nodes is self.pe_nodes else "de")
+        return [_Domain(engines[start : start + size]) for start in range(0, len(engines), size)]
 
     # ------------------------------------------------------------------------------------------ events
 
@@ -278,11 +424,34 @@ class ClusterSim:
                 progress(self._completed, self._total_rounds)
         if progress is not None:
             progress(self._completed, self._total_rounds)
+        self._busy["storage_nic"] = sum(end - start for n in self.nodes for start, end, _ in n.reads)
+        self._reserve_hbm(0.0)
+        units = {
+            "storage_nic": len(self.nodes),
+            "prefill_compute": len(self.pe_ids),
+            "prefill_pass": len(self.pe_ids),
+            "prefill_submit": len(self.pe_ids),
+            "decode_steps": len(self.de_ids),
+            "decode_hbm": self.de_kv_hbm * len(self.de_ids),
+            "pe_cnic_in": len(self.pe_ids),
+            "pe_cnic_out": len(self.pe_ids),
+            "de_cnic_in": len(self.de_ids),
+        }
         return SimResult(
-            mode=self.mode, jct_s=max(self._finish) if not self._remaining_agents else float("inf"),
-            completed_requests=self._completed, ttft_s=self._ttft, tpot_s=self._tpot, agent_finish_s=self._finish,
-            snic_reads={n.node_id: n.reads for n in self.nodes}, prefill_nodes=self.pe_nodes,
-            decode_nodes=self.de_nodes, read_bytes_by_path=self._read_bytes,
+            mode=self.mode,
+            jct_s=max(self._finish) if not self._remaining_agents else float("inf"),
+            completed_requests=self._completed,
+            ttft_s=self._ttft,
+            tpot_s=self._tpot,
+            agent_finish_s=self._finish,
+            snic_reads={n.node_id: n.reads for n in self.nodes},
+            prefill_nodes=self.pe_nodes,
+            decode_nodes=self.de_nodes,
+            read_bytes_by_path=self._read_bytes,
+            requests=self._records,
+            busy_s=dict(self._busy),
+            units=units,
+            transfer_kind=self.transfer_kind,
         )
 
     # ------------------------------------------------------------------------------------------ arrivals
@@ -291,9 +460,6 @@ class ClusterSim:
         rnd = self.agents[agent][self._next_round[agent]]
         self._next_round[agent] += 1
         hbm = (rnd.prompt_tokens + rnd.gen_tokens) * self.model.kv_bytes_per_token
-        if hbm > self.de_kv_hbm:
-            raise CapacityError(f"agent {agent}: {rnd.prompt_tokens}+{rnd.gen_tokens} tokens need {hbm / GB:.1f} GB "
-                                f"of decode HBM, a DE has {self.de_kv_hbm / GB:.1f} GB")
         request = Request(next(self._request_ids), rnd.prompt_tokens, rnd.cached_tokens, int(hbm))
         req = _Req(agent, rnd, request, self.now)
         self._by_id[request.request_id] = req
@@ -307,8 +473,10 @@ class ClusterSim:
     def _report(self, node: _Node) -> GroupReport:
         # the node's read queue in tokens (alpha's unit): every read given to it and not finished, the one
         # its SNIC is serving included (a read handed to storage stays in the node's queue until it lands)
-        engines = [EngineState(e.engine_id, e.node, e.seqs, e.tokens, int(e.free_hbm))
-                   for e in (self.engines[i] for i in node.engines)]
+        engines = [
+            EngineState(e.engine_id, e.node, e.seqs, e.tokens, int(e.free_hbm))
+            for e in (self.engines[i] for i in node.engines)
+        ]
         return GroupReport(node.node_id, engines, {node.node_id: node.read_queue_tokens})
 
     def _tick(self) -> None:
@@ -348,9 +516,16 @@ class ClusterSim:
             self._admit_decode(req, de)
             self._place(Assignment(req.request, next(self._rr_pe), de, next(self._rr_path)))
 
+    def _reserve_hbm(self, delta: float) -> None:
+        """Account the DE KV HBM reserved so far (its time integral is decode_hbm) and change it by ``delta``."""
+        self._busy["decode_hbm"] += self._hbm_reserved * (self.now - self._hbm_since)
+        self._hbm_reserved += delta
+        self._hbm_since = self.now
+
     def _admit_decode(self, req: _Req, de: int) -> None:
         engine = self.engines[de]
         engine.free_hbm -= req.request.decode_hbm_bytes
+        self._reserve_hbm(req.request.decode_hbm_bytes)
         engine.tokens += req.request.prompt_tokens
         engine.seqs += 1
         req.de = de
@@ -400,8 +575,9 @@ class ClusterSim:
 
     def _ready(self, req: _Req) -> None:
         pe = self.engines[req.pe]
-        work = PrefillWork(req.request.request_id, req.request.cached_tokens,
-                           req.request.prompt_tokens - req.request.cached_tokens)
+        work = PrefillWork(
+            req.request.request_id, req.request.cached_tokens, req.request.prompt_tokens - req.request.cached_tokens
+        )
         pe.ready.append((work, req, True))
         domain = self._domain_of[pe.engine_id]
         if not domain.step_busy:
@@ -427,41 +603,89 @@ class ClusterSim:
                 break
         return batch
 
-    def _prefill_step(self, domain: _Domain) -> None:
-        """One lock-step pass of a domain: each engine's time is its batch's compute, plus, per mode,
-        the KV movement that cannot hide behind it (see the module docstring); the pass lasts as long as
-        the slowest engine."""
+    def _engine_pass(
+        self, pe: _Engine, batch: list[tuple[PrefillWork, int]], routed_s: float
+    ) -> tuple[float, float, float]:
+        """``(time, time at zero submission cost, compute time)`` of one engine's share of a pass: compute
+        (its tokens' attention and non-expert GEMMs, plus ``routed_s``, its share of the instance's routed-expert
+        GEMMs) plus, per mode, the KV movement that cannot hide behind it (see the module docstring).
+        Layerwise modes move every request's KV as one layer block per layer, posted by the transfer kind."""
         kv = self.model.kv_bytes_per_token
-        bandwidth = self.hw.cnic_bytes_per_s
-        step_time, plan = 0.0, []
+        compute, load_h2d, load_rdma, write, posting, serial = routed_s, 0.0, 0.0, 0.0, 0.0, 0.0
+        for index, (work, take) in enumerate(batch):
+            compute += self.profile.attention_flops(work.cached, take) * self.profile.seconds_per_flop
+            compute += self.model.dense_gemm_flops(take) / self.hw.prefill_flops_per_s
+            _, req, first_pass = pe.ready[index]
+            hit = req.request.cached_tokens if first_pass else 0
+            if req.path is ReadPath.PE:
+                load_h2d += hit * kv
+            else:
+                load_rdma += hit * kv
+            if self.mode is Mode.BASIC and first_pass:
+                pe.free_hbm -= self._prompt_kv_bytes(req)  # held until the P->D transfer has sent it
+            sent = take + (hit if req.path is ReadPath.PE else 0)
+            write += sent * kv
+            for tokens in (hit, sent):
+                post, copy = self._layer_blocks(tokens)
+                posting, serial = posting + post, serial + copy
+        if self.mode.io_free:
+            return compute, compute, compute
+        if self.mode is Mode.BASIC:
+            # all layers' hit KV is copied PE buffer -> HBM before the pass starts (no layer blocks to
+            # overlap it with compute, §4.1); the prompt KV leaves for the DE after the pass
+            engine_time = load_h2d / self.hw.pcie_bytes_per_s + compute
+            self._busy["pe_cnic_in"] += load_h2d / self.hw.pcie_bytes_per_s
+            return engine_time, engine_time, compute
+        wire_in = load_h2d / self.hw.pcie_bytes_per_s + load_rdma / self.hw.cnic_bytes_per_s
+        wire_out = write / self.hw.cnic_bytes_per_s
+        self._busy["pe_cnic_in"] += wire_in
+        self._busy["pe_cnic_out"] += wire_out
+        free = max(compute, wire_in, wire_out)
+        # one poster serves both directions; posting overlaps the wire, staging's copy does not
+        return max(free, posting) + serial, free, compute
+
+    def _layer_blocks(self, tokens: int) -> tuple[float, float]:
+        """Posting and serial time of moving ``tokens`` tokens of one request as one layer block per layer."""
+        if self.transfer_kind is None or tokens <= 0:
+            return 0.0, 0.0
+        layers = self.model.layers
+        segments = -(-tokens // self.config.block_tokens)
+        post, copy = self.costs.layer_block(
+            self.transfer_kind, segments, tokens * self.model.kv_bytes_per_token / layers
+        )
+        return layers * post, layers * copy
+
+    def _prefill_step(self, domain: _Domain) -> None:
+        """One lock-step pass of a domain: it lasts as long as its slowest engine (:meth:`_engine_pass`).
+        Expert parallelism spreads the routed-expert GEMMs of every token in the pass evenly over the
+        instance's ranks (expert load balanced); attention, the other GEMMs and the KV movement stay with the
+        rank that holds the tokens, and the ranks still wait for the slowest one at every layer. What the
+        submissions added to the pass is charged to every request in it."""
+        plan = []
         for engine_id in domain.engines:
             pe = self.engines[engine_id]
             batch = self._batch(pe) if pe.ready else []
-            if not batch:
-                continue
-            compute = load = write = 0.0
-            for index, (work, take) in enumerate(batch):
-                compute += self.profile.attention_flops(work.cached, take) * self.profile.seconds_per_flop
-                compute += self.model.gemm_flops(take) / self.hw.prefill_flops_per_s
-                _, req, first_pass = pe.ready[index]
-                if first_pass:
-                    load += req.request.cached_tokens * kv
-                    if self.mode is Mode.BASIC:
-                        pe.free_hbm -= self._prompt_kv_bytes(req)  # held until the P->D transfer has sent it
-                write += take * kv + (req.request.cached_tokens * kv if first_pass and req.path is ReadPath.PE else 0)
-            if self.mode.io_free:
-                engine_time = compute
-            elif self.mode is Mode.BASIC:
-                # all layers' hit KV is copied PE buffer -> HBM before the pass starts (no layer blocks to
-                # overlap it with compute, §4.1); the prompt KV leaves for the DE after the pass
-                engine_time = load / bandwidth + compute
-            else:
-                engine_time = max(compute, load / bandwidth, write / bandwidth)
-            step_time = max(step_time, engine_time)
-            plan.append((pe, batch))
+            if batch:
+                plan.append((pe, batch))
         if not plan:
             domain.step_busy = False
             return
+        tokens = sum(take for _, batch in plan for _, take in batch)
+        routed_s = self.model.routed_gemm_flops(tokens) / len(domain.engines) / self.hw.prefill_flops_per_s
+        step_time = step_free = 0.0
+        for pe, batch in plan:
+            engine_time, engine_free, compute = self._engine_pass(pe, batch, routed_s)
+            step_time, step_free = max(step_time, engine_time), max(step_free, engine_free)
+            self._busy["prefill_compute"] += compute
+        # every rank takes part in the pass (an idle one still runs its experts for the others)
+        self._busy["prefill_pass"] += step_time * len(domain.engines)
+        if len(plan) < len(domain.engines):
+            self._busy["prefill_compute"] += routed_s * (len(domain.engines) - len(plan))
+        self._busy["prefill_submit"] += (step_time - step_free) * len(domain.engines)
+        if step_time > step_free:
+            for pe, batch in plan:
+                for index in range(len(batch)):
+                    pe.ready[index][1].exposed_submit_s += step_time - step_free
         domain.step_busy = True
         self._at(self.now + step_time, self._prefill_step_done, domain, plan)
 
@@ -492,9 +716,17 @@ class ClusterSim:
         # streamed it into the DE buffer during the pass and copy it DE buffer -> DE HBM (DE ingress, §4.1).
         links = (pe, de) if self.mode is Mode.BASIC else (de,)
         start = max([self.now] + [engine.link_free_at for engine in links])
-        end = start + self._prompt_kv_bytes(req) / self.hw.cnic_bytes_per_s
+        rate = self.hw.cnic_bytes_per_s if self.mode is Mode.BASIC else self.hw.pcie_bytes_per_s
+        wire = self._prompt_kv_bytes(req) / rate
+        posting, serial = self._layer_blocks(req.request.prompt_tokens)
+        duration = max(wire, posting) + serial
+        req.exposed_submit_s += duration - wire
+        end = start + duration
         for engine in links:
             engine.link_free_at = end
+        self._busy["de_cnic_in"] += wire
+        if self.mode is Mode.BASIC:
+            self._busy["pe_cnic_out"] += wire
         self._at(end, self._kv_on_decode, pe, req)
 
     def _kv_on_decode(self, pe: _Engine, req: _Req) -> None:
@@ -535,15 +767,18 @@ class ClusterSim:
             de.joining.clear()
             if de.active:
                 busy = True
-                engine_bytes = (de.sum_ctx * self.model.decode_read_bytes_per_ctx_token
-                                + de.sum_attended * self.model.decode_read_bytes_per_attended)
+                engine_bytes = (
+                    de.sum_ctx * self.model.decode_read_bytes_per_ctx_token
+                    + de.sum_attended * self.model.decode_read_bytes_per_attended
+                )
                 step_bytes = max(step_bytes, engine_bytes)
         if not busy:
             domain.step_busy = False
             return
         domain.step_busy = True
-        self._at(self.now + self.model.decode_step_fixed_s + step_bytes / self.hw.hbm_bytes_per_s,
-                 self._decode_step_done, domain)
+        duration = self.model.decode_step_fixed_s + step_bytes / self.hw.hbm_bytes_per_s
+        self._busy["decode_steps"] += duration * len(domain.engines)
+        self._at(self.now + duration, self._decode_step_done, domain)
 
     def _decode_step_done(self, domain: _Domain) -> None:
         domain.completed_steps += 1
@@ -564,16 +799,31 @@ class ClusterSim:
         self._decode_step(domain)
 
     def _decode_done(self, de: _Engine, req: _Req, steps: int) -> None:
-        if steps:
-            self._tpot.append((self.now - req.decode_start) / steps)
+        tpot = (self.now - req.decode_start) / steps if steps else None
+        if tpot is not None:
+            self._tpot.append(tpot)
+        critical = req.decode_start - req.arrival
+        self._records.append(
+            RequestRecord(
+                req.arrival,
+                req.first_token - req.arrival,
+                tpot,
+                req.round.prompt_tokens,
+                req.round.gen_tokens,
+                req.exposed_submit_s / critical if critical > 0 else 0.0,
+            )
+        )
         de.tokens -= req.request.prompt_tokens + steps
         de.seqs -= 1
         de.free_hbm += req.request.decode_hbm_bytes
+        self._reserve_hbm(-req.request.decode_hbm_bytes)
         del self._by_id[req.request.request_id]
         self._completed += 1
         agent = req.agent
-        if self._next_round[agent] < len(self.agents[agent]):
-            self._issue(agent)
-        else:
+        if self._next_round[agent] >= len(self.agents[agent]):
             self._finish[agent] = self.now
             self._remaining_agents -= 1
+        elif req.round.tool_s > 0:  # the tool runs before the agent's next request
+            self._at(self.now + req.round.tool_s, self._issue, agent)
+        else:
+            self._issue(agent)

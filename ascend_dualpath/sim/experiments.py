@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -14,8 +15,9 @@ TTFT_SLO_S = 4.0
 TPOT_SLO_S = 0.050
 
 
-def agentic_agents(count: int, max_len: int = 65536, rounds_per_agent: int | None = None, seed: int = 0,
-                   block_tokens: int = 64) -> list[list[Round]]:
+def agentic_agents(
+    count: int, max_len: int = 65536, rounds_per_agent: int | None = None, seed: int = 0, block_tokens: int = 64
+) -> list[list[Round]]:
     """``count`` Table-2 agents. With ``rounds_per_agent`` each agent replays a random window of that
     many consecutive rounds of its trajectory (contexts and hits as deep as in the full run), which keeps
     the per-round mix of the full workload at a fraction of the cost."""
@@ -25,19 +27,27 @@ def agentic_agents(count: int, max_len: int = 65536, rounds_per_agent: int | Non
         rounds = replay(trajectory, block_tokens)
         if rounds_per_agent is not None and len(rounds) > rounds_per_agent:
             start = rng.randrange(0, len(rounds) - rounds_per_agent + 1)
-            rounds = rounds[start:start + rounds_per_agent]
+            rounds = rounds[start : start + rounds_per_agent]
         agents.append(rounds)
     return agents
 
 
-def run_offline(config: ClusterConfig, mode: Mode, agents: Sequence[Sequence[Round]],
-                progress: Callable[[int, int], None] | None = None) -> SimResult:
+def run_offline(
+    config: ClusterConfig,
+    mode: Mode,
+    agents: Sequence[Sequence[Round]],
+    progress: Callable[[int, int], None] | None = None,
+) -> SimResult:
     """All agents start at t=0; the result's ``jct_s`` is the job completion time."""
     return ClusterSim(config, mode, agents).run(progress=progress)
 
 
-def run_ablation(config: ClusterConfig, agents: Sequence[Sequence[Round]], modes: Sequence[Mode] = tuple(Mode),
-                 progress: Callable[[Mode, int, int], None] | None = None) -> dict[Mode, SimResult]:
+def run_ablation(
+    config: ClusterConfig,
+    agents: Sequence[Sequence[Round]],
+    modes: Sequence[Mode] = tuple(Mode),
+    progress: Callable[[Mode, int, int], None] | None = None,
+) -> dict[Mode, SimResult]:
     results = {}
     for mode in modes:
         callback = (lambda done, total, mode=mode: progress(mode, done, total)) if progress else None
@@ -92,6 +102,98 @@ def snic_max_over_avg(result: SimResult, window_s: float = 5.0, middle_bytes: fl
     return sum(ratios) / len(ratios)
 
 
+# the resources a run can be bound by. Not listed: prefill_compute and prefill_submit (parts of prefill_pass),
+# decode_steps (a lock-step decode instance steps whenever it holds a sequence, so it reads ~100% at any load;
+# decode capacity is its KV HBM)
+BINDING_CANDIDATES = ("storage_nic", "prefill_pass", "decode_hbm", "pe_cnic_in", "pe_cnic_out", "de_cnic_in")
+SUBMIT_SHARE_LIMIT = 0.05  # the seed's stop condition: submission under 5% of the critical path keeps the host path
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank ``q``-th percentile (``0 < q <= 100``) of ``values``; NaN when empty."""
+    if not 0 < q <= 100:
+        raise ConfigError(f"percentile must be in (0, 100], got {q}")
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+def _spread(values: Sequence[float]) -> dict[str, float]:
+    mean = sum(values) / len(values) if values else float("nan")
+    return {"mean": mean, "p50": percentile(values, 50), "p99": percentile(values, 99)}
+
+
+def summarise(result: SimResult, ttft_slo_s: float = TTFT_SLO_S, tpot_slo_s: float = TPOT_SLO_S) -> dict:
+    """The operator's figures of one run (JSON-ready; times in s, rates per s of the run's length).
+
+    ``slo_attainment`` is the fraction of requests whose own TTFT and TPOT (when it generated more than one
+    token) meet the SLOs; ``utilisation[resource]`` its busy resource-seconds over its count times the run's
+    length (``prefill_pass`` counts every rank of a lock-step pass, ``prefill_compute`` only the FLOPs);
+    ``decode_hbm`` is the time-average share of DE KV HBM reserved; ``binding_resource`` the busiest of
+    :data:`BINDING_CANDIDATES`. ``submit_share`` (with a transfer kind): ``mean``/``p50``/``p99`` of the share
+    of each request's critical path (arrival to decode start) its own passes and P->D copy spent on layer-block
+    submissions, ``prefill_pass`` the share of all prefill pass time they took, ``share`` the larger of the
+    mean and that, with the Amdahl bound ``1 / (1 - share)`` of removing them and whether it is under
+    :data:`SUBMIT_SHARE_LIMIT` (:func:`host_path_verdict` turns that into the seed's verdict).
+    """
+    records = result.requests
+    length = max(result.agent_finish_s, default=0.0) if math.isinf(result.jct_s) else result.jct_s
+    length = length if length > 0 else float("nan")
+    met = sum(1 for r in records if r.ttft_s <= ttft_slo_s and (r.tpot_s is None or r.tpot_s <= tpot_slo_s))
+    utilisation = {name: busy / (result.units[name] * length) for name, busy in result.busy_s.items()}
+    try:
+        balance = snic_max_over_avg(result)
+    except ConfigError:  # no storage traffic (oracle, or no hits)
+        balance = None
+    summary = {
+        "jct_s": result.jct_s,
+        "completed_requests": result.completed_requests,
+        "agent_finish_s": _spread(result.agent_finish_s),
+        "ttft_s": _spread([r.ttft_s for r in records]),
+        "tpot_s": _spread([r.tpot_s for r in records if r.tpot_s is not None]),
+        "throughput": {
+            "rounds_per_s": len(records) / length,
+            "generated_tokens_per_s": sum(r.gen_tokens for r in records) / length,
+            "prompt_tokens_per_s": sum(r.prompt_tokens for r in records) / length,
+        },
+        "slo": {"ttft_s": ttft_slo_s, "tpot_s": tpot_slo_s, "attainment": met / len(records) if records else 0.0},
+        "snic_max_over_avg": balance,
+        "utilisation": utilisation,
+        "binding_resource": max(BINDING_CANDIDATES, key=lambda name: utilisation.get(name, 0.0)),
+    }
+    if result.transfer_kind is not None:
+        shares = [r.submit_share for r in records]
+        per_request = sum(shares) / len(shares)
+        pass_busy = result.busy_s["prefill_pass"]
+        prefill_share = result.busy_s["prefill_submit"] / pass_busy if pass_busy > 0 else 0.0
+        # under load a pass that submissions lengthened delays every request queued behind it, which no
+        # request's own passes show: where prefill binds, its time share is the larger and the one that counts
+        share = max(per_request, prefill_share)
+        summary["submit_share"] = {
+            "kind": result.transfer_kind.value,
+            **_spread(shares),
+            "prefill_pass": prefill_share,
+            "share": share,
+            "amdahl_bound": 1 / (1 - share),
+            "below_limit": share < SUBMIT_SHARE_LIMIT,
+        }
+    return summary
+
+
+def host_path_verdict(host_share: float) -> str:
+    """The seed's stop condition on the host path's mean submission share of the critical path."""
+    if host_share < SUBMIT_SHARE_LIMIT:
+        return (
+            f"keep the host path: its submissions are {100 * host_share:.1f}% of the critical path "
+            f"(< {100 * SUBMIT_SHARE_LIMIT:.0f}%), at most {1 / (1 - host_share):.3f}x to gain"
+        )
+    return (
+        f"device-side submission pays: the host path's submissions are {100 * host_share:.1f}% of the "
+        f"critical path (>= {100 * SUBMIT_SHARE_LIMIT:.0f}%), up to {1 / (1 - host_share):.2f}x"
+    )
+
+
 @dataclass(frozen=True)
 class OnlinePoint:
     aps: float
@@ -100,8 +202,9 @@ class OnlinePoint:
     meets_slo: bool
 
 
-def run_online(config: ClusterConfig, mode: Mode, aps: float, duration_s: float, max_len: int = 65536,
-               seed: int = 0) -> OnlinePoint:
+def run_online(
+    config: ClusterConfig, mode: Mode, aps: float, duration_s: float, max_len: int = 65536, seed: int = 0
+) -> OnlinePoint:
     """Agents arrive as a Poisson process at ``aps`` per second for ``duration_s`` and replay their
     trajectories from round 0; the SLO is mean TTFT <= 4 s and mean TPOT <= 50 ms over requests that
     start in the second half (the first half is warm-up)."""
@@ -120,14 +223,22 @@ def run_online(config: ClusterConfig, mode: Mode, aps: float, duration_s: float,
     sim = ClusterSim(config, mode, agents, agent_start_s=starts)
     result = sim.run(max_sim_s=duration_s)
     ttft = [t for t, arrival in zip(result.ttft_s, sim.ttft_arrivals, strict=True) if arrival >= duration_s / 2]
-    tpot = result.tpot_s[len(result.tpot_s) // 2:]
+    tpot = result.tpot_s[len(result.tpot_s) // 2 :]
     mean_ttft = sum(ttft) / len(ttft) if ttft else float("inf")
     mean_tpot = sum(tpot) / len(tpot) if tpot else float("inf")
     return OnlinePoint(aps, mean_ttft, mean_tpot, mean_ttft <= TTFT_SLO_S and mean_tpot <= TPOT_SLO_S)
 
 
-def online_capacity(config: ClusterConfig, mode: Mode, duration_s: float, low: float, high: float,
-                    iterations: int = 6, seed: int = 0, max_len: int = 65536) -> float:
+def online_capacity(
+    config: ClusterConfig,
+    mode: Mode,
+    duration_s: float,
+    low: float,
+    high: float,
+    iterations: int = 6,
+    seed: int = 0,
+    max_len: int = 65536,
+) -> float:
     """Largest APS (bisection between ``low`` and ``high``) whose run meets the SLO; 0 if ``low`` fails.
 
     Assumes SLO attainment is monotone in APS; the answer is within ``(high - low) / 2**iterations`` of
@@ -145,8 +256,9 @@ def online_capacity(config: ClusterConfig, mode: Mode, duration_s: float, low: f
     return low
 
 
-def plot_figures(out_dir, sweep: dict[Mode, list[tuple[int, float]]], ablation: dict[Mode, SimResult],
-                 window_s: float = 5.0) -> list[str]:
+def plot_figures(
+    out_dir, sweep: dict[Mode, list[tuple[int, float]]], ablation: dict[Mode, SimResult], window_s: float = 5.0
+) -> list[str]:
     """Write jct_vs_agents.png, ablation.png and snic_utilisation.png under ``out_dir`` (Agg backend)."""
     import matplotlib
 

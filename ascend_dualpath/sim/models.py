@@ -21,12 +21,17 @@ GB = 1e9
 
 @dataclass(frozen=True)
 class HardwareConfig:
-    """One node type (all nodes equal)."""
+    """One node type (all nodes equal). Per accelerator: its CNIC, PCIe link (H2D copies), HBM, compute;
+    per node: the storage NIC and DRAM."""
 
     gpus_per_node: int = 8
     cnic_bytes_per_s: float = 50 * GB  # 400 Gbps per GPU-paired compute NIC
     snic_bytes_per_s: float = 50 * GB  # one 400 Gbps storage NIC per node
     dram_bytes_per_s: float = 500 * GB  # host memory (paper's M)
+    dram_bytes: float = 2048 * GB  # host memory per node (only a single request's KV is checked against it)
+    # H2D (DRAM buffer -> HBM): PCIe Gen5 x16 is 64 GB/s raw per direction, shared with the paired CNIC under
+    # one switch (§4.2), so the paper's model and ours copy at B
+    pcie_bytes_per_s: float = 50 * GB
     hbm_bytes: float = 80 * GB  # H800/H100 80 GB
     hbm_bytes_per_s: float = 3.35e12
     peak_flops: float = 989e12  # dense BF16 peak; FP8 GEMMs run at up to 2x this
@@ -47,7 +52,9 @@ class ModelConfig:
     ``kv_bytes_per_token``: the KV cache stored, read and transferred per token (all layers);
     ``decode_read_bytes_per_ctx_token`` / ``decode_read_bytes_per_attended``: HBM bytes a decode step
     reads per context token (indexer keys) and per attended token;
-    ``decode_step_fixed_s``: decode step time independent of batch (weights, EP all-to-all latency).
+    ``decode_step_fixed_s``: decode step time independent of batch (weights, EP all-to-all latency);
+    ``routed_expert_fraction``: the share of ``active_params`` in routed MoE experts, whose GEMMs expert
+    parallelism spreads over the EP ranks (0 for a dense model).
     """
 
     name: str
@@ -61,17 +68,38 @@ class ModelConfig:
     decode_read_bytes_per_ctx_token: float = 0.0
     decode_read_bytes_per_attended: float = 0.0
     decode_step_fixed_s: float = 0.020
+    routed_expert_fraction: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "active_params", "weight_bytes", "kv_bytes_per_token"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"model {self.name!r}: {name} must be > 0, got {getattr(self, name)}")
+        if not 0.0 <= self.routed_expert_fraction < 1.0:
+            raise ConfigError(
+                f"model {self.name!r}: routed_expert_fraction must be in [0, 1), got {self.routed_expert_fraction}"
+            )
 
     def gemm_flops(self, tokens: int) -> float:
         return 2.0 * self.active_params * tokens
+
+    def dense_gemm_flops(self, tokens: int) -> float:
+        """GEMM FLOPs a rank spends on its own tokens: everything but the routed experts."""
+        return 2.0 * self.active_params * (1.0 - self.routed_expert_fraction) * tokens
+
+    def routed_gemm_flops(self, tokens: int) -> float:
+        """GEMM FLOPs of the routed experts for ``tokens`` tokens, wherever expert parallelism runs them."""
+        return 2.0 * self.active_params * self.routed_expert_fraction * tokens
 
     def attention_flops(self, cached: int, bsz: int) -> float:
         return self.profile_template().attention_flops(cached, bsz)
 
     def profile_template(self, seconds_per_flop: float = 1.0) -> EngineProfile:
         return EngineProfile(
-            read_tokens_per_s=1.0, prefill_tokens_per_s=1.0, attn_flops_per_pair=self.attn_flops_per_pair,
-            seconds_per_flop=seconds_per_flop, index_flops_per_pair=self.index_flops_per_pair,
+            read_tokens_per_s=1.0,
+            prefill_tokens_per_s=1.0,
+            attn_flops_per_pair=self.attn_flops_per_pair,
+            seconds_per_flop=seconds_per_flop,
+            index_flops_per_pair=self.index_flops_per_pair,
             sparse_topk=self.sparse_topk,
         )
 
@@ -81,25 +109,50 @@ class ModelConfig:
 # Absorbed MLA attention: 128 heads x (576 QK + 512 AV) x 2 FLOPs per pair per layer; DSA top-k 2048.
 # Indexer: 64 heads x 128 dim x 2 FLOPs per pair per layer (FP8), 128 + 4 B of keys per token per layer.
 DS_660B = ModelConfig(
-    name="ds660b", layers=61, active_params=37e9, weight_bytes=690e9, kv_bytes_per_token=656 * 61,
-    attn_flops_per_pair=128 * (576 + 512) * 2 * 61, index_flops_per_pair=64 * 128 * 2 * 61, sparse_topk=2048,
-    decode_read_bytes_per_ctx_token=132 * 61, decode_read_bytes_per_attended=656 * 61, decode_step_fixed_s=0.025,
+    name="ds660b",
+    layers=61,
+    active_params=37e9,
+    weight_bytes=690e9,
+    kv_bytes_per_token=656 * 61,
+    attn_flops_per_pair=128 * (576 + 512) * 2 * 61,
+    index_flops_per_pair=64 * 128 * 2 * 61,
+    sparse_topk=2048,
+    decode_read_bytes_per_ctx_token=132 * 61,
+    decode_read_bytes_per_attended=656 * 61,
+    decode_step_fixed_s=0.025,
+    # routed experts: 8 of 256 per token x 58 MoE layers x 3 x 7168 x 2048 = 20.4B of the 37B activated
+    routed_expert_fraction=0.55,
 )
 
 # The paper's internal DS 27B (§A.2: hidden 2560, 30 layers, 72 routed experts top-6 + 2 shared, DSA
 # indexer top-k 1024). Activated parameters and MLA head count are not published: assumed 3.5B active,
 # 32 heads, the same 656 B/layer latent cache.
 DS_27B = ModelConfig(
-    name="ds27b", layers=30, active_params=3.5e9, weight_bytes=27e9, kv_bytes_per_token=656 * 30,
-    attn_flops_per_pair=32 * (576 + 512) * 2 * 30, index_flops_per_pair=64 * 128 * 2 * 30, sparse_topk=1024,
-    decode_read_bytes_per_ctx_token=132 * 30, decode_read_bytes_per_attended=656 * 30, decode_step_fixed_s=0.012,
+    name="ds27b",
+    layers=30,
+    active_params=3.5e9,
+    weight_bytes=27e9,
+    kv_bytes_per_token=656 * 30,
+    attn_flops_per_pair=32 * (576 + 512) * 2 * 30,
+    index_flops_per_pair=64 * 128 * 2 * 30,
+    sparse_topk=1024,
+    decode_read_bytes_per_ctx_token=132 * 30,
+    decode_read_bytes_per_attended=656 * 30,
+    decode_step_fixed_s=0.012,
+    # assumed: FFN ~ 2/3 of the activated parameters, 6 of its 8 active experts routed (2 shared)
+    routed_expert_fraction=0.5,
 )
 
 # Qwen2.5-32B: 64 layers, 40 query heads, GQA with 8 KV heads of dim 128, FP16 KV (Table 1 footnote):
 # 2 x 8 x 128 x 2 B x 64 layers = 262,144 B/token; attention 40 heads x 128 x 2 (QK+AV) x 2 FLOPs.
 QWEN_32B = ModelConfig(
-    name="qwen32b", layers=64, active_params=32.5e9, weight_bytes=65e9, kv_bytes_per_token=2 * 8 * 128 * 2 * 64,
-    attn_flops_per_pair=40 * 128 * 2 * 2 * 64, decode_read_bytes_per_attended=2 * 8 * 128 * 2 * 64,
+    name="qwen32b",
+    layers=64,
+    active_params=32.5e9,
+    weight_bytes=65e9,
+    kv_bytes_per_token=2 * 8 * 128 * 2 * 64,
+    attn_flops_per_pair=40 * 128 * 2 * 2 * 64,
+    decode_read_bytes_per_attended=2 * 8 * 128 * 2 * 64,
     decode_step_fixed_s=0.015,
 )
 
@@ -119,8 +172,9 @@ def cache_compute_ratio(model: ModelConfig, context: int, append: int = 429) -> 
     return context * model.kv_bytes_per_token / GB / (flops / 1e15)
 
 
-def engine_profile(model: ModelConfig, hardware: HardwareConfig, profiled_context: int = 32768,
-                   profiled_append: int = 512) -> EngineProfile:
+def engine_profile(
+    model: ModelConfig, hardware: HardwareConfig, profiled_context: int = 32768, profiled_append: int = 512
+) -> EngineProfile:
     """The profile the scheduler's alpha, beta and compute quota are derived from (§A.4)."""
     seconds_per_flop = 1.0 / hardware.prefill_flops_per_s
     round_flops = model.gemm_flops(profiled_append) + model.attention_flops(profiled_context, profiled_append)
@@ -128,6 +182,8 @@ def engine_profile(model: ModelConfig, hardware: HardwareConfig, profiled_contex
         read_tokens_per_s=hardware.snic_bytes_per_s / model.kv_bytes_per_token,
         # tok_e counts whole prompts (hit + new), so "tokens processed" is measured the same way
         prefill_tokens_per_s=(profiled_context + profiled_append) / (round_flops * seconds_per_flop),
-        attn_flops_per_pair=model.attn_flops_per_pair, seconds_per_flop=seconds_per_flop,
-        index_flops_per_pair=model.index_flops_per_pair, sparse_topk=model.sparse_topk,
+        attn_flops_per_pair=model.attn_flops_per_pair,
+        seconds_per_flop=seconds_per_flop,
+        index_flops_per_pair=model.index_flops_per_pair,
+        sparse_topk=model.sparse_topk,
     )

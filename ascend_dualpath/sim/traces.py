@@ -1,5 +1,5 @@
-"""Workload traces: a generator matching the DualPath paper's Table 2, its §A.3 replay, and a loader
-for the Mooncake FAST'25 JSONL.
+"""Workload traces: a generator matching the DualPath paper's Table 2, its §A.3 replay, a loader
+for the Mooncake FAST'25 JSONL, and the agent-trace file format (``TRACE.jsonl``) all of them can write.
 
 A trajectory is a list of rounds ``(append_i, gen_i)``. Replay (§A.3): the prompt of round ``i`` is the
 whole history ``A_1, G_1, ..., A_{i-1}, G_{i-1}`` plus ``A_i``; exactly ``gen_i`` tokens are generated.
@@ -25,12 +25,14 @@ MOONCAKE_BLOCK_TOKENS = 512
 
 @dataclass(frozen=True)
 class Round:
-    """One replayed request: prompt and hit lengths, tokens to generate, arrival offset (s) if timed."""
+    """One replayed request: prompt and hit lengths, tokens to generate, arrival offset (s) if timed,
+    and the tool latency (s) between its last token and the agent's next request."""
 
     prompt_tokens: int
     cached_tokens: int
     gen_tokens: int
     arrival_s: float | None = None
+    tool_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -158,6 +160,12 @@ def load_mooncake(path: Path | str | None = None, limit: int | None = None) -> l
         while hit_blocks < full_blocks and ids[hit_blocks] in stored:
             hit_blocks += 1
         stored.update(ids[:full_blocks])
-        rounds.append(Round(prompt_tokens=max(1, length), cached_tokens=hit_blocks * MOONCAKE_BLOCK_TOKENS,
-                            gen_tokens=max(1, record["output_length"]), arrival_s=record["timestamp"] / 1000.0))
+        rounds.append(
+            Round(
+                prompt_tokens=max(1, length),
+                cached_tokens=hit_blocks * MOONCAKE_BLOCK_TOKENS,
+                gen_tokens=max(1, record["output_length"]),
+                arrival_s=record["timestamp"] / 1000.0,
+            )
+        )
     return rounds

@@ -14,7 +14,7 @@ import pytest
 from ascend_dualpath.errors import CapacityError, ConfigError
 from ascend_dualpath.sim.cluster import ClusterConfig, ClusterSim, Mode
 from ascend_dualpath.sim.experiments import agentic_agents, reductions_vs_basic, run_ablation, snic_max_over_avg
-from ascend_dualpath.sim.models import DS_660B, QWEN_32B
+from ascend_dualpath.sim.models import DS_27B, DS_660B, QWEN_32B
 from ascend_dualpath.sim.traces import Round
 
 AGENTS, ROUNDS = 2048, 24
@@ -46,8 +46,11 @@ def test_round_robin_unbalances_storage_nics_and_the_scheduler_much_less(ablatio
     assert snic_max_over_avg(ablation[Mode.SCHEDULER]) <= round_robin - 0.20
 
 
-@pytest.mark.xfail(strict=True, reason="1.19 on the full 2048-agent run, 1.254 on this window, which runs at "
-                   "50-60% SNIC load where 'shorter queue' still favours the 2 PE nodes (see docs/simulator.md)")
+@pytest.mark.xfail(
+    strict=True,
+    reason="1.18 on the full 2048-agent run, 1.274 on this window, which runs at "
+    "50-60% SNIC load where 'shorter queue' still favours the 2 PE nodes (see docs/simulator.md)",
+)
 def test_scheduler_storage_nic_balance_reaches_the_papers_1_25(ablation):
     assert snic_max_over_avg(ablation[Mode.SCHEDULER]) <= 1.25
 
@@ -59,7 +62,15 @@ def test_dual_path_uses_both_sides_and_basic_only_the_prefill_side(ablation):
     assert sum(ablation[Mode.ORACLE].read_bytes_by_path.values()) == 0
 
 
-def test_speedup_over_basic_reaches_the_papers_1_8x(ablation):
+def test_speedup_over_basic_near_the_papers_1_8x(ablation):
+    """1.79x on this window, 1.82x on the full 2,048-agent run (docs/simulator.md); before expert GEMMs were
+    spread over the EP ranks, 1.89x and 1.86x: each lock-step pass was charged its slowest rank's whole MoE,
+    which cost Basic more than the scheduler (spreading them: Basic -10%, scheduler -5% on this window)."""
+    assert ablation[Mode.BASIC].jct_s / ablation[Mode.SCHEDULER].jct_s >= 1.75
+
+
+@pytest.mark.xfail(strict=True, reason="1.79x on this 24-round window; the full run reaches 1.82x (docs/simulator.md)")
+def test_speedup_over_basic_reaches_the_papers_1_8x_on_the_window(ablation):
     assert ablation[Mode.BASIC].jct_s / ablation[Mode.SCHEDULER].jct_s >= 1.8
 
 
@@ -113,3 +124,14 @@ def test_bad_configs():
         ClusterConfig(DS_660B, prefill_nodes=0)
     with pytest.raises(ConfigError, match="no agents"):
         ClusterSim(ClusterConfig(DS_660B), Mode.BASIC, [])
+
+
+@pytest.mark.parametrize("ep", [1, 8])
+def test_ep_prefill_spreads_expert_gemms_over_the_ranks(ep):
+    """One uncached request on an EP instance of ``ep`` ranks: its rank pays its attention and non-expert
+    GEMMs, and the routed-expert GEMMs are shared by all ``ep`` ranks (the pass waits for that rank)."""
+    config = ClusterConfig(DS_27B, prefill_nodes=1, decode_nodes=1, prefill_ep=ep, decode_ep=1)
+    result = ClusterSim(config, Mode.ORACLE, [[Round(prompt_tokens=4000, cached_tokens=0, gen_tokens=1)]]).run()
+    flops = DS_27B.attention_flops(0, 4000) + DS_27B.dense_gemm_flops(4000) + DS_27B.routed_gemm_flops(4000) / ep
+    assert result.ttft_s[0] == pytest.approx(config.tick_s / 2 + flops / config.hardware.prefill_flops_per_s, rel=1e-12)
+    assert DS_27B.dense_gemm_flops(4000) + DS_27B.routed_gemm_flops(4000) == pytest.approx(DS_27B.gemm_flops(4000))

@@ -18,8 +18,9 @@ RESOLUTION = (HIGH - LOW) / 2**ITERATIONS
 @pytest.fixture(scope="module")
 def capacities():
     config = ClusterConfig(DS_660B)
-    return {mode: online_capacity(config, mode, DURATION_S, LOW, HIGH, ITERATIONS) for mode in (Mode.BASIC,
-                                                                                              Mode.SCHEDULER)}
+    return {
+        mode: online_capacity(config, mode, DURATION_S, LOW, HIGH, ITERATIONS) for mode in (Mode.BASIC, Mode.SCHEDULER)
+    }
 
 
 def test_basic_capacity_brackets_the_slo_boundary(capacities):

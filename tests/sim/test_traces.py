@@ -47,8 +47,10 @@ def test_generator_rejects_unknown_bucket():
         generate_trajectories(1000, 1)
 
 
-@pytest.mark.parametrize("name,context,paper", [("ds660b", 16384, 13), ("ds660b", 65536, 36),
-                                                ("qwen32b", 16384, 117), ("qwen32b", 65536, 267)])
+@pytest.mark.parametrize(
+    "name,context,paper",
+    [("ds660b", 16384, 13), ("ds660b", 65536, 36), ("qwen32b", 16384, 117), ("qwen32b", 65536, 267)],
+)
 def test_kv_bytes_match_table1_cache_compute_ratio(name, context, paper):
     assert cache_compute_ratio(MODELS[name], context) == pytest.approx(paper, rel=0.10)
 
@@ -61,11 +63,14 @@ def _write(path, records):
 
 def test_mooncake_hits_are_full_block_prefixes(tmp_path):
     path = tmp_path / "t.jsonl.gz"
-    _write(path, [
-        {"timestamp": 0, "input_length": 1100, "output_length": 5, "hash_ids": [1, 2, 3]},
-        {"timestamp": 1500, "input_length": 1600, "output_length": 7, "hash_ids": [1, 2, 4, 9]},
-        {"timestamp": 2000, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]},
-    ])
+    _write(
+        path,
+        [
+            {"timestamp": 0, "input_length": 1100, "output_length": 5, "hash_ids": [1, 2, 3]},
+            {"timestamp": 1500, "input_length": 1600, "output_length": 7, "hash_ids": [1, 2, 4, 9]},
+            {"timestamp": 2000, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]},
+        ],
+    )
     rounds = load_mooncake(path)
     # request 1: blocks 1,2 stored (3 is partial, never stored); request 2: 1,2 hit, 4 miss
     assert rounds == [Round(1100, 0, 5, 0.0), Round(1600, 1024, 7, 1.5), Round(1024, 1024, 1, 2.0)]
@@ -98,7 +103,9 @@ def test_real_mooncake_trace_runs_through_the_simulator():
     rounds = load_mooncake(_real_trace(), limit=600)
     agents = [[r] for r in rounds]
     starts = [r.arrival_s for r in rounds]
-    results = {mode: ClusterSim(ClusterConfig(DS_660B), mode, agents, agent_start_s=starts).run()
-               for mode in (Mode.BASIC, Mode.SCHEDULER)}
+    results = {
+        mode: ClusterSim(ClusterConfig(DS_660B), mode, agents, agent_start_s=starts).run()
+        for mode in (Mode.BASIC, Mode.SCHEDULER)
+    }
     assert all(result.completed_requests == 600 for result in results.values())
     assert results[Mode.SCHEDULER].mean_ttft_s <= results[Mode.BASIC].mean_ttft_s
