@@ -123,7 +123,7 @@ class Zoo:
     ``device`` and ``host`` are registered regions of rank 0 (fabric and communicator), ``not_in_comm`` only on the
     fabric, ``foreign`` a region of the other device, ``stray`` a heap buffer no region holds, ``freed`` the address
     and key of a region closed and unmapped before any use, ``read_only`` a rank-1 region without REMOTE_WRITE or
-    LOCAL_WRITE.
+    LOCAL_WRITE. Allocate any other region before the zoo: one mapped later may land in the freed range.
     """
 
     def __init__(self, devices):
@@ -144,12 +144,21 @@ class Zoo:
         freed.close()
         del freed  # the last reference: the region is unmapped
 
-    def local(self, spec) -> tuple[int, int, int, bool, bytes | None]:
-        """``(addr, nbytes, lkey, host, data)`` of a local spec; ``data`` is what a read of it yields when valid."""
+    def local(self, spec, by_address: bool = False) -> tuple[int, int, int, bool, bytes | None]:
+        """``(addr, nbytes, lkey, host, data)`` of a local spec; ``data`` is what a read of it yields when valid.
+
+        With ``by_address`` (the path finds the registration by address: AICPU BatchWrite items carry no key) an
+        ``out_of_bounds`` range always straddles its region's end, so it is at least 2 bytes long. A range wholly
+        past the end is wholly inside the next region whenever the kernel maps the two back to back (each region is
+        its own mmap, and consecutive mmaps are often adjacent): a check by address then rightly accepts it.
+        """
         kind, host, offset, length = spec
         region, other = (self.host, self.device) if host else (self.device, self.host)
         inside = min(offset, ZOO_BYTES - length)
-        if kind == "out_of_bounds":  # from inside the region (or at its end) to past it
+        if kind == "out_of_bounds" and by_address:  # from inside the region to past it
+            length = max(length, 2)
+            return region.addr + ZOO_BYTES - length + 1 + offset % (length - 1), length, region.lkey, host, None
+        if kind == "out_of_bounds":  # from inside the region (or at its end) to past it: the key names the region
             return region.addr + ZOO_BYTES - length + 1 + offset % length, length, region.lkey, host, None
         if kind == "unregistered":
             return self.stray.ctypes.data + inside, length, 0, host, None
@@ -211,12 +220,15 @@ def fuzz_hccl_stage() -> dict:
 
 def fuzz_aicpu_batch_write() -> dict:
     """aicpu_batch_write with items from every sort of local memory to rank 1's window, past it, or unlisted memory."""
+    from ascend_dualpath import _ext
     from ascend_dualpath.backends import emulator as emu
 
     with emu.emulated_devices(2) as devices:
+        # scratch the cores write (not watched), mapped before the zoo frees its region: the server finds an item's
+        # memory by address, and a "freed" item inside a later registration would rightly be accepted
+        items = devices[0].alloc_region(8 * 32, _ext.load().MemKind.DEVICE_GM, 7)
         zoo = Zoo(devices)
         rig, C = zoo.rig, zoo.rig.C
-        items = devices[0].alloc_region(8 * 32, C.MemKind.DEVICE_GM, 7)  # scratch the cores write: not watched
         rig.comms[0].register_local(items)
         window = rig.comms[1].windows_in
         counts = {"accepted": 0, "refused": 0}
@@ -224,7 +236,7 @@ def fuzz_aicpu_batch_write() -> dict:
             local_spec.filter(lambda s: s[0] != "wrong_key"),  # items carry no keys
             st.sampled_from(["valid"] * 4 + ["past_window", "unlisted"]),
             st.integers(0, (1 << 20) - 4096),
-        )
+        ).filter(lambda i: i[1] != "past_window" or i[0][3] > 1)  # straddles the window's end, as in Zoo.local
 
         @PATH_SETTINGS
         @given(specs=st.lists(item, min_size=1, max_size=4), cores=st.integers(1, 2), faults=st.booleans())
@@ -233,7 +245,7 @@ def fuzz_aicpu_batch_write() -> dict:
                 specs = [(("valid", *local[1:]), "valid", offset) for local, _, offset in specs]
             rows = []
             for local, remote, offset in specs:
-                addr, nbytes, _, _, data = zoo.local(local)
+                addr, nbytes, _, _, data = zoo.local(local, by_address=True)
                 remote_addr = {
                     "valid": window.addr + offset,
                     "past_window": window.addr + window.size - nbytes + 1,
@@ -328,11 +340,11 @@ def fuzz_every_path() -> None:
     print(json.dumps({path.__name__: path() for path in FUZZED_PATHS}))
 
 
-@pytest.mark.xfail(strict=False, reason="open defect: in 2 of 3 clean-clone CI runs (once under ASan) and locally an AICPU "
-                   "BatchWrite example failed intermittently: an out-of-bounds 1-byte item was not refused, and "
-                   "accepted items left 1-2 bytes different from what was sent; not yet diagnosed")
 def test_random_aicpu_batch_writes_move_nothing_stray():
-    """PATH_EXAMPLES examples of the AICPU BatchWrite path in a child process (kept apart: see the marker)."""
+    """PATH_EXAMPLES examples of the AICPU BatchWrite path in a child process: as for the other paths, it must exit 0,
+    every example was refused at the launch or delivered exactly, and both outcomes occurred often. Its out-of-bounds
+    items straddle a region's end whatever the memory layout (see ``Zoo.local``), so the examples' outcomes do not
+    depend on where the kernel mapped the regions."""
     from tests.safety.rig import run_child
 
     out = run_child("from tests.emulator.test_fuzz_wqe import fuzz_aicpu_batch_write as f; import json; "
