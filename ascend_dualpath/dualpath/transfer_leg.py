@@ -69,8 +69,15 @@ class TransferTicket:
 class LayerTransferLeg(Protocol):
     """What the read paths need from a transfer engine."""
 
-    def submit(self, layer: int, segments: Sequence[Segment], dst_peer: int, dst_addr: int, notify_slot: int | None,
-               magic: int | None) -> TransferTicket: ...
+    def submit(
+        self,
+        layer: int,
+        segments: Sequence[Segment],
+        dst_peer: int,
+        dst_addr: int,
+        notify_slot: int | None,
+        magic: int | None,
+    ) -> TransferTicket: ...
 
     def wait(self, ticket: TransferTicket, timeout_s: float | None = None) -> float: ...
 
@@ -100,8 +107,11 @@ class HcclTransferLeg:
 
         self._C = _ext.load()
         self.comm = comm
-        self.timeout_s = check_bound("timeout_s", timeout_s, where=type(self).__name__) if timeout_s is not None \
+        self.timeout_s = (
+            check_bound("timeout_s", timeout_s, where=type(self).__name__)
+            if timeout_s is not None
             else _env.timeout_s()
+        )
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adp-leg")
         self._lock = threading.Lock()
         self.bytes_sent = 0
@@ -111,8 +121,15 @@ class HcclTransferLeg:
         """Make ``region`` usable as a source (HcclRegisterMem)."""
         self.comm.register_local(region)
 
-    def submit(self, layer: int, segments: Sequence[Segment], dst_peer: int, dst_addr: int,
-               notify_slot: int | None = None, magic: int | None = None) -> TransferTicket:
+    def submit(
+        self,
+        layer: int,
+        segments: Sequence[Segment],
+        dst_peer: int,
+        dst_addr: int,
+        notify_slot: int | None = None,
+        magic: int | None = None,
+    ) -> TransferTicket:
         """Queue layer ``layer``'s segments for ``dst_peer`` at ``dst_addr``; then set ``notify_slot`` to ``magic``.
 
         Returns at once; :meth:`wait` on the ticket re-raises any failure as :class:`TransferFailed`.
@@ -131,11 +148,21 @@ class HcclTransferLeg:
             raise ProtocolError(f"layer {layer}: notify_slot and magic go together, got {notify_slot} and {magic}")
         for seg in segments:
             if seg.nbytes < 1 or seg.dst_offset < 0:
-                raise BoundsError(f"layer {layer}: segment of {seg.nbytes} bytes at destination offset "
-                                  f"{seg.dst_offset}; needs >= 1 byte at offset >= 0")
+                raise BoundsError(
+                    f"layer {layer}: segment of {seg.nbytes} bytes at destination offset "
+                    f"{seg.dst_offset}; needs >= 1 byte at offset >= 0"
+                )
 
-    def _queue(self, layer: int, segments: Sequence[Segment], dst_peer: int, dst_addr: int, move: Callable[[], float],
-               notify_slot: int | None, magic: int | None) -> TransferTicket:
+    def _queue(
+        self,
+        layer: int,
+        segments: Sequence[Segment],
+        dst_peer: int,
+        dst_addr: int,
+        move: Callable[[], float],
+        notify_slot: int | None,
+        magic: int | None,
+    ) -> TransferTicket:
         """Run ``move`` (returns its virtual completion time) on the worker, then the notify, then accounting."""
         nbytes = sum(seg.nbytes for seg in segments)
         what = f"layer {layer} ({len(segments)} segments, {nbytes} bytes) to rank {dst_peer} at {dst_addr:#x}"
@@ -158,8 +185,11 @@ class HcclTransferLeg:
 
     def wait(self, ticket: TransferTicket, timeout_s: float | None = None) -> float:
         """Block until the transfer is done; returns its virtual completion time in ns."""
-        timeout = check_bound("timeout_s", timeout_s, zero_ok=True, where=f"wait for {ticket.what}") \
-            if timeout_s is not None else self.timeout_s
+        timeout = (
+            check_bound("timeout_s", timeout_s, zero_ok=True, where=f"wait for {ticket.what}")
+            if timeout_s is not None
+            else self.timeout_s
+        )
         try:
             ticket.vtime_ns = ticket.future.result(timeout)
         except TimeoutError as error:
@@ -198,15 +228,18 @@ class TransportTransferLeg(HcclTransferLeg):
         Passed to the engine's constructor (``block_dim``, ...).
     """
 
-    def __init__(self, comm: Any, timeout_s: float | None = None, backend: str = "emulator",
-                 **engine_options: Any) -> None:
+    def __init__(
+        self, comm: Any, timeout_s: float | None = None, backend: str = "emulator", **engine_options: Any
+    ) -> None:
         from ascend_dualpath.transport import create_engine
 
         super().__init__(comm, timeout_s)
         # one engine per destination rank (itself included: the DE loads into its own HBM), made up front so
         # their queues and buffers exist for the leg's whole life
-        self._engines = [create_engine(backend, comm, peer, timeout_s=self.timeout_s, **engine_options)
-                         for peer in range(comm.world_size)]
+        self._engines = [
+            create_engine(backend, comm, peer, timeout_s=self.timeout_s, **engine_options)
+            for peer in range(comm.world_size)
+        ]
         self._regions = [comm.windows_in, comm.windows_out]
         self.kinds_used: dict[str, int] = {}
 
@@ -230,11 +263,19 @@ class TransportTransferLeg(HcclTransferLeg):
         for mem in self.comm.remote_mems(peer):
             if mem.addr <= addr and addr + nbytes <= mem.addr + mem.size:
                 return RemoteSlot(peer, addr, nbytes, mem.rkey)
-        raise BoundsError(f"layer {layer}: destination [{addr:#x}, +{nbytes}) on rank {peer} is in no memory it "
-                          "registered")
+        raise BoundsError(
+            f"layer {layer}: destination [{addr:#x}, +{nbytes}) on rank {peer} is in no memory it registered"
+        )
 
-    def submit(self, layer: int, segments: Sequence[Segment], dst_peer: int, dst_addr: int,
-               notify_slot: int | None = None, magic: int | None = None) -> TransferTicket:
+    def submit(
+        self,
+        layer: int,
+        segments: Sequence[Segment],
+        dst_peer: int,
+        dst_addr: int,
+        notify_slot: int | None = None,
+        magic: int | None = None,
+    ) -> TransferTicket:
         self._check(layer, segments, notify_slot, magic)
         runs: list[tuple[int, list]] = []  # (destination offset, sources) per back-to-back run of segments
         cursor = None
@@ -243,14 +284,16 @@ class TransportTransferLeg(HcclTransferLeg):
                 runs.append((seg.dst_offset, []))
             runs[-1][1].append(self._source(layer, seg.src_addr, seg.nbytes))
             cursor = seg.dst_offset + seg.nbytes
-        requests = [(sources, self._slot(layer, dst_peer, dst_addr + offset, sum(s.nbytes for s in sources)))
-                    for offset, sources in runs]  # every address is checked before anything is queued
+        requests = [
+            (sources, self._slot(layer, dst_peer, dst_addr + offset, sum(s.nbytes for s in sources)))
+            for offset, sources in runs
+        ]  # every address is checked before anything is queued
         engine = self._engines[dst_peer]
 
         def move() -> float:
             vtime = self.last_vtime_ns
             for sources, slot in requests:
-                result = engine.transfer(sources, slot, timeout=self.timeout_s)
+                result = engine.transfer(sources, slot, timeout_s=self.timeout_s)
                 vtime = max(vtime, result.complete_vtime_ns)
                 with self._lock:
                     self.kinds_used[result.kind.value] = self.kinds_used.get(result.kind.value, 0) + 1
@@ -278,8 +321,15 @@ class FaultInjectingLeg:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def submit(self, layer: int, segments: Sequence[Segment], dst_peer: int, dst_addr: int,
-               notify_slot: int | None = None, magic: int | None = None) -> TransferTicket:
+    def submit(
+        self,
+        layer: int,
+        segments: Sequence[Segment],
+        dst_peer: int,
+        dst_addr: int,
+        notify_slot: int | None = None,
+        magic: int | None = None,
+    ) -> TransferTicket:
         with self._lock:
             fire = 0 in self._countdowns
             if fire:
@@ -295,8 +345,16 @@ class FaultInjectingLeg:
         return self.inner.wait(ticket, timeout_s)
 
 
-def wait_notify(comm: Any, slot: int, magic: int, what: str, *, abort_magic: int | None = None,
-                timeout_s: float | None = None, check: Callable[[], None] | None = None) -> None:
+def wait_notify(
+    comm: Any,
+    slot: int,
+    magic: int,
+    what: str,
+    *,
+    abort_magic: int | None = None,
+    timeout_s: float | None = None,
+    check: Callable[[], None] | None = None,
+) -> None:
     """Wait until notify ``slot`` holds ``magic``, or the abort slot holds ``abort_magic`` (then PeerAborted).
 
     Parameters
@@ -319,6 +377,8 @@ def wait_notify(comm: Any, slot: int, magic: int, what: str, *, abort_magic: int
         if check is not None:
             check()
         if time.monotonic() > deadline:
-            raise WaitTimeout(f"timed out after {timeout} s waiting for {what} (notify slot {slot}, magic "
-                              f"{magic:#x}; slot holds {comm.notify_value(slot):#x})")
+            raise WaitTimeout(
+                f"timed out after {timeout} s waiting for {what} (notify slot {slot}, magic "
+                f"{magic:#x}; slot holds {comm.notify_value(slot):#x})"
+            )
         time.sleep(NOTIFY_POLL_S)

@@ -139,9 +139,32 @@ class EmulatedTransferEngine(TransferEngine):
         self._in_flight: Ticket | None = None
         self._broken: str | None = None
         self._closed = False
+        self._registered: dict[int, object] = {}  # lkey -> region registered through this engine
+        self._revoked: set[int] = set()  # lkeys unregistered from this engine: refused as sources
 
     def __repr__(self) -> str:
         return f"EmulatedTransferEngine(rank {self.comm.rank} -> peer {self.peer})"
+
+    # ---- memory -----------------------------------------------------------------------------------
+
+    def register(self, region) -> None:
+        """Make ``region`` (an emulated registered region) a source of this engine's transfers (HcclRegisterMem)."""
+        self.comm.register_local(region)
+        self._registered[region.lkey] = region
+        self._revoked.discard(region.lkey)
+
+    def unregister(self, region) -> None:
+        """Undo :meth:`register`: later requests with a source under ``region``'s key raise NotRegistered before
+        anything moves. NotRegistered when ``region`` is not registered through this engine.
+
+        The emulated communicator has no deregistration of its own; the engine refuses the key instead (closing
+        the region ends the key for every user).
+        """
+        if self._registered.pop(region.lkey, None) is None:
+            raise E.NotRegistered(
+                f"region [{region.addr:#x}, +{region.size}) (lkey {region.lkey:#x}) is not registered with {self!r}"
+            )
+        self._revoked.add(region.lkey)
 
     # ---- gates ------------------------------------------------------------------------------------
 
@@ -187,6 +210,13 @@ class EmulatedTransferEngine(TransferEngine):
         NIC would check them (local inside its lkey's registration on this device; remote inside its rkey's,
         writable, on the kinds whose WQEs carry the rkey; HcclBatchPut and BatchWrite find the remote by address
         and their C++ calls check it before they start)."""
+        revoked = next((i for i, p in enumerate(ticket.pieces) if p.lkey in self._revoked), None)
+        if revoked is not None:
+            p = ticket.pieces[revoked]
+            raise E.NotRegistered(
+                f"piece {revoked} [{p.local_addr:#x}, +{p.nbytes}) is in a region unregistered "
+                f"from {self!r} (lkey {p.lkey:#x})"
+            )
         if len(ticket.pieces) > self.max_pieces:
             raise E.CapacityError(f"{len(ticket.pieces)} pieces exceed the engine's max_pieces {self.max_pieces}")
         if ticket.remote.peer != self.peer:

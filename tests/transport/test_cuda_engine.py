@@ -170,7 +170,7 @@ def test_wait_is_bounded_and_names_the_ticket():
     torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time on the caller's stream, which the request follows
     ticket = engine.submit(segments, engine.slot(dst))
     with pytest.raises(errors.WaitTimeout, match=f"ticket {ticket.id} to {dst_dev}"):
-        ticket.wait(timeout=0.01)
+        ticket.wait(timeout_s=0.01)
     torch.cuda.synchronize()
     with pytest.raises(errors.ProtocolError, match="already failed"):
         ticket.wait()
