@@ -44,7 +44,7 @@ def main() -> None:
     for name, (count, size) in CASES.items():
         device_src = torch.randint(0, 256, (count * size,), dtype=torch.uint8, device=src_dev)
         host_src = device_src.cpu().pin_memory()
-        engine.register_host(host_src)
+        engine.register(host_src)
         dst = torch.empty(count * size, dtype=torch.uint8, device=dst_dev)
         torch.cuda.synchronize()
         remote = engine.slot(dst)

@@ -334,7 +334,7 @@ def _run_cases(torch, cases, kinds, repeats, progress, primitives, src_dev, dst_
     rows, failures = [], []
     for case in cases:
         buffers = _buffers(torch, case, src_dev, dst_dev)
-        engine.register_host(buffers.host)
+        engine.register(buffers.host)
         torch.cuda.synchronize()
         for kind in kinds:
             try:
@@ -348,7 +348,7 @@ def _run_cases(torch, cases, kinds, repeats, progress, primitives, src_dev, dst_
             rows.append(row)
             progress(row)
         torch.cuda.synchronize()
-        engine.unregister_host(buffers.host)
+        engine.unregister(buffers.host)
         del buffers
         torch.cuda.empty_cache()
     return rows, _meta(torch, cuda, copier, repeats, cycles_per_us, src_dev != dst_dev, primitives, failures)

@@ -24,7 +24,7 @@ from ascend_dualpath import errors as E
 from ascend_dualpath.backends.emulator import completion_error
 from ascend_dualpath.transport.engine import StagingPool, Ticket, TransferEngine, TransferResult
 from ascend_dualpath.transport.kinds import ROCE, ChannelCapabilities, MemoryKind, Selection, TransferKind, select_kind
-from ascend_dualpath.transport.segments import MemorySegment, split_segments
+from ascend_dualpath.transport.segments import MemorySegment, RemoteSlot, split_segments
 
 MAX_MESSAGE_BYTES = 1 << 31
 DEFAULT_MAX_SINGLE_AIV_PAYLOAD = 1 << 20  # assumption: 1 MiB per AIV-posted WQE (configurable)
@@ -165,6 +165,25 @@ class EmulatedTransferEngine(TransferEngine):
                 f"region [{region.addr:#x}, +{region.size}) (lkey {region.lkey:#x}) is not registered with {self!r}"
             )
         self._revoked.add(region.lkey)
+
+    def locate(self, addr: int, nbytes: int) -> MemorySegment:
+        for region in (self.comm.windows_in, self.comm.windows_out, *self._registered.values()):
+            if region.addr <= addr and addr + nbytes <= region.addr + region.size:
+                memory = MemoryKind.HOST if int(region.kind) == 1 else MemoryKind.DEVICE
+                return MemorySegment(addr, nbytes, memory, region.lkey)
+        raise E.NotRegistered(
+            f"source [{addr:#x}, +{nbytes}) is in no region registered with {self!r} (its "
+            f"communicator's windows or register())"
+        )
+
+    def remote_slot(self, addr: int, nbytes: int) -> RemoteSlot:
+        for mem in self.comm.remote_mems(self.peer):
+            if mem.addr <= addr and addr + nbytes <= mem.addr + mem.size:
+                return RemoteSlot(self.peer, addr, nbytes, mem.rkey)
+        raise E.BoundsError(f"destination [{addr:#x}, +{nbytes}) on rank {self.peer} is in no memory it registered")
+
+    def record(self, slot: int, magic: int, timeout_s: float | None = None) -> None:
+        self.comm.notify_record(self.peer, slot, magic, self.timeout_s if timeout_s is None else timeout_s)
 
     # ---- gates ------------------------------------------------------------------------------------
 

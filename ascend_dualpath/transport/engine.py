@@ -11,10 +11,11 @@ Waiting
     default bound, ``ADP_TIMEOUT_S`` unless configured). No wait is unbounded.
 
 Registration
-    Sources live in memory registered with the engine (a backend's ``register`` call: the emulator's and the
-    NPU's ``register`` / ``unregister``, the CUDA engine's ``register_host`` / ``unregister_host`` for host
-    DRAM); after the matching unregister a request with a source there raises
-    :class:`~ascend_dualpath.errors.NotRegistered` before anything moves.
+    Sources live in memory registered with the engine (every backend's ``register`` / ``unregister``: the
+    emulator's take a region, the NPU's an address range, the CUDA engine's a pinned host buffer); after the
+    matching unregister a request with a source there raises :class:`~ascend_dualpath.errors.NotRegistered`
+    before anything moves. :meth:`TransferEngine.locate` and :meth:`TransferEngine.remote_slot` turn addresses
+    into segments and slots, so a caller holding only addresses (DualPath's transfer leg) needs no backend.
 """
 
 from __future__ import annotations
@@ -200,6 +201,22 @@ class TransferEngine(abc.ABC):
     @abc.abstractmethod
     def _release(self, ticket: Ticket) -> None:
         """Release whatever the ticket holds (staging buffer); idempotent."""
+
+    @abc.abstractmethod
+    def locate(self, addr: int, nbytes: int) -> MemorySegment:
+        """The source segment of ``nbytes`` at ``addr`` in memory this engine may read (its key and memory kind);
+        :class:`~ascend_dualpath.errors.NotRegistered` or BoundsError naming the range otherwise."""
+
+    @abc.abstractmethod
+    def remote_slot(self, addr: int, nbytes: int) -> RemoteSlot:
+        """The remote slot of ``nbytes`` at ``addr`` on the engine's peer (its key); BoundsError or NotRegistered
+        naming the range when the peer exposes no memory there."""
+
+    @abc.abstractmethod
+    def record(self, slot: int, magic: int, timeout_s: float | None = None) -> None:
+        """Write the caller's ``magic`` into the peer's notify ``slot`` now (bounded by ``timeout_s``): a notify
+        outside a transfer (DualPath's per-attempt magics, aborts). Call it after the transfers it must follow
+        completed (their ``wait`` returned)."""
 
     def submit(
         self,

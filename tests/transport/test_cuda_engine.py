@@ -66,7 +66,7 @@ def _sources(torch, engine, src_dev, host_share: bool):
     length = sum(_SIZES) + 16 * (len(_SIZES) + 1)  # a 16-byte gap before every block
     device = torch.randint(0, 256, (length,), dtype=torch.uint8, device=src_dev)
     host = torch.randint(0, 256, (length,), dtype=torch.uint8).pin_memory()
-    engine.register_host(host)
+    engine.register(host)
     torch.cuda.synchronize(src_dev)
     _ALIVE[:] = [device, host]
     segments, expected, offset = [], [], 0
