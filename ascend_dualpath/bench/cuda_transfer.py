@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import asdict
+from typing import Any
 
 from ascend_dualpath import errors as E
 from ascend_dualpath.bench.transfer import Row, percentile
@@ -92,40 +94,78 @@ class Buffers:
 
 @dataclasses.dataclass
 class Submitter:
-    """How one kind enqueues a request: ``submit()`` returns a handle, ``finish(handle)`` waits for it (bounded)
-    and returns the flag value that must be published (None: none to check); ``facts()`` describes the row."""
+    """How one kind enqueues a request: ``submit()`` returns a handle, ``finish(handle)`` waits until it completed
+    (bounded; timed, so it checks nothing), ``check()`` verifies the last request's ready flag or notify (after the
+    timing), ``facts()`` describes the row; ``source`` is the tensor the destination must equal afterwards (None:
+    the kind moves nothing)."""
 
-    submit: object
-    finish: object
-    facts: object
-    source: object  # the tensor the destination must equal afterwards
+    submit: Callable[[], Any]
+    finish: Callable[[Any], Any]
+    facts: Callable[[], dict]
+    source: Any
+    check: Callable[[], None] = lambda: None
 
 
-def _engine_submitter(torch, engine, kind: str, case, buffers: Buffers) -> Submitter:
-    host_sources = kind == "staging"
-    source = buffers.host if host_sources else buffers.src
-    segments = [engine.segment(source, i * case.size, case.size) for i in range(case.count)]
-    prepared = engine.prepare(segments, engine.slot(buffers.dst), notify_slot=0, kind=kind)
-    notify = engine.notify
+class _Last:
+    """The last value a request published, kept by ``finish`` for the untimed ``check``."""
+
+    value: Any = None
+
+
+def engine_submitter(engine, prepared, name: str, source, submit=None) -> Submitter:
+    """A prepared request of ``engine`` (``submit``: default ``prepared.submit``), its notify slot 0 checked."""
+    last = _Last()
 
     def finish(ticket):
-        result = ticket.wait()
-        if int(notify[0].item()) != result.notify_magic:
-            raise AssertionError(f"{kind} {case.name}: notify slot {int(notify[0].item())} != {result.notify_magic}")
-        return None
+        last.value = ticket.wait()
+
+    def check():
+        if last.value is None or engine.notify_value(0) != last.value.notify_magic:
+            raise AssertionError(
+                f"{name}: notify slot holds {engine.notify_value(0)}, the last request published "
+                f"{last.value and last.value.notify_magic}"
+            )
 
     def facts():
         selection = prepared.selection
         return {
             "decided_by": selection.decided_by,
+            "kind_chosen": selection.kind.value,
             "pieces": len(prepared.pieces),
             "staging_bytes": prepared.state["work"].staging_bytes,
         }
 
-    return Submitter(prepared.submit, finish, facts, source)
+    return Submitter(submit or prepared.submit, finish, facts, source, check)
 
 
-def _baseline_submitter(torch, kind: str, buffers: Buffers) -> Submitter:
+def graph_submitter(torch, engine, prepared, name: str, source) -> Submitter:
+    """CUDA-graph replays of a prepared ``aiv`` request (:meth:`CudaTransferEngine.capture`)."""
+    graphed = engine.capture(prepared)
+    stream = torch.cuda.current_stream(engine.device)
+    last = _Last()
+
+    def finish(value):
+        stream.synchronize()
+        last.value = value
+
+    def check():
+        if engine.notify_value(0) != last.value:
+            raise AssertionError(
+                f"{name}: notify slot holds {engine.notify_value(0)}, the last replay published {last.value}"
+            )
+
+    return Submitter(graphed.replay, finish, lambda: {"graph": True}, source, check)
+
+
+def _engine_kind(torch, engine, kind: str, case, buffers: Buffers) -> Submitter:
+    source = buffers.host if kind == "staging" else buffers.src
+    segments = [engine.segment(source, i * case.size, case.size) for i in range(case.count)]
+    prepared = engine.prepare(segments, engine.slot(buffers.dst), notify_slot=0, kind=kind)
+    return engine_submitter(engine, prepared, f"{kind} {case.name}", source)
+
+
+def baseline_submitter(torch, kind: str, buffers: Buffers) -> Submitter:
+    """torch's ``_foreach_copy_`` (``foreach``) or one ``copy_`` per segment (``copy``) on the current stream."""
     stream = torch.cuda.current_stream(buffers.src.device)
 
     def finish(_):
@@ -153,11 +193,18 @@ def _primitive_submitter(torch, kind: str, case, copier, buffers: Buffers) -> Su
     stream = torch.cuda.current_stream(buffers.src.device)
     flag = copier.flag
     values = iter(range(1, 1 << 62))
+    last = _Last()
 
-    def finish(expected):
+    def finish(value):
         stream.synchronize()
-        if expected is not None and int(flag.item()) != expected:
-            raise AssertionError(f"{kind} {case.name}: ready flag {int(flag.item())} != {expected}")
+        last.value = value
+
+    def check():
+        if last.value is not None and int(flag.item()) != last.value:
+            raise AssertionError(f"{kind} {case.name}: ready flag {int(flag.item())} != {last.value}")
+
+    def submitter(submit, facts, source=buffers.src):
+        return Submitter(submit, finish, facts, source, check)
 
     if base in ("device", "graph"):
         chosen = cuda.choose_config(case.nbytes, copier.sm_count)
@@ -170,33 +217,27 @@ def _primitive_submitter(torch, kind: str, case, copier, buffers: Buffers) -> Su
             "streaming": plan.constexprs["STREAMING"],
         }
         if base == "graph":
-            graphed = copier.capture(plan, GRAPH_BASE)
-            return Submitter(graphed.replay, finish, lambda: facts, buffers.src)
+            return submitter(copier.capture(plan, GRAPH_BASE).replay, lambda: facts)
 
         def run():
             value = next(values)
             copier.run(plan, value)
             return value
 
-        return Submitter(run, finish, lambda: facts, buffers.src)
+        return submitter(run, lambda: facts)
     if base == "host-batch":
         from ascend_dualpath.transport.cudart import MemcpyBatch
 
         batch = MemcpyBatch(d_addrs, s_addrs, sizes)
         index = buffers.src.device.index
-        return Submitter(
-            lambda: batch(torch._C._cuda_getCurrentRawStream(index)),
-            finish,
-            lambda: {"batched": batch.batched},
-            buffers.src,
-        )
+        return submitter(lambda: batch(torch._C._cuda_getCurrentRawStream(index)), lambda: {"batched": batch.batched})
     if base == "floor":
         from ascend_dualpath._triton_launch import LaunchSite
 
         site = LaunchSite(cuda._kernels().empty, 1, {"num_warps": 1})
         site.prepare(flag)
         flag_ptr = flag.data_ptr()
-        return Submitter(lambda: site(flag_ptr), finish, lambda: {"note": "empty Triton kernel: moves nothing"}, None)
+        return submitter(lambda: site(flag_ptr), lambda: {"note": "empty Triton kernel: moves nothing"}, None)
     staged = cuda.StagedCopy(
         copier, buffers.host, [i * case.size for i in range(case.count)], d_addrs, sizes, **options
     )
@@ -206,16 +247,17 @@ def _primitive_submitter(torch, kind: str, case, copier, buffers: Buffers) -> Su
         staged.run(value)
         return value
 
-    return Submitter(
-        run_staged, finish, lambda: {"chunks": staged.chunks, "staging_bytes": staged.staging_bytes}, buffers.host
-    )
+    return submitter(run_staged, lambda: {"chunks": staged.chunks, "staging_bytes": staged.staging_bytes}, buffers.host)
 
 
-def _measure(torch, kind, case, submitter: Submitter, buffers: Buffers, repeats: int, cycles_per_us: float) -> Row:
-    """``repeats`` timed requests after two warm-ups (the first compiles and maps; the second sizes the hold)."""
+def measure(
+    torch, kind, case, submitter: Submitter, buffers: Buffers, repeats: int, cycles_per_us: float, warmup: int = 2
+) -> Row:
+    """``repeats`` timed requests after ``warmup`` (>= 1) untimed ones (the first compiles and maps; the last sizes
+    the hold); then the destination is compared with the source and the last request's flag is checked."""
     buffers.dst.zero_()
     sync = torch.cuda.synchronize
-    for _ in range(2):
+    for _ in range(warmup):
         sync()
         t0 = time.perf_counter()
         handle = submitter.submit()
@@ -244,6 +286,7 @@ def _measure(torch, kind, case, submitter: Submitter, buffers: Buffers, repeats:
             into.append(start.elapsed_time(end))
     if submitter.source is not None and not torch.equal(buffers.dst, submitter.source.to(buffers.dst.device)):
         raise AssertionError(f"{kind} {case.name}: destination differs from the source")
+    submitter.check()
     facts = submitter.facts()
     submit_us = percentile(submit_s, 50) * 1e6
     p50 = percentile(latency_ms, 50) * 1e3
@@ -309,11 +352,12 @@ def _make(torch, kind, case, primitives, engine, copier, buffers) -> Submitter:
     if primitives:
         return _primitive_submitter(torch, kind, case, copier, buffers)
     if kind in BASELINES:
-        return _baseline_submitter(torch, kind, buffers)
-    return _engine_submitter(torch, engine, kind, case, buffers)
+        return baseline_submitter(torch, kind, buffers)
+    return _engine_kind(torch, engine, kind, case, buffers)
 
 
-def _buffers(torch, case, src_dev, dst_dev) -> Buffers:
+def make_buffers(torch, case, src_dev, dst_dev) -> Buffers:
+    """Random source (device and pinned host copy) and an empty destination of ``case``, cut into segments."""
     src = torch.randint(0, 256, (case.nbytes,), dtype=torch.uint8, device=src_dev)
     host = src.cpu().pin_memory()
     dst = torch.empty(case.nbytes, dtype=torch.uint8, device=dst_dev)
@@ -333,13 +377,13 @@ def _run_cases(torch, cases, kinds, repeats, progress, primitives, src_dev, dst_
     copier = cuda.DeviceCopier(src_dev, torch.zeros(1, dtype=torch.int64, device=dst_dev))
     rows, failures = [], []
     for case in cases:
-        buffers = _buffers(torch, case, src_dev, dst_dev)
+        buffers = make_buffers(torch, case, src_dev, dst_dev)
         engine.register(buffers.host)
         torch.cuda.synchronize()
         for kind in kinds:
             try:
                 submitter = _make(torch, kind, case, primitives, engine, copier, buffers)
-                row = _measure(torch, kind, case, submitter, buffers, repeats, cycles_per_us)
+                row = measure(torch, kind, case, submitter, buffers, repeats, cycles_per_us)
             except Exception as exc:  # noqa: BLE001 - one broken kind must not lose the rest of a GPU session
                 failures.append(f"{kind} {case.name}: {type(exc).__name__}: {exc}")
                 print(f"  FAILED {failures[-1]}", flush=True)
