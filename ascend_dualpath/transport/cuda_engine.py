@@ -477,13 +477,20 @@ class CudaTransferEngine(TransferEngine):
                 ),
             )
         work = ticket.state["work"]
+        # the copy kernel released the magic after every byte: the result carries it, no notify write follows
         return TransferResult(
-            ticket.kind, ticket.selection, work.nbytes, len(ticket.pieces), 0.0, 0.0, 0.0, work.staging_bytes
+            ticket.kind,
+            ticket.selection,
+            work.nbytes,
+            len(ticket.pieces),
+            0.0,
+            0.0,
+            0.0,
+            work.staging_bytes,
+            ticket.state.get("published"),
         )
 
     def _publish_ready(self, ticket: Ticket, timeout_s: float) -> int:
-        if "published" in ticket.state:  # released by the copy kernel after every byte (_finish saw it complete)
-            return ticket.state["published"]
         magic = next(self._magics)
         self._write_notify(ticket.notify_slot, magic, timeout_s, f"ticket {ticket.id}")
         return magic

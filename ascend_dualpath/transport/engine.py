@@ -192,7 +192,8 @@ class TransferEngine(abc.ABC):
 
     @abc.abstractmethod
     def _finish(self, ticket: Ticket, timeout_s: float) -> TransferResult:
-        """Wait for every completion of ``ticket`` (bounded) and return its result, without the notify."""
+        """Wait for every completion of ``ticket`` (bounded) and return its result; its ``notify_magic`` is None
+        unless the device itself already published remote-ready (then :meth:`_publish_ready` is not called)."""
 
     @abc.abstractmethod
     def _publish_ready(self, ticket: Ticket, timeout_s: float) -> int:
@@ -298,7 +299,7 @@ class TransferEngine(abc.ABC):
         )
         try:
             result = self._finish(ticket, timeout_s)
-            if ticket.notify_slot is not None:  # only after every piece completed
+            if ticket.notify_slot is not None and result.notify_magic is None:  # only after every piece completed
                 magic = self._publish_ready(ticket, timeout_s)
                 result = result.with_notify(magic)
             ticket.result = result
