@@ -138,7 +138,7 @@ def submitter(torch, bench, engine, copier, label, case, buffers):
     if label in ("foreach", "copy"):
         return bench.baseline_submitter(torch, label, buffers)
     if label == "bare kernel":
-        return bench._primitive_submitter(torch, "device", case, copier, buffers)
+        return bench.primitive_submitter(torch, "device", case, copier, buffers)
     segments = [engine.segment(buffers.src, i * case.size, case.size) for i in range(case.count)]
     slot = engine.slot(buffers.dst)
     kind = "aiv" if label in ("engine aiv", "engine graph") else None

@@ -183,7 +183,8 @@ def baseline_submitter(torch, kind: str, buffers: Buffers) -> Submitter:
     return Submitter(copy_each, finish, dict, buffers.src)
 
 
-def _primitive_submitter(torch, kind: str, case, copier, buffers: Buffers) -> Submitter:
+def primitive_submitter(torch, kind: str, case, copier, buffers: Buffers) -> Submitter:
+    """A raw copy primitive of ``--primitives`` (:func:`parse_kind`) on ``copier``'s GPU, its ready flag checked."""
     from ascend_dualpath.transport import cuda
 
     base, options = parse_kind(kind, primitives=True)
@@ -350,7 +351,7 @@ def run_bench(cases, kinds: list[str], repeats: int, progress, primitives: bool 
 
 def _make(torch, kind, case, primitives, engine, copier, buffers) -> Submitter:
     if primitives:
-        return _primitive_submitter(torch, kind, case, copier, buffers)
+        return primitive_submitter(torch, kind, case, copier, buffers)
     if kind in BASELINES:
         return baseline_submitter(torch, kind, buffers)
     return _engine_kind(torch, engine, kind, case, buffers)
