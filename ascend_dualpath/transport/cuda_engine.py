@@ -247,8 +247,8 @@ class CudaTransferEngine(TransferEngine):
     def _route(self, sources, remote, kind):
         """The gates and the split, computed once per request pattern (they cost ~5 µs per piece in Python).
 
-        The key is the sources' addresses and lengths (two list comprehensions: ~0.05 µs per source): CUDA
-        addresses are unified, so an address also names the memory it lies in."""
+        The key is the sources' addresses and lengths (two list comprehensions, ~0.03 µs per source; faster here
+        than ``map(attrgetter)``): CUDA addresses are unified, so an address also names the memory it lies in."""
         key = (kind, remote, tuple([s.addr for s in sources]), tuple([s.nbytes for s in sources]))
         routed = self._routes.get(key)
         if routed is None:

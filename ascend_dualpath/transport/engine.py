@@ -244,7 +244,7 @@ class TransferEngine(abc.ABC):
         type (:class:`~ascend_dualpath.errors.ArgumentTypeError`, naming it)."""
         where = f"{type(self).__name__}.submit"
         check_type("sources", sources, (list, tuple), where=where)
-        if not all(type(source) is MemorySegment for source in sources):  # one pass; the loop names the culprit
+        if set(map(type, sources)) != {MemorySegment}:  # one pass in C; the loop names the culprit
             for index, source in enumerate(sources):
                 check_type(f"sources[{index}]", source, MemorySegment, where=where)
         check_type("remote", remote, RemoteSlot, where=where)
