@@ -104,11 +104,18 @@ def run_tests() -> dict:
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit, check=False)
         output, rc = done.stdout + done.stderr, done.returncode
     except subprocess.TimeoutExpired as exc:
-        output, rc = f"{exc.stdout or ''}{exc.stderr or ''}\nTIMED OUT after {limit:.0f} s", "timeout"
-    write("pytest.txt", " ".join(command) + "\n\n" + (output if isinstance(output, str) else output.decode()))
-    tail = [line for line in str(output).splitlines() if line.strip()][-1:] or [""]
+        output, rc = f"{_text(exc.stdout)}{_text(exc.stderr)}\nTIMED OUT after {limit:.0f} s", "timeout"
+    write("pytest.txt", " ".join(command) + "\n\n" + output)
+    tail = [line for line in output.splitlines() if line.strip()][-1:] or [""]
     print(f"pytest rc={rc}: {tail[0]}", flush=True)
     return {"command": " ".join(command), "rc": rc, "last_line": tail[0]}
+
+
+def _text(captured) -> str:
+    """A timed-out subprocess's partial output (bytes even with ``text=True``, or None) as text."""
+    if captured is None:
+        return ""
+    return captured.decode(errors="replace") if isinstance(captured, bytes) else captured
 
 
 # ---- the benchmark ---------------------------------------------------------------------------------------------
