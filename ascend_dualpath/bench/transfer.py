@@ -1,13 +1,15 @@
 """Three-way layer-block transfer microbenchmark: AIV-direct vs AICPU/host vs HCCL-buffer staging.
 
-``python -m ascend_dualpath.bench.transfer [--backend emulator|cuda]`` runs every kind over a sweep of
-segment sizes and counts (with DualPath-shaped cases: one layer block per layer for 61 layers) and
-reports, per kind and case: submit time per segment, completion latency p50/p99, effective bandwidth,
+``python -m ascend_dualpath.bench.transfer [--backend emulator|cuda] [--kinds aiv,aicpu,staging,host]`` runs
+the transfer engine of the backend for every kind over a sweep of segment sizes and counts (with DualPath-shaped
+cases: one layer block per layer for 61 layers) and reports, per kind and case: submit time per segment, completion latency p50/p99, effective bandwidth,
 host CPU time, staging peak bytes, and the share of submit time in the request's critical path with
 the seed's stop condition (submit share under 5% => keep the host path). Output: a table, JSON, a plot.
 
 On the emulator every time is the virtual clock of the cost model (printed with the results); host
-CPU time there is the emulator's own and says nothing about hardware. On CUDA times are measured.
+CPU time there is the emulator's own and says nothing about hardware. On CUDA times are measured, and torch's
+baselines (``foreach``, per-segment ``copy``) run in the same process; ``--primitives`` measures the raw copy
+primitives under the CUDA engine and their tuning variants instead (:mod:`ascend_dualpath.bench.cuda_transfer`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from ascend_dualpath.errors import ConfigError
 
 KIB, MIB = 1024, 1024 * 1024
+BASELINE_KINDS = ("foreach", "copy")  # torch's own copies on CUDA: compared against, never a transfer kind
 STOP_SHARE = 0.05  # the seed's stop condition: submit under 5% of the critical path => keep the host path
 MLA_BLOCK_BYTES = 64 * 576 * 2  # 64 tokens of DeepSeek-V3 MLA KV (512 latent + 64 rope, bf16) per layer
 
@@ -170,7 +173,7 @@ def verdicts(rows: list[Row]) -> list[dict]:
         by_case.setdefault(r.case, {})[r.kind] = r
     for case, kinds in by_case.items():
         host_kinds = [k for k in kinds if k.startswith("host")]
-        device_kinds = [k for k in kinds if not k.startswith("host") and k not in ("aicpu",)]
+        device_kinds = [k for k in kinds if not k.startswith("host") and k not in ("aicpu", *BASELINE_KINDS)]
         if not host_kinds or not device_kinds:
             continue
         host = min((kinds[k] for k in host_kinds), key=lambda r: r.latency_us_p50)
@@ -262,7 +265,16 @@ def plot(rows: list[Row], path: str, title: str) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=("emulator", "cuda"), default="emulator")
-    parser.add_argument("--kinds", default=None, help="comma-separated kinds (default: all of the backend)")
+    parser.add_argument(
+        "--kinds",
+        default=None,
+        help="comma-separated kinds (default: aiv,aicpu,staging,host and the backend's baselines)",
+    )
+    parser.add_argument(
+        "--primitives",
+        action="store_true",
+        help="cuda: measure the raw copy primitives and their tuning variants instead of the engine",
+    )
     parser.add_argument("--repeats", type=int, default=5, help="runs per case (p50/p99 over them)")
     parser.add_argument("--quick", action="store_true", help="a few small cases only (smoke test)")
     parser.add_argument("--cases", default=None, help="comma-separated case names to keep (default: all)")
@@ -283,6 +295,8 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"unknown case(s) {unknown}; known: {[c.name for c in cases]}")
         cases = [c for c in cases if c.name in wanted]
     if args.backend == "emulator":
+        if args.primitives:
+            raise ConfigError("--primitives measures the CUDA copy primitives: it needs --backend cuda")
         kinds = args.kinds.split(",") if args.kinds else list(EMULATOR_KINDS)
         rows, params = run_emulator(
             cases,
@@ -301,14 +315,16 @@ def run(args: argparse.Namespace) -> int:
             "repeats": args.repeats,
         }
     else:
-        from ascend_dualpath.transport import cuda
+        from ascend_dualpath.bench import cuda_transfer
 
-        kinds = args.kinds.split(",") if args.kinds else list(cuda.BENCH_KINDS)
-        rows, meta = cuda.run_bench(
+        default = cuda_transfer.PRIMITIVES if args.primitives else cuda_transfer.DEFAULT_KINDS
+        kinds = args.kinds.split(",") if args.kinds else list(default)
+        rows, meta = cuda_transfer.run_bench(
             cases,
             kinds,
             args.repeats,
             progress=lambda r: print(progress_line(r), flush=True),
+            primitives=args.primitives,
         )
     meta["date_utc"] = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
     table = format_table(rows)

@@ -2,13 +2,17 @@
 
 Both read paths stream KV between the prefill engine (PE) and the decode engine (DE) one layer at a time:
 hit Layer Blocks DE -> PE HBM (DE read path), complete or miss layers PE -> DE buffer. Everything that moves
-those bytes goes through :class:`LayerTransferLeg`, so the leg can be switched to the transport engine
-(``ascend_dualpath.transport``: aiv / aicpu / staging / host transfer kinds) in this one place.
+those bytes goes through a :class:`LayerTransferLeg`:
 
-:class:`HcclTransferLeg` is the default: one ``HcclBatchPut`` with one descriptor per segment (validated as a
-whole before anything moves), then ``notify_record`` with the caller's per-call magic. Submissions run in
-order on one worker thread, so :meth:`~HcclTransferLeg.submit` returns at once and the transfer of layer
-``l + 1`` overlaps the compute of layer ``l``.
+- :class:`TransportTransferLeg` (the default, ``EngineConfig.transfer == "transport"``): one transfer engine
+  per destination rank (:class:`~ascend_dualpath.transport.TransferEngine`, any backend: given, made by a
+  factory, or the emulator's from the communicator), so each layer goes the way the gates choose (aiv / aicpu
+  / staging / host), then the engine's ``record`` of the caller's per-attempt magic.
+- :class:`HcclTransferLeg`: one ``HcclBatchPut`` with one descriptor per segment (validated as a whole before
+  anything moves), then ``notify_record`` with the caller's magic.
+
+Submissions run in order on one worker thread, so ``submit`` returns at once and the transfer of layer
+``l + 1`` overlaps the compute of layer ``l``. Every wait is ``wait(ticket, timeout_s=None)``, bounded.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any, Protocol
 
 from ascend_dualpath import _env
 from ascend_dualpath._checks import check_bound
-from ascend_dualpath.errors import AdpError, BoundsError, ProtocolError, QueueError, WaitTimeout
+from ascend_dualpath.errors import AdpError, BoundsError, ConfigError, ProtocolError, QueueError, WaitTimeout
 
 NOTIFY_POLL_S = 50e-6
 ABORT_SLOT = 1023  # notify slot reserved for "the peer gave up on this request"
@@ -69,8 +73,15 @@ class TransferTicket:
 class LayerTransferLeg(Protocol):
     """What the read paths need from a transfer engine."""
 
-    def submit(self, layer: int, segments: Sequence[Segment], dst_peer: int, dst_addr: int, notify_slot: int | None,
-               magic: int | None) -> TransferTicket: ...
+    def submit(
+        self,
+        layer: int,
+        segments: Sequence[Segment],
+        dst_peer: int,
+        dst_addr: int,
+        notify_slot: int | None,
+        magic: int | None,
+    ) -> TransferTicket: ...
 
     def wait(self, ticket: TransferTicket, timeout_s: float | None = None) -> float: ...
 
@@ -83,7 +94,85 @@ class LayerTransferLeg(Protocol):
     def close(self) -> None: ...
 
 
-class HcclTransferLeg:
+class _QueuedLeg:
+    """The worker thread, the checks, the queue and the waits shared by both legs; a leg adds ``_notify``."""
+
+    def __init__(self, timeout_s: float | None) -> None:
+        self.timeout_s = (
+            check_bound("timeout_s", timeout_s, where=type(self).__name__)
+            if timeout_s is not None
+            else _env.timeout_s()
+        )
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adp-leg")
+        self._lock = threading.Lock()
+        self.bytes_sent = 0
+        self.last_vtime_ns = 0.0
+
+    def _notify(self, dst_peer: int, notify_slot: int, magic: int) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def _check(layer: int, segments: Sequence[Segment], notify_slot: int | None, magic: int | None) -> None:
+        if (notify_slot is None) != (magic is None):
+            raise ProtocolError(f"layer {layer}: notify_slot and magic go together, got {notify_slot} and {magic}")
+        for seg in segments:
+            if seg.nbytes < 1 or seg.dst_offset < 0:
+                raise BoundsError(
+                    f"layer {layer}: segment of {seg.nbytes} bytes at destination offset "
+                    f"{seg.dst_offset}; needs >= 1 byte at offset >= 0"
+                )
+
+    def _queue(
+        self,
+        layer: int,
+        segments: Sequence[Segment],
+        dst_peer: int,
+        dst_addr: int,
+        move: Callable[[], float],
+        notify_slot: int | None,
+        magic: int | None,
+    ) -> TransferTicket:
+        """Run ``move`` (returns its virtual completion time) on the worker, then the notify, then accounting."""
+        nbytes = sum(seg.nbytes for seg in segments)
+        what = f"layer {layer} ({len(segments)} segments, {nbytes} bytes) to rank {dst_peer} at {dst_addr:#x}"
+
+        def run() -> float:
+            vtime = move()
+            if notify_slot is not None:  # only after every byte of the layer completed
+                self._notify(dst_peer, notify_slot, magic)
+            with self._lock:
+                self.bytes_sent += nbytes
+                self.last_vtime_ns = max(self.last_vtime_ns, vtime)
+            return vtime
+
+        return TransferTicket(layer, nbytes, what, self._worker.submit(run))
+
+    def raise_if_failed(self, ticket: TransferTicket) -> None:
+        """Raise :class:`TransferFailed` now if the transfer already failed (never blocks)."""
+        if ticket.future.done() and ticket.future.exception() is not None:
+            self.wait(ticket, 0)
+
+    def wait(self, ticket: TransferTicket, timeout_s: float | None = None) -> float:
+        """Block (bounded: ``timeout_s``, None for the leg's) until the transfer is done; returns its virtual
+        completion time in ns (0 where the backend has no virtual clock)."""
+        timeout = (
+            check_bound("timeout_s", timeout_s, zero_ok=True, where=f"wait for {ticket.what}")
+            if timeout_s is not None
+            else self.timeout_s
+        )
+        try:
+            ticket.vtime_ns = ticket.future.result(timeout)
+        except TimeoutError as error:
+            raise WaitTimeout(f"transfer of {ticket.what} not done after {timeout} s") from error
+        except AdpError as error:
+            raise TransferFailed(f"transfer of {ticket.what} failed: {error}") from error
+        return ticket.vtime_ns
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
+
+
+class HcclTransferLeg(_QueuedLeg):
     """Layer transfers over an emulated (or real) HCCL communicator: ``batch_put`` + ``notify_record``.
 
     Parameters
@@ -98,21 +187,23 @@ class HcclTransferLeg:
     def __init__(self, comm: Any, timeout_s: float | None = None) -> None:
         from ascend_dualpath import _ext
 
+        super().__init__(timeout_s)
         self._C = _ext.load()
         self.comm = comm
-        self.timeout_s = check_bound("timeout_s", timeout_s, where=type(self).__name__) if timeout_s is not None \
-            else _env.timeout_s()
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adp-leg")
-        self._lock = threading.Lock()
-        self.bytes_sent = 0
-        self.last_vtime_ns = 0.0
 
     def register_local(self, region: Any) -> None:
         """Make ``region`` usable as a source (HcclRegisterMem)."""
         self.comm.register_local(region)
 
-    def submit(self, layer: int, segments: Sequence[Segment], dst_peer: int, dst_addr: int,
-               notify_slot: int | None = None, magic: int | None = None) -> TransferTicket:
+    def submit(
+        self,
+        layer: int,
+        segments: Sequence[Segment],
+        dst_peer: int,
+        dst_addr: int,
+        notify_slot: int | None = None,
+        magic: int | None = None,
+    ) -> TransferTicket:
         """Queue layer ``layer``'s segments for ``dst_peer`` at ``dst_addr``; then set ``notify_slot`` to ``magic``.
 
         Returns at once; :meth:`wait` on the ticket re-raises any failure as :class:`TransferFailed`.
@@ -125,138 +216,133 @@ class HcclTransferLeg:
 
         return self._queue(layer, segments, dst_peer, dst_addr, move, notify_slot, magic)
 
-    @staticmethod
-    def _check(layer: int, segments: Sequence[Segment], notify_slot: int | None, magic: int | None) -> None:
-        if (notify_slot is None) != (magic is None):
-            raise ProtocolError(f"layer {layer}: notify_slot and magic go together, got {notify_slot} and {magic}")
-        for seg in segments:
-            if seg.nbytes < 1 or seg.dst_offset < 0:
-                raise BoundsError(f"layer {layer}: segment of {seg.nbytes} bytes at destination offset "
-                                  f"{seg.dst_offset}; needs >= 1 byte at offset >= 0")
-
-    def _queue(self, layer: int, segments: Sequence[Segment], dst_peer: int, dst_addr: int, move: Callable[[], float],
-               notify_slot: int | None, magic: int | None) -> TransferTicket:
-        """Run ``move`` (returns its virtual completion time) on the worker, then the notify, then accounting."""
-        nbytes = sum(seg.nbytes for seg in segments)
-        what = f"layer {layer} ({len(segments)} segments, {nbytes} bytes) to rank {dst_peer} at {dst_addr:#x}"
-
-        def run() -> float:
-            vtime = move()
-            if notify_slot is not None:  # only after every byte of the layer completed
-                self.comm.notify_record(dst_peer, notify_slot, magic, self.timeout_s)
-            with self._lock:
-                self.bytes_sent += nbytes
-                self.last_vtime_ns = max(self.last_vtime_ns, vtime)
-            return vtime
-
-        return TransferTicket(layer, nbytes, what, self._worker.submit(run))
-
-    def raise_if_failed(self, ticket: TransferTicket) -> None:
-        """Raise :class:`TransferFailed` now if the transfer already failed (never blocks)."""
-        if ticket.future.done() and ticket.future.exception() is not None:
-            self.wait(ticket, 0)
-
-    def wait(self, ticket: TransferTicket, timeout_s: float | None = None) -> float:
-        """Block until the transfer is done; returns its virtual completion time in ns."""
-        timeout = check_bound("timeout_s", timeout_s, zero_ok=True, where=f"wait for {ticket.what}") \
-            if timeout_s is not None else self.timeout_s
-        try:
-            ticket.vtime_ns = ticket.future.result(timeout)
-        except TimeoutError as error:
-            raise WaitTimeout(f"transfer of {ticket.what} not done after {timeout} s") from error
-        except AdpError as error:
-            raise TransferFailed(f"transfer of {ticket.what} failed: {error}") from error
-        return ticket.vtime_ns
+    def _notify(self, dst_peer: int, notify_slot: int, magic: int) -> None:
+        self.comm.notify_record(dst_peer, notify_slot, magic, self.timeout_s)
 
     def record(self, dst_peer: int, notify_slot: int, magic: int) -> None:
         """Set a notify flag on the peer now (not queued behind transfers): used for aborts."""
         self.comm.notify_record(dst_peer, notify_slot, magic, self.timeout_s)
 
-    def close(self) -> None:
-        self._worker.shutdown(wait=True)
 
+class TransportTransferLeg(_QueuedLeg):
+    """Layer transfers through transfer engines (:mod:`ascend_dualpath.transport`), one per destination rank, so
+    each layer goes the way the gates choose: ``aiv`` for device-memory sources, ``staging`` for host-DRAM
+    sources (the DE buffer), falling back to ``aicpu`` / ``host``.
 
-class TransportTransferLeg(HcclTransferLeg):
-    """Layer transfers through the transfer engine (:mod:`ascend_dualpath.transport`), so each layer goes the
-    way the gates choose: ``aiv`` (vector cores post the WQEs) for device-memory sources, ``staging`` through
-    the HCCL window for host-DRAM sources (the DE buffer), falling back to ``aicpu`` / ``host``.
-
-    Sources must lie in the communicator's windows or in regions given to :meth:`register_local`; each run of
-    segments that lands back to back at the destination goes as one request. The notify carries the caller's
-    magic and is written only after every byte of the layer completed.
+    Addresses become segments and slots through the engines (:meth:`~ascend_dualpath.transport.TransferEngine.locate`,
+    ``remote_slot``): sources must lie in memory the engine may read (given to :meth:`register_local`, or the
+    communicator's windows on the emulator); each run of segments that lands back to back at the destination goes
+    as one request. The notify carries the caller's magic (the engine's ``record``) and is written only after
+    every byte of the layer completed.
 
     Parameters
     ----------
-    comm : HcclComm
-        Connected communicator.
+    comm : HcclComm or None
+        Connected communicator of the default engines (the emulator's, one per rank of ``comm``); unused when
+        ``engines`` is given.
     timeout_s : float, optional
         Bound of each transfer and notify (default ``ADP_TIMEOUT_S``).
     backend : str
-        Whose engine moves the bytes (:func:`~ascend_dualpath.transport.create_engine`); the leg's communicator
-        is the emulator's, so ``emulator`` is the one that runs today.
+        Backend of the default engines (:func:`~ascend_dualpath.transport.create_engine`).
+    engines : sequence of TransferEngine, or callable, optional
+        ``engines[rank]`` writes to ``rank``; a callable ``rank -> TransferEngine`` (a factory) is asked once per
+        rank, when the leg first sends there. Either replaces the default engines.
     **engine_options
-        Passed to the engine's constructor (``block_dim``, ...).
+        Passed to the default engines' constructor (``block_dim``, ...).
     """
 
-    def __init__(self, comm: Any, timeout_s: float | None = None, backend: str = "emulator",
-                 **engine_options: Any) -> None:
-        from ascend_dualpath.transport import create_engine
+    def __init__(
+        self,
+        comm: Any = None,
+        timeout_s: float | None = None,
+        backend: str = "emulator",
+        *,
+        engines: Sequence[Any] | Callable[[int], Any] | None = None,
+        **engine_options: Any,
+    ) -> None:
+        super().__init__(timeout_s)
+        self._engines: dict[int, Any] = {}
+        if engines is None:
+            if comm is None:
+                raise ConfigError("TransportTransferLeg needs a communicator (for the default engines) or engines")
+            from ascend_dualpath.transport import create_engine
 
-        super().__init__(comm, timeout_s)
-        # one engine per destination rank (itself included: the DE loads into its own HBM), made up front so
-        # their queues and buffers exist for the leg's whole life
-        self._engines = [create_engine(backend, comm, peer, timeout_s=self.timeout_s, **engine_options)
-                         for peer in range(comm.world_size)]
-        self._regions = [comm.windows_in, comm.windows_out]
+            # one engine per destination rank (itself included: the DE loads into its own HBM), made up front so
+            # their queues and buffers exist for the leg's whole life
+            for peer in range(comm.world_size):
+                self._engines[peer] = create_engine(backend, comm, peer, timeout_s=self.timeout_s, **engine_options)
+            self._factory = None
+        elif callable(engines):
+            self._factory = engines
+        else:
+            self._engines = dict(enumerate(engines))
+            self._factory = None
+        self._registered: list[Any] = []
         self.kinds_used: dict[str, int] = {}
 
+    def engine(self, peer: int) -> Any:
+        """The engine that writes to rank ``peer`` (made by the factory on first use, with every registration)."""
+        engine = self._engines.get(peer)
+        if engine is None:
+            if self._factory is None:
+                raise ConfigError(f"the leg has no transfer engine to rank {peer} (ranks {sorted(self._engines)})")
+            engine = self._engines[peer] = self._factory(peer)
+            for region in self._registered:
+                engine.register(region)
+        return engine
+
     def register_local(self, region: Any) -> None:
-        """Make ``region`` usable as a source (HcclRegisterMem plus the leg's own address lookup)."""
-        self.comm.register_local(region)
-        self._regions.append(region)
+        """Make ``region`` usable as a source with every engine (its ``register``)."""
+        self._registered.append(region)
+        for engine in {id(e): e for e in self._engines.values()}.values():
+            engine.register(region)
 
-    def _source(self, layer: int, addr: int, nbytes: int) -> Any:
-        from ascend_dualpath.transport import MemoryKind, MemorySegment
-
-        for region in self._regions:
-            if region.addr <= addr and addr + nbytes <= region.addr + region.size:
-                memory = MemoryKind.HOST if int(region.kind) == 1 else MemoryKind.DEVICE
-                return MemorySegment(addr, nbytes, memory, region.lkey)
-        raise BoundsError(f"layer {layer}: source [{addr:#x}, +{nbytes}) is in no region registered with the leg")
-
-    def _slot(self, layer: int, peer: int, addr: int, nbytes: int) -> Any:
-        from ascend_dualpath.transport import RemoteSlot
-
-        for mem in self.comm.remote_mems(peer):
-            if mem.addr <= addr and addr + nbytes <= mem.addr + mem.size:
-                return RemoteSlot(peer, addr, nbytes, mem.rkey)
-        raise BoundsError(f"layer {layer}: destination [{addr:#x}, +{nbytes}) on rank {peer} is in no memory it "
-                          "registered")
-
-    def submit(self, layer: int, segments: Sequence[Segment], dst_peer: int, dst_addr: int,
-               notify_slot: int | None = None, magic: int | None = None) -> TransferTicket:
+    def submit(
+        self,
+        layer: int,
+        segments: Sequence[Segment],
+        dst_peer: int,
+        dst_addr: int,
+        notify_slot: int | None = None,
+        magic: int | None = None,
+    ) -> TransferTicket:
+        """Queue layer ``layer``'s segments for ``dst_peer`` at ``dst_addr``, then ``record`` ``magic`` in
+        ``notify_slot``; every address is resolved (BoundsError / NotRegistered naming the layer) before anything
+        is queued. :meth:`wait` on the ticket re-raises a failure as :class:`TransferFailed`."""
         self._check(layer, segments, notify_slot, magic)
+        engine = self.engine(dst_peer)
         runs: list[tuple[int, list]] = []  # (destination offset, sources) per back-to-back run of segments
         cursor = None
-        for seg in segments:
-            if cursor != seg.dst_offset:
-                runs.append((seg.dst_offset, []))
-            runs[-1][1].append(self._source(layer, seg.src_addr, seg.nbytes))
-            cursor = seg.dst_offset + seg.nbytes
-        requests = [(sources, self._slot(layer, dst_peer, dst_addr + offset, sum(s.nbytes for s in sources)))
-                    for offset, sources in runs]  # every address is checked before anything is queued
-        engine = self._engines[dst_peer]
+        try:
+            for seg in segments:
+                if cursor != seg.dst_offset:
+                    runs.append((seg.dst_offset, []))
+                runs[-1][1].append(engine.locate(seg.src_addr, seg.nbytes))
+                cursor = seg.dst_offset + seg.nbytes
+            requests = [
+                (sources, engine.remote_slot(dst_addr + offset, sum(s.nbytes for s in sources)))
+                for offset, sources in runs
+            ]
+        except AdpError as error:
+            raise type(error)(f"layer {layer}: {error}") from error
 
         def move() -> float:
             vtime = self.last_vtime_ns
             for sources, slot in requests:
-                result = engine.transfer(sources, slot, timeout=self.timeout_s)
+                result = engine.transfer(sources, slot, timeout_s=self.timeout_s)
                 vtime = max(vtime, result.complete_vtime_ns)
                 with self._lock:
                     self.kinds_used[result.kind.value] = self.kinds_used.get(result.kind.value, 0) + 1
             return vtime
 
         return self._queue(layer, segments, dst_peer, dst_addr, move, notify_slot, magic)
+
+    def _notify(self, dst_peer: int, notify_slot: int, magic: int) -> None:
+        self.engine(dst_peer).record(notify_slot, magic, self.timeout_s)
+
+    def record(self, dst_peer: int, notify_slot: int, magic: int) -> None:
+        """Set a notify flag on the peer now (not queued behind transfers): used for aborts."""
+        self.engine(dst_peer).record(notify_slot, magic, self.timeout_s)
 
 
 class FaultInjectingLeg:
@@ -278,8 +364,15 @@ class FaultInjectingLeg:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def submit(self, layer: int, segments: Sequence[Segment], dst_peer: int, dst_addr: int,
-               notify_slot: int | None = None, magic: int | None = None) -> TransferTicket:
+    def submit(
+        self,
+        layer: int,
+        segments: Sequence[Segment],
+        dst_peer: int,
+        dst_addr: int,
+        notify_slot: int | None = None,
+        magic: int | None = None,
+    ) -> TransferTicket:
         with self._lock:
             fire = 0 in self._countdowns
             if fire:
@@ -295,8 +388,16 @@ class FaultInjectingLeg:
         return self.inner.wait(ticket, timeout_s)
 
 
-def wait_notify(comm: Any, slot: int, magic: int, what: str, *, abort_magic: int | None = None,
-                timeout_s: float | None = None, check: Callable[[], None] | None = None) -> None:
+def wait_notify(
+    comm: Any,
+    slot: int,
+    magic: int,
+    what: str,
+    *,
+    abort_magic: int | None = None,
+    timeout_s: float | None = None,
+    check: Callable[[], None] | None = None,
+) -> None:
     """Wait until notify ``slot`` holds ``magic``, or the abort slot holds ``abort_magic`` (then PeerAborted).
 
     Parameters
@@ -319,6 +420,8 @@ def wait_notify(comm: Any, slot: int, magic: int, what: str, *, abort_magic: int
         if check is not None:
             check()
         if time.monotonic() > deadline:
-            raise WaitTimeout(f"timed out after {timeout} s waiting for {what} (notify slot {slot}, magic "
-                              f"{magic:#x}; slot holds {comm.notify_value(slot):#x})")
+            raise WaitTimeout(
+                f"timed out after {timeout} s waiting for {what} (notify slot {slot}, magic "
+                f"{magic:#x}; slot holds {comm.notify_value(slot):#x})"
+            )
         time.sleep(NOTIFY_POLL_S)

@@ -6,7 +6,7 @@ Importing this package touches no device; backends load their runtime when an en
 
     engine = create_engine("emulator", comm, peer=1)
     ticket = engine.submit([MemorySegment.of_region(kv_region)], RemoteSlot(1, addr, nbytes, rkey), notify_slot=3)
-    result = ticket.wait(timeout=5.0)       # result.kind, result.selection.decided_by, ...
+    result = ticket.wait(timeout_s=5.0)     # result.kind, result.selection.decided_by, ...
 """
 
 from __future__ import annotations

@@ -36,11 +36,13 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from ascend_dualpath import errors as E
+from ascend_dualpath._checks import check_bound
 from ascend_dualpath._triton_launch import raw_stream_getter
-from ascend_dualpath.transport.engine import Ticket, TransferEngine, TransferResult
+from ascend_dualpath.transport.engine import PreparedTransfer, Ticket, TransferEngine, TransferResult
 from ascend_dualpath.transport.kinds import (
     AIV_DATAPLANE_BIT,
     ChannelCapabilities,
+    GateDecision,
     MemoryKind,
     Selection,
     TransferKind,
@@ -51,6 +53,11 @@ from ascend_dualpath.transport.segments import MemorySegment, RemoteSlot
 LOCAL, PEER_ACCESS, NO_PEER_ACCESS = "local", "peer access", "no peer access"
 DIRECT_PROTOCOLS = (LOCAL, PEER_ACCESS)
 DEFAULT_MAX_SINGLE_PIECE = 1 << 30  # the device kernel tiles any piece; this only bounds one cudaMemcpy
+# one contiguous piece from here goes to the copy engine: on H200 one 64 MiB piece took 34.8 µs of GPU time with
+# cudaMemcpyAsync against 47.8 µs end to end through the kernel (docs/transfer.md); 8 MiB is the smallest size
+# where the copy engine's launch cost (a few µs) is below a tenth of the copy
+COPY_ENGINE_MIN_BYTES = 8 << 20
+GRAPH_FIRST_MAGIC = 1 << 40  # graph replays publish from here: far above the magics of eager submissions
 PLAN_CACHE = 64
 SPIN_S = 2e-3  # a wait polls without sleeping this long (a layer block lands in tens of µs), then every POLL_S
 POLL_S = 50e-6
@@ -78,17 +85,33 @@ class CudaTransferEngine(TransferEngine):
         None: ``0x04`` (the AIV-dataplane bit, here "device-initiated copies") when Triton imports, else 0.
     max_single_aiv_payload : int
         Largest piece of the ``aiv`` and ``staging`` kinds, in bytes.
+    copy_engine_min_bytes : int
+        A request of one device source of at least this many bytes goes to the copy engine (the *copy engine*
+        gate: one ``cudaMemcpyAsync``, kind ``host``) instead of the device kernel; default
+        :data:`COPY_ENGINE_MIN_BYTES`.
     timeout_s : float or None
         Default bound of every wait.
     """
 
-    def __init__(self, device, peer_device, notify=None, *, capability_bitmap: int | None = None,
-                 max_single_aiv_payload: int = DEFAULT_MAX_SINGLE_PIECE, timeout_s: float | None = None):
+    def __init__(
+        self,
+        device,
+        peer_device,
+        notify=None,
+        *,
+        capability_bitmap: int | None = None,
+        max_single_aiv_payload: int = DEFAULT_MAX_SINGLE_PIECE,
+        copy_engine_min_bytes: int = COPY_ENGINE_MIN_BYTES,
+        timeout_s: float | None = None,
+    ):
         import torch
 
         from ascend_dualpath.transport.cuda import enable_peer_access
 
         super().__init__(timeout_s)
+        self.copy_engine_min_bytes = check_bound(
+            "copy_engine_min_bytes", copy_engine_min_bytes, integer=True, where=type(self).__name__
+        )
         if not torch.cuda.is_available():
             raise E.BackendUnavailable("the CUDA transfer engine needs a CUDA GPU")
         self.torch = torch
@@ -104,9 +127,13 @@ class CudaTransferEngine(TransferEngine):
         if capability_bitmap is None:
             capability_bitmap = AIV_DATAPLANE_BIT if _triton_available() else 0
         self.caps = ChannelCapabilities(capability_bitmap, protocol, max_single_aiv_payload)
-        if notify is not None and (notify.dtype != torch.int64 or notify.device != self.peer_device or notify.dim() != 1):
-            raise E.ConfigError(f"notify must be a 1-D int64 tensor on {self.peer_device}, got {notify.dtype} "
-                                f"{tuple(notify.shape)} on {notify.device}")
+        if notify is not None and (
+            notify.dtype != torch.int64 or notify.device != self.peer_device or notify.dim() != 1
+        ):
+            raise E.ConfigError(
+                f"notify must be a 1-D int64 tensor on {self.peer_device}, got {notify.dtype} "
+                f"{tuple(notify.shape)} on {notify.device}"
+            )
         self.notify = notify
         self._batch_stream = torch.cuda.Stream(self.device)
         self._notify_stream = torch.cuda.Stream(self.peer_device)
@@ -119,16 +146,53 @@ class CudaTransferEngine(TransferEngine):
         self._magics = itertools.count(1)
         self._raw_stream = raw_stream_getter()
         self._events = None  # StreamEvents, made on the engine's GPU at the first request
+        self._registrations = 0  # bumped by unregister: prepared work is checked again before its next submission
 
     # ---- memory ------------------------------------------------------------------------------------
 
-    def register_host(self, buffer) -> None:
-        """Let ``buffer`` (a pinned, 1-D uint8 CPU tensor) be a source of host-DRAM segments (staged or host path)."""
+    def register(self, buffer) -> None:
+        """Let ``buffer`` (a pinned, 1-D uint8 CPU tensor) be a source of host-DRAM segments (staged or host path).
+
+        Memory of the engine's GPU needs no registration (every device kind addresses it): such a tensor is accepted
+        and nothing is recorded."""
         torch = self.torch
+        if buffer.device == self.device:
+            return
         if buffer.device.type != "cpu" or buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_pinned():
-            raise E.ConfigError(f"a registered host buffer must be a pinned 1-D uint8 CPU tensor, got {buffer.dtype} "
-                                f"{tuple(buffer.shape)} on {buffer.device} (pinned: {buffer.is_pinned()})")
+            raise E.ConfigError(
+                f"a registered host buffer must be a pinned 1-D uint8 CPU tensor, got {buffer.dtype} "
+                f"{tuple(buffer.shape)} on {buffer.device} (pinned: {buffer.is_pinned()})"
+            )
         self._host_buffers[buffer.data_ptr()] = buffer
+
+    def unregister(self, buffer) -> None:
+        """Undo :meth:`register`: later requests (prepared ones too) with a source in ``buffer`` raise NotRegistered
+        before anything moves. NotRegistered when the host ``buffer`` is not registered."""
+        if buffer.device == self.device:
+            return
+        if self._host_buffers.pop(buffer.data_ptr(), None) is None:
+            raise E.NotRegistered(
+                f"host buffer at {buffer.data_ptr():#x} ({buffer.numel()} bytes) is not registered with this engine"
+            )
+        self._plans.clear()  # cached work was checked against the old registrations
+        self._routes.clear()
+        self._registrations += 1
+
+    def locate(self, addr: int, nbytes: int) -> MemorySegment:
+        """A host segment inside a registered buffer, else a device segment (its GPU is checked when it is routed)."""
+        memory = MemoryKind.DEVICE if self._host_buffer(addr) is None else MemoryKind.HOST
+        return MemorySegment(addr, nbytes, memory)
+
+    def remote_slot(self, addr: int, nbytes: int) -> RemoteSlot:
+        return RemoteSlot(self.peer_device.index, addr, nbytes)
+
+    def record(self, slot: int, magic: int, timeout_s: float | None = None) -> None:
+        self._check_request(RemoteSlot(self.peer_device.index, 0, 0), slot)
+        self._write_notify(slot, magic, self.timeout_s if timeout_s is None else timeout_s, "a recorded magic")
+
+    def notify_value(self, slot: int) -> int:
+        """The value in notify ``slot`` now (a read on the destination GPU): what a receiver there polls."""
+        return int(self.notify[slot].item())
 
     def segment(self, tensor, offset: int = 0, nbytes: int | None = None) -> MemorySegment:
         """Bytes ``[offset, offset + nbytes)`` of a contiguous tensor (on this GPU, or a registered host buffer).
@@ -152,15 +216,40 @@ class CudaTransferEngine(TransferEngine):
     # ---- gates -------------------------------------------------------------------------------------
 
     def select(self, sources: Sequence[MemorySegment]) -> Selection:
-        return select_kind(self.caps, [s.memory for s in sources], max((s.nbytes for s in sources), default=0),
-                           DIRECT_PROTOCOLS)
+        """:func:`~.kinds.select_kind`'s gates, then the *copy engine* gate: where they chose the device kernel for
+        one source of at least ``copy_engine_min_bytes``, one ``cudaMemcpyAsync`` (kind ``host``) moves it faster."""
+        largest = max((s.nbytes for s in sources), default=0)
+        selection = select_kind(self.caps, [s.memory for s in sources], largest, DIRECT_PROTOCOLS)
+        if selection.kind is not TransferKind.AIV:
+            return selection
+        large = len(sources) == 1 and largest >= self.copy_engine_min_bytes
+        gate = GateDecision(
+            "copy engine",
+            not large,
+            f"{len(sources)} source(s), largest {largest} B "
+            f"{'>=' if large else '<'} copy_engine_min_bytes {self.copy_engine_min_bytes} B",
+        )
+        gates = (*selection.gates, gate)
+        if not large:
+            return Selection(selection.kind, selection.decided_by, selection.reason, gates, selection.segmented)
+        return Selection(
+            TransferKind.HOST,
+            "copy engine",
+            f"one contiguous piece of {largest} B: the copy engine "
+            "(cudaMemcpyAsync) moves it faster than the device kernel",
+            gates,
+            False,
+        )
 
     def _max_piece(self, kind: TransferKind) -> int:
         return self.caps.max_single_aiv_payload if kind in (TransferKind.AIV, TransferKind.STAGING) else 1 << 62
 
     def _route(self, sources, remote, kind):
-        """The gates and the split, computed once per request pattern (they cost ~5 µs per piece in Python)."""
-        key = (kind, remote, tuple(x for s in sources for x in (s.addr, s.nbytes, s.memory)))
+        """The gates and the split, computed once per request pattern (they cost ~5 µs per piece in Python).
+
+        The key is the sources' addresses and lengths (two list comprehensions, ~0.03 µs per source; faster here
+        than ``map(attrgetter)``): CUDA addresses are unified, so an address also names the memory it lies in."""
+        key = (kind, remote, tuple([s.addr for s in sources]), tuple([s.nbytes for s in sources]))
         routed = self._routes.get(key)
         if routed is None:
             routed = self._routes[key] = super()._route(sources, remote, kind)
@@ -168,29 +257,74 @@ class CudaTransferEngine(TransferEngine):
                 self._routes.pop(next(iter(self._routes)))
         return routed
 
-    # ---- start -------------------------------------------------------------------------------------
+    # ---- prepare and start ---------------------------------------------------------------------------
+
+    def prepare(self, sources, remote, notify_slot=None, kind=None) -> PreparedTransfer:
+        """Route the request and build its work once (plans uploaded, every range checked): a submission of the
+        prepared request is the launch alone, with no per-call allocation, torch op or synchronisation."""
+        prepared = super().prepare(sources, remote, notify_slot, kind)
+        self._check_request(prepared.remote, prepared.notify_slot)
+        self._prepare_work(prepared)
+        return prepared
+
+    def _prepare_work(self, prepared: PreparedTransfer) -> None:
+        """Build (or find) the prepared request's work, every range checked against the current registrations."""
+        prepared.state.pop("work", None)  # a refused check leaves no stale work behind
+        prepared.state["work"] = self._on_device(
+            self._work, prepared.selection.kind, prepared.pieces, prepared.remote, prepared.notify_slot
+        )
+        prepared.state["registrations"] = self._registrations
+
+    def _submit_prepared(self, prepared: PreparedTransfer) -> Ticket:
+        if prepared.engine is not self:
+            raise E.ProtocolError("the prepared transfer belongs to another engine")
+        if prepared.state.get("registrations") != self._registrations:  # a registration went away: check again
+            self._prepare_work(prepared)
+        selection = prepared.selection
+        ticket = Ticket(
+            next(self._ticket_ids),
+            selection.kind,
+            selection,
+            prepared.pieces,
+            prepared.remote,
+            prepared.notify_slot,
+            self,
+        )
+        try:
+            self._on_device(self._enqueue, ticket, prepared.state["work"])
+        except BaseException:
+            self._release(ticket)
+            ticket.finished = True
+            raise
+        return ticket
 
     def _start(self, ticket: Ticket, sources: Sequence[MemorySegment]) -> None:
-        torch = self.torch
-        if ticket.remote.peer != self.peer_device.index:
-            raise E.ConfigError(f"remote slot on rank {ticket.remote.peer}, but this engine writes to {self.peer_device}")
-        if ticket.notify_slot is not None:
+        """The interface's start (unused here: :meth:`prepare` builds the work, :meth:`_submit_prepared` enqueues)."""
+        self._check_request(ticket.remote, ticket.notify_slot)
+        work = self._on_device(self._work, ticket.kind, ticket.pieces, ticket.remote, ticket.notify_slot)
+        self._on_device(self._enqueue, ticket, work)
+
+    def _check_request(self, remote: RemoteSlot, notify_slot: int | None) -> None:
+        if remote.peer != self.peer_device.index:
+            raise E.ConfigError(f"remote slot on rank {remote.peer}, but this engine writes to {self.peer_device}")
+        if notify_slot is not None:
             if self.notify is None:
                 raise E.ConfigError("a notify slot was asked for, but the engine has no notify tensor")
-            if not 0 <= ticket.notify_slot < self.notify.numel():
-                raise E.BoundsError(f"notify slot {ticket.notify_slot} is outside [0, {self.notify.numel()})")
-        if torch._C._cuda_getDevice() != self.device.index:
-            with torch.cuda.device(self.device):
-                self._enqueue(ticket)
-        else:
-            self._enqueue(ticket)
+            if not 0 <= notify_slot < self.notify.numel():
+                raise E.BoundsError(f"notify slot {notify_slot} is outside [0, {self.notify.numel()})")
 
-    def _enqueue(self, ticket: Ticket) -> None:
-        """Enqueue the ticket's work on the current stream (the engine's GPU is current)."""
+    def _on_device(self, call, *args):
+        """``call(*args)`` with the engine's GPU current (switching only when another one is)."""
+        if self.torch._C._cuda_getDevice() == self.device.index:
+            return call(*args)
+        with self.torch.cuda.device(self.device):
+            return call(*args)
+
+    def _enqueue(self, ticket: Ticket, work: _Work) -> None:
+        """Enqueue ``work`` for ``ticket`` on the current stream (the engine's GPU is current)."""
         torch = self.torch
         stream = self._raw_stream(self.device.index)
-        work = self._work(ticket.kind, ticket.pieces, ticket.remote, ticket.notify_slot)
-        ticket.state.update(work=work, staging_bytes=work.staging_bytes)
+        ticket.state["work"] = work
         if work.publishes_notify:  # the kernel's last program releases the magic into the notify slot
             ticket.notify_magic = ticket.state["published"] = value = next(self._magics)
         elif work.plans or work.staged:
@@ -261,8 +395,15 @@ class CudaTransferEngine(TransferEngine):
         staged = []
         for base, group in by_buffer.items():
             offsets = [p.local_addr - base for p in group]
-            staged.append(StagedCopy(self._device_copier(), self._host_buffers[base], offsets,
-                                     [p.remote_addr for p in group], [p.nbytes for p in group]))
+            staged.append(
+                StagedCopy(
+                    self._device_copier(),
+                    self._host_buffers[base],
+                    offsets,
+                    [p.remote_addr for p in group],
+                    [p.nbytes for p in group],
+                )
+            )
         return staged
 
     def _device_copier(self):
@@ -288,8 +429,10 @@ class CudaTransferEngine(TransferEngine):
             if buffer is None:
                 continue
             if p.local_addr + p.nbytes > buffer.data_ptr() + buffer.numel():
-                raise E.BoundsError(f"piece {i} [{p.local_addr:#x}, +{p.nbytes}) runs past the end of its registered "
-                                    f"host buffer of {buffer.numel()} bytes at {buffer.data_ptr():#x}")
+                raise E.BoundsError(
+                    f"piece {i} [{p.local_addr:#x}, +{p.nbytes}) runs past the end of its registered "
+                    f"host buffer of {buffer.numel()} bytes at {buffer.data_ptr():#x}"
+                )
         device = [p for p in pieces if self._host_buffer(p.local_addr) is None]
         if device:
             found = memory_devices([p.local_addr for p in device], [p.nbytes for p in device])
@@ -300,32 +443,67 @@ class CudaTransferEngine(TransferEngine):
                 )
         found = memory_devices([remote.addr], [remote.nbytes])
         if found != {self.peer_device.index}:
-            raise E.BoundsError(f"remote slot [{remote.addr:#x}, +{remote.nbytes}) must lie in memory of "
-                                f"{self.peer_device}; it lies in {_where(found)}")
+            raise E.BoundsError(
+                f"remote slot [{remote.addr:#x}, +{remote.nbytes}) must lie in memory of "
+                f"{self.peer_device}; it lies in {_where(found)}"
+            )
+
+    def capture(self, prepared: PreparedTransfer, first_magic: int = GRAPH_FIRST_MAGIC):
+        """Record one submission of a prepared ``aiv`` request in a CUDA graph; returns its
+        :class:`~.cuda.GraphedCopy`, whose ``replay()`` enqueues the request on the current stream and returns the
+        value it publishes: ``first_magic + k`` for replay ``k``, in the request's notify slot (else the engine's
+        ready flag). ConfigError for another kind (their host work cannot be replayed)."""
+        if prepared.engine is not self:
+            raise E.ProtocolError("the prepared transfer belongs to another engine")
+        work = prepared.state["work"]
+        if prepared.selection.kind is not TransferKind.AIV or len(work.plans) != 1:
+            raise E.ConfigError(
+                f"only an aiv request can be captured in a CUDA graph; this one is "
+                f"{prepared.selection.kind.value!r} ({prepared.selection.decided_by})"
+            )
+        return self._on_device(self._copier.capture, work.plans[0], first_magic)
 
     # ---- finish ------------------------------------------------------------------------------------
 
     def _finish(self, ticket: Ticket, timeout_s: float) -> TransferResult:
         event, events = ticket.state["event"], self._events
-        self._await(lambda: events.done(event), timeout_s,
-                    lambda: f"the {len(ticket.pieces)} pieces ({ticket.nbytes} bytes, {ticket.kind.value}) of ticket "
-                            f"{ticket.id} to {self.peer_device}")
-        return TransferResult(ticket.kind, ticket.selection, ticket.state["work"].nbytes, len(ticket.pieces),
-                              staging_bytes=ticket.state["staging_bytes"])
+        if not events.done(event):  # the closures of a bounded wait are built only when there is one
+            self._await(
+                lambda: events.done(event),
+                timeout_s,
+                lambda: (
+                    f"the {len(ticket.pieces)} pieces ({ticket.nbytes} bytes, {ticket.kind.value}) of "
+                    f"ticket {ticket.id} to {self.peer_device}"
+                ),
+            )
+        work = ticket.state["work"]
+        # the copy kernel released the magic after every byte: the result carries it, no notify write follows
+        return TransferResult(
+            ticket.kind,
+            ticket.selection,
+            work.nbytes,
+            len(ticket.pieces),
+            0.0,
+            0.0,
+            0.0,
+            work.staging_bytes,
+            ticket.state.get("published"),
+        )
 
     def _publish_ready(self, ticket: Ticket, timeout_s: float) -> int:
-        if "published" in ticket.state:  # released by the copy kernel after every byte (_finish saw it complete)
-            return ticket.state["published"]
-        torch = self.torch
         magic = next(self._magics)
-        # on a stream of the notify's own GPU (a fill runs on its tensor's GPU), after every byte landed (_finish)
+        self._write_notify(ticket.notify_slot, magic, timeout_s, f"ticket {ticket.id}")
+        return magic
+
+    def _write_notify(self, slot: int, magic: int, timeout_s: float, what: str) -> None:
+        """Fill notify ``slot`` with ``magic`` and wait for it (bounded): on a stream of the notify's own GPU (a fill
+        runs on its tensor's GPU), after the transfers it follows completed (the caller waited for them)."""
+        torch = self.torch
         with torch.cuda.device(self.peer_device), torch.cuda.stream(self._notify_stream):
-            self.notify[ticket.notify_slot].fill_(magic)
+            self.notify[slot].fill_(magic)
             event = torch.cuda.Event()
             event.record(self._notify_stream)
-        self._await(event.query, timeout_s,
-                    lambda: f"the notify write of ticket {ticket.id} (slot {ticket.notify_slot})")
-        return magic
+        self._await(event.query, timeout_s, lambda: f"the notify write of {what} (slot {slot})")
 
     def _await(self, done, timeout_s: float, what) -> None:
         """Poll ``done()`` until it is true or ``timeout_s`` passed; the first ``SPIN_S`` without sleeping (a sleep,

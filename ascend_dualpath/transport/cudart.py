@@ -93,16 +93,22 @@ def _torch_cuda_library(marker: str, purpose: str, absent: str = "") -> tuple[st
 @functools.cache
 def runtime() -> Runtime:
     """The CUDA runtime torch loaded (initialising CUDA through torch first); BackendUnavailable without one."""
-    path, lib = _torch_cuda_library("/libcudart.so", "cudaMemcpyBatchAsync",
-                                    " (torch may link the runtime statically)")
+    path, lib = _torch_cuda_library("/libcudart.so", "cudaMemcpyBatchAsync", " (torch may link the runtime statically)")
     version = ctypes.c_int(0)
     if lib.cudaRuntimeGetVersion(ctypes.byref(version)) != 0:
         raise E.BackendUnavailable(f"cudaRuntimeGetVersion failed in {path}")
     batch = getattr(lib, "cudaMemcpyBatchAsync", None) if version.value >= BATCH_MIN_VERSION else None
     fail_idx = version.value < FAIL_IDX_UNTIL
     if batch is not None:
-        head = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
-                ctypes.c_void_p, ctypes.c_size_t]
+        head = [
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+        ]
         batch.argtypes = head + ([ctypes.c_void_p] if fail_idx else []) + [ctypes.c_void_p]
         batch.restype = ctypes.c_int
     lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
@@ -135,8 +141,9 @@ class MemcpyBatch:
         BackendUnavailable.
     """
 
-    def __init__(self, dst_addrs: Sequence[int], src_addrs: Sequence[int], nbytes: Sequence[int],
-                 fallback: bool = True):
+    def __init__(
+        self, dst_addrs: Sequence[int], src_addrs: Sequence[int], nbytes: Sequence[int], fallback: bool = True
+    ):
         if not (len(dst_addrs) == len(src_addrs) == len(nbytes)) or not nbytes:
             raise E.ConfigError(
                 f"need equal non-empty address and size lists, got {len(dst_addrs)}, {len(src_addrs)}, {len(nbytes)}"
@@ -156,8 +163,15 @@ class MemcpyBatch:
         self._attrs = MemcpyAttributes(srcAccessOrder=SRC_ACCESS_ORDER_STREAM)
         self._attr_index = ctypes.c_size_t(0)
         self._fail_index = ctypes.c_size_t(0)
-        head = (self._dsts, self._srcs, self._sizes, self.count, ctypes.byref(self._attrs),
-                ctypes.byref(self._attr_index), 1)
+        head = (
+            self._dsts,
+            self._srcs,
+            self._sizes,
+            self.count,
+            ctypes.byref(self._attrs),
+            ctypes.byref(self._attr_index),
+            1,
+        )
         self._args = head + ((ctypes.byref(self._fail_index),) if self.rt.fail_idx else ())
 
     def __call__(self, stream: int) -> None:
@@ -166,8 +180,9 @@ class MemcpyBatch:
             memcpy_each(self.copies, stream)
             return
         if stream == 0:
-            raise E.ConfigError("cudaMemcpyBatchAsync refuses the legacy default stream (handle 0); "
-                                "enqueue on a torch.cuda.Stream")
+            raise E.ConfigError(
+                "cudaMemcpyBatchAsync refuses the legacy default stream (handle 0); enqueue on a torch.cuda.Stream"
+            )
         code = self.rt.batch(*self._args, stream)
         if code:
             where = f" at copy {self._fail_index.value}" if self.rt.fail_idx else ""
@@ -255,7 +270,9 @@ def memory_devices(addrs: Sequence[int], nbytes: Sequence[int]) -> set[int]:
     kinds = (ctypes.c_uint * 4)(*_POINTER_ATTRIBUTES)
     mem_type, ordinal = ctypes.c_uint(0), ctypes.c_int(0)
     start, size = ctypes.c_uint64(0), ctypes.c_uint64(0)
-    data = (ctypes.c_void_p * 4)(*(ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in (mem_type, ordinal, start, size)))
+    data = (ctypes.c_void_p * 4)(
+        *(ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in (mem_type, ordinal, start, size))
+    )
     ends = [a + n - 1 for a, n in zip(addrs, nbytes, strict=True)]
     devices: set[int] = set()
     known_end = -1  # last byte of the allocation found last

@@ -24,7 +24,7 @@ from ascend_dualpath import errors as E
 from ascend_dualpath.backends.emulator import completion_error
 from ascend_dualpath.transport.engine import StagingPool, Ticket, TransferEngine, TransferResult
 from ascend_dualpath.transport.kinds import ROCE, ChannelCapabilities, MemoryKind, Selection, TransferKind, select_kind
-from ascend_dualpath.transport.segments import MemorySegment, split_segments
+from ascend_dualpath.transport.segments import MemorySegment, RemoteSlot, split_segments
 
 MAX_MESSAGE_BYTES = 1 << 31
 DEFAULT_MAX_SINGLE_AIV_PAYLOAD = 1 << 20  # assumption: 1 MiB per AIV-posted WQE (configurable)
@@ -139,9 +139,51 @@ class EmulatedTransferEngine(TransferEngine):
         self._in_flight: Ticket | None = None
         self._broken: str | None = None
         self._closed = False
+        self._registered: dict[int, object] = {}  # lkey -> region registered through this engine
+        self._revoked: set[int] = set()  # lkeys unregistered from this engine: refused as sources
 
     def __repr__(self) -> str:
         return f"EmulatedTransferEngine(rank {self.comm.rank} -> peer {self.peer})"
+
+    # ---- memory -----------------------------------------------------------------------------------
+
+    def register(self, region) -> None:
+        """Make ``region`` (an emulated registered region) a source of this engine's transfers (HcclRegisterMem)."""
+        self.comm.register_local(region)
+        self._registered[region.lkey] = region
+        self._revoked.discard(region.lkey)
+
+    def unregister(self, region) -> None:
+        """Undo :meth:`register`: later requests with a source under ``region``'s key raise NotRegistered before
+        anything moves. NotRegistered when ``region`` is not registered through this engine.
+
+        The emulated communicator has no deregistration of its own; the engine refuses the key instead (closing
+        the region ends the key for every user).
+        """
+        if self._registered.pop(region.lkey, None) is None:
+            raise E.NotRegistered(
+                f"region [{region.addr:#x}, +{region.size}) (lkey {region.lkey:#x}) is not registered with {self!r}"
+            )
+        self._revoked.add(region.lkey)
+
+    def locate(self, addr: int, nbytes: int) -> MemorySegment:
+        for region in (self.comm.windows_in, self.comm.windows_out, *self._registered.values()):
+            if region.addr <= addr and addr + nbytes <= region.addr + region.size:
+                memory = MemoryKind.HOST if int(region.kind) == 1 else MemoryKind.DEVICE
+                return MemorySegment(addr, nbytes, memory, region.lkey)
+        raise E.NotRegistered(
+            f"source [{addr:#x}, +{nbytes}) is in no region registered with {self!r} (its "
+            f"communicator's windows or register())"
+        )
+
+    def remote_slot(self, addr: int, nbytes: int) -> RemoteSlot:
+        for mem in self.comm.remote_mems(self.peer):
+            if mem.addr <= addr and addr + nbytes <= mem.addr + mem.size:
+                return RemoteSlot(self.peer, addr, nbytes, mem.rkey)
+        raise E.BoundsError(f"destination [{addr:#x}, +{nbytes}) on rank {self.peer} is in no memory it registered")
+
+    def record(self, slot: int, magic: int, timeout_s: float | None = None) -> None:
+        self.comm.notify_record(self.peer, slot, magic, self.timeout_s if timeout_s is None else timeout_s)
 
     # ---- gates ------------------------------------------------------------------------------------
 
@@ -187,6 +229,13 @@ class EmulatedTransferEngine(TransferEngine):
         NIC would check them (local inside its lkey's registration on this device; remote inside its rkey's,
         writable, on the kinds whose WQEs carry the rkey; HcclBatchPut and BatchWrite find the remote by address
         and their C++ calls check it before they start)."""
+        revoked = next((i for i, p in enumerate(ticket.pieces) if p.lkey in self._revoked), None)
+        if revoked is not None:
+            p = ticket.pieces[revoked]
+            raise E.NotRegistered(
+                f"piece {revoked} [{p.local_addr:#x}, +{p.nbytes}) is in a region unregistered "
+                f"from {self!r} (lkey {p.lkey:#x})"
+            )
         if len(ticket.pieces) > self.max_pieces:
             raise E.CapacityError(f"{len(ticket.pieces)} pieces exceed the engine's max_pieces {self.max_pieces}")
         if ticket.remote.peer != self.peer:

@@ -4,6 +4,18 @@ Every backend follows the same sequence (the seed's ``aiv_candidate_layer_transf
 through the gates, stage if the kind is ``staging``, split into pieces, post them, wait for every
 completion, publish remote-ready (the notify), and release the staging buffer on every path, errors
 included.
+
+Waiting
+    Every wait of the package's tickets is ``wait(timeout_s=None)``: it returns once the work completed or
+    raises :class:`~ascend_dualpath.errors.WaitTimeout` after ``timeout_s`` seconds (``None``: the owner's
+    default bound, ``ADP_TIMEOUT_S`` unless configured). No wait is unbounded.
+
+Registration
+    Sources live in memory registered with the engine (every backend's ``register`` / ``unregister``: the
+    emulator's take a region, the NPU's an address range, the CUDA engine's a pinned host buffer); after the
+    matching unregister a request with a source there raises :class:`~ascend_dualpath.errors.NotRegistered`
+    before anything moves. :meth:`TransferEngine.locate` and :meth:`TransferEngine.remote_slot` turn addresses
+    into segments and slots, so a caller holding only addresses (DualPath's transfer leg) needs no backend.
 """
 
 from __future__ import annotations
@@ -44,6 +56,20 @@ class TransferResult:
     def latency_vtime_ns(self) -> float:
         return self.complete_vtime_ns - self.start_vtime_ns
 
+    def with_notify(self, magic: int) -> TransferResult:
+        """This result with ``notify_magic`` set (positional: the hot path of every notified request)."""
+        return TransferResult(
+            self.kind,
+            self.selection,
+            self.nbytes,
+            self.num_pieces,
+            self.start_vtime_ns,
+            self.submit_vtime_ns,
+            self.complete_vtime_ns,
+            self.staging_bytes,
+            magic,
+        )
+
 
 @dataclass
 class Ticket:
@@ -66,8 +92,10 @@ class Ticket:
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.pieces)
 
-    def wait(self, timeout: float | None = None) -> TransferResult:
-        return self.engine.wait(self, timeout)
+    def wait(self, timeout_s: float | None = None) -> TransferResult:
+        """Block (bounded: ``timeout_s``, None for the engine's default) until the transfer completed and
+        remote-ready was published; returns its result (again on a later call) or raises its failure."""
+        return self.engine.wait(self, timeout_s)
 
 
 @dataclass(eq=False)
@@ -81,14 +109,15 @@ class PreparedTransfer:
     notify_slot: int | None
     selection: Selection
     pieces: list[WirePiece]
+    state: dict = field(default_factory=dict)  # backend-private work built once for every submission
 
     def submit(self) -> Ticket:
         """Start one transfer of the prepared request; returns its ticket."""
         return self.engine._submit_prepared(self)
 
-    def transfer(self, timeout: float | None = None) -> TransferResult:
+    def transfer(self, timeout_s: float | None = None) -> TransferResult:
         """``submit`` then ``wait``."""
-        return self.submit().wait(timeout)
+        return self.submit().wait(timeout_s)
 
 
 class StagingPool:
@@ -163,7 +192,8 @@ class TransferEngine(abc.ABC):
 
     @abc.abstractmethod
     def _finish(self, ticket: Ticket, timeout_s: float) -> TransferResult:
-        """Wait for every completion of ``ticket`` (bounded) and return its result, without the notify."""
+        """Wait for every completion of ``ticket`` (bounded) and return its result; its ``notify_magic`` is None
+        unless the device itself already published remote-ready (then :meth:`_publish_ready` is not called)."""
 
     @abc.abstractmethod
     def _publish_ready(self, ticket: Ticket, timeout_s: float) -> int:
@@ -172,6 +202,22 @@ class TransferEngine(abc.ABC):
     @abc.abstractmethod
     def _release(self, ticket: Ticket) -> None:
         """Release whatever the ticket holds (staging buffer); idempotent."""
+
+    @abc.abstractmethod
+    def locate(self, addr: int, nbytes: int) -> MemorySegment:
+        """The source segment of ``nbytes`` at ``addr`` in memory this engine may read (its key and memory kind);
+        :class:`~ascend_dualpath.errors.NotRegistered` or BoundsError naming the range otherwise."""
+
+    @abc.abstractmethod
+    def remote_slot(self, addr: int, nbytes: int) -> RemoteSlot:
+        """The remote slot of ``nbytes`` at ``addr`` on the engine's peer (its key); BoundsError or NotRegistered
+        naming the range when the peer exposes no memory there."""
+
+    @abc.abstractmethod
+    def record(self, slot: int, magic: int, timeout_s: float | None = None) -> None:
+        """Write the caller's ``magic`` into the peer's notify ``slot`` now (bounded by ``timeout_s``): a notify
+        outside a transfer (DualPath's per-attempt magics, aborts). Call it after the transfers it must follow
+        completed (their ``wait`` returned)."""
 
     def submit(
         self,
@@ -198,8 +244,9 @@ class TransferEngine(abc.ABC):
         type (:class:`~ascend_dualpath.errors.ArgumentTypeError`, naming it)."""
         where = f"{type(self).__name__}.submit"
         check_type("sources", sources, (list, tuple), where=where)
-        for index, source in enumerate(sources):
-            check_type(f"sources[{index}]", source, MemorySegment, where=where)
+        if set(map(type, sources)) != {MemorySegment}:  # one pass in C; the loop names the culprit
+            for index, source in enumerate(sources):
+                check_type(f"sources[{index}]", source, MemorySegment, where=where)
         check_type("remote", remote, RemoteSlot, where=where)
         check_type("notify_slot", notify_slot, (int, type(None)), where=where)
         check_type("kind", kind, (TransferKind, str, type(None)), where=where)
@@ -211,8 +258,15 @@ class TransferEngine(abc.ABC):
         if prepared.engine is not self:
             raise E.ProtocolError("the prepared transfer belongs to another engine")
         selection = prepared.selection
-        ticket = Ticket(next(self._ticket_ids), selection.kind, selection, prepared.pieces, prepared.remote,
-                        prepared.notify_slot, self)
+        ticket = Ticket(
+            next(self._ticket_ids),
+            selection.kind,
+            selection,
+            prepared.pieces,
+            prepared.remote,
+            prepared.notify_slot,
+            self,
+        )
         try:
             self._start(ticket, prepared.sources)
         except BaseException:
@@ -228,7 +282,7 @@ class TransferEngine(abc.ABC):
             selection = self._forced(selection, TransferKind(kind), sources)
         return selection, split_segments(sources, remote, self._max_piece(selection.kind))
 
-    def wait(self, ticket: Ticket, timeout: float | None = None) -> TransferResult:
+    def wait(self, ticket: Ticket, timeout_s: float | None = None) -> TransferResult:
         """Wait (bounded) until every piece completed, then publish remote-ready; raises on any failure."""
         if ticket.engine is not self:
             raise E.ProtocolError(f"ticket {ticket.id} belongs to another engine")
@@ -238,13 +292,16 @@ class TransferEngine(abc.ABC):
             if ticket.result is None:
                 raise E.ProtocolError(f"ticket {ticket.id} was never started")
             return ticket.result
-        timeout_s = self.timeout_s if timeout is None else check_bound("timeout", timeout, zero_ok=True,
-                                                                                where=f"ticket {ticket.id}")
+        timeout_s = (
+            self.timeout_s
+            if timeout_s is None
+            else check_bound("timeout_s", timeout_s, zero_ok=True, where=f"ticket {ticket.id}")
+        )
         try:
             result = self._finish(ticket, timeout_s)
-            if ticket.notify_slot is not None:  # only after every piece completed
+            if ticket.notify_slot is not None and result.notify_magic is None:  # only after every piece completed
                 magic = self._publish_ready(ticket, timeout_s)
-                result = TransferResult(**{**result.__dict__, "notify_magic": magic})
+                result = result.with_notify(magic)
             ticket.result = result
             return result
         except BaseException as exc:
@@ -260,10 +317,10 @@ class TransferEngine(abc.ABC):
         remote: RemoteSlot,
         notify_slot: int | None = None,
         kind: TransferKind | str | None = None,
-        timeout: float | None = None,
+        timeout_s: float | None = None,
     ) -> TransferResult:
         """``submit`` then ``wait``."""
-        return self.submit(sources, remote, notify_slot, kind).wait(timeout)
+        return self.submit(sources, remote, notify_slot, kind).wait(timeout_s)
 
     def _forced(self, selection: Selection, kind: TransferKind, sources: Sequence[MemorySegment]) -> Selection:
         host = [i for i, s in enumerate(sources) if s.memory is MemoryKind.HOST]

@@ -47,7 +47,7 @@ from ascend_dualpath import _ext
 from ascend_dualpath import errors as E
 from ascend_dualpath.transport.engine import Ticket, TransferEngine, TransferResult
 from ascend_dualpath.transport.kinds import GateDecision, MemoryKind, Selection, TransferKind
-from ascend_dualpath.transport.segments import MemorySegment, WirePiece
+from ascend_dualpath.transport.segments import MemorySegment, RemoteSlot, WirePiece
 
 NOTIFY_BYTES = 8  # one int64 magic per notify slot
 MAX_PIECE = 1 << 62  # HcclBatchPut takes any byte count per descriptor (u64); the engine does not split
@@ -59,20 +59,46 @@ MAX_DESCS_PER_PUT = 256
 
 # HcclResult (hccl/hccl_types.h of the torch_npu wheel)
 HCCL_RESULT_NAMES = {
-    0: "HCCL_SUCCESS", 1: "HCCL_E_PARA", 2: "HCCL_E_PTR", 3: "HCCL_E_MEMORY", 4: "HCCL_E_INTERNAL",
-    5: "HCCL_E_NOT_SUPPORT", 6: "HCCL_E_NOT_FOUND", 7: "HCCL_E_UNAVAIL", 8: "HCCL_E_SYSCALL", 9: "HCCL_E_TIMEOUT",
-    10: "HCCL_E_OPEN_FILE_FAILURE", 11: "HCCL_E_TCP_CONNECT", 12: "HCCL_E_ROCE_CONNECT", 13: "HCCL_E_TCP_TRANSFER",
-    14: "HCCL_E_ROCE_TRANSFER", 15: "HCCL_E_RUNTIME", 16: "HCCL_E_DRV", 17: "HCCL_E_PROFILING", 18: "HCCL_E_CCE",
-    19: "HCCL_E_NETWORK", 20: "HCCL_E_AGAIN", 21: "HCCL_E_REMOTE", 22: "HCCL_E_SUSPENDING",
-    23: "HCCL_E_OPRETRY_FAIL", 24: "HCCL_E_OOM",
+    0: "HCCL_SUCCESS",
+    1: "HCCL_E_PARA",
+    2: "HCCL_E_PTR",
+    3: "HCCL_E_MEMORY",
+    4: "HCCL_E_INTERNAL",
+    5: "HCCL_E_NOT_SUPPORT",
+    6: "HCCL_E_NOT_FOUND",
+    7: "HCCL_E_UNAVAIL",
+    8: "HCCL_E_SYSCALL",
+    9: "HCCL_E_TIMEOUT",
+    10: "HCCL_E_OPEN_FILE_FAILURE",
+    11: "HCCL_E_TCP_CONNECT",
+    12: "HCCL_E_ROCE_CONNECT",
+    13: "HCCL_E_TCP_TRANSFER",
+    14: "HCCL_E_ROCE_TRANSFER",
+    15: "HCCL_E_RUNTIME",
+    16: "HCCL_E_DRV",
+    17: "HCCL_E_PROFILING",
+    18: "HCCL_E_CCE",
+    19: "HCCL_E_NETWORK",
+    20: "HCCL_E_AGAIN",
+    21: "HCCL_E_REMOTE",
+    22: "HCCL_E_SUSPENDING",
+    23: "HCCL_E_OPRETRY_FAIL",
+    24: "HCCL_E_OOM",
 }
 # aclError values an engine call can plausibly return (acl/acl_base_rt.h, acl/error_codes/rt_error_codes.h)
 ACL_ERROR_NAMES = {
-    0: "ACL_SUCCESS", 100000: "ACL_ERROR_INVALID_PARAM", 100001: "ACL_ERROR_UNINITIALIZE",
-    107000: "ACL_ERROR_RT_PARAM_INVALID", 107003: "ACL_ERROR_RT_STREAM_CONTEXT",
-    107017: "ACL_ERROR_RT_INVALID_HANDLE", 107022: "ACL_ERROR_RT_DEVICE_TASK_ABORT", 200002: "ACL_ERROR_INVALID_DEVICE",
-    207000: "ACL_ERROR_RT_FEATURE_NOT_SUPPORT", 207001: "ACL_ERROR_RT_MEMORY_ALLOCATION",
-    507000: "ACL_ERROR_RT_INTERNAL_ERROR", 507002: "ACL_ERROR_RT_STREAM_TASK_FULL",
+    0: "ACL_SUCCESS",
+    100000: "ACL_ERROR_INVALID_PARAM",
+    100001: "ACL_ERROR_UNINITIALIZE",
+    107000: "ACL_ERROR_RT_PARAM_INVALID",
+    107003: "ACL_ERROR_RT_STREAM_CONTEXT",
+    107017: "ACL_ERROR_RT_INVALID_HANDLE",
+    107022: "ACL_ERROR_RT_DEVICE_TASK_ABORT",
+    200002: "ACL_ERROR_INVALID_DEVICE",
+    207000: "ACL_ERROR_RT_FEATURE_NOT_SUPPORT",
+    207001: "ACL_ERROR_RT_MEMORY_ALLOCATION",
+    507000: "ACL_ERROR_RT_INTERNAL_ERROR",
+    507002: "ACL_ERROR_RT_STREAM_TASK_FULL",
     507014: "ACL_ERROR_RT_AICORE_TIMEOUT",
 }
 
@@ -144,8 +170,17 @@ class NpuTransferEngine(TransferEngine):
         Default bound of every wait.
     """
 
-    def __init__(self, comm: int, peer: int, device: int, *, notify=None, notify_remote_addr: int | None = None,
-                 native_module=None, timeout_s: float | None = None):
+    def __init__(
+        self,
+        comm: int,
+        peer: int,
+        device: int,
+        *,
+        notify=None,
+        notify_remote_addr: int | None = None,
+        native_module=None,
+        timeout_s: float | None = None,
+    ):
         super().__init__(timeout_s)
         self.native = native() if native_module is None else native_module
         missing = list(self.native.missing_symbols())
@@ -176,8 +211,9 @@ class NpuTransferEngine(TransferEngine):
         import torch
 
         if notify.dtype != torch.int64 or notify.dim() != 1 or notify.device.type != "cpu" or notify.numel() < 1:
-            raise E.ConfigError(f"notify must be a 1-D int64 CPU tensor, got {notify.dtype} {tuple(notify.shape)} on "
-                                f"{notify.device}")
+            raise E.ConfigError(
+                f"notify must be a 1-D int64 CPU tensor, got {notify.dtype} {tuple(notify.shape)} on {notify.device}"
+            )
         if remote_addr is None:
             raise E.ConfigError("a notify tensor needs notify_remote_addr (where slot 0 lands on the peer)")
         self.register(notify.data_ptr(), notify.numel() * NOTIFY_BYTES, MemoryKind.HOST)
@@ -195,16 +231,25 @@ class NpuTransferEngine(TransferEngine):
             raise E.ConfigError(f"a registration needs an address and >= 1 byte, got [{addr:#x}, +{nbytes})")
         clash = next((r for r in self._local if r.addr < addr + nbytes and addr < r.addr + r.nbytes), None)
         if clash is not None:
-            raise E.ConfigError(f"[{addr:#x}, +{nbytes}) overlaps the registered region [{clash.addr:#x}, "
-                                f"+{clash.nbytes})")
+            raise E.ConfigError(
+                f"[{addr:#x}, +{nbytes}) overlaps the registered region [{clash.addr:#x}, +{clash.nbytes})"
+            )
         rc, handle = self.native.register_global_mem(addr, nbytes, memory is MemoryKind.DEVICE)
         check("HcclRegisterGlobalMem", rc, f"for {memory.value} memory [{addr:#x}, +{nbytes})")
         rc = self.native.comm_bind_mem(self.comm, handle)
         if rc != 0:
             undo = self.native.deregister_global_mem(handle)
-            check("HcclCommBindMem", rc, f"binding [{addr:#x}, +{nbytes}) to communicator {self.comm:#x}"
-                  + ("" if undo == 0 else f"; the rollback's HcclDeregisterGlobalMem returned "
-                     f"{code_name('HcclDeregisterGlobalMem', undo)}"))
+            check(
+                "HcclCommBindMem",
+                rc,
+                f"binding [{addr:#x}, +{nbytes}) to communicator {self.comm:#x}"
+                + (
+                    ""
+                    if undo == 0
+                    else f"; the rollback's HcclDeregisterGlobalMem returned "
+                    f"{code_name('HcclDeregisterGlobalMem', undo)}"
+                ),
+            )
         region = Region(addr, nbytes, memory, handle)
         self._local.append(region)
         self._prepared = False
@@ -227,11 +272,17 @@ class NpuTransferEngine(TransferEngine):
         busy = [t.id for t in self._in_flight.values() if any(region.holds(p.local_addr, p.nbytes) for p in t.pieces)]
         if busy:
             raise E.ProtocolError(f"tickets {busy} still read from [{region.addr:#x}, +{region.nbytes}): wait them")
-        check("HcclCommUnbindMem", self.native.comm_unbind_mem(self.comm, region.handle),
-              f"for [{region.addr:#x}, +{region.nbytes})")
+        check(
+            "HcclCommUnbindMem",
+            self.native.comm_unbind_mem(self.comm, region.handle),
+            f"for [{region.addr:#x}, +{region.nbytes})",
+        )
         self._local.remove(region)
-        check("HcclDeregisterGlobalMem", self.native.deregister_global_mem(region.handle),
-              f"for [{region.addr:#x}, +{region.nbytes})")
+        check(
+            "HcclDeregisterGlobalMem",
+            self.native.deregister_global_mem(region.handle),
+            f"for [{region.addr:#x}, +{region.nbytes})",
+        )
 
     def add_remote_region(self, addr: int, nbytes: int) -> Region:
         """Declare ``nbytes`` at ``addr`` registered by the peer (remote slots must lie in one)."""
@@ -247,8 +298,11 @@ class NpuTransferEngine(TransferEngine):
             raise E.ProtocolError("register memory before prepare_comm: HcclCommPrepare links the bound memory")
         timeout = DEFAULT_PREPARE_TIMEOUT_S if timeout_s is None else timeout_s
         seconds = max(1, math.ceil(timeout))
-        check("HcclCommPrepare", self.native.comm_prepare(self.comm, seconds),
-              f"on communicator {self.comm:#x} within {seconds} s")
+        check(
+            "HcclCommPrepare",
+            self.native.comm_prepare(self.comm, seconds),
+            f"on communicator {self.comm:#x} within {seconds} s",
+        )
         self._prepared = True
 
     def close(self) -> None:
@@ -262,11 +316,19 @@ class NpuTransferEngine(TransferEngine):
     def select(self, sources: Sequence[MemorySegment]) -> Selection:
         if not sources:
             raise E.EmptyTransfer("a transfer needs at least one source segment")
-        gate = GateDecision("capability", False, "NPU engine: the AIV queue descriptors (HCOMM AIV channels) and the "
-                                                 "aclnn launch path of aicpu_batch_write are not wired")
-        return Selection(TransferKind.HOST, "capability",
-                         "the device-posted kinds are not wired on NPU yet: the host posts HcclBatchPut", (gate,),
-                         False)
+        gate = GateDecision(
+            "capability",
+            False,
+            "NPU engine: the AIV queue descriptors (HCOMM AIV channels) and the "
+            "aclnn launch path of aicpu_batch_write are not wired",
+        )
+        return Selection(
+            TransferKind.HOST,
+            "capability",
+            "the device-posted kinds are not wired on NPU yet: the host posts HcclBatchPut",
+            (gate,),
+            False,
+        )
 
     def _forced(self, selection: Selection, kind: TransferKind, sources: Sequence[MemorySegment]) -> Selection:
         if kind is not TransferKind.HOST:
@@ -278,22 +340,29 @@ class NpuTransferEngine(TransferEngine):
 
     # ---- start -------------------------------------------------------------------------------------
 
-    def _check_ranges(self, pieces: Sequence[WirePiece], remote_addr: int, remote_nbytes: int,
-                      what: str = "remote slot") -> None:
+    def _check_ranges(
+        self, pieces: Sequence[WirePiece], remote_addr: int, remote_nbytes: int, what: str = "remote slot"
+    ) -> None:
         for i, p in enumerate(pieces):
             if not any(r.holds(p.local_addr, p.nbytes) for r in self._local):
-                raise E.NotRegistered(f"piece {i} [{p.local_addr:#x}, +{p.nbytes}) lies in no registered local "
-                                      f"region ({len(self._local)} registered)")
+                raise E.NotRegistered(
+                    f"piece {i} [{p.local_addr:#x}, +{p.nbytes}) lies in no registered local "
+                    f"region ({len(self._local)} registered)"
+                )
         if not any(r.holds(remote_addr, remote_nbytes) for r in self._remote):
-            raise E.BoundsError(f"{what} [{remote_addr:#x}, +{remote_nbytes}) lies in no region the peer "
-                                f"registered ({len(self._remote)} declared with add_remote_region)")
+            raise E.BoundsError(
+                f"{what} [{remote_addr:#x}, +{remote_nbytes}) lies in no region the peer "
+                f"registered ({len(self._remote)} declared with add_remote_region)"
+            )
 
     def _check_device(self) -> None:
         rc, device = self.native.current_device()
         check("aclrtGetDevice", rc, "while checking the current NPU")
         if device != self.device:
-            raise E.ConfigError(f"the current NPU is {device}, this engine runs on NPU {self.device}: set the device "
-                                f"(torch.npu.set_device({self.device})) before submitting")
+            raise E.ConfigError(
+                f"the current NPU is {device}, this engine runs on NPU {self.device}: set the device "
+                f"(torch.npu.set_device({self.device})) before submitting"
+            )
 
     def _start(self, ticket: Ticket, sources: Sequence[MemorySegment]) -> None:
         if ticket.remote.peer != self.peer:
@@ -302,8 +371,7 @@ class NpuTransferEngine(TransferEngine):
             self._check_notify_slot(ticket.notify_slot)
         self._check_ranges(ticket.pieces, ticket.remote.addr, ticket.remote.nbytes)
         if not self._prepared:
-            raise E.ProtocolError("HcclCommPrepare has not run since the last registration: call prepare_comm() "
-                                  "first")
+            raise E.ProtocolError("HcclCommPrepare has not run since the last registration: call prepare_comm() first")
         self._check_device()
         ticket.state["event"] = self._put(ticket.pieces)
         self._in_flight[ticket.id] = ticket
@@ -326,8 +394,9 @@ class NpuTransferEngine(TransferEngine):
         try:
             for start in range(0, len(pieces), MAX_DESCS_PER_PUT):
                 last = start + MAX_DESCS_PER_PUT >= len(pieces)
-                self.native.enqueue_batch_put(self.comm, self.peer, descs[start:start + MAX_DESCS_PER_PUT],
-                                              event if last else 0)
+                self.native.enqueue_batch_put(
+                    self.comm, self.peer, descs[start : start + MAX_DESCS_PER_PUT], event if last else 0
+                )
         except BaseException:
             # an earlier chunk may be queued: the event was not recorded, so it can go
             check("aclrtDestroyEvent", self.native.destroy_event(event), "after a failed enqueue")
@@ -356,27 +425,54 @@ class NpuTransferEngine(TransferEngine):
                 time.sleep(POLL_S)
 
     def _finish(self, ticket: Ticket, timeout_s: float) -> TransferResult:
-        self._await(ticket.state["event"], timeout_s,
-                    lambda: f"the {len(ticket.pieces)} pieces ({ticket.nbytes} bytes) of ticket {ticket.id} to rank "
-                            f"{self.peer}")
+        self._await(
+            ticket.state["event"],
+            timeout_s,
+            lambda: (
+                f"the {len(ticket.pieces)} pieces ({ticket.nbytes} bytes) of ticket {ticket.id} to rank {self.peer}"
+            ),
+        )
         ticket.state["done"] = True
         return TransferResult(ticket.kind, ticket.selection, ticket.nbytes, len(ticket.pieces))
 
     def _publish_ready(self, ticket: Ticket, timeout_s: float) -> int:
-        slot = ticket.notify_slot
         magic = next(self._magics)
+        self._write_notify(ticket.notify_slot, magic, timeout_s, f"ticket {ticket.id}")
+        return magic
+
+    def record(self, slot: int, magic: int, timeout_s: float | None = None) -> None:
+        self._check_notify_slot(slot)
+        self._write_notify(slot, magic, self.timeout_s if timeout_s is None else timeout_s, "a recorded magic")
+
+    def locate(self, addr: int, nbytes: int) -> MemorySegment:
+        region = next((r for r in self._local if r.holds(addr, nbytes)), None)
+        if region is None:
+            raise E.NotRegistered(
+                f"source [{addr:#x}, +{nbytes}) lies in no registered local region ({len(self._local)} registered)"
+            )
+        return MemorySegment(addr, nbytes, region.memory)
+
+    def remote_slot(self, addr: int, nbytes: int) -> RemoteSlot:
+        if not any(r.holds(addr, nbytes) for r in self._remote):
+            raise E.BoundsError(
+                f"destination [{addr:#x}, +{nbytes}) on rank {self.peer} lies in no region it "
+                f"registered ({len(self._remote)} declared with add_remote_region)"
+            )
+        return RemoteSlot(self.peer, addr, nbytes)
+
+    def _write_notify(self, slot: int, magic: int, timeout_s: float, what: str) -> None:
+        """Put ``magic`` from the registered host notify buffer into the peer's notify ``slot`` and wait for it."""
         self.notify[slot] = magic  # host memory: written before the put is enqueued
         local = self.notify.data_ptr() + slot * NOTIFY_BYTES
         remote = self.notify_remote_addr + slot * NOTIFY_BYTES
         piece = WirePiece(local, remote, NOTIFY_BYTES, 0, 0, 0)
         event = self._put([piece])
         try:
-            self._await(event, timeout_s, lambda: f"the notify put of ticket {ticket.id} (slot {slot})")
+            self._await(event, timeout_s, lambda: f"the notify put of {what} (slot {slot})")
         except BaseException:  # the stream may still record the event: never destroy or reuse it
             self._orphans.append(event)
             raise
-        check("aclrtDestroyEvent", self.native.destroy_event(event), f"of ticket {ticket.id}'s notify put")
-        return magic
+        check("aclrtDestroyEvent", self.native.destroy_event(event), f"of {what}'s notify put")
 
     def _release(self, ticket: Ticket) -> None:
         self._in_flight.pop(ticket.id, None)

@@ -13,14 +13,12 @@ from ascend_dualpath.dualpath.read_paths import LoadPlan, h2d_segments, hit_laye
 from ascend_dualpath.dualpath.scheduler import ReadPath
 from ascend_dualpath.dualpath.transfer_leg import (
     ABORT_SLOT,
-    HcclTransferLeg,
     PeerAborted,
     TransferFailed,
-    TransportTransferLeg,
     contiguous,
     wait_notify,
 )
-from ascend_dualpath.errors import BoundsError, WaitTimeout
+from ascend_dualpath.errors import BoundsError, NotRegistered, WaitTimeout
 from ascend_dualpath.kv.layout import KVLayout
 from ascend_dualpath.models.tiny_llama import TinyLlamaConfig
 from tests.dualpath.fast_config import FAST
@@ -31,8 +29,9 @@ def _plan(path: ReadPath, n_hit: int, base: int) -> LoadPlan:
 
 
 @settings(max_examples=40)
-@given(n_hit=st.integers(0, 4), n_miss=st.integers(1, 20), path=st.sampled_from(list(ReadPath)),
-       seed=st.integers(0, 2**16))
+@given(
+    n_hit=st.integers(0, 4), n_miss=st.integers(1, 20), path=st.sampled_from(list(ReadPath)), seed=st.integers(0, 2**16)
+)
 def test_h2d_merges_hit_and_miss_rows_in_token_and_layer_order(n_hit, n_miss, path, seed):
     layout = KVLayout.gqa(3, 2, 4, torch.bfloat16, block_tokens=8)
     L, T, C = layout.num_layers, layout.block_tokens, layout.token_bytes
@@ -42,14 +41,17 @@ def test_h2d_merges_hit_and_miss_rows_in_token_and_layer_order(n_hit, n_miss, pa
     if path is ReadPath.PE:
         lease = complete.clone().reshape(-1)
     else:
-        hit = layout.full_blocks_from_layers([complete[layer, : n_hit * T] for layer in range(L)]) if n_hit else \
-            torch.empty(0, dtype=torch.uint8)
-        lease = torch.cat([hit.reshape(-1), complete[:, n_hit * T:].reshape(-1)])
+        hit = (
+            layout.full_blocks_from_layers([complete[layer, : n_hit * T] for layer in range(L)])
+            if n_hit
+            else torch.empty(0, dtype=torch.uint8)
+        )
+        lease = torch.cat([hit.reshape(-1), complete[:, n_hit * T :].reshape(-1)])
     hbm_tokens = total + 5
     hbm = torch.full((L, hbm_tokens, C), 0xA5, dtype=torch.uint8)
     lease_base, hbm_base = 1 << 40, 1 << 44
     for src, dst, n in h2d_segments(_plan(path, n_hit, lease_base), layout, total, hbm_base, hbm_tokens):
-        hbm.view(-1)[dst - hbm_base: dst - hbm_base + n] = lease[src - lease_base: src - lease_base + n]
+        hbm.view(-1)[dst - hbm_base : dst - hbm_base + n] = lease[src - lease_base : src - lease_base + n]
     assert torch.equal(hbm[:, :total], complete)
     assert bool((hbm[:, total:] == 0xA5).all()), "H2D wrote past the prompt rows"
 
@@ -59,7 +61,7 @@ def test_hit_layer_segments_select_one_layer_of_each_full_block():
     blocks = torch.randint(0, 256, (3, *layout.empty_full_blocks(1).shape[1:]), dtype=torch.uint8)
     flat = blocks.reshape(-1)
     for layer in range(4):
-        rows = torch.cat([flat[s.src_addr: s.src_addr + s.nbytes] for s in hit_layer_segments(layout, 0, 3, layer)])
+        rows = torch.cat([flat[s.src_addr : s.src_addr + s.nbytes] for s in hit_layer_segments(layout, 0, 3, layer)])
         assert torch.equal(rows, layout.layer_rows(blocks, layer).reshape(-1))
 
 
@@ -75,43 +77,32 @@ def comms(emu, C):
             c.close()
 
 
-LEGS = [HcclTransferLeg, TransportTransferLeg]
-
-
-@pytest.mark.parametrize("leg_cls", LEGS)
-def test_leg_moves_segments_exactly_and_sets_the_notify(comms, leg_cls):
-    src, dst = comms
-    leg = leg_cls(src, timeout_s=5.0)
-    out = np.frombuffer(src.windows_out, dtype=np.uint8)
-    out[:8192] = np.arange(8192) % 251
-    landing = np.frombuffer(dst.windows_in, dtype=np.uint8)
-    landing[:] = 0xA5
-    expected = landing.copy()
-    magic = src.next_magic()
-    segments = contiguous([(src.windows_out.addr + 4096, 1000), (src.windows_out.addr, 24)])
-    ticket = leg.submit(2, segments, 1, dst.windows_in.addr + 64, 2, magic)
-    leg.wait(ticket)
-    wait_notify(dst, 2, magic, "layer 2", timeout_s=5.0)
+def test_leg_moves_segments_exactly_and_sets_the_notify(leg_bench):
+    bench = leg_bench
+    bench.write_source((np.arange(8192) % 251).astype(np.uint8))
+    bench.poison_landing()
+    expected = bench.landing().copy()
+    out = bench.source()
+    magic = bench.next_magic()
+    segments = contiguous([(bench.source_addr + 4096, 1000), (bench.source_addr, 24)])
+    ticket = bench.leg.submit(2, segments, 1, bench.landing_addr + 64, 2, magic)
+    bench.leg.wait(ticket)
+    wait_notify(bench.notify, 2, magic, "layer 2", timeout_s=5.0)
     expected[64:1064] = out[4096:5096]
     expected[1064:1088] = out[:24]
-    assert np.array_equal(landing, expected)
-    leg.close()
+    assert np.array_equal(bench.landing(), expected)
 
 
-@pytest.mark.parametrize("leg_cls", LEGS)
-def test_leg_failure_names_the_layer_and_moves_nothing(comms, leg_cls):
-    src, dst = comms
-    leg = leg_cls(src, timeout_s=5.0)
-    landing = np.frombuffer(dst.windows_in, dtype=np.uint8)
-    landing[:] = 0xA5
-    size = dst.windows_in.size
-    segments = contiguous([(src.windows_out.addr, 64), (src.windows_out.addr, 128)])
-    # the batch leg fails when the batch is validated; the transport leg rejects it before queueing it
-    with pytest.raises((TransferFailed, BoundsError), match="layer 3"):
-        leg.wait(leg.submit(3, segments, 1, dst.windows_in.addr + size - 100, 3, src.next_magic()))
-    assert bool((landing == 0xA5).all()), "a rejected batch moved bytes"
-    assert dst.notify_value(3) == 0, "the notify of a failed layer was set"
-    leg.close()
+def test_leg_failure_names_the_layer_and_moves_nothing(leg_bench):
+    bench = leg_bench
+    bench.poison_landing()
+    pieces, dst_addr = bench.refused
+    # the batch leg fails when the batch is validated; the transport leg rejects it before queueing it (emulator) or
+    # before its engine moves anything (CUDA: the range check of the request)
+    with pytest.raises((TransferFailed, BoundsError, NotRegistered), match="layer 3"):
+        bench.leg.wait(bench.leg.submit(3, contiguous(pieces), 1, dst_addr, 3, bench.next_magic()))
+    assert bool((bench.landing() == 0xA5).all()), "a rejected batch moved bytes"
+    assert bench.notify.notify_value(3) == 0, "the notify of a failed layer was set"
 
 
 def test_wait_notify_is_bounded_and_sees_aborts(comms):
@@ -158,3 +149,29 @@ def test_pe_and_de_paths_agree_bit_for_bit_and_match_full_recompute(tmp_path_fac
     for check in (check_pe, check_de):
         assert check["loaded_exact"] and check["tokens_equal"], check
         assert check["kv_max_err"] <= KV_BF16_ATOL, check
+
+
+@pytest.mark.parametrize("mode", ["pe", "de"])
+def test_both_engines_move_layers_through_the_given_engine_factory(tmp_path, mode):
+    """The DualPath stack takes its transfer engines from the caller: every engine a node sends with comes from
+    the factory (asked once per destination rank), and two turns are served over them (the second hits the cache
+    and moves hit layers on the chosen path)."""
+    from ascend_dualpath.transport import create_engine
+
+    made = []
+
+    def factory(comm, rank):
+        made.append((comm.rank, rank, create_engine("emulator", comm, rank, timeout_s=10.0)))
+        return made[-1][2]
+
+    config = EngineConfig(str(tmp_path / mode), **FAST)
+    first = [int(t) for t in np.random.default_rng(1).integers(0, TinyLlamaConfig().vocab_size, 40)]
+    with in_process_engines(config, engines=factory) as (pe, de):
+        results, _, _ = de.serve_wave([(0, 0, first, 2)], mode)
+        results, _, _ = de.serve_wave([(0, 1, results[0].sequence + [3, 4, 5], 2)], mode)
+        used = [*pe.leg.inner._engines.values(), *de.leg.inner._engines.values()]
+        kinds = {**pe.leg.inner.kinds_used, **de.leg.inner.kinds_used}
+    assert results[0].error is None and results[0].hit_tokens > 0 and results[0].path == mode
+    assert used and {id(e) for e in used} <= {id(e) for _, _, e in made}
+    assert len({(a, b) for a, b, _ in made}) == len(made), "an engine was made twice for one rank"
+    assert kinds, "no layer went through the factory's engines"

@@ -194,7 +194,7 @@ def test_d12_engine_arguments_are_validated_by_name(emu):
                 EmulatedTransferEngine(rig.comms[0], peer, **args)
         src = rig.source("src", 100)
         ticket = rig.engine.submit([MemorySegment.of_region(src)], rig.slot())
-        with pytest.raises(errors.ConfigError, match="timeout must be a finite number >= 0, got inf"):
+        with pytest.raises(errors.ConfigError, match="timeout_s must be a finite number >= 0, got inf"):
             ticket.wait(math.inf)
         ticket.wait()
 

@@ -17,16 +17,13 @@ from hypothesis import strategies as st
 from ascend_dualpath import errors
 from ascend_dualpath.transport import cuda
 from ascend_dualpath.transport.cuda import (
-    BULK_ALIGN,
     LARGE_CONFIG,
     SMALL_CONFIG,
     TILE_BYTES,
-    bulk_tile_table,
-    choose_bulk,
+    KernelConfig,
     choose_config,
     element_bytes,
     grid_size,
-    parse_kind,
     tile_table,
 )
 from tests.conftest import cuda_torch
@@ -71,69 +68,6 @@ def test_large_requests_get_the_bandwidth_configuration_from_4_3_mb_on_an_h200()
     assert choose_config(threshold - 1, sms) == SMALL_CONFIG
     assert choose_config(threshold, sms) == LARGE_CONFIG == choose_config(64 << 20, sms)
     assert LARGE_CONFIG.streaming and not SMALL_CONFIG.streaming
-
-
-def test_bench_kinds_may_carry_a_kernel_configuration():
-    assert parse_kind("host") == ("host", {})
-    assert parse_kind("graph:64:4:8") == ("graph", {"tile_bytes": 65536, "programs_per_sm": 4, "num_warps": 8})
-    assert parse_kind("device:-:2:-:stream+noprefetch+gpu") == (
-        "device", {"programs_per_sm": 2, "streaming": True, "prefetch": False, "arrive_sys": False}
-    )
-    assert parse_kind("device-jit") == ("device", {"launch_mode": "jit"})
-    assert parse_kind("staged:65536") == ("staged", {"chunk_bytes": 64 << 20})
-    for bad in ("devic", "host:4:8:4", "device:4:8", "host-batch:4:8:4", "staged:0", "staged:4:8"):
-        with pytest.raises(errors.ConfigError, match=f"unknown cuda kind '{bad}'"):
-            parse_kind(bad)
-    assert parse_kind("device:32:6:1:bulk+split2") == (
-        "device", {"tile_bytes": 32768, "programs_per_sm": 6, "num_warps": 1, "bulk": True, "chunks": 2}
-    )
-    with pytest.raises(errors.ConfigError, match="unknown kernel option 'fast' in 'device:4:8:4:fast'"):
-        parse_kind("device:4:8:4:fast")
-
-
-@given(
-    sizes=st.lists(st.integers(1, 200000), min_size=1, max_size=20),
-    gaps=st.lists(st.integers(0, 4), min_size=20, max_size=20),
-    stage_kib=st.sampled_from([1, 4, 32]),
-)
-def test_bulk_rows_cover_every_byte_once_with_aligned_bulk_tiles_and_short_tails(sizes, gaps, stage_kib):
-    stage = stage_kib * 1024
-    padded = [-(-n // BULK_ALIGN) * BULK_ALIGN + BULK_ALIGN * g for n, g in zip(sizes, gaps, strict=False)]
-    src = 0x10000 + np.cumsum([0] + padded[:-1])
-    shift = 0x4000000 + BULK_ALIGN * np.arange(len(sizes))  # each segment's own distance to its destination
-    table = bulk_tile_table(src, src + shift, sizes, stage)
-    is_tail = table[:, 2] % BULK_ALIGN != 0
-    assert (table[~is_tail, 2] <= stage).all() and (table[:, :2] % BULK_ALIGN == 0).all()
-    owner = np.searchsorted(src, table[:, 0], side="right") - 1
-    assert (table[:, 1] - table[:, 0] == shift[owner]).all()
-    assert (table[is_tail, 2] < BULK_ALIGN).all() and is_tail.sum() == sum(n % BULK_ALIGN != 0 for n in sizes)
-    assert not is_tail[: int((~is_tail).sum())].any()  # tails come after every bulk tile
-    covered = np.zeros(int(src[-1]) + sizes[-1] - 0x10000, np.int64)
-    for s, _, n in table:
-        covered[s - 0x10000 : s - 0x10000 + n] += 1
-    expected = np.zeros_like(covered)
-    for s, n in zip(src, sizes, strict=True):
-        expected[s - 0x10000 : s - 0x10000 + n] = 1
-    assert (covered == expected).all()
-    # k stages exactly, and one more 16-byte unit
-    assert bulk_tile_table([0], [0], [3 * stage], stage).shape == (3, 3)
-    assert bulk_tile_table([0], [0], [3 * stage + 16], stage).shape == (4, 3)
-    assert bulk_tile_table([0], [0], [3 * stage + 17], stage)[-1].tolist() == [3 * stage + 16, 3 * stage + 16, 1]
-
-
-def test_bulk_copies_need_16_byte_aligned_addresses_and_are_chosen_for_large_aligned_requests(monkeypatch):
-    with pytest.raises(errors.AlignmentError, match="segment 1 .*dst 0x108.* not 16-byte aligned"):
-        bulk_tile_table([0, 64], [0x100, 0x108], [16, 16], 4096)
-    with pytest.raises(errors.EmptyTransfer, match="segment 0 has no bytes"):
-        bulk_tile_table([0], [0], [0], 4096)
-    big = cuda.large_threshold(132)
-    monkeypatch.setattr(cuda, "BULK_DEFAULT", True)
-    assert choose_bulk([0x1000], [0x2000], big, 132, (9, 0))
-    assert not choose_bulk([0x1000], [0x2000], big - 1, 132, (9, 0))  # small requests keep the latency kernel
-    assert not choose_bulk([0x1000], [0x2008], big, 132, (9, 0))  # an address off the 16-byte grid
-    assert not choose_bulk([0x1000], [0x2000], big, 132, (8, 0))  # no bulk copies before Hopper
-    monkeypatch.setattr(cuda, "BULK_DEFAULT", False)
-    assert not choose_bulk([0x1000], [0x2000], big, 132, (9, 0))
 
 
 @given(
@@ -240,8 +174,12 @@ class _FakeDriver:
         self.queries.append(addr)
         for start, size, mem_type, ordinal in self.allocations:
             if start <= addr < start + size:
-                values = {2: (ctypes.c_uint, mem_type), 9: (ctypes.c_int, ordinal), 11: (ctypes.c_uint64, start),
-                          12: (ctypes.c_uint64, size)}
+                values = {
+                    2: (ctypes.c_uint, mem_type),
+                    9: (ctypes.c_int, ordinal),
+                    11: (ctypes.c_uint64, start),
+                    12: (ctypes.c_uint64, size),
+                }
                 for i in range(count):
                     kind, value = values[kinds[i]]
                     ctypes.cast(data[i], ctypes.POINTER(kind))[0] = value
@@ -277,8 +215,7 @@ _PTX_SIGNATURE = {
     "state": "*i64",
     "flag": "*i64",
     "flag_value": "i64",
-    **{name: "constexpr" for name in ("TILE", "ELEM_BYTES", "FROM_EPOCH", "SINGLE", "ARRIVE_SYS", "STREAMING",
-                                      "PREFETCH")},
+    **{name: "constexpr" for name in ("TILE", "ELEM_BYTES", "FROM_EPOCH", "SINGLE", "ARRIVE_SYS", "STREAMING")},
 }
 
 
@@ -288,8 +225,15 @@ def _ptx(tile_bytes, **switches):
 
     from ascend_dualpath.transport.cuda_kernels import copy_tiles
 
-    constexprs = {"TILE": tile_bytes // 4, "ELEM_BYTES": 16, "FROM_EPOCH": False, "SINGLE": False, "ARRIVE_SYS": True,
-                  "STREAMING": False, "PREFETCH": False, **switches}
+    constexprs = {
+        "TILE": tile_bytes // 4,
+        "ELEM_BYTES": 16,
+        "FROM_EPOCH": False,
+        "SINGLE": False,
+        "ARRIVE_SYS": True,
+        "STREAMING": False,
+        **switches,
+    }
     source = triton.compiler.ASTSource(fn=copy_tiles, signature=_PTX_SIGNATURE, constexprs=constexprs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
 
@@ -311,7 +255,7 @@ def test_copy_kernel_compiles_to_vectorized_ptx_with_a_system_scope_release_flag
 
 def test_kernel_switches_change_exactly_their_instructions(monkeypatch):
     """GPU-scope arrival, a single program (no arrival count, still a barrier before the release), streaming
-    cache hints, and the prefetched next row (the table loads of the next tile come before this tile's stores)."""
+    cache hints."""
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
     gpu = _ptx(TILE_BYTES, ARRIVE_SYS=False)
     assert "atom.global.gpu.acq_rel.add" in gpu and "atom.global.sys.acq_rel" not in gpu
@@ -322,46 +266,6 @@ def test_kernel_switches_change_exactly_their_instructions(monkeypatch):
     assert streaming.count("ld.global.cg.v4") == 8 and streaming.count("st.global.cs.v4") == 8
     plain = _ptx(4 * TILE_BYTES)
     assert ".cg" not in plain and ".cs" not in plain
-    prefetched = _ptx(TILE_BYTES, PREFETCH=True)
-    assert prefetched.count("ld.global.v4") == 2 and ".local" not in prefetched
-
-
-_BULK_SIGNATURE = {
-    "table": "*i64",
-    "n_tiles": "i32",
-    "state": "*i64",
-    "flag": "*i64",
-    "flag_value": "i64",
-    **{name: "constexpr" for name in ("STAGE_PTX", "FROM_EPOCH", "SINGLE", "ARRIVE_SYS")},
-}
-
-
-@pytest.mark.parametrize("stage_bytes,chunks", [(32768, 2), (4096, 4), (16384, 1)])
-def test_bulk_kernel_assembles_for_sm90_and_drains_its_stores_before_the_release(monkeypatch, stage_bytes, chunks):
-    """Without a GPU: ptxas accepts the inline PTX for sm_90a; one static stage of the asked size; per piece a bulk
-    load completing on an mbarrier and a bulk store; the stage is reused only after the stores read it; after the
-    loop the stores' writes are awaited and proxy-fenced before the barrier, the arrival and the flag release."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-
-    from ascend_dualpath.transport.cuda_kernels import bulk_copy_tiles, bulk_tile_ptx
-
-    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
-    constexprs = {"STAGE_PTX": bulk_tile_ptx(stage_bytes, chunks), "FROM_EPOCH": False, "SINGLE": False,
-                  "ARRIVE_SYS": True}
-    source = triton.compiler.ASTSource(fn=bulk_copy_tiles, signature=_BULK_SIGNATURE, constexprs=constexprs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
-    ptx = compiled.asm["ptx"]
-    assert compiled.asm["cubin"]  # ptxas accepted the inline assembly
-    assert ptx.count(f"bk_stage[{stage_bytes}]") == 1
-    assert ptx.count("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes") == chunks
-    assert ptx.count("cp.async.bulk.global.shared::cta.bulk_group") == chunks
-    assert ptx.index("cp.async.bulk.global.shared::cta.bulk_group") < ptx.index("cp.async.bulk.wait_group.read 0")
-    drain = ptx.index("cp.async.bulk.wait_group 0;")
-    fence = ptx.index("fence.proxy.async.global")
-    arrival = ptx.index("atom.global.sys.acq_rel.add")
-    assert drain < fence < ptx.index("bar.sync", fence) < arrival < ptx.index("atom.global.sys.release.exch.b64")
-    assert "ld.global.b8" in ptx and "st.global.b8" in ptx  # tails of 1-15 bytes
 
 
 _INTERPRETED = textwrap.dedent(
@@ -386,7 +290,7 @@ _INTERPRETED = textwrap.dedent(
         flag = torch.zeros(1, dtype=torch.int64)
         programs = int(rng.integers(1, len(table) + 2))
         switches = dict(ELEM_BYTES=width, TILE=tile if width == 1 else tile // 4, SINGLE=programs == 1,
-                        ARRIVE_SYS=bool(trial % 2), STREAMING=trial % 3 == 0, PREFETCH=trial % 4 < 2)
+                        ARRIVE_SYS=bool(trial % 2), STREAMING=trial % 3 == 0)
         for launch, from_epoch in enumerate((False, True, False)):
             dst[:] = 0xA5
             K.copy_tiles[(programs,)](table, len(table), state, flag, 77 + launch, FROM_EPOCH=from_epoch,
@@ -404,7 +308,7 @@ _INTERPRETED = textwrap.dedent(
 
 def test_copy_kernel_under_the_triton_interpreter_is_exact_and_publishes_the_flag():
     """On the CPU (TRITON_INTERPRET=1): the kernel copies scattered segments exactly at every element width and
-    switch combination (single program, arrival scope, streaming hints, prefetch), leaves poisoned gaps alone,
+    switch combination (single program, arrival scope, streaming hints), leaves poisoned gaps alone,
     publishes the explicit value or the next epoch, and resets the arrival counter."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.getcwd())
@@ -504,7 +408,7 @@ def test_arrival_scope_follows_the_destinations_and_a_local_copy_with_gpu_scope_
         enable_peer_access(src_dev, flag_dev)
         peer = torch.empty(size, dtype=torch.uint8, device=flag_dev)
         assert copier.arrivals_need_sys([peer.data_ptr()], [size])
-    plan = copier.plan(s_addrs, d_addrs, [size] * count, programs_per_sm=1)
+    plan = copier.plan(s_addrs, d_addrs, [size] * count, KernelConfig(TILE_BYTES, 1, 4, False))
     assert plan.constexprs["ARRIVE_SYS"] is False and plan.programs > 1
     for value in (21, 22):
         _poison(torch, dst)
@@ -552,11 +456,11 @@ def test_bad_flag_value_is_refused_before_anything_moves():
         with pytest.raises(errors.ConfigError, match=f"flag_value {bad} is outside"):
             copier.run(plan, bad)
     with pytest.raises(errors.ConfigError, match="tile_bytes 3000 is not a power of two"):
-        copier.plan(s_addrs, d_addrs, [4096] * 4, tile_bytes=3000)
+        copier.plan(s_addrs, d_addrs, [4096] * 4, KernelConfig(3000, 8, 4, False))
     with pytest.raises(errors.ConfigError, match="num_warps 3 is not one of"):
-        copier.plan(s_addrs, d_addrs, [4096] * 4, num_warps=3)
+        copier.plan(s_addrs, d_addrs, [4096] * 4, KernelConfig(TILE_BYTES, 8, 3, False))
     with pytest.raises(errors.ConfigError, match="programs_per_sm must be >= 1, got 0"):
-        copier.plan(s_addrs, d_addrs, [4096] * 4, programs_per_sm=0)
+        copier.plan(s_addrs, d_addrs, [4096] * 4, KernelConfig(TILE_BYTES, 0, 4, False))
     torch.cuda.synchronize()
     assert (dst == 0xA5).all() and int(copier.flag.item()) == 0
 
@@ -565,6 +469,7 @@ def test_bad_flag_value_is_refused_before_anything_moves():
 @pytest.mark.parametrize("mode", ["direct", "runner", "jit"])
 def test_every_launch_mode_copies_exactly_and_binds_as_documented(mode):
     torch = cuda_torch()
+    from ascend_dualpath._triton_launch import LaunchSite
     from ascend_dualpath.transport.cuda import DeviceCopier
 
     dev = torch.device("cuda:0")
@@ -573,7 +478,8 @@ def test_every_launch_mode_copies_exactly_and_binds_as_documented(mode):
     src, dst, s_addrs, d_addrs = _segments(torch, count, size, dev, dev)
     flag = torch.zeros(1, dtype=torch.int64, device=dev)
     copier = DeviceCopier(dev, flag)
-    plan = copier.plan(s_addrs, d_addrs, [size] * count, launch_mode=mode)
+    plan = copier.plan(s_addrs, d_addrs, [size] * count)
+    plan.site = LaunchSite(plan.site.kernel, plan.programs, plan.site.constants, mode)
     for value in (5, 6, 7):
         _poison(torch, dst)
         src.random_(0, 256)
@@ -585,8 +491,8 @@ def test_every_launch_mode_copies_exactly_and_binds_as_documented(mode):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("arrive_sys,streaming,prefetch", [(False, True, True), (True, False, True), (False, False, False)])
-def test_kernel_switches_copy_exactly_to_a_peer(arrive_sys, streaming, prefetch):
+@pytest.mark.parametrize("streaming", [True, False])
+def test_kernel_configurations_copy_exactly_to_a_peer(streaming):
     torch = cuda_torch()
     from ascend_dualpath.transport.cuda import DeviceCopier, enable_peer_access
 
@@ -599,8 +505,7 @@ def test_kernel_switches_copy_exactly_to_a_peer(arrive_sys, streaming, prefetch)
     src, dst, s_addrs, d_addrs = _segments(torch, count, size, src_dev, dst_dev)
     flag = torch.zeros(1, dtype=torch.int64, device=dst_dev)
     copier = DeviceCopier(src_dev, flag)
-    plan = copier.plan(s_addrs, d_addrs, [size] * count, arrive_sys=arrive_sys, streaming=streaming,
-                       prefetch=prefetch, programs_per_sm=1)
+    plan = copier.plan(s_addrs, d_addrs, [size] * count, KernelConfig(TILE_BYTES, 1, 2, streaming))
     for value in (11, 12):
         _poison(torch, dst)
         copier.run(plan, value)
@@ -659,13 +564,16 @@ def test_memcpy_batch_absent_runtime_refuses_without_fallback(monkeypatch):
     assert torch.equal(dst, src)
 
 
+ALIGN = 16  # segment offsets of _scattered
+
+
 def _scattered(torch, sizes, src_dev, dst_dev):
     """Segments at 16-byte aligned offsets with poisoned gaps between them (sources random, destinations 0xA5)."""
     src_offs, dst_offs, s_end, d_end = [], [], 16, 48
     for n in sizes:
         src_offs.append(s_end)
         dst_offs.append(d_end)
-        padded = -(-n // BULK_ALIGN) * BULK_ALIGN
+        padded = -(-n // ALIGN) * ALIGN
         s_end, d_end = s_end + padded + 16, d_end + padded + 32
     src = torch.randint(0, 256, (s_end + 64,), dtype=torch.uint8, device=src_dev)
     dst = torch.full((d_end + 64,), 0xA5, dtype=torch.uint8, device=dst_dev)
@@ -678,97 +586,6 @@ def _expected(torch, src, dst, src_offs, dst_offs, sizes):
     for s, d, n in zip(src_offs, dst_offs, sizes, strict=True):
         expected[d : d + n] = src[s : s + n].to(dst.device)
     return expected
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize(
-    "sizes,stage,chunks",
-    [
-        ([3 * 32768 + 5 * 16], 32768, 2),  # body not a multiple of the stage
-        ([42 * 1024] * 61, 16384, 4),  # layer blocks: 42 KiB = 16 + 16 + 10 KiB
-        ([1000 * 16 + 7, 5, 12345, 65536 + 15, 16], 4096, 2),  # tails of 1-15 bytes, a tail-only segment
-        ([9 << 20, 1 << 20], 32768, 1),
-    ],
-)
-def test_bulk_copy_is_exact_with_tails_here_and_to_a_peer(sizes, stage, chunks):
-    """Bulk copies (TMA) deliver exactly the asked bytes, leave the poisoned gaps between segments alone, publish the
-    flag after every byte, through the cached plan and a graph replay, on one GPU and to a peer."""
-    torch = cuda_torch()
-    from ascend_dualpath.transport.cuda import DeviceCopier, enable_peer_access
-
-    src_dev = torch.device("cuda:0")
-    torch.cuda.set_device(src_dev)
-    if torch.cuda.get_device_capability(src_dev) < (9, 0):
-        pytest.skip("bulk copies need compute capability 9.0")
-    for dst_name in ["cuda:0"] + (["cuda:1"] if torch.cuda.device_count() > 1 else []):
-        dst_dev = torch.device(dst_name)
-        if dst_dev != src_dev:
-            enable_peer_access(src_dev, dst_dev)
-        src, dst, src_offs, dst_offs = _scattered(torch, sizes, src_dev, dst_dev)
-        flag = torch.zeros(1, dtype=torch.int64, device=dst_dev)
-        copier = DeviceCopier(src_dev, flag)
-        plan = copier.plan([src.data_ptr() + o for o in src_offs], [dst.data_ptr() + o for o in dst_offs], sizes,
-                           bulk=True, tile_bytes=stage, chunks=chunks)
-        assert plan.bulk and plan.chunks == chunks and plan.elem_bytes == 1
-        expected = _expected(torch, src, dst, src_offs, dst_offs, sizes)
-        for value in (21, 22):
-            _poison(torch, dst)
-            copier.run(plan, value)
-            torch.cuda.synchronize(src_dev)
-            torch.cuda.synchronize(dst_dev)
-            assert int(flag.item()) == value, dst_name
-            assert torch.equal(dst, expected), dst_name
-        graphed = copier.capture(plan, 500)
-        _poison(torch, dst)
-        src.random_(0, 256)
-        torch.cuda.synchronize()
-        assert graphed.replay() == 500
-        torch.cuda.synchronize(src_dev)
-        torch.cuda.synchronize(dst_dev)
-        assert int(flag.item()) == 500
-        assert torch.equal(dst, _expected(torch, src, dst, src_offs, dst_offs, sizes)), dst_name
-
-
-@pytest.mark.cuda
-def test_bulk_copies_refuse_unaligned_addresses_and_bad_shapes_before_anything_moves():
-    torch = cuda_torch()
-    copier, dst, s_addrs, d_addrs = _four_page_copier(torch)
-    with pytest.raises(errors.AlignmentError, match="segment 0 .* not 16-byte aligned: bulk copies need it"):
-        copier.plan([a + 8 for a in s_addrs], d_addrs, [4096] * 4, bulk=True)
-    with pytest.raises(errors.ConfigError, match="bulk stage of 65536 bytes is not a power of two in"):
-        copier.plan(s_addrs, d_addrs, [4096] * 4, bulk=True, tile_bytes=65536)
-    with pytest.raises(errors.ConfigError, match="chunks 3 is not one of 1, 2, 4"):
-        copier.plan(s_addrs, d_addrs, [4096] * 4, bulk=True, chunks=3)
-    with pytest.raises(errors.ConfigError, match="streaming and prefetch apply to the load/store kernel"):
-        copier.plan(s_addrs, d_addrs, [4096] * 4, bulk=True, streaming=True)
-    with pytest.raises(errors.ConfigError, match="chunks=2 applies to bulk copies only"):
-        copier.plan(s_addrs, d_addrs, [4096] * 4, bulk=False, chunks=2)
-    torch.cuda.synchronize()
-    assert (dst == 0xA5).all() and int(copier.flag.item()) == 0
-
-
-@pytest.mark.cuda
-def test_default_plan_choice_follows_size_and_alignment():
-    """Large 16-byte aligned requests take bulk copies when BULK_DEFAULT says so; small or unaligned ones (and every
-    request when it does not) the load/store kernel; both copy exactly."""
-    torch = cuda_torch()
-    from ascend_dualpath.transport.cuda import BULK_DEFAULT, DeviceCopier, large_threshold
-
-    dev = torch.device("cuda:0")
-    torch.cuda.set_device(dev)
-    flag = torch.zeros(1, dtype=torch.int64, device=dev)
-    copier = DeviceCopier(dev, flag)
-    big = large_threshold(copier.sm_count)
-    for count, size, bulk in [(2, big // 2, BULK_DEFAULT and copier.bulk_capable), (61, 42 * 1024, False),
-                              (3, big // 2 + 3, False)]:  # + 3: segments 2 and 3 start off the 16-byte grid
-        src, dst, s_addrs, d_addrs = _segments(torch, count, size, dev, dev)
-        plan = copier.plan(s_addrs, d_addrs, [size] * count)
-        assert plan.bulk == bulk, (count, size)
-        copier.run(plan, 9)
-        torch.cuda.synchronize()
-        assert int(flag.item()) == 9
-        _assert_landed(torch, src, dst, count, size)
-        flag.zero_()
 
 
 @pytest.mark.cuda
@@ -790,8 +607,9 @@ def test_staged_copy_in_chunks_is_exact_here_and_to_a_peer(chunk_bytes):
         src, dst, src_offs, dst_offs = _scattered(torch, sizes, "cpu", dst_dev)
         host = src.pin_memory()
         flag = torch.zeros(1, dtype=torch.int64, device=dst_dev)
-        staged = StagedCopy(DeviceCopier(src_dev, flag), host, src_offs, [dst.data_ptr() + o for o in dst_offs], sizes,
-                            chunk_bytes)
+        staged = StagedCopy(
+            DeviceCopier(src_dev, flag), host, src_offs, [dst.data_ptr() + o for o in dst_offs], sizes, chunk_bytes
+        )
         assert staged.staging_bytes <= 2 * chunk_bytes
         for value in (31, 32):
             host.random_(0, 256)
@@ -812,8 +630,9 @@ def test_staged_copy_refuses_bad_sources_before_anything_moves():
     flag = torch.zeros(1, dtype=torch.int64, device=dev)
     copier = DeviceCopier(dev, flag)
     dst = torch.full((8192,), 0xA5, dtype=torch.uint8, device=dev)
-    with pytest.raises(errors.ConfigError, match="pinned 1-D uint8 CPU tensor, got torch.uint8 .4096,. on cpu "
-                                                 "\\(pinned: False\\)"):
+    with pytest.raises(
+        errors.ConfigError, match="pinned 1-D uint8 CPU tensor, got torch.uint8 .4096,. on cpu \\(pinned: False\\)"
+    ):
         StagedCopy(copier, torch.zeros(4096, dtype=torch.uint8), [0], [dst.data_ptr()], [4096])
     host = torch.zeros(4096, dtype=torch.uint8).pin_memory()
     with pytest.raises(errors.ConfigError, match="segment 1 .offset 4000, 100 bytes. lies outside the host buffer"):

@@ -66,7 +66,7 @@ def _sources(torch, engine, src_dev, host_share: bool):
     length = sum(_SIZES) + 16 * (len(_SIZES) + 1)  # a 16-byte gap before every block
     device = torch.randint(0, 256, (length,), dtype=torch.uint8, device=src_dev)
     host = torch.randint(0, 256, (length,), dtype=torch.uint8).pin_memory()
-    engine.register_host(host)
+    engine.register(host)
     torch.cuda.synchronize(src_dev)
     _ALIVE[:] = [device, host]
     segments, expected, offset = [], [], 0
@@ -170,7 +170,7 @@ def test_wait_is_bounded_and_names_the_ticket():
     torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time on the caller's stream, which the request follows
     ticket = engine.submit(segments, engine.slot(dst))
     with pytest.raises(errors.WaitTimeout, match=f"ticket {ticket.id} to {dst_dev}"):
-        ticket.wait(timeout=0.01)
+        ticket.wait(timeout_s=0.01)
     torch.cuda.synchronize()
     with pytest.raises(errors.ProtocolError, match="already failed"):
         ticket.wait()
@@ -199,3 +199,105 @@ def test_the_copy_kernel_publishes_remote_ready_for_a_receiver_polling_the_slot(
         assert ticket.wait().notify_magic == ticket.notify_magic
         magics.append(ticket.notify_magic)
     assert (notify.cpu()[[0, 2, 3]] == 0).all()
+
+
+def _gates_only(copy_engine_min_bytes, protocol="local"):
+    """A CUDA engine's gates without a GPU (only ``select`` is used)."""
+    from ascend_dualpath.transport.cuda_engine import CudaTransferEngine
+
+    engine = object.__new__(CudaTransferEngine)
+    engine.caps = ChannelCapabilities(0x04, protocol, 1 << 30)
+    engine.copy_engine_min_bytes = copy_engine_min_bytes
+    return engine
+
+
+def test_one_large_device_piece_goes_to_the_copy_engine_and_the_gate_says_so():
+    from ascend_dualpath.transport import MemorySegment
+
+    engine = _gates_only(8 << 20)
+    big = engine.select([MemorySegment(0x1000, 8 << 20, DEV)])
+    assert (big.kind, big.decided_by) == (TransferKind.HOST, "copy engine")
+    assert big.gates[-1].gate == "copy engine" and not big.gates[-1].passed
+    assert ">= copy_engine_min_bytes" in big.gates[-1].detail and "copy engine" in big.reason
+    for sources in ([MemorySegment(0x1000, (8 << 20) - 1, DEV)], [MemorySegment(0x1000, 8 << 20, DEV)] * 2):
+        kept = engine.select(sources)  # below the threshold, or several pieces: the device kernel
+        assert (kept.kind, kept.decided_by) == (TransferKind.AIV, "addressable")
+        assert kept.gates[-1].gate == "copy engine" and kept.gates[-1].passed
+    host = engine.select([MemorySegment(0x1000, 64 << 20, HOST)])  # the gate only reconsiders the device kernel
+    assert host.kind is TransferKind.STAGING and all(g.gate != "copy engine" for g in host.gates)
+
+
+@pytest.mark.cuda
+def test_the_copy_engine_gate_moves_one_large_piece_exactly():
+    torch = cuda_torch()
+    engine, notify, src_dev, dst_dev = _setup(torch, copy_engine_min_bytes=1 << 20)
+    src = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, device=src_dev)
+    dst = torch.full((3 << 20,), 0xA5, dtype=torch.uint8, device=dst_dev)
+    torch.cuda.synchronize()
+    result = engine.transfer([engine.segment(src)], engine.slot(dst), notify_slot=2)
+    assert (result.kind, result.selection.decided_by) == (TransferKind.HOST, "copy engine")
+    assert torch.equal(dst.cpu(), src.cpu()) and int(notify[2].item()) == result.notify_magic
+
+
+@pytest.mark.cuda
+def test_an_unregistered_host_buffer_is_refused_and_moves_nothing():
+    torch = cuda_torch()
+    engine, notify, src_dev, dst_dev = _setup(torch)
+    host = torch.randint(0, 256, (8192,), dtype=torch.uint8).pin_memory()
+    engine.register(host)
+    dst = torch.full((8192,), 0xA5, dtype=torch.uint8, device=dst_dev)
+    torch.cuda.synchronize()
+    prepared = engine.prepare([engine.segment(host)], engine.slot(dst), notify_slot=1)
+    prepared.transfer()
+    assert torch.equal(dst.cpu(), host)
+    dst.fill_(0xA5)
+    notify.fill_(-1)
+    torch.cuda.synchronize()
+    engine.unregister(host)
+    for submit in (prepared.submit, lambda: engine.submit([engine.segment(host)], engine.slot(dst), notify_slot=1)):
+        with pytest.raises(errors.NotRegistered):
+            submit()
+    torch.cuda.synchronize()
+    assert (dst.cpu() == 0xA5).all() and (notify.cpu() == -1).all()
+    with pytest.raises(errors.NotRegistered, match="not registered"):
+        engine.unregister(host)
+    engine.register(host)
+    prepared.transfer()  # registered again: the prepared request is checked again and moves
+    assert torch.equal(dst.cpu(), host)
+
+
+@pytest.mark.cuda
+def test_a_prepared_request_replays_from_a_cuda_graph_and_publishes_successive_magics():
+    torch = cuda_torch()
+    engine, notify, src_dev, dst_dev = _setup(torch)
+    segments, expected = _sources(torch, engine, src_dev, host_share=False)
+    dst = torch.full((expected.numel(),), 0xA5, dtype=torch.uint8, device=dst_dev)
+    torch.cuda.synchronize()
+    prepared = engine.prepare(segments, engine.slot(dst), notify_slot=3)
+    graphed = engine.capture(prepared, 1000)
+    torch.cuda.synchronize()
+    assert (dst.cpu() == 0xA5).all()  # capturing moves nothing
+    for magic in (1000, 1001):
+        dst.fill_(0xA5)
+        torch.cuda.synchronize()
+        assert graphed.replay() == magic
+        torch.cuda.synchronize()
+        assert torch.equal(dst.cpu(), expected) and int(notify[3].item()) == magic
+    host = engine.prepare(segments, engine.slot(dst), kind="host")
+    with pytest.raises(errors.ConfigError, match="only an aiv request"):
+        engine.capture(host)
+
+
+@pytest.mark.cuda
+def test_record_writes_the_callers_magic_and_locate_names_host_and_device_memory():
+    torch = cuda_torch()
+    engine, notify, src_dev, _ = _setup(torch)
+    engine.record(2, 77)
+    assert engine.notify_value(2) == 77
+    with pytest.raises(errors.BoundsError, match="notify slot 9"):
+        engine.record(9, 1)
+    host = torch.zeros(64, dtype=torch.uint8).pin_memory()
+    engine.register(host)
+    device = torch.zeros(64, dtype=torch.uint8, device=src_dev)
+    assert engine.locate(host.data_ptr() + 8, 8).memory is HOST
+    assert engine.locate(device.data_ptr(), 8).memory is DEV

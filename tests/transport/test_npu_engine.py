@@ -102,8 +102,9 @@ def _engine(fake=None, notify_slots=0, remote=None, **options):
     fake = FakeNative() if fake is None else fake
     notify = torch.zeros(notify_slots, dtype=torch.int64) if notify_slots else None
     remote_addr = remote.data_ptr() + remote.numel() - notify_slots * 8 if notify_slots else None
-    engine = npu.NpuTransferEngine(COMM, PEER, DEVICE, notify=notify, notify_remote_addr=remote_addr,
-                                   native_module=fake, **options)
+    engine = npu.NpuTransferEngine(
+        COMM, PEER, DEVICE, notify=notify, notify_remote_addr=remote_addr, native_module=fake, **options
+    )
     return engine, fake
 
 
@@ -127,9 +128,12 @@ def _ready(engine, src, dst):
 
 # ---- import and availability --------------------------------------------------------------------------------
 
+
 def test_module_imports_without_torch_npu():
-    code = ("import sys; sys.modules['torch_npu'] = None; import ascend_dualpath.transport.npu as m; "
-            "assert 'torch_npu' not in sys.modules or sys.modules['torch_npu'] is None; print(m.__name__)")
+    code = (
+        "import sys; sys.modules['torch_npu'] = None; import ascend_dualpath.transport.npu as m; "
+        "assert 'torch_npu' not in sys.modules or sys.modules['torch_npu'] is None; print(m.__name__)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "ascend_dualpath.transport.npu" in out.stdout, out.stderr[-2000:]
 
@@ -146,15 +150,19 @@ def test_missing_hcomm_symbols_make_the_engine_unavailable_by_name():
 
 # ---- error-code naming --------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("call, rc, name", [
-    ("HcclBatchPut", 1, "HCCL_E_PARA (1)"),
-    ("HcclCommPrepare", 9, "HCCL_E_TIMEOUT (9)"),
-    ("HcclCommBindMem", 5, "HCCL_E_NOT_SUPPORT (5)"),
-    ("HcclRegisterGlobalMem", 24, "HCCL_E_OOM (24)"),
-    ("aclrtQueryEventStatus", 507002, "ACL_ERROR_RT_STREAM_TASK_FULL (507002)"),
-    ("aclrtGetDevice", 100000, "ACL_ERROR_INVALID_PARAM (100000)"),
-    ("aclrtRecordEvent", 424242, "unknown code (424242)"),
-])
+
+@pytest.mark.parametrize(
+    "call, rc, name",
+    [
+        ("HcclBatchPut", 1, "HCCL_E_PARA (1)"),
+        ("HcclCommPrepare", 9, "HCCL_E_TIMEOUT (9)"),
+        ("HcclCommBindMem", 5, "HCCL_E_NOT_SUPPORT (5)"),
+        ("HcclRegisterGlobalMem", 24, "HCCL_E_OOM (24)"),
+        ("aclrtQueryEventStatus", 507002, "ACL_ERROR_RT_STREAM_TASK_FULL (507002)"),
+        ("aclrtGetDevice", 100000, "ACL_ERROR_INVALID_PARAM (100000)"),
+        ("aclrtRecordEvent", 424242, "unknown code (424242)"),
+    ],
+)
 def test_return_codes_are_named(call, rc, name):
     assert npu.code_name(call, rc) == name
     with pytest.raises(E.DeviceError, match=rf"{call} returned {name.replace('(', '[(]').replace(')', '[)]')}"):
@@ -167,6 +175,7 @@ def test_every_hccl_result_of_the_wheel_header_has_a_name():
 
 
 # ---- registration order -------------------------------------------------------------------------------------
+
 
 def test_register_binds_then_prepare_then_put(memory):
     src, dst = memory
@@ -202,8 +211,11 @@ def test_prepare_needs_a_registration_and_its_code_is_checked(memory):
         engine.prepare_comm()
     engine.register(src.data_ptr(), 64)
     fake.rcs["HcclCommPrepare"] = 9
-    with pytest.raises(E.DeviceError, match=r"HcclCommPrepare returned HCCL_E_TIMEOUT \(9\) on communicator 0xc0 "
-                                            r"within 2 s"):
+    with pytest.raises(
+        E.DeviceError,
+        match=r"HcclCommPrepare returned HCCL_E_TIMEOUT \(9\) on communicator 0xc0 "
+        r"within 2 s",
+    ):
         engine.prepare_comm(1.5)
 
 
@@ -257,6 +269,7 @@ def test_unregister_unbinds_then_deregisters_and_waits_for_readers(memory):
 
 # ---- gates and range checks ---------------------------------------------------------------------------------
 
+
 def test_every_request_goes_to_the_host_path(memory):
     src, dst = memory
     engine, _ = _engine()
@@ -265,16 +278,20 @@ def test_every_request_goes_to_the_host_path(memory):
     assert selection.kind is TransferKind.HOST and selection.decided_by == "capability"
     for kind in ("aiv", "aicpu", "staging"):
         with pytest.raises(E.ConfigError, match=f"kind '{kind}' is not wired on the NPU engine"):
-            engine.submit([MemorySegment(src.data_ptr(), 64, MemoryKind.DEVICE)],
-                          RemoteSlot(PEER, dst.data_ptr(), 64), kind=kind)
+            engine.submit(
+                [MemorySegment(src.data_ptr(), 64, MemoryKind.DEVICE)], RemoteSlot(PEER, dst.data_ptr(), 64), kind=kind
+            )
 
 
-@pytest.mark.parametrize("case, error, words", [
-    ("source before the region", E.NotRegistered, "piece 0 .* lies in no registered local region"),
-    ("source past the region's end", E.NotRegistered, "piece 1 .* lies in no registered local region"),
-    ("slot past the peer's region", E.BoundsError, "remote slot .* lies in no region the peer registered"),
-    ("slot on another rank", E.ConfigError, "remote slot on rank 2"),
-])
+@pytest.mark.parametrize(
+    "case, error, words",
+    [
+        ("source before the region", E.NotRegistered, "piece 0 .* lies in no registered local region"),
+        ("source past the region's end", E.NotRegistered, "piece 1 .* lies in no registered local region"),
+        ("slot past the peer's region", E.BoundsError, "remote slot .* lies in no region the peer registered"),
+        ("slot on another rank", E.ConfigError, "remote slot on rank 2"),
+    ],
+)
 def test_ranges_are_checked_before_anything_moves(memory, case, error, words):
     src, dst = memory
     engine, fake = _engine()
@@ -297,8 +314,9 @@ def test_ranges_are_checked_before_anything_moves(memory, case, error, words):
     assert "enqueue_batch_put" not in _names(fake)
     assert all(not e["descs"] for e in fake.events.values())
     # the exact edges pass
-    engine.transfer([MemorySegment(base + 4096 - 64, 64, MemoryKind.DEVICE)],
-                    RemoteSlot(PEER, dst.data_ptr() + 8192 - 64, 64))
+    engine.transfer(
+        [MemorySegment(base + 4096 - 64, 64, MemoryKind.DEVICE)], RemoteSlot(PEER, dst.data_ptr() + 8192 - 64, 64)
+    )
 
 
 def test_the_current_device_must_be_the_engines(memory):
@@ -316,6 +334,7 @@ def test_the_current_device_must_be_the_engines(memory):
 
 # ---- data, notify, errors and waits -------------------------------------------------------------------------
 
+
 def test_pieces_land_bit_exact_and_the_notify_follows(memory):
     src, dst = memory
     engine, fake = _engine(notify_slots=4, remote=dst)
@@ -325,11 +344,17 @@ def test_pieces_land_bit_exact_and_the_notify_follows(memory):
     assert torch.equal(dst[100:1100], src[:1000]) and torch.equal(dst[1100:4100], src[5000:8000])
     assert bool((dst[:100] == 0xEE).all()) and bool((dst[4100:-32] == 0xEE).all())  # nothing else written
     notify_words = dst[-32:].view(torch.int64)  # the 4 slots end the buffer
-    assert result.notify_magic == 1 and notify_words.tolist() == [-0x1111111111111112, -0x1111111111111112, 1,
-                                                                  -0x1111111111111112]
+    assert result.notify_magic == 1 and notify_words.tolist() == [
+        -0x1111111111111112,
+        -0x1111111111111112,
+        1,
+        -0x1111111111111112,
+    ]
     puts = [c for c in fake.calls if c[0] == "enqueue_batch_put"]
-    assert len(puts) == 2 and puts[0][3] == [[src.data_ptr(), dst.data_ptr() + 100, 1000],
-                                             [src.data_ptr() + 5000, dst.data_ptr() + 1100, 3000]]
+    assert len(puts) == 2 and puts[0][3] == [
+        [src.data_ptr(), dst.data_ptr() + 100, 1000],
+        [src.data_ptr() + 5000, dst.data_ptr() + 1100, 3000],
+    ]
     assert all(e["destroyed"] for e in fake.events.values())
     assert result.kind is TransferKind.HOST and result.nbytes == 4000 and result.num_pieces == 2
 
@@ -364,7 +389,7 @@ def test_wait_is_bounded_and_keeps_the_pending_event(memory):
     ticket = engine.submit([MemorySegment(src.data_ptr(), 64, MemoryKind.DEVICE)], RemoteSlot(PEER, dst.data_ptr(), 64))
     start = time.monotonic()
     with pytest.raises(E.WaitTimeout, match=f"0.2 s waiting for the 1 pieces \\(64 bytes\\) of ticket {ticket.id}"):
-        ticket.wait(timeout=0.2)
+        ticket.wait(timeout_s=0.2)
     assert 0.2 <= time.monotonic() - start < 2.0
     event = engine._orphans[-1]
     assert not fake.events[event]["destroyed"]  # the stream may still record it
@@ -386,27 +411,31 @@ def test_notify_slot_bounds(memory):
     engine, _ = _engine(notify_slots=2, remote=dst)
     _ready(engine, src, dst)
     with pytest.raises(E.BoundsError, match=r"notify slot 2 is outside \[0, 2\)"):
-        engine.submit([MemorySegment(src.data_ptr(), 64, MemoryKind.DEVICE)], RemoteSlot(PEER, dst.data_ptr(), 64),
-                      notify_slot=2)
+        engine.submit(
+            [MemorySegment(src.data_ptr(), 64, MemoryKind.DEVICE)], RemoteSlot(PEER, dst.data_ptr(), 64), notify_slot=2
+        )
     elsewhere, _ = _engine(notify_slots=2, remote=dst)
     elsewhere.register(src.data_ptr(), src.numel())
     elsewhere.add_remote_region(dst.data_ptr(), 16384)  # the peer's notify words are not in a declared region
     elsewhere.prepare_comm()
     with pytest.raises(E.BoundsError, match="notify slot 1 .* lies in no region the peer registered"):
-        elsewhere.submit([MemorySegment(src.data_ptr(), 64, MemoryKind.DEVICE)], RemoteSlot(PEER, dst.data_ptr(), 64),
-                         notify_slot=1)
+        elsewhere.submit(
+            [MemorySegment(src.data_ptr(), 64, MemoryKind.DEVICE)], RemoteSlot(PEER, dst.data_ptr(), 64), notify_slot=1
+        )
     plain, _ = _engine()
     with pytest.raises(E.ConfigError, match="no notify tensor"):
-        plain.submit([MemorySegment(src.data_ptr(), 64, MemoryKind.DEVICE)], RemoteSlot(PEER, dst.data_ptr(), 64),
-                     notify_slot=0)
+        plain.submit(
+            [MemorySegment(src.data_ptr(), 64, MemoryKind.DEVICE)], RemoteSlot(PEER, dst.data_ptr(), 64), notify_slot=0
+        )
 
 
 def test_prepared_request_is_resubmitted_and_close_unregisters_all(memory):
     src, dst = memory
     engine, fake = _engine(notify_slots=1, remote=dst)
     _ready(engine, src, dst)
-    prepared = engine.prepare([MemorySegment(src.data_ptr(), 256, MemoryKind.DEVICE)],
-                              RemoteSlot(PEER, dst.data_ptr(), 256))
+    prepared = engine.prepare(
+        [MemorySegment(src.data_ptr(), 256, MemoryKind.DEVICE)], RemoteSlot(PEER, dst.data_ptr(), 256)
+    )
     for _ in range(3):
         prepared.transfer()
     assert torch.equal(dst[:256], src[:256])

@@ -116,8 +116,9 @@ def test_a_prepared_transfer_routes_once_and_delivers_every_time(channel, kind):
     assert len(tickets) == len(magics) == 3 and channel.engine.staging.num_held == 0
     with pytest.raises(errors.BoundsError, match="overflow the remote slot"):
         channel.engine.prepare(sources, channel.slot(nbytes=100))
-    other = type(prepared)(object(), *[getattr(prepared, f) for f in ("sources", "remote", "notify_slot",
-                                                                       "selection", "pieces")])
+    other = type(prepared)(
+        object(), *[getattr(prepared, f) for f in ("sources", "remote", "notify_slot", "selection", "pieces")]
+    )
     with pytest.raises(errors.ProtocolError, match="another engine"):
         channel.engine._submit_prepared(other)
 
@@ -328,7 +329,7 @@ def test_post_error_when_the_sq_never_drains(C, emu, kind):
         devices[0].nic.set_paused(True)  # nothing retires
         ticket = ch.engine.submit([MemorySegment.of_region(region)], ch.slot(), notify_slot=1, kind=kind)
         with pytest.raises(errors.QueueError, match=r"post failed .* vector cores \[0\] stayed full .* 3 of 10 pieces"):
-            ticket.wait(timeout=10.0)
+            ticket.wait(timeout_s=10.0)
         assert ch.engine.staging.num_held == 0
         ch.assert_window(0, [])
         with pytest.raises(errors.QueueError, match="unusable after an earlier failure"):
@@ -344,7 +345,31 @@ def test_completion_timeout_raises_and_releases(C, emu, kind):
         devices[0].nic.set_paused(True)  # the NIC executes nothing: the posts fit in the SQ, no CQE comes
         ticket = ch.engine.submit([MemorySegment.of_region(region)], ch.slot(), notify_slot=2, kind=kind)
         with pytest.raises(errors.WaitTimeout, match=r"completions of ticket .*: 0 of 2 posted WQEs completed"):
-            ticket.wait(timeout=0.3)
+            ticket.wait(timeout_s=0.3)
         assert ch.engine.staging.num_held == 0
         assert ch.comms[1].notify_value(2) == 0
         ch.assert_window(0, [])
+
+
+# ---- registration --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["aiv", "aicpu", "host"])
+def test_a_source_unregistered_from_the_engine_is_refused_and_moves_nothing(channel, C, kind):
+    region = channel.devices[0].alloc_region(8192, C.MemKind.DEVICE_GM, 7)
+    channel.regions.append(region)
+    np.frombuffer(region, np.uint8)[:] = 7
+    channel.engine.register(region)
+    segment = MemorySegment.of_region(region)
+    assert channel.engine.transfer([segment], channel.slot(), kind=kind).nbytes == 8192
+    channel.window[:] = POISON
+    prepared = channel.engine.prepare([segment], channel.slot(), kind=kind)
+    channel.engine.unregister(region)
+    for submit in (lambda: channel.engine.submit([segment], channel.slot(), kind=kind), prepared.submit):
+        with pytest.raises(errors.NotRegistered, match="unregistered"):
+            submit()
+    channel.assert_window(0, np.zeros(0, np.uint8))
+    with pytest.raises(errors.NotRegistered, match="not registered"):
+        channel.engine.unregister(region)
+    channel.engine.register(region)  # registered again, it is a source again
+    assert channel.engine.transfer([segment], channel.slot(), kind=kind).nbytes == 8192

@@ -64,3 +64,37 @@ def test_table_and_progress_show_submit_and_gpu_time_when_measured():
     assert "submit       6.1 us (0.100/seg)  gpu      10.0 us     262.4 GB/s" in bench.progress_line(row)
     emulated = bench.Row("aiv", "c", 1, 1, 0.0, 1.0, 2.0, 3.0, 0.0, 0.0, 0, 0.5, "virtual")
     assert "gpu" not in bench.format_table([emulated]) and "gpu" not in bench.progress_line(emulated)
+
+
+def test_cuda_kinds_are_the_engine_vocabulary_and_primitives_need_the_flag():
+    import pytest
+
+    from ascend_dualpath import errors
+    from ascend_dualpath.bench.cuda_transfer import DEFAULT_KINDS, parse_kind
+
+    assert DEFAULT_KINDS == ("aiv", "aicpu", "staging", "host", "foreach", "copy")
+    assert all(parse_kind(kind, primitives=False) == (kind, {}) for kind in DEFAULT_KINDS)
+    with pytest.raises(errors.ConfigError, match="raw primitives need --primitives"):
+        parse_kind("device", primitives=False)
+    with pytest.raises(errors.ConfigError, match="--primitives kinds"):
+        parse_kind("aiv", primitives=True)
+    assert parse_kind("graph:64:4:8", True) == (
+        "graph",
+        {"config": {"tile_bytes": 65536, "programs_per_sm": 4, "num_warps": 8}},
+    )
+    assert parse_kind("device:-:2:-:stream", True) == ("device", {"config": {"programs_per_sm": 2, "streaming": True}})
+    assert parse_kind("staged:65536", True) == ("staged", {"chunk_bytes": 64 << 20})
+    for removed in ("device-jit", "device-runner", "device-new", "device:4:8:4:prefetch", "device:32:6:1:bulk+split2"):
+        with pytest.raises(errors.ConfigError):
+            parse_kind(removed, primitives=True)
+
+
+def test_primitives_are_refused_on_the_emulator():
+    import pytest
+
+    from ascend_dualpath import errors
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    with pytest.raises(errors.ConfigError, match="--primitives .* needs --backend cuda"):
+        bench.run(parser.parse_args(["--quick", "--primitives"]))
