@@ -342,6 +342,8 @@ class CudaTransferEngine(TransferEngine):
             from ascend_dualpath.transport.cudart import memcpy_each
 
             memcpy_each(work.each, stream)
+        if ticket.notify_slot is not None and not work.publishes_notify:
+            ticket.notify_magic = ticket.state["published"] = self._notify_in_order(ticket.notify_slot, stream)
         if self._events is None:
             from ascend_dualpath.transport.cudart import StreamEvents
 
@@ -490,10 +492,21 @@ class CudaTransferEngine(TransferEngine):
             ticket.state.get("published"),
         )
 
-    def _publish_ready(self, ticket: Ticket, timeout_s: float) -> int:
+    def _notify_in_order(self, slot: int, stream: int) -> int:
+        """Enqueue the notify write of a request the copy engine or the runtime moves on ``stream``, after its
+        copies (one driver stream write, so the request's event follows it); returns the magic. A write after the
+        host saw the copies complete cost ~40 µs of wall time per request, a torch fill on a second stream ~40 µs of
+        submit time."""
+        from ascend_dualpath.transport.cudart import write_value64
+
         magic = next(self._magics)
-        self._write_notify(ticket.notify_slot, magic, timeout_s, f"ticket {ticket.id}")
+        write_value64(stream, self.notify.data_ptr() + slot * self.notify.element_size(), magic)
         return magic
+
+    def _publish_ready(self, ticket: Ticket, timeout_s: float) -> int:
+        """Never called: every notified request publishes at submit, in stream order (the copy kernel, or
+        :meth:`_notify_in_order`), so its result already carries the magic."""
+        raise E.ProtocolError(f"ticket {ticket.id} reached the wait without a published notify")
 
     def _write_notify(self, slot: int, magic: int, timeout_s: float, what: str) -> None:
         """Fill notify ``slot`` with ``magic`` and wait for it (bounded): on a stream of the notify's own GPU (a fill

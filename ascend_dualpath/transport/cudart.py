@@ -259,6 +259,25 @@ def _driver() -> ctypes.CDLL:
     return lib
 
 
+@functools.cache
+def _write_value64():
+    """``cuStreamWriteValue64`` of the driver torch loaded (the ``_v2`` entry point where the library has it)."""
+    lib = _driver()
+    fn = getattr(lib, "cuStreamWriteValue64_v2", None) or lib.cuStreamWriteValue64
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def write_value64(stream: int, addr: int, value: int) -> None:
+    """Write the 64-bit ``value`` to device memory at ``addr`` in ``stream``'s order, after everything enqueued there
+    so far (the driver fences the earlier work's writes first): a notify write with no kernel launch and no second
+    stream. QueueError naming the address when the driver refuses."""
+    code = _write_value64()(stream, addr, value, 0)  # CU_STREAM_WRITE_VALUE_DEFAULT
+    if code:
+        raise E.QueueError(f"cuStreamWriteValue64 to {addr:#x} failed: CUDA driver error {code}")
+
+
 def memory_devices(addrs: Sequence[int], nbytes: Sequence[int]) -> set[int]:
     """Ordinals of the GPUs whose memory holds the byte ranges ``[addr, addr + n)``: the device each range's first
     and last byte were allocated on, :data:`NOT_DEVICE_MEMORY` for host, managed or unknown memory.
