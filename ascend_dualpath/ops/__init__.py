@@ -14,6 +14,7 @@ import torch
 
 from ascend_dualpath.ops import _library
 from ascend_dualpath.ops._library import NAMESPACE, OPS
+from ascend_dualpath.ops.aiv import aiv_post_tiling, aiv_queues, aiv_segments
 from ascend_dualpath.ops.moe_buffer import register_buffer, register_handle, release
 
 _library.register()
@@ -22,7 +23,10 @@ _ops = getattr(torch.ops, NAMESPACE)
 __all__ = [
     "NAMESPACE",
     "OPS",
+    "aiv_post_tiling",
     "aiv_post_wqe",
+    "aiv_queues",
+    "aiv_segments",
     "dispatch_layout",
     "fp8_dequantize",
     "fp8_quantize",
@@ -110,7 +114,8 @@ def hccl_stage(src_addr: int, window: torch.Tensor, tiling: torch.Tensor, block_
 def aiv_post_wqe(
     segments: torch.Tensor, queues: torch.Tensor, status: torch.Tensor, tiling: torch.Tensor, block_dim: int
 ) -> None:
-    """Launch ``aiv_post_wqe`` on ``block_dim`` vector cores (NPU only); writes ``status`` in place."""
+    """Launch ``aiv_post_wqe`` on ``block_dim`` vector cores (NPU, or the emulator's queue pairs on CPU); writes
+    ``status`` in place. Build the inputs with ``aiv_segments``, ``aiv_queues`` and ``aiv_post_tiling``."""
     _ops.aiv_post_wqe(segments, queues, status, tiling, block_dim)
 
 

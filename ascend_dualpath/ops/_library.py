@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ascend_dualpath.ops import cpu, cuda, moe_buffer, npu
+from ascend_dualpath.ops import aiv, cpu, cuda, moe_buffer, npu
 
 NAMESPACE = "ascend_dualpath"
 
@@ -222,9 +222,10 @@ OPS: tuple[OpDef, ...] = (
         "aiv_post_wqe(Tensor segments, Tensor queues, Tensor(a!) status, Tensor tiling, int block_dim) -> ()",
         "Launch the AscendC ``aiv_post_wqe`` kernel: each of ``block_dim`` vector cores posts its share of the "
         "segments (uint8 [n * 32], ``Segment``) as RDMA WQEs to its queue (uint8 [block_dim * 64], ``AivQueue``) "
-        "and writes its ``CoreStatus`` into status (uint8 [block_dim * 16]). tiling: ``AivPostTiling``. NPU "
-        "only: the emulator posts through its own queue pairs (transport.emulator).",
-        npu.aiv_post_wqe_cpu,
+        "and writes its ``CoreStatus`` into status (uint8 [block_dim * 16]). tiling: uint8 [32] ``AivPostTiling``. "
+        "CPU: the emulated kernel on the emulator's queue pairs, which ``ops.aiv_queues`` encodes and records; "
+        "a queue matching no live recorded queue pair is refused before any core starts.",
+        aiv.aiv_post_wqe_cpu,
         _returns_nothing_fake,
         npu=npu.aiv_post_wqe_npu,
         on_cuda=False,

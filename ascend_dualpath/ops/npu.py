@@ -1,5 +1,5 @@
 """NPU (``PrivateUse1``) kernels: the AscendC layer-block transfer launchers, and the CPU reference of
-``hccl_stage``.
+``hccl_stage`` (``aiv_post_wqe``'s CPU kernel, on the emulator, is :mod:`.aiv`'s).
 
 The launchers are the ``_C.npu_transfer`` functions built with CANN (``ADP_WITH_NPU=1``); they enqueue the
 kernel on the current NPU stream and return at once. Tiling layouts are ``op_kernels/include/adp/
@@ -67,14 +67,3 @@ def aiv_post_wqe_npu(
 ) -> None:
     """Enqueue ``aiv_post_wqe`` on ``block_dim`` vector cores of the current NPU stream."""
     _launchers().aiv_post_wqe(segments, queues, status, tiling, block_dim)
-
-
-def aiv_post_wqe_cpu(
-    segments: torch.Tensor, queues: torch.Tensor, status: torch.Tensor, tiling: torch.Tensor, block_dim: int
-) -> None:
-    """No CPU kernel: posting WQEs needs the emulated fabric's queue pairs (``transport.emulator`` launches the
-    emulated kernel through ``_C.launch_aiv_post_wqe``)."""
-    raise BackendUnavailable(
-        "aiv_post_wqe runs on an NPU (PrivateUse1); on the emulator use "
-        "transport.emulator's AIV path, which owns the emulated queue pairs"
-    )

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ascend_dualpath import ops
-from ascend_dualpath.errors import BackendUnavailable
+from ascend_dualpath.errors import NotRegistered
 from tests.ops.samples import has_float8, samples
 
 ALL_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
@@ -30,6 +30,8 @@ def test_opcheck(name, index):
 
 
 def test_every_stateless_op_has_samples():
+    """The ``moe_*`` ops and ``aiv_post_wqe`` need a rig (a Buffer, emulated queue pairs): their opcheck runs
+    in test_moe_buffer_ops.py and test_aiv_post_wqe.py."""
     moe_ops = {op.name for op in ops.OPS if op.name.startswith("moe_")}
     assert {op.name for op in ops.OPS} - set(CPU_SAMPLES) - moe_ops == {"aiv_post_wqe"}
     assert all(len(cases) >= 3 for cases in CPU_SAMPLES.values())
@@ -61,14 +63,14 @@ def test_mutated_arguments_are_annotated():
     }
 
 
-def test_aiv_post_wqe_fake_and_no_cpu_kernel():
-    """The fake kernel traces (no output, status written in place); the CPU kernel refuses, naming the emulator's
-    path (the emulated kernel needs the fabric's queue pairs)."""
+def test_aiv_post_wqe_fake_and_unrecorded_queues():
+    """The fake kernel traces (no output, status written in place); the CPU kernel refuses queues that name no
+    recorded queue pair (all-zero addresses here), moving nothing."""
     args = (
         torch.zeros(64, dtype=torch.uint8),
         torch.zeros(128, dtype=torch.uint8),
         torch.zeros(32, dtype=torch.uint8),
-        torch.zeros(32, dtype=torch.uint8),
+        ops.aiv_post_tiling(2, 1, 1.0),
         2,
     )
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -76,8 +78,9 @@ def test_aiv_post_wqe_fake_and_no_cpu_kernel():
     with FakeTensorMode() as mode:
         fake_args = tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)
         assert torch.ops.ascend_dualpath.aiv_post_wqe(*fake_args) is None
-    with pytest.raises(BackendUnavailable, match="transport.emulator"):
+    with pytest.raises(NotRegistered, match=r"queue 0 \(sq_addr 0x0\) matches no live queue pair"):
         ops.aiv_post_wqe(*args)
+    assert not args[2].any()
 
 
 def test_hccl_stage_copies_exactly_total_bytes():
