@@ -283,6 +283,9 @@ def test_a_prepared_request_replays_from_a_cuda_graph_and_publishes_successive_m
         assert graphed.replay() == magic
         torch.cuda.synchronize()
         assert torch.equal(dst.cpu(), expected) and int(notify[3].item()) == magic
+    dst.fill_(0xA5)
+    result = prepared.submit().wait()  # submissions replay the same graph: its magics go on
+    assert result.notify_magic == 1002 == int(notify[3].item()) and torch.equal(dst.cpu(), expected)
     host = engine.prepare(segments, engine.slot(dst), kind="host")
     with pytest.raises(errors.ConfigError, match="only an aiv request"):
         engine.capture(host)
@@ -301,3 +304,24 @@ def test_record_writes_the_callers_magic_and_locate_names_host_and_device_memory
     device = torch.zeros(64, dtype=torch.uint8, device=src_dev)
     assert engine.locate(host.data_ptr() + 8, 8).memory is HOST
     assert engine.locate(device.data_ptr(), 8).memory is DEV
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("graphs", [True, False])
+def test_prepared_requests_publish_distinct_magics_with_or_without_graphs(graphs):
+    torch = cuda_torch()
+    engine, notify, src_dev, dst_dev = _setup(torch, graphs=graphs)
+    segments, expected = _sources(torch, engine, src_dev, host_share=False)
+    dsts = [torch.full((expected.numel(),), 0xA5, dtype=torch.uint8, device=dst_dev) for _ in range(2)]
+    torch.cuda.synchronize()
+    prepared = [engine.prepare(segments, engine.slot(d), notify_slot=1) for d in dsts]
+    assert all((p.state["graph"] is not None) == graphs for p in prepared)
+    seen = []
+    for _ in range(3):
+        for p, d in zip(prepared, dsts, strict=True):
+            d.fill_(0xA5)
+            result = p.submit().wait()
+            assert result.notify_magic == int(notify[1].item())  # published after every byte, known at submit
+            assert torch.equal(d.cpu(), expected)
+            seen.append(result.notify_magic)
+    assert len(set(seen)) == len(seen)  # a receiver polling the slot never sees a value twice
