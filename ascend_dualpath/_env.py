@@ -99,7 +99,10 @@ def timeout_s() -> float:
 
 
 def moe_fused() -> bool:
-    """Whether the cuda MoE strategy fuses send and receive halves into one launch (``ADP_MOE_FUSED``, default 1)."""
+    """Whether the cuda MoE strategy fuses send and receive halves into one launch (``ADP_MOE_FUSED``, default 1).
+
+    Kept (not a Config field): it is a property of the machine, not a tuning; the split launches are the safe path
+    where the SMs are shared (MPS, green contexts) and a fused grid's waiting CTAs may not all be resident."""
     raw = _get("ADP_MOE_FUSED")
     if raw not in (None, "0", "1"):
         raise ValueError(f"ADP_MOE_FUSED must be 0 or 1, got {raw!r}")
@@ -122,7 +125,11 @@ def direct_launch(override: str | None = None) -> bool:
 
 
 def moe_direct_launch() -> bool:
-    """:func:`direct_launch` for the cuda MoE strategy: ``ADP_MOE_DIRECT_LAUNCH`` if set, else ``ADP_DIRECT_LAUNCH``."""
+    """:func:`direct_launch` for the cuda MoE strategy: ``ADP_MOE_DIRECT_LAUNCH`` if set, else ``ADP_DIRECT_LAUNCH``.
+
+    Kept: the direct call relies on Triton's compiled launcher (no public API); this switch puts the MoE kernels
+    alone back on ``kernel[grid]`` when a Triton version breaks it silently (``tools/gpu_moe.sh`` does so after a
+    failed eager check) without slowing the transfer engine's launches."""
     return direct_launch("ADP_MOE_DIRECT_LAUNCH")
 
 
