@@ -24,7 +24,6 @@ variable                       meaning
 ``ADP_VLLM_SERVE_CMD``         tests only: the command ``serve`` runs instead of vLLM's OpenAI API server (split like
                                a shell would)
 ``ADP_WITH_NPU``               build flag read by ``setup.py``: ``0`` skips the NPU part, ``1`` requires it
-``ADP_WITH_CUDA``              build flag read by ``setup.py``: ``0`` skips CUDA sources, ``1`` requires them
 ``ADP_DEBUG``                  build flag read by ``setup.py``: ``1`` builds with ``-O0 -g``
 ``ADP_SANITIZE``               build flag read by ``setup.py``: ``1`` builds with AddressSanitizer and
                                UndefinedBehaviorSanitizer (``tools/sanitize.sh`` builds and runs it)

@@ -300,8 +300,7 @@ def _count(result: dict, key: str) -> str:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from ascend_dualpath import get_backend
-    from ascend_dualpath.backends import Backend
+    from ascend_dualpath.backends import Backend, get_backend
 
     if get_backend(args.backend) is not Backend.EMULATOR:
         print(f"demo: backend {args.backend!r} is not supported by this demo yet; use --backend emulator")

@@ -60,8 +60,12 @@ class Buffer:
     timeout_s : float, keyword-only
         Bound of every wait (finite, > 0); default ``ADP_TIMEOUT_S`` (:func:`ascend_dualpath._env.timeout_s`).
 
-    Arguments are checked by name before any communication: a wrong type raises
-    :class:`~ascend_dualpath.errors.ArgumentTypeError`, a NaN, infinite or non-positive bound :class:`ConfigError`.
+    Raises
+    ------
+    ArgumentTypeError, ConfigError
+        Arguments are checked by name before any communication: a wrong type raises
+        :class:`~ascend_dualpath.errors.ArgumentTypeError`, a NaN, infinite or non-positive bound
+        :class:`ConfigError`.
 
     Examples
     --------

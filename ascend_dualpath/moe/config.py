@@ -37,6 +37,8 @@ num_max_rdma_chunked_recv_tokens : int
     reduce_block, reduce_tile, reduce_warps : int, keyword-only
         ``cuda`` combine reduction: ``reduce_tile`` tokens x ``reduce_block`` elements per iteration.
 
+    Notes
+    -----
     Every field is validated at construction (:class:`~ascend_dualpath.errors.ConfigError` naming it).
     """
 
