@@ -76,8 +76,11 @@ def test_nothing_points_outside_the_repository():
 
 def test_no_relative_include_climbs_between_kernel_folders():
     """Headers shared by kernels live in op_kernels/include/adp/, not beside one kernel."""
-    climbing = [f"{path.relative_to(ROOT)}: {line.strip()}"
-                for folder in ("op_kernels", "csrc") for path in (ROOT / folder).rglob("*.[ch]*")
-                for line in path.read_text(errors="replace").splitlines()
-                if line.startswith("#include") and "../" in line]
+    climbing = [
+        f"{path.relative_to(ROOT)}: {line.strip()}"
+        for folder in ("op_kernels", "csrc")
+        for path in (ROOT / folder).rglob("*.[ch]*")
+        for line in path.read_text(errors="replace").splitlines()
+        if line.startswith("#include") and "../" in line
+    ]
     assert not climbing, climbing

@@ -11,8 +11,20 @@ PACKAGE = ROOT / "ascend_dualpath"
 
 # Bottom up, as docs/architecture.md lists them; a package may import its own layer and the ones below. The
 # top-level modules (errors, _env, _checks, _ext, _process, _triton_launch, version) are layer 0.
-LAYERS = ("backends", "ops", "reference", "transport", "kv", "models", "dualpath", "moe", "sim", "integrations",
-          "bench", "cli")
+LAYERS = (
+    "backends",
+    "ops",
+    "reference",
+    "transport",
+    "kv",
+    "models",
+    "dualpath",
+    "moe",
+    "sim",
+    "integrations",
+    "bench",
+    "cli",
+)
 # The package's own entry points sit above every layer (they name the main entry points, run the CLI).
 FRONT_DOOR = ("ascend_dualpath", "ascend_dualpath.__main__")
 # Known upward imports, each with the work that removes it. Empty this as that work lands.
@@ -39,7 +51,7 @@ def _targets(module: str, path: pathlib.Path, node: ast.stmt, modules: dict) -> 
         return {alias.name for alias in node.names if alias.name in modules}
     package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
     if node.level:
-        package = package[:len(package) - node.level + 1]
+        package = package[: len(package) - node.level + 1]
         source = ".".join(package + ([node.module] if node.module else []))
     else:
         source = node.module or ""
@@ -79,7 +91,7 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for target in sorted(graph[node]):
             if state.get(target) == 1:
-                return stack[stack.index(target):] + [target]
+                return stack[stack.index(target) :] + [target]
             if target not in state:
                 found = visit(target)
                 if found:
@@ -117,8 +129,12 @@ def test_the_cycle_finder_finds_one():
 
 def test_no_package_imports_a_layer_above_it():
     """Function-level imports count too: a lazy import is still a dependency."""
-    upward = sorted((module, target) for module, targets in import_graph(module_level_only=False).items()
-                    for target in targets if _layer(target) > _layer(module))
+    upward = sorted(
+        (module, target)
+        for module, targets in import_graph(module_level_only=False).items()
+        for target in targets
+        if _layer(target) > _layer(module)
+    )
     unexpected = [pair for pair in upward if pair not in UPWARD_ALLOWED]
     assert not unexpected, "imports of a higher layer: " + ", ".join(f"{a} -> {b}" for a, b in unexpected)
     stale = UPWARD_ALLOWED - set(upward)

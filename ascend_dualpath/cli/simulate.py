@@ -40,30 +40,15 @@ def _parse_pd(text: str) -> tuple[int, int]:
     return int(prefill), int(decode)
 
 
-def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.markup import escape
+def _simulate(args: argparse.Namespace, config, console, sweep_counts: list[int]):
+    """The offline ablation, the agent-count sweep and (``--mooncake``) the trace replay, with progress bars.
+
+    Returns ``(ablation {mode: result}, sweep {mode: [(agents, JCT s)]}, mooncake {mode: result})``."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
 
-    from ascend_dualpath.sim.cluster import ClusterConfig, ClusterSim, Mode
-    from ascend_dualpath.sim.experiments import (
-        agentic_agents,
-        online_capacity,
-        plot_figures,
-        reductions_vs_basic,
-        run_ablation,
-        snic_max_over_avg,
-    )
-    from ascend_dualpath.sim.models import get_model
+    from ascend_dualpath.sim.cluster import ClusterSim, Mode
+    from ascend_dualpath.sim.experiments import agentic_agents, run_ablation
     from ascend_dualpath.sim.traces import load_mooncake
-
-    console = Console()
-    prefill_nodes, decode_nodes = _parse_pd(args.pd)
-    config = ClusterConfig(get_model(args.model), prefill_nodes=prefill_nodes, decode_nodes=decode_nodes)
-    sweep_counts = [int(n) for n in args.sweep.split(",") if n.strip()]
-    results: dict = {"config": {"model": args.model, "pd": args.pd, "max_len": args.max_len, "agents": args.agents,
-                                "rounds": args.rounds, "seed": args.seed}}
 
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} rounds"),
                TimeElapsedColumn())
@@ -88,50 +73,99 @@ def run(args: argparse.Namespace) -> int:
                 mooncake[mode] = ClusterSim(config, mode, [[r] for r in rounds],
                                             agent_start_s=[r.arrival_s for r in rounds]).run(
                     progress=lambda done, total, task=task: progress.update(task, completed=done))
+    return ablation, sweep, mooncake
+
+
+def _report_ablation(args: argparse.Namespace, console, ablation: dict) -> dict:
+    from rich.markup import escape
+    from rich.table import Table
+
+    from ascend_dualpath.sim.cluster import Mode
+    from ascend_dualpath.sim.experiments import reductions_vs_basic, snic_max_over_avg
 
     reductions = reductions_vs_basic(ablation)
     table = Table(title=escape(f"Offline ablation: {args.model} {args.pd}, {args.agents} agents, max len {args.max_len}"))
     for column in ("mode", "JCT (s)", "vs basic", "reduction", "mean TTFT (s)", "mean TPOT (ms)", "SNIC max/avg"):
         table.add_column(column, justify="right")
     basic_jct = ablation[Mode.BASIC].jct_s
-    results["ablation"] = {}
+    rows = {}
     for mode, result in ablation.items():
         balance = snic_max_over_avg(result) if mode is not Mode.ORACLE else float("nan")
         row = {"jct_s": result.jct_s, "speedup": basic_jct / result.jct_s, "reduction": reductions[mode],
                "mean_ttft_s": result.mean_ttft_s, "mean_tpot_s": result.mean_tpot_s, "snic_max_over_avg": balance,
                "read_bytes": result.read_bytes_by_path}
-        results["ablation"][mode.value] = row
+        rows[mode.value] = row
         table.add_row(mode.value, f"{result.jct_s:.1f}", f"{row['speedup']:.2f}x", f"{100 * reductions[mode]:.1f}%",
                       f"{result.mean_ttft_s:.2f}", f"{1000 * result.mean_tpot_s:.1f}", f"{balance:.2f}")
     console.print(table)
+    return rows
+
+
+def _report_sweep(console, sweep: dict, sweep_counts: list[int]) -> None:
+    from rich.table import Table
+
+    sweep_table = Table(title="JCT (s) against agent count")
+    sweep_table.add_column("agents", justify="right")
+    for mode in sweep:
+        sweep_table.add_column(mode.value, justify="right")
+    for index, count in enumerate(sweep_counts):
+        sweep_table.add_row(str(count), *(f"{sweep[mode][index][1]:.1f}" for mode in sweep))
+    console.print(sweep_table)
+
+
+def _report_mooncake(console, mooncake: dict) -> dict:
+    from rich.table import Table
+
+    mc_table = Table(title="Mooncake conversation trace (timed arrivals)")
+    for column in ("mode", "JCT (s)", "mean TTFT (s)", "mean TPOT (ms)"):
+        mc_table.add_column(column, justify="right")
+    rows = {}
+    for mode, result in mooncake.items():
+        rows[mode.value] = {"jct_s": result.jct_s, "mean_ttft_s": result.mean_ttft_s,
+                            "mean_tpot_s": result.mean_tpot_s}
+        mc_table.add_row(mode.value, f"{result.jct_s:.1f}", f"{result.mean_ttft_s:.2f}",
+                         f"{1000 * result.mean_tpot_s:.1f}")
+    console.print(mc_table)
+    return rows
+
+
+def _report_online(args: argparse.Namespace, console, config) -> dict:
+    from ascend_dualpath.sim.cluster import Mode
+    from ascend_dualpath.sim.experiments import online_capacity
+
+    capacities = {}
+    for mode in (Mode.BASIC, Mode.SCHEDULER):
+        with console.status(f"online capacity {mode.value}"):
+            aps = online_capacity(config, mode, args.online_duration, low=0.05, high=args.online_max_aps,
+                                  seed=args.seed, max_len=args.max_len)
+        capacities[mode.value] = aps
+        console.print(f"online APS capacity ({mode.value}): {aps:.3f}")
+    return capacities
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.markup import escape
+
+    from ascend_dualpath.sim.cluster import ClusterConfig
+    from ascend_dualpath.sim.experiments import plot_figures
+    from ascend_dualpath.sim.models import get_model
+
+    console = Console()
+    prefill_nodes, decode_nodes = _parse_pd(args.pd)
+    config = ClusterConfig(get_model(args.model), prefill_nodes=prefill_nodes, decode_nodes=decode_nodes)
+    sweep_counts = [int(n) for n in args.sweep.split(",") if n.strip()]
+    results: dict = {"config": {"model": args.model, "pd": args.pd, "max_len": args.max_len, "agents": args.agents,
+                                "rounds": args.rounds, "seed": args.seed}}
+    ablation, sweep, mooncake = _simulate(args, config, console, sweep_counts)
+    results["ablation"] = _report_ablation(args, console, ablation)
     results["sweep"] = {mode.value: points for mode, points in sweep.items()}
     if sweep_counts:
-        sweep_table = Table(title="JCT (s) against agent count")
-        sweep_table.add_column("agents", justify="right")
-        for mode in sweep:
-            sweep_table.add_column(mode.value, justify="right")
-        for index, count in enumerate(sweep_counts):
-            sweep_table.add_row(str(count), *(f"{sweep[mode][index][1]:.1f}" for mode in sweep))
-        console.print(sweep_table)
+        _report_sweep(console, sweep, sweep_counts)
     if mooncake:
-        mc_table = Table(title="Mooncake conversation trace (timed arrivals)")
-        for column in ("mode", "JCT (s)", "mean TTFT (s)", "mean TPOT (ms)"):
-            mc_table.add_column(column, justify="right")
-        results["mooncake"] = {}
-        for mode, result in mooncake.items():
-            results["mooncake"][mode.value] = {"jct_s": result.jct_s, "mean_ttft_s": result.mean_ttft_s,
-                                               "mean_tpot_s": result.mean_tpot_s}
-            mc_table.add_row(mode.value, f"{result.jct_s:.1f}", f"{result.mean_ttft_s:.2f}",
-                             f"{1000 * result.mean_tpot_s:.1f}")
-        console.print(mc_table)
+        results["mooncake"] = _report_mooncake(console, mooncake)
     if args.online:
-        results["online_aps"] = {}
-        for mode in (Mode.BASIC, Mode.SCHEDULER):
-            with console.status(f"online capacity {mode.value}"):
-                aps = online_capacity(config, mode, args.online_duration, low=0.05, high=args.online_max_aps,
-                                      seed=args.seed, max_len=args.max_len)
-            results["online_aps"][mode.value] = aps
-            console.print(f"online APS capacity ({mode.value}): {aps:.3f}")
+        results["online_aps"] = _report_online(args, console, config)
     if sweep_counts:
         written = plot_figures(args.out, sweep, ablation)
         console.print("figures: " + escape(", ".join(map(str, written))))

@@ -41,8 +41,9 @@ class ManualClock:
     def __init__(self, start: float = 0.0, *, auto_advance: bool = False, timeout_s: float | None = None) -> None:
         self._now = start
         self._auto = auto_advance
-        self._timeout_s = check_bound("timeout_s", timeout_s, where="manual clock") if timeout_s is not None \
-            else _env.timeout_s()
+        self._timeout_s = (
+            check_bound("timeout_s", timeout_s, where="manual clock") if timeout_s is not None else _env.timeout_s()
+        )
         self._cond = threading.Condition()
         self._sleepers = 0
         self.sleeps: list[float] = []
@@ -62,8 +63,10 @@ class ManualClock:
             self._cond.notify_all()
             try:
                 if not self._cond.wait_for(lambda: self._now >= deadline, self._timeout_s):
-                    raise WaitTimeout(f"manual clock: sleep until t={deadline} but time stayed at {self._now} "
-                                      f"for {self._timeout_s} s of real time")
+                    raise WaitTimeout(
+                        f"manual clock: sleep until t={deadline} but time stayed at {self._now} "
+                        f"for {self._timeout_s} s of real time"
+                    )
             finally:
                 self._sleepers -= 1
 
@@ -74,8 +77,9 @@ class ManualClock:
 
     def wait_for_sleepers(self, count: int = 1, timeout_s: float | None = None) -> None:
         """Block until ``count`` threads sleep on this clock (bounded by real time)."""
-        timeout = check_bound("timeout_s", timeout_s, where="manual clock") if timeout_s is not None \
-            else self._timeout_s
+        timeout = (
+            check_bound("timeout_s", timeout_s, where="manual clock") if timeout_s is not None else self._timeout_s
+        )
         with self._cond:
             if not self._cond.wait_for(lambda: self._sleepers >= count, timeout):
                 raise WaitTimeout(f"manual clock: waited {timeout} s for {count} sleeper(s), saw {self._sleepers}")

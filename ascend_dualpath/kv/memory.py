@@ -12,8 +12,10 @@ def as_memoryview(buffer: Any, *, writable: bool) -> memoryview:
     """Flat byte view of a buffer-protocol object or CPU torch tensor, without copying."""
     if isinstance(buffer, torch.Tensor):
         if buffer.device.type != "cpu" or not buffer.is_contiguous():
-            raise ValueError(f"tensor buffers must be contiguous CPU tensors, got {buffer.device} "
-                             f"contiguous={buffer.is_contiguous()}")
+            raise ValueError(
+                f"tensor buffers must be contiguous CPU tensors, got {buffer.device} "
+                f"contiguous={buffer.is_contiguous()}"
+            )
         buffer = buffer.detach().reshape(-1).view(torch.uint8).numpy()
     view = memoryview(buffer)
     if not view.contiguous:

@@ -35,12 +35,17 @@ class ReadTicket:
         return self._done.is_set()
 
     def wait(self, timeout_s: float | None = None) -> None:
-        timeout = check_bound("timeout_s", timeout_s, zero_ok=True, where=f"read of block {self.block_id.hex()}") \
-            if timeout_s is not None else _env.timeout_s()
+        timeout = (
+            check_bound("timeout_s", timeout_s, zero_ok=True, where=f"read of block {self.block_id.hex()}")
+            if timeout_s is not None
+            else _env.timeout_s()
+        )
         if not self._done.wait(timeout):
             state = "queued" if self.started_at is None else "reading"
-            raise WaitTimeout(f"read of block {self.block_id.hex()} ({self.nbytes} bytes) not done after "
-                              f"{timeout} s; last state: {state}")
+            raise WaitTimeout(
+                f"read of block {self.block_id.hex()} ({self.nbytes} bytes) not done after "
+                f"{timeout} s; last state: {state}"
+            )
         if self._error is not None:
             raise self._error
 
@@ -95,9 +100,17 @@ class ReadQueue:
         Name used in reports and errors.
     """
 
-    def __init__(self, store: BlockStore, bandwidth_bytes_per_s: float, *, burst_bytes: int | None = None,
-                 io_depth: int = 4, max_queued_bytes: int | None = None, clock: Clock | None = None,
-                 node: str = "node0") -> None:
+    def __init__(
+        self,
+        store: BlockStore,
+        bandwidth_bytes_per_s: float,
+        *,
+        burst_bytes: int | None = None,
+        io_depth: int = 4,
+        max_queued_bytes: int | None = None,
+        clock: Clock | None = None,
+        node: str = "node0",
+    ) -> None:
         where = f"read queue of {node}"
         check_type("store", store, BlockStore, where=where)
         check_bound("bandwidth_bytes_per_s", bandwidth_bytes_per_s, where=where)
@@ -109,8 +122,7 @@ class ReadQueue:
         self.store = store
         self.node = node
         self.clock = clock or MonotonicClock()
-        self.bucket = TokenBucket(bandwidth_bytes_per_s, burst_bytes or store.layout.full_block_bytes,
-                                  self.clock.now())
+        self.bucket = TokenBucket(bandwidth_bytes_per_s, burst_bytes or store.layout.full_block_bytes, self.clock.now())
         self.max_queued_bytes = max_queued_bytes
         self._cond = threading.Condition()
         self._queue: collections.deque[tuple[ReadTicket, Callable[[], None]]] = collections.deque()
@@ -129,14 +141,18 @@ class ReadQueue:
         """Queue a read of one Full Block into ``dest`` (``full_block_bytes`` bytes); returns its ticket."""
         nbytes = as_memoryview(dest, writable=True).nbytes
         if nbytes != self.store.layout.full_block_bytes:
-            raise BoundsError(f"block {block_id.hex()}: destination is {nbytes} bytes, a Full Block is "
-                              f"{self.store.layout.full_block_bytes}")
+            raise BoundsError(
+                f"block {block_id.hex()}: destination is {nbytes} bytes, a Full Block is "
+                f"{self.store.layout.full_block_bytes}"
+            )
         with self._cond:
             if self._closed:
                 raise QueueError(f"read queue of {self.node} is closed")
             if self.max_queued_bytes is not None and self._queued_bytes + nbytes > self.max_queued_bytes:
-                raise CapacityError(f"read queue of {self.node}: {self._queued_bytes} bytes queued + {nbytes} "
-                                    f"exceeds max_queued_bytes={self.max_queued_bytes}")
+                raise CapacityError(
+                    f"read queue of {self.node}: {self._queued_bytes} bytes queued + {nbytes} "
+                    f"exceeds max_queued_bytes={self.max_queued_bytes}"
+                )
             ticket = ReadTicket(block_id, nbytes, self.clock.now())
             self._queue.append((ticket, lambda: self.store.read_into(block_id, dest)))
             self._queued_bytes += nbytes
@@ -150,8 +166,15 @@ class ReadQueue:
 
     def stats(self) -> ReadQueueStats:
         with self._cond:
-            return ReadQueueStats(len(self._queue), self._queued_bytes, self._inflight_requests, self._inflight_bytes,
-                                  self._completed_requests, self._completed_bytes, self._failed_requests)
+            return ReadQueueStats(
+                len(self._queue),
+                self._queued_bytes,
+                self._inflight_requests,
+                self._inflight_bytes,
+                self._completed_requests,
+                self._completed_bytes,
+                self._failed_requests,
+            )
 
     def _dispatch(self) -> None:
         try:
@@ -207,8 +230,11 @@ class ReadQueue:
 
     def close(self, timeout_s: float | None = None) -> None:
         """Stop the queue: queued reads fail with :class:`QueueError`, in-flight reads finish first."""
-        timeout = check_bound("timeout_s", timeout_s, where=f"read queue of {self.node}") if timeout_s is not None \
+        timeout = (
+            check_bound("timeout_s", timeout_s, where=f"read queue of {self.node}")
+            if timeout_s is not None
             else _env.timeout_s()
+        )
         with self._cond:
             if self._closed:
                 return
@@ -218,8 +244,10 @@ class ReadQueue:
             self._queued_bytes = 0
             self._cond.notify_all()
         for ticket, _ in abandoned:
-            ticket._finish(self.clock.now(), QueueError(f"read queue of {self.node} closed before block "
-                                                        f"{ticket.block_id.hex()} was read"))
+            ticket._finish(
+                self.clock.now(),
+                QueueError(f"read queue of {self.node} closed before block {ticket.block_id.hex()} was read"),
+            )
         self._readers.shutdown(wait=True)
         self._dispatcher.join(timeout)
         if self._dispatcher.is_alive():

@@ -156,14 +156,27 @@ def _check_worst_tokens(num_worst_tokens: Any, topk_idx: Any) -> None:
         raise ConfigError("num_worst_tokens > 0 needs topk_idx and topk_weights")
 
 
-def check_dispatch(parts: list[torch.Tensor], *, group_size: int, num_nodes: int, num_tokens_per_rank: Any,
-                   num_tokens_per_rdma_rank: Any, is_token_in_rank: Any, num_tokens_per_expert: Any,
-                   topk_idx: Any, topk_weights: Any, expert_alignment: Any, num_worst_tokens: Any) -> DispatchArgs:
+def check_dispatch(
+    parts: list[torch.Tensor],
+    *,
+    group_size: int,
+    num_nodes: int,
+    num_tokens_per_rank: Any,
+    num_tokens_per_rdma_rank: Any,
+    is_token_in_rank: Any,
+    num_tokens_per_expert: Any,
+    topk_idx: Any,
+    topk_weights: Any,
+    expert_alignment: Any,
+    num_worst_tokens: Any,
+) -> DispatchArgs:
     """Every rank-local check of a fresh (non-cached) dispatch; ``parts`` from :func:`x_parts`."""
     tokens = parts[0].shape[0]
     if num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
-        raise ConfigError("non-cached dispatch needs num_tokens_per_rank, is_token_in_rank and "
-                          "num_tokens_per_expert (from get_dispatch_layout)")
+        raise ConfigError(
+            "non-cached dispatch needs num_tokens_per_rank, is_token_in_rank and "
+            "num_tokens_per_expert (from get_dispatch_layout)"
+        )
     check_tensor(num_tokens_per_rank, "num_tokens_per_rank", torch.int32, (group_size,))
     check_tensor(is_token_in_rank, "is_token_in_rank", torch.bool, (tokens, group_size))
     check_tensor(num_tokens_per_expert, "num_tokens_per_expert", torch.int32, (None,))
@@ -182,12 +195,12 @@ def check_dispatch(parts: list[torch.Tensor], *, group_size: int, num_nodes: int
 def check_capacity(needed: int, capacity: int, what: str) -> None:
     """CapacityError when ``needed`` bytes exceed the buffer's ``num_nvl_bytes + num_rdma_bytes``."""
     if needed > capacity:
-        raise CapacityError(f"{what} needs {needed} bytes of buffer, but num_nvl_bytes + num_rdma_bytes = "
-                            f"{capacity}")
+        raise CapacityError(f"{what} needs {needed} bytes of buffer, but num_nvl_bytes + num_rdma_bytes = {capacity}")
 
 
-def check_dispatch_table(table: torch.Tensor, num_experts: int, capacity: int, wire_row_bytes: int,
-                         num_worst_tokens: int) -> None:
+def check_dispatch_table(
+    table: torch.Tensor, num_experts: int, capacity: int, wire_row_bytes: int, num_worst_tokens: int
+) -> None:
     """Checks of every rank's inputs on the exchanged count table (int64 [R, R + E + 4]: per-rank counts,
     per-expert counts, min id, max id, per-rank sum, set entries of ``is_token_in_rank``); every rank sees the
     whole table, so every rank raises the same error, before any data moves."""
@@ -197,8 +210,10 @@ def check_dispatch_table(table: torch.Tensor, num_experts: int, capacity: int, w
         # (-1, -1) when the rank had neither top-k ids nor a layout with a device-side id range (cuda)
         check_id_range(low, high, num_experts, where)
         if per_rank_sum != in_rank_sum:
-            raise ConfigError(f"num_tokens_per_rank{where} sums to {per_rank_sum} but is_token_in_rank marks "
-                              f"{in_rank_sum} (token, rank) pairs; pass one layout")
+            raise ConfigError(
+                f"num_tokens_per_rank{where} sums to {per_rank_sum} but is_token_in_rank marks "
+                f"{in_rank_sum} (token, rank) pairs; pass one layout"
+            )
     for rank, count in enumerate(table[:, :group_size].sum(dim=0).tolist()):
         check_capacity(count * wire_row_bytes, capacity, f"dispatch on rank {rank} (receive {count} tokens)")
         if num_worst_tokens and count > num_worst_tokens:
@@ -226,8 +241,9 @@ def _trim_rows(t: torch.Tensor, num_recv: int, name: str) -> torch.Tensor:
     return t[:num_recv] if t.shape[0] > num_recv else t
 
 
-def check_combine(x: Any, plan: Any, topk_weights: Any, bias: Any,
-                  weighted: bool) -> tuple[torch.Tensor, torch.Tensor | None, tuple]:
+def check_combine(
+    x: Any, plan: Any, topk_weights: Any, bias: Any, weighted: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, tuple]:
     """A combine's checks along ``plan`` (the handle's); returns ``(x, topk_weights, biases)`` with worst-token
     padding rows cut off and the bias as a tuple of at most two tensors or None."""
     num_recv, tokens = plan.num_recv_tokens, plan.is_token_in_rank.shape[0]
@@ -248,8 +264,15 @@ def check_combine(x: Any, plan: Any, topk_weights: Any, bias: Any,
 
 
 # ----------------------------------------------------------------------------- low latency
-def check_ll_common(topk_idx: Any, max_tokens: Any, num_experts: int, group_size: int, low_latency_mode: bool,
-                    async_finish: bool, return_recv_hook: bool) -> int:
+def check_ll_common(
+    topk_idx: Any,
+    max_tokens: Any,
+    num_experts: int,
+    group_size: int,
+    low_latency_mode: bool,
+    async_finish: bool,
+    return_recv_hook: bool,
+) -> int:
     """Checks shared by the low-latency ops; returns the local expert count."""
     if not low_latency_mode:
         raise ConfigError("low-latency ops need Buffer(..., low_latency_mode=True)")
@@ -268,19 +291,23 @@ def check_ll_common(topk_idx: Any, max_tokens: Any, num_experts: int, group_size
     return local_experts
 
 
-def check_ll_hidden(hidden: int, needed_rdma_bytes: int, num_rdma_bytes: int, max_tokens: int,
-                    num_experts: int) -> None:
+def check_ll_hidden(
+    hidden: int, needed_rdma_bytes: int, num_rdma_bytes: int, max_tokens: int, num_experts: int
+) -> None:
     """``hidden`` a multiple of the FP8 block and the low-latency buffer large enough."""
     if hidden % quant.FP8_BLOCK:
         raise AlignmentError(f"low-latency ops need hidden % {quant.FP8_BLOCK} == 0, got hidden={hidden}")
     if needed_rdma_bytes > num_rdma_bytes:
-        raise CapacityError(f"low-latency ops with M={max_tokens}, hidden={hidden}, {num_experts} experts need "
-                            f"num_rdma_bytes >= {needed_rdma_bytes} (get_low_latency_rdma_size_hint), got "
-                            f"{num_rdma_bytes}")
+        raise CapacityError(
+            f"low-latency ops with M={max_tokens}, hidden={hidden}, {num_experts} experts need "
+            f"num_rdma_bytes >= {needed_rdma_bytes} (get_low_latency_rdma_size_hint), got "
+            f"{num_rdma_bytes}"
+        )
 
 
-def check_ll_dispatch_options(hidden: int, use_fp8: bool, round_scale: bool, use_ue8m0: bool, stats: Any,
-                              wait_stats: Any, local_experts: int) -> None:
+def check_ll_dispatch_options(
+    hidden: int, use_fp8: bool, round_scale: bool, use_ue8m0: bool, stats: Any, wait_stats: Any, local_experts: int
+) -> None:
     if use_ue8m0 and not round_scale:
         raise ConfigError("use_ue8m0=True needs round_scale=True")
     if use_ue8m0 and not use_fp8:
@@ -293,9 +320,18 @@ def check_ll_dispatch_options(hidden: int, use_fp8: bool, round_scale: bool, use
         raise ConfigError("dispatch_wait_recv_cost_stats is not supported (no device-side wait to time)")
 
 
-def check_ll_combine_options(x: Any, topk_idx: torch.Tensor, topk_weights: Any, out: Any, hidden: int,
-                             local_experts: int, slots: int, use_logfmt: bool, zero_copy: bool,
-                             wait_stats: Any) -> None:
+def check_ll_combine_options(
+    x: Any,
+    topk_idx: torch.Tensor,
+    topk_weights: Any,
+    out: Any,
+    hidden: int,
+    local_experts: int,
+    slots: int,
+    use_logfmt: bool,
+    zero_copy: bool,
+    wait_stats: Any,
+) -> None:
     check_tensor(x, "x", torch.bfloat16, (local_experts, slots, hidden))
     check_tensor(topk_weights, "topk_weights", torch.float32, tuple(topk_idx.shape))
     if out is not None:
@@ -310,8 +346,20 @@ def check_ll_combine_options(x: Any, topk_idx: torch.Tensor, topk_weights: Any, 
 # What every rank must pass alike to an op that exchanges counts, as a fixed-size int64 vector gathered before any
 # exchange whose size depends on it: gloo aborts the process (EnforceNotMet) when the ranks' sizes differ.
 AGREEMENT_OPS = ("dispatch", "low-latency dispatch")
-AGREEMENT_FIELDS = ("op", "num_experts", "hidden", "x_dtype", "scales_dtype", "scales_width", "num_topk",
-                    "num_worst_tokens", "num_max_dispatch_tokens_per_rank", "use_fp8", "round_scale", "use_ue8m0")
+AGREEMENT_FIELDS = (
+    "op",
+    "num_experts",
+    "hidden",
+    "x_dtype",
+    "scales_dtype",
+    "scales_width",
+    "num_topk",
+    "num_worst_tokens",
+    "num_max_dispatch_tokens_per_rank",
+    "use_fp8",
+    "round_scale",
+    "use_ue8m0",
+)
 # dtypes travel as their index here + 1 (0: no such tensor), so a disagreement message can name them
 AGREEMENT_DTYPES = (*SUPPORTED_X_DTYPES, torch.float8_e4m3fn, torch.int8, torch.int32)
 

@@ -48,9 +48,12 @@ def test_the_two_exchanges_are_required():
 
 def test_registered_strategies_define_no_stray_public_methods():
     """A misspelt override (``localise_topk``) would be a public name outside the contract: listed here or an error."""
-    classes = {cls.__name__: cls for module in (alltoall, aiv, cuda, mc2)
-               for cls in vars(module).values() if inspect.isclass(cls) and issubclass(cls, Strategy)
-               and cls.__module__ == module.__name__}
+    classes = {
+        cls.__name__: cls
+        for module in (alltoall, aiv, cuda, mc2)
+        for cls in vars(module).values()
+        if inspect.isclass(cls) and issubclass(cls, Strategy) and cls.__module__ == module.__name__
+    }
     assert set(classes) == set(OWN_API)
     for name, cls in classes.items():
         extra = {n for n in vars(cls) if not n.startswith("_") and n not in vars(Strategy)}
@@ -105,8 +108,9 @@ def test_defaults_count_exchange_dispatch_and_combine_on_one_rank():
 def world_of_one():
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(prefix="adp_contract_"), rank=0,
-                            world_size=1)
+    dist.init_process_group(
+        "gloo", init_method="file://" + tempfile.mktemp(prefix="adp_contract_"), rank=0, world_size=1
+    )
     yield dist.group.WORLD
     dist.destroy_process_group()
 
@@ -120,7 +124,8 @@ def test_defaults_low_latency_round_trip(world_of_one):
     idx = torch.tensor([[1, 0], [1, -1], [-1, -1]])
     weights = torch.tensor([[0.25, 0.5], [1.0, 3.0], [2.0, 2.0]])
     recv_x, count, src_info, layout_range, receive = strategy.ll_dispatch(
-        x, idx, max_tokens, experts, False, False, False, None, True)
+        x, idx, max_tokens, experts, False, False, False, None, True
+    )
     assert count.tolist() == [0, 0], "deferred: nothing placed before the receive half"
     receive()
     assert count.tolist() == [1, 2] and src_info[0, :1].tolist() == [0] and src_info[1, :2].tolist() == [0, 1]
@@ -135,7 +140,19 @@ def test_defaults_low_latency_round_trip(world_of_one):
 
 def test_base_module_names_every_contract_method_in_its_table():
     documented = base.__doc__
-    for name in ("exchange_counts", "exchange_rows", "exchange_dispatch_counts", "dispatch_layout", "prepare_plan",
-                 "source_index", "dispatch_rows", "localize_topk", "combine_rows", "ll_dispatch", "ll_combine",
-                 "close", "graph_capturable"):
+    for name in (
+        "exchange_counts",
+        "exchange_rows",
+        "exchange_dispatch_counts",
+        "dispatch_layout",
+        "prepare_plan",
+        "source_index",
+        "dispatch_rows",
+        "localize_topk",
+        "combine_rows",
+        "ll_dispatch",
+        "ll_combine",
+        "close",
+        "graph_capturable",
+    ):
         assert name in documented and hasattr(Strategy, name), name

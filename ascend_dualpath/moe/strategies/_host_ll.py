@@ -33,22 +33,30 @@ def selections(topk_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
 class _Received:
     """The receive buffers of one low-latency dispatch (zero / -1 where no message lands)."""
 
-    def __init__(self, local_experts: int, num_ranks: int, slots: int, hidden: int, use_fp8: bool, use_ue8m0: bool,
-                 device: torch.device) -> None:
+    def __init__(
+        self,
+        local_experts: int,
+        num_ranks: int,
+        slots: int,
+        hidden: int,
+        use_fp8: bool,
+        use_ue8m0: bool,
+        device: torch.device,
+    ) -> None:
         values_dtype = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
         self.values = torch.zeros(local_experts, slots, hidden, dtype=values_dtype, device=device)
         self.scales = None
         if use_fp8:
             blocks = hidden // quant.FP8_BLOCK // (4 if use_ue8m0 else 1)
-            self.scales = torch.zeros(local_experts, blocks, slots, dtype=torch.int32 if use_ue8m0 else torch.float32,
-                                      device=device).transpose(1, 2)
+            self.scales = torch.zeros(
+                local_experts, blocks, slots, dtype=torch.int32 if use_ue8m0 else torch.float32, device=device
+            ).transpose(1, 2)
         self.count = torch.zeros(local_experts, dtype=torch.int32, device=device)
         self.src_info = torch.full((local_experts, slots), -1, dtype=torch.int32, device=device)
         self.layout_range = torch.zeros(local_experts, num_ranks, dtype=torch.int64, device=device)
         self.use_ue8m0 = use_ue8m0
 
-    def place(self, rows: list[torch.Tensor], recv_counts_per_source: torch.Tensor,
-              stats: torch.Tensor | None) -> None:
+    def place(self, rows: list[torch.Tensor], recv_counts_per_source: torch.Tensor, stats: torch.Tensor | None) -> None:
         """Write the received messages (values[, scales], local expert id, source token) in (expert, source rank,
         token) order and fill counts, ``src_info`` and ``layout_range``."""
         local_experts, num_ranks = self.layout_range.shape
@@ -74,8 +82,17 @@ class _Received:
             stats.add_(per_expert.to(torch.int32))
 
 
-def dispatch(strategy: Any, x: torch.Tensor, topk_idx: torch.Tensor, max_tokens: int, num_experts: int,
-             use_fp8: bool, round_scale: bool, use_ue8m0: bool, stats: torch.Tensor | None):
+def dispatch(
+    strategy: Any,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    max_tokens: int,
+    num_experts: int,
+    use_fp8: bool,
+    round_scale: bool,
+    use_ue8m0: bool,
+    stats: torch.Tensor | None,
+):
     """:meth:`Strategy.ll_dispatch`'s default; returns ``(recv_x, recv_count, src_info, layout_range, receive)``."""
     rank, num_ranks = _rank_and_world(strategy)
     local_experts = num_experts // num_ranks
@@ -84,8 +101,15 @@ def dispatch(strategy: Any, x: torch.Tensor, topk_idx: torch.Tensor, max_tokens:
     send_counts = torch.bincount(dest_key // local_experts, minlength=num_ranks)
     # the shapes and options every rank must share travel with the counts (fixed size: one exchange)
     agreement = agreement_vector(
-        "low-latency dispatch", num_experts=num_experts, hidden=hidden, x_dtype=x.dtype,
-        num_max_dispatch_tokens_per_rank=max_tokens, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0)
+        "low-latency dispatch",
+        num_experts=num_experts,
+        hidden=hidden,
+        x_dtype=x.dtype,
+        num_max_dispatch_tokens_per_rank=max_tokens,
+        use_fp8=use_fp8,
+        round_scale=round_scale,
+        use_ue8m0=use_ue8m0,
+    )
     table = strategy.exchange_counts(torch.cat([send_counts, agreement.to(device)]), "low-latency dispatch counts")
     check_agreement(table[:, num_ranks:], "low_latency_dispatch")
     recv_counts_per_source = table[:, :num_ranks][:, rank]
@@ -93,8 +117,9 @@ def dispatch(strategy: Any, x: torch.Tensor, topk_idx: torch.Tensor, max_tokens:
     if use_fp8:
         payload = list(quant.per_token_cast_to_fp8(payload[0], round_scale=round_scale))
     payload += [(dest_key % local_experts).to(torch.int32), token_of.to(torch.int32)]
-    pending = strategy.exchange_rows(payload, send_counts.tolist(), recv_counts_per_source.tolist(),
-                                     "low-latency dispatch rows")
+    pending = strategy.exchange_rows(
+        payload, send_counts.tolist(), recv_counts_per_source.tolist(), "low-latency dispatch rows"
+    )
     received = _Received(local_experts, num_ranks, num_ranks * max_tokens, hidden, use_fp8, use_ue8m0, device)
 
     def receive() -> None:
@@ -104,8 +129,9 @@ def dispatch(strategy: Any, x: torch.Tensor, topk_idx: torch.Tensor, max_tokens:
     return recv_x, received.count, received.src_info, received.layout_range, receive
 
 
-def _return_rows(layout_range: torch.Tensor, local_experts: int, num_ranks: int,
-                 max_tokens: int) -> tuple[torch.Tensor, list[int]]:
+def _return_rows(
+    layout_range: torch.Tensor, local_experts: int, num_ranks: int, max_tokens: int
+) -> tuple[torch.Tensor, list[int]]:
     """Rows of the packed ``[L, R·M, H]`` layout to send back, grouped by source rank, then local expert, then
     position; and how many go to each source rank."""
     ranges = layout_range.cpu()
@@ -119,9 +145,16 @@ def _return_rows(layout_range: torch.Tensor, local_experts: int, num_ranks: int,
     return row_index, counts.view(num_ranks, local_experts).sum(dim=1).tolist()
 
 
-def combine(strategy: Any, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-            layout_range: torch.Tensor, max_tokens: int, num_experts: int,
-            out: torch.Tensor) -> Callable[[], None]:
+def combine(
+    strategy: Any,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    layout_range: torch.Tensor,
+    max_tokens: int,
+    num_experts: int,
+    out: torch.Tensor,
+) -> Callable[[], None]:
     """:meth:`Strategy.ll_combine`'s default; returns the receive half (the weighted sum into ``out``)."""
     _, num_ranks = _rank_and_world(strategy)
     local_experts, _, hidden = x.shape
@@ -139,7 +172,7 @@ def combine(strategy: Any, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights
         weights = torch.where(topk_idx >= 0, topk_weights, torch.zeros_like(topk_weights))
         acc = torch.zeros(tokens, hidden, dtype=torch.float32, device=device)
         for slot in range(topk_idx.shape[1]):
-            acc += weights[:, slot:slot + 1] * per_slot[:, slot]
+            acc += weights[:, slot : slot + 1] * per_slot[:, slot]
         out.copy_(acc.to(torch.bfloat16))
 
     return receive
