@@ -6,7 +6,7 @@ host code (``csrc/npu``, through torch_npu's ``NpuExtension``) and the AscendC k
 (``op_kernels/``, through CANN's ``ascendc_library`` CMake function, for ``SOC_VERSION``).
 
 Flags (environment): ``ADP_WITH_NPU=0|1`` (0 skips the NPU part, 1 makes a missing CANN an error),
-``ADP_WITH_CUDA=0|1`` (reserved for CUDA sources), ``ADP_DEBUG=1`` (``-O0 -g``), ``ADP_SANITIZE=1``
+``ADP_DEBUG=1`` (``-O0 -g``), ``ADP_SANITIZE=1``
 (AddressSanitizer + UndefinedBehaviorSanitizer; load it with ``tools/sanitize.sh``), ``SOC_VERSION``
 (else read from ``npu-smi``). CANN is looked for in ``ASCEND_HOME_PATH``, ``ASCEND_TOOLKIT_HOME``,
 ``ASCEND_CANN_PACKAGE_PATH``, then ``/usr/local/Ascend/ascend-toolkit/latest`` and
@@ -67,6 +67,9 @@ def extensions():
         glob.glob("csrc/emulator/*.cpp")
         + glob.glob("csrc/bindings/*.cpp")
         + glob.glob("op_kernels/*/op_kernel/*.cpp")
+        # op_kernels/emu/emu_probe.cpp ships too: the emulator's self-test kernel (`_C.launch_emu_probe`: WQE
+        # posting modes and the error paths of the vector-core runner, tests/transport/test_kernels.py); it is a
+        # few KB and keeps those tests on the same build as everything else
         + glob.glob("op_kernels/emu/*.cpp")
     )
     flavour = "sanitized (ASan + UBSan)" if sanitize else "debug" if debug else "release"
@@ -117,15 +120,9 @@ def extensions():
             )
         )
 
-    with_cuda = _env.build_flag("WITH_CUDA")
-    summary.append(
-        (
-            "cuda",
-            "skipped: ADP_WITH_CUDA=0"
-            if with_cuda is False
-            else "no compiled CUDA sources; the cuda backend uses Triton/torch kernels at run time",
-        )
-    )
+    # Nothing CUDA is compiled: the cuda backend's kernels are Triton, compiled at run time (so there is no
+    # ADP_WITH_CUDA flag: it had nothing to switch).
+    summary.append(("cuda", "no compiled CUDA sources; the cuda backend uses Triton/torch kernels at run time"))
 
     return [
         ext_cls(
@@ -171,7 +168,7 @@ setup(
     # torch is not pinned here: a range that admits a newer release would pull a CUDA build on a
     # CPU machine. Install torch first (README); any torch >= 2.4 works.
     install_requires=["numpy", "rich", "matplotlib"],
-    extras_require={"test": ["pytest", "hypothesis"]},
+    extras_require={"test": ["pytest", "hypothesis", "radon"]},
     ext_modules=extensions(),
     cmdclass=cmdclass(),
     entry_points={"console_scripts": ["ascend-dualpath=ascend_dualpath.__main__:main"]},

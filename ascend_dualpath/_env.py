@@ -24,7 +24,6 @@ variable                       meaning
 ``ADP_VLLM_SERVE_CMD``         tests only: the command ``serve`` runs instead of vLLM's OpenAI API server (split like
                                a shell would)
 ``ADP_WITH_NPU``               build flag read by ``setup.py``: ``0`` skips the NPU part, ``1`` requires it
-``ADP_WITH_CUDA``              build flag read by ``setup.py``: ``0`` skips CUDA sources, ``1`` requires them
 ``ADP_DEBUG``                  build flag read by ``setup.py``: ``1`` builds with ``-O0 -g``
 ``ADP_SANITIZE``               build flag read by ``setup.py``: ``1`` builds with AddressSanitizer and
                                UndefinedBehaviorSanitizer (``tools/sanitize.sh`` builds and runs it)
@@ -99,7 +98,10 @@ def timeout_s() -> float:
 
 
 def moe_fused() -> bool:
-    """Whether the cuda MoE strategy fuses send and receive halves into one launch (``ADP_MOE_FUSED``, default 1)."""
+    """Whether the cuda MoE strategy fuses send and receive halves into one launch (``ADP_MOE_FUSED``, default 1).
+
+    Kept (not a Config field): it is a property of the machine, not a tuning; the split launches are the safe path
+    where the SMs are shared (MPS, green contexts) and a fused grid's waiting CTAs may not all be resident."""
     raw = _get("ADP_MOE_FUSED")
     if raw not in (None, "0", "1"):
         raise ValueError(f"ADP_MOE_FUSED must be 0 or 1, got {raw!r}")
@@ -122,7 +124,11 @@ def direct_launch(override: str | None = None) -> bool:
 
 
 def moe_direct_launch() -> bool:
-    """:func:`direct_launch` for the cuda MoE strategy: ``ADP_MOE_DIRECT_LAUNCH`` if set, else ``ADP_DIRECT_LAUNCH``."""
+    """:func:`direct_launch` for the cuda MoE strategy: ``ADP_MOE_DIRECT_LAUNCH`` if set, else ``ADP_DIRECT_LAUNCH``.
+
+    Kept: the direct call relies on Triton's compiled launcher (no public API); this switch puts the MoE kernels
+    alone back on ``kernel[grid]`` when a Triton version breaks it silently (``tools/gpu_moe.sh`` does so after a
+    failed eager check) without slowing the transfer engine's launches."""
     return direct_launch("ADP_MOE_DIRECT_LAUNCH")
 
 

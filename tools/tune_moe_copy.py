@@ -1,8 +1,9 @@
 """Tune the cuda strategy's copy and reduce kernels on 2 GPUs: cached BF16 dispatch and combine device time for
 several (copy block words, copy tile rows, copy warps, reduce block, reduce tile, reduce warps, SMs) settings.
 
-Each setting builds a fresh Buffer with the module constants patched, checks that its dispatch output and combine
-output are bit-identical to the default setting's, and times both ops with the stream held by a sleep kernel
+Each setting is a :class:`ascend_dualpath.moe.Config` passed to a fresh dispatch (the plan it makes runs its
+cached dispatches and its combine with those kernel settings); the tool checks that the dispatch output and
+combine output are bit-identical to the default setting's, and times both ops with the stream held by a sleep kernel
 (device time: what DeepEP's figures measure), median of ``--iters`` after 3 warm-up calls.
 
     python3 tools/tune_moe_copy.py --iters 20 [--out DIR]
@@ -18,16 +19,16 @@ import statistics
 import sys
 import tempfile
 
-# (COPY_BLOCK_WORDS, COPY_TILE, COPY_WARPS, REDUCE_BLOCK, REDUCE_TILE, REDUCE_WARPS, num_sms; 0 = model)
+# Candidate kernel settings; the winner goes into ascend_dualpath/moe/config.py (DISPATCH_CONFIGS/COMBINE_CONFIGS).
 SETTINGS = [
-    (4096, 4, 16, 2048, 4, 16, 0),  # the default
-    (4096, 2, 8, 2048, 2, 8, 0),
-    (4096, 2, 8, 2048, 4, 16, 0),
-    (4096, 2, 8, 2048, 2, 8, 96),
-    (4096, 2, 8, 2048, 2, 8, 132),
-    (4096, 4, 16, 2048, 4, 16, 132),
-    (4096, 2, 16, 2048, 4, 16, 0),
-    (4096, 4, 16, 2048, 4, 16, 0),  # the default again: the spread between the two is the noise
+    dict(),  # the default
+    dict(copy_tile=2, copy_warps=8, reduce_tile=2, reduce_warps=8),
+    dict(copy_tile=2, copy_warps=8),
+    dict(num_sms=96, copy_tile=2, copy_warps=8, reduce_tile=2, reduce_warps=8),
+    dict(num_sms=132, copy_tile=2, copy_warps=8, reduce_tile=2, reduce_warps=8),
+    dict(num_sms=132),
+    dict(copy_tile=2),
+    dict(),  # the default again: the spread between the two is the noise
 ]
 
 
@@ -55,17 +56,14 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace) -> None
 
     from ascend_dualpath.bench.moe import join_group, make_inputs
     from ascend_dualpath.moe import Buffer, Config
-    from ascend_dualpath.moe.strategies import cuda
 
     device, group = join_group(rank, world, store)
     x, topk_idx, topk_weights = make_inputs(args.tokens, args.hidden, args.experts, args.topk, device, seed=rank)
     reference = None
     rows = []
     for setting in SETTINGS:
-        (cuda.COPY_BLOCK_WORDS, cuda.COPY_TILE, cuda.COPY_WARPS, cuda.REDUCE_BLOCK, cuda.REDUCE_TILE,
-         cuda.REDUCE_WARPS, num_sms) = setting
+        config = Config(**setting)
         buffer = Buffer(group, num_nvl_bytes=int(4e9), strategy="cuda")
-        config = Config(num_sms=num_sms)
         try:
             layout = buffer.get_dispatch_layout(topk_idx, args.experts)
             recv_x, _, _, _, handle, _ = buffer.dispatch(
@@ -77,7 +75,7 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace) -> None
             exact = bool(torch.equal(recv_x, reference[0]) and torch.equal(combined, reference[1]))
             dispatch_us = _device_us(functools.partial(buffer.dispatch, x, handle=handle, config=config), args.iters)
             combine_us = _device_us(functools.partial(buffer.combine, recv_x, handle, config=config), args.iters)
-            sms = num_sms or handle.plan.private.get("model_sms")
+            sms = config.num_sms or handle.plan.private.get("model_sms")
             times = torch.tensor([dispatch_us, combine_us], dtype=torch.float64, device=device)
             dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
             rows.append(dict(setting=setting, sms=sms, exact=exact, dispatch_us=float(times[0]),
@@ -91,7 +89,7 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace) -> None
             if "error" in row:
                 print(f"{setting}  error {row['error']}", flush=True)
             else:
-                print(f"copy {setting[:3]} reduce {setting[3:6]} sms {row['sms']:>3}  exact {row['exact']!s:5}  "
+                print(f"{setting or 'default'} sms {row['sms']:>3}  exact {row['exact']!s:5}  "
                       f"dispatch {row['dispatch_us']:7.1f} us  combine {row['combine_us']:7.1f} us", flush=True)
     if rank == 0 and args.out:
         os.makedirs(args.out, exist_ok=True)

@@ -42,7 +42,9 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
     parser.add_argument("--ll-tokens", type=int, default=128, help="tokens per rank, low-latency mode")
-    parser.add_argument("--strategies", default="cuda,alltoall", help="comma-separated; alltoall is the baseline")
+    parser.add_argument("--strategies", default="auto",
+                        help="comma-separated, or auto: every strategy available on this machine (alltoall, the "
+                             "baseline, always is); an unavailable one named explicitly is reported, not run")
     parser.add_argument("--ranks", type=int, default=0, help="processes (default: CUDA GPUs, else 2 on CPU)")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
@@ -193,7 +195,7 @@ def _worker(rank, world, store, args, queue):
     x, topk_idx, topk_weights = make_inputs(args.tokens, args.hidden, args.experts, args.topk, device, seed=rank)
     ctx = _Rank(args=args, rank=rank, world=world, device=device, group=group, queue=queue, cuda=cuda, x=x,
                 x_fp8=quant.per_token_cast_to_fp8(x), topk_idx=topk_idx, topk_weights=topk_weights)
-    for strategy in args.strategies.split(","):
+    for strategy in _runnable_strategies(args.strategies, group, rank, queue):
         sm_list = [int(s) for s in args.num_sms.split(",")] if strategy == "cuda" else [0]
         for num_sms in sm_list:
             # low-latency mode does not take an SM count: measured once per strategy
@@ -202,6 +204,27 @@ def _worker(rank, world, store, args, queue):
         queue.put(("done", None))
     dist.barrier(group)
     dist.destroy_process_group()
+
+
+def _runnable_strategies(names: str, group: Any, rank: int, queue: Any) -> list[str]:
+    """The strategies to measure: ``auto`` = every available one in the registry's order; an unavailable (or
+    unknown) name given explicitly becomes one error row (rank 0) instead of a traceback. Availability is the same
+    on every rank (it depends on the machine and the group), so every rank skips the same ones."""
+    from ascend_dualpath.errors import ConfigError
+    from ascend_dualpath.moe import strategies
+
+    explicit = names != "auto"
+    runnable = []
+    for name in names.split(",") if explicit else strategies.AUTO_ORDER:
+        try:
+            ok, reason = strategies.availability(name, group)
+        except ConfigError as exc:
+            ok, reason = False, str(exc)
+        if ok:
+            runnable.append(name)
+        elif explicit and rank == 0:
+            queue.put(("row", dict(strategy=name, num_sms=None, op="-", error=f"unavailable: {reason}")))
+    return runnable
 
 
 def _measure(ctx: _Rank, strategy: str, num_sms: int, with_low_latency: bool) -> None:
@@ -284,10 +307,6 @@ HEADER = (f"{'strategy':<9} {'sms':>4} {'op':<40} {'median us':>10} {'gpu us':>9
           f"{'mean us':>10} {'logical GB/s':>12} {'cross GB/s':>10}")
 
 
-def _table(result) -> str:
-    return "\n".join([HEADER] + [_line(r) for r in result["rows"]])
-
-
 def sm_calibration(rows: list[dict]) -> dict | None:
     """Per-SM write throughput of the cuda strategy's copy kernels, from the device time (``gpu_us``) of the
     cached BF16 dispatch at the smallest SM count measured (where the SMs, not NVLink, bound it): every
@@ -300,6 +319,43 @@ def sm_calibration(rows: list[dict]) -> dict | None:
     fewest = min(runs, key=lambda r: r["num_sms"])
     per_sm = fewest["logical_bytes"] / (fewest["gpu_us"] / 1e6) / 1e9 / fewest["num_sms"]
     return dict(num_sms=fewest["num_sms"], per_sm_write_gbs=per_sm)
+
+
+def _collect(queue: Any, procs: list, deadline_s: float, result: dict) -> bool:
+    """Rows from rank 0 until it reports done (True), a rank fails or the deadline passes (False)."""
+    import queue as queue_module
+    import time
+
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        try:
+            kind, payload = queue.get(timeout=2)
+        except queue_module.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                return False  # a rank failed; its traceback is on stderr
+            continue
+        if kind == "done":
+            return True
+        if kind == "meta":
+            result.update(payload)
+        else:
+            result["rows"].append(payload)
+            print(_line(payload), flush=True)  # as measured, so a run cut short still shows its rows
+    return False
+
+
+def _stop(procs: list, finished: bool, store: str) -> None:
+    """Join the ranks; after a failure, the deadline or an interrupt stop them together, quietly."""
+    if not finished:
+        for p in procs:
+            p.terminate()
+    for p in procs:
+        p.join(timeout=30 if finished else 5)
+        if p.is_alive():
+            p.kill()
+    # destroy_process_group deletes the rendezvous file, but a rank that failed or was killed never calls it
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(store)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -316,38 +372,12 @@ def run(args: argparse.Namespace) -> int:
     with sigint_blocked():  # Ctrl-C stops the benchmark process, which stops the ranks
         for p in procs:
             p.start()
-    import queue as queue_module
-    import time
-
     result, finished = dict(rows=[]), False
-    deadline = time.monotonic() + args.deadline_s
     print(HEADER, flush=True)
     try:
-        while not finished and time.monotonic() < deadline:
-            try:
-                kind, payload = queue.get(timeout=2)
-            except queue_module.Empty:
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    break  # a rank failed; its traceback is on stderr
-                continue
-            if kind == "meta":
-                result.update(payload)
-            elif kind == "row":
-                result["rows"].append(payload)
-                print(_line(payload), flush=True)  # as measured, so a run cut short still shows its rows
-            else:
-                finished = True
+        finished = _collect(queue, procs, args.deadline_s, result)
     finally:
-        if not finished:  # a rank failed, the deadline passed or an interrupt: stop the ranks together, quietly
-            for p in procs:
-                p.terminate()
-        for p in procs:
-            p.join(timeout=30 if finished else 5)
-            if p.is_alive():
-                p.kill()
-        # destroy_process_group deletes the rendezvous file, but a rank that failed or was killed never calls it
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(store)
+        _stop(procs, finished, store)
     if not finished:
         print(f"bench moe: incomplete (a rank failed or the run exceeded {args.deadline_s:g} s); "
               f"{len(result['rows'])} rows measured", file=sys.stderr)

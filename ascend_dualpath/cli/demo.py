@@ -118,6 +118,49 @@ def _stop_engines(procs: list, finishing: bool) -> None:
             p.join(5)
 
 
+class _JobWatch:
+    """The parent's view of a running job, from the engines' events: the DE summary, the first error, turns."""
+
+    ROLES = ("prefill engine", "decode engine")
+
+    def __init__(self, procs: list, timeout_s: float, on_event, kill_pe_after: int | None) -> None:
+        self.procs, self.timeout_s, self.on_event, self.kill_pe_after = procs, timeout_s, on_event, kill_pe_after
+        self.summary: dict | None = None
+        self.error: str | None = None
+        self.turns = 0
+        self.pe_pid: int | None = None
+        self.death_seen: float | None = None
+
+    def check_processes(self, queue_empty: bool) -> None:
+        """No event for a while: an engine that died with nothing left to report is the error."""
+        dead = [rank for rank, p in enumerate(self.procs) if p.exitcode not in (None, 0)]
+        if not dead or not queue_empty:
+            return
+        self.death_seen = self.death_seen or time.monotonic()
+        # a survivor notices within its own bounded waits and reports the error it saw: prefer that
+        survivor_may_report = (self.procs[1].exitcode is None
+                               and time.monotonic() - self.death_seen < 2 * self.timeout_s)
+        if not survivor_may_report:
+            self.error = "; ".join(f"{self.ROLES[r]} process exited with code {self.procs[r].exitcode}" for r in dead)
+
+    def handle(self, event: tuple) -> None:
+        import signal
+
+        kind = event[0]
+        if kind == "pe_pid":
+            self.pe_pid = event[1]
+        elif kind == "error":
+            self.error = f"{event[1]}: {event[2]}"
+        elif kind == "done":
+            self.summary = event[1]
+        else:
+            if kind == "turn":
+                self.turns += 1
+                if self.kill_pe_after is not None and self.turns == self.kill_pe_after and self.pe_pid is not None:
+                    os.kill(self.pe_pid, signal.SIGKILL)
+            self.on_event(event)
+
+
 def run_job(config, job: dict, on_event, kill_pe_after: int | None = None) -> dict:
     """Run the two engine processes for one job; ``on_event`` sees every event; returns the DE summary.
 
@@ -125,7 +168,6 @@ def run_job(config, job: dict, on_event, kill_pe_after: int | None = None) -> di
     Whichever way it ends (an interrupt included), the engines are stopped and the fabric is removed.
     """
     import multiprocessing as mp
-    import signal
 
     from ascend_dualpath._process import sigint_blocked
     from ascend_dualpath.backends.emulator import new_fabric_name
@@ -139,42 +181,25 @@ def run_job(config, job: dict, on_event, kill_pe_after: int | None = None) -> di
     with sigint_blocked():  # Ctrl-C is for this process; it stops the engines
         for p in procs:
             p.start()
-    summary, error, turns, pe_pid, death_seen, ended = None, None, 0, None, None, False
+    watch = _JobWatch(procs, config.timeout_s, on_event, kill_pe_after)
     deadline = time.monotonic() + config.idle_timeout_s
-    roles = ("prefill engine", "decode engine")
+    ended = False
     try:
-        while summary is None and error is None:
+        while watch.summary is None and watch.error is None:
             if time.monotonic() > deadline:
-                error = f"job not done after {config.idle_timeout_s} s"
+                watch.error = f"job not done after {config.idle_timeout_s} s"
                 break
             try:
                 event = events.get(timeout=1.0)
             except Exception:  # queue.Empty: check the processes
-                dead = [rank for rank, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if dead and events.empty():
-                    death_seen = death_seen or time.monotonic()
-                    # a survivor notices within its own bounded waits and reports the error it saw: prefer that
-                    survivor_may_report = procs[1].exitcode is None and time.monotonic() - death_seen < 2 * config.timeout_s
-                    if not survivor_may_report:
-                        error = "; ".join(f"{roles[r]} process exited with code {procs[r].exitcode}" for r in dead)
+                watch.check_processes(events.empty())
                 continue
-            kind = event[0]
-            if kind == "pe_pid":
-                pe_pid = event[1]
-            elif kind == "error":
-                error = f"{event[1]}: {event[2]}"
-            elif kind == "done":
-                summary = event[1]
-            else:
-                if kind == "turn":
-                    turns += 1
-                    if kill_pe_after is not None and turns == kill_pe_after and pe_pid is not None:
-                        os.kill(pe_pid, signal.SIGKILL)
-                on_event(event)
+            watch.handle(event)
         ended = True
     finally:
         _stop_engines(procs, finishing=ended)
         _remove_run_files(fabric_name, None)
+    summary, error = watch.summary, watch.error
     if error is not None:
         raise RuntimeError(error)
     return summary
@@ -254,15 +279,11 @@ def _run_mode(args, mode: str, console) -> dict | None:
     return _aggregate(summary, turns)
 
 
-def _print_summary(console, results: dict[str, dict]) -> bool:
+def _summary_rows() -> list:
+    """(row name, formatter of one mode's aggregate) of the summary table."""
     from rich.markup import escape
-    from rich.table import Table
 
-    table = Table(title="summary")
-    table.add_column("")
-    for mode in results:
-        table.add_column("DualPath" if mode == "dual" else f"{mode.upper()}-only", justify="right")
-    rows = [
+    return [
         ("job completion time (wall)", lambda r: f"{r['jct_s']:.2f} s"),
         ("bytes read, PE SNIC", lambda r: f"{r['pe_bytes'] / 2**20:.2f} MiB"),
         ("bytes read, DE SNIC", lambda r: f"{r['de_bytes'] / 2**20:.2f} MiB"),
@@ -278,18 +299,31 @@ def _print_summary(console, results: dict[str, dict]) -> bool:
             f" (worst {max(c['kv_max_err'] for c in r['checks']):.3f})" if r["checks"] else "")),
         ("greedy tokens = no-cache run", lambda r: _count(r, "tokens_equal")),
     ]
+
+
+def _print_summary(console, results: dict[str, dict]) -> bool:
+    from rich.table import Table
+
+    table = Table(title="summary")
+    table.add_column("")
+    for mode in results:
+        table.add_column("DualPath" if mode == "dual" else f"{mode.upper()}-only", justify="right")
+    rows = _summary_rows()
     for name, fmt in rows:
         table.add_row(name, *[fmt(r) for r in results.values()])
     console.print(table)
     if "dual" in results and "pe" in results:
-        dual, base = results["dual"], results["pe"]
-        bw = dual["read_bw"] / base["read_bw"] if base["read_bw"] else float("nan")
-        console.print(f"DualPath vs PE-only: aggregate storage read bandwidth {bw:.2f}x, "
-                      f"job completion time {base['jct_s'] / dual['jct_s']:.2f}x better")
+        _print_gain(console, results["dual"], results["pe"])
     ok = all(c["loaded_exact"] and c["kv_ok"] and c["tokens_equal"] for r in results.values() for c in r["checks"])
     ok &= not any(r["failed"] for r in results.values())
     console.print(f"every turn correct: {ok}" if any(r["checks"] for r in results.values()) else "not verified")
     return ok
+
+
+def _print_gain(console, dual: dict, base: dict) -> None:
+    bw = dual["read_bw"] / base["read_bw"] if base["read_bw"] else float("nan")
+    console.print(f"DualPath vs PE-only: aggregate storage read bandwidth {bw:.2f}x, "
+                  f"job completion time {base['jct_s'] / dual['jct_s']:.2f}x better")
 
 
 def _count(result: dict, key: str) -> str:
@@ -300,8 +334,7 @@ def _count(result: dict, key: str) -> str:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from ascend_dualpath import get_backend
-    from ascend_dualpath.backends import Backend
+    from ascend_dualpath.backends import Backend, get_backend
 
     if get_backend(args.backend) is not Backend.EMULATOR:
         print(f"demo: backend {args.backend!r} is not supported by this demo yet; use --backend emulator")

@@ -14,8 +14,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def collect(product: str | None = None) -> dict:
     import torch
 
-    from ascend_dualpath import __version__, _ext
+    from ascend_dualpath import _ext
     from ascend_dualpath.backends import Backend, capabilities
+    from ascend_dualpath.version import __version__
 
     report = {
         "ascend_dualpath": __version__,

@@ -26,7 +26,7 @@ from ascend_dualpath.dualpath.scheduler import ReadPath
 from ascend_dualpath.dualpath.transfer_leg import LayerTransferLeg, Segment, TransferTicket, wait_notify
 from ascend_dualpath.errors import CapacityError, ProtocolError
 from ascend_dualpath.kv.buffers import HostBuffer, Lease
-from ascend_dualpath.kv.store import ReadQueue, ReadTicket
+from ascend_dualpath.kv.read_queue import ReadQueue, ReadTicket
 
 
 @dataclasses.dataclass

@@ -44,7 +44,7 @@ from ascend_dualpath.errors import (
     InvalidKey,
 )
 from ascend_dualpath.kv.layout import KVLayout
-from ascend_dualpath.kv.store import as_memoryview, buffer_address
+from ascend_dualpath.kv.memory import as_memoryview, buffer_address
 
 ROLES = ("pe_buffer", "de_buffer")
 DEFAULT_ALIGNMENT = 4096  # O_DIRECT reads and RDMA-friendly placement

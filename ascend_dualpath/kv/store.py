@@ -10,16 +10,13 @@ a block whose file was deleted behind the store's back counts as absent (``conta
 ``read_into`` stat or open it) and leaves the index with its descendants.
 
 :class:`BlockStore` is the seam for other backends (3FS through USRBIO, Mooncake Store): the read paths
-only use that protocol. :class:`ReadQueue` models one node's storage NIC: a FIFO of block reads paced by a
-token bucket at a configurable bandwidth, reporting its queue length in requests and bytes (the
-scheduler's ``read_q``).
+only use that protocol. The read queue that paces reads to a storage NIC is :mod:`ascend_dualpath.kv.read_queue`
+(its clocks: :mod:`ascend_dualpath.kv.clocks`); the test hooks are :mod:`ascend_dualpath.kv.faults`.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import ctypes
 import dataclasses
 import errno
 import logging
@@ -27,28 +24,23 @@ import mmap
 import os
 import struct
 import threading
-import time
 import zlib
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-import torch
-
-from ascend_dualpath import _env
-from ascend_dualpath._checks import check_bound, check_type
+from ascend_dualpath._checks import check_type
 from ascend_dualpath.errors import (
     BoundsError,
-    CapacityError,
     ChecksumMismatch,
     ConfigError,
     InvalidKey,
     QueueError,
     StorageReadError,
-    WaitTimeout,
 )
+from ascend_dualpath.kv.faults import FaultInjector
 from ascend_dualpath.kv.layout import BLOCK_ID_BYTES, KVLayout
+from ascend_dualpath.kv.memory import as_memoryview, buffer_address
 from ascend_dualpath.kv.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)
@@ -62,30 +54,6 @@ _HEADER = struct.Struct("<8sHHQI16s16s16s?3x")
 _HEADER_CRC = struct.Struct("<I")
 BLOCK_SUFFIX = ".kvb"
 TEMP_SUFFIX = ".tmp"
-_TOKEN_SLACK = 1e-9
-
-
-def as_memoryview(buffer: Any, *, writable: bool) -> memoryview:
-    """Flat byte view of a buffer-protocol object or CPU torch tensor, without copying."""
-    if isinstance(buffer, torch.Tensor):
-        if buffer.device.type != "cpu" or not buffer.is_contiguous():
-            raise ValueError(f"tensor buffers must be contiguous CPU tensors, got {buffer.device} "
-                             f"contiguous={buffer.is_contiguous()}")
-        buffer = buffer.detach().reshape(-1).view(torch.uint8).numpy()
-    view = memoryview(buffer)
-    if not view.contiguous:
-        raise ValueError("buffers must be C-contiguous")
-    view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
-    if writable and view.readonly:
-        raise ValueError("destination buffer is read-only")
-    return view
-
-
-def buffer_address(view: memoryview) -> int:
-    """Virtual address of a writable memoryview's first byte (for alignment decisions)."""
-    if view.nbytes == 0:
-        return 0
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 def _aligned_scratch(nbytes: int) -> mmap.mmap:
@@ -143,56 +111,6 @@ class BlockHeader:
         return cls(payload_bytes, checksum, fingerprint, block_id, parent_id if has_parent else None)
 
 
-class FaultInjector:
-    """Test hooks: make chosen reads fail, corrupt the bytes a read delivers, or crash a write before its rename.
-
-    Each armed fault fires once per matching call (``block_id=None`` matches any block).
-    """
-
-    class SimulatedCrash(BaseException):
-        """Raised where a process would have died; BaseException so no ``except Exception`` swallows it."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._read_errors: list[tuple[bytes | None, int]] = []
-        self._corruptions: list[tuple[bytes | None, int]] = []
-        self._crashes: list[tuple[bytes | None]] = []
-
-    def fail_next_read(self, block_id: bytes | None = None, error: int = errno.EIO) -> None:
-        with self._lock:
-            self._read_errors.append((block_id, error))
-
-    def corrupt_next_read(self, block_id: bytes | None = None, byte_offset: int = 0) -> None:
-        """Flip every bit of payload byte ``byte_offset`` after the read, before verification (media corruption)."""
-        with self._lock:
-            self._corruptions.append((block_id, byte_offset))
-
-    def crash_next_write_before_rename(self, block_id: bytes | None = None) -> None:
-        with self._lock:
-            self._crashes.append((block_id,))
-
-    def _take(self, armed: list[tuple], block_id: bytes) -> tuple | None:
-        with self._lock:
-            for index, entry in enumerate(armed):
-                if entry[0] is None or entry[0] == block_id:
-                    return armed.pop(index)
-        return None
-
-    def before_read(self, block_id: bytes) -> None:
-        fault = self._take(self._read_errors, block_id)
-        if fault is not None:
-            raise OSError(fault[1], f"injected read error ({os.strerror(fault[1])})")
-
-    def after_read(self, block_id: bytes, payload: memoryview) -> None:
-        fault = self._take(self._corruptions, block_id)
-        if fault is not None:
-            payload[fault[1]] ^= 0xFF
-
-    def before_rename(self, block_id: bytes) -> None:
-        if self._take(self._crashes, block_id) is not None:
-            raise FaultInjector.SimulatedCrash(f"simulated crash before renaming block {block_id.hex()}")
-
-
 @runtime_checkable
 class BlockStore(Protocol):
     """What the DualPath read paths need from a KV block store (local files here; 3FS or Mooncake Store later)."""
@@ -228,6 +146,8 @@ class LocalBlockStore:
     faults : FaultInjector, optional
         Test hooks.
 
+    Notes
+    -----
     After :meth:`close` every call raises :class:`QueueError` naming the store.
     """
 
@@ -547,317 +467,15 @@ class LocalBlockStore:
             self._scratch.page = None
 
 
-# -- per-node read queue ------------------------------------------------------------------------------------------
-class Clock(Protocol):
-    def now(self) -> float: ...
-
-    def sleep(self, seconds: float) -> None: ...
-
-
-class MonotonicClock:
-    """Wall clock: ``time.monotonic`` and ``time.sleep``."""
-
-    def now(self) -> float:
-        return time.monotonic()
-
-    def sleep(self, seconds: float) -> None:
-        time.sleep(seconds)
+# The read queue and its clocks moved to their own modules; their old import path from here keeps working (lazily:
+# read_queue imports this module, so an import at the top would be a cycle).
+_MOVED = {"Clock": "clocks", "ManualClock": "clocks", "MonotonicClock": "clocks", "TokenBucket": "clocks",
+          "ReadQueue": "read_queue", "ReadQueueStats": "read_queue", "ReadTicket": "read_queue"}
 
 
-class ManualClock:
-    """Virtual clock for tests and simulation.
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        import importlib
 
-    With ``auto_advance=True`` a ``sleep`` moves time forward at once (time passes only through sleeps). Without
-    it a ``sleep`` blocks until :meth:`advance` moves time past its deadline, bounded by ``timeout_s`` of real
-    time so a test that forgets to advance fails instead of hanging.
-    """
-
-    def __init__(self, start: float = 0.0, *, auto_advance: bool = False, timeout_s: float | None = None) -> None:
-        self._now = start
-        self._auto = auto_advance
-        self._timeout_s = check_bound("timeout_s", timeout_s, where="manual clock") if timeout_s is not None \
-            else _env.timeout_s()
-        self._cond = threading.Condition()
-        self._sleepers = 0
-        self.sleeps: list[float] = []
-
-    def now(self) -> float:
-        with self._cond:
-            return self._now
-
-    def sleep(self, seconds: float) -> None:
-        with self._cond:
-            self.sleeps.append(seconds)
-            deadline = self._now + seconds
-            if self._auto:
-                self._now = deadline
-                return
-            self._sleepers += 1
-            self._cond.notify_all()
-            try:
-                if not self._cond.wait_for(lambda: self._now >= deadline, self._timeout_s):
-                    raise WaitTimeout(f"manual clock: sleep until t={deadline} but time stayed at {self._now} "
-                                      f"for {self._timeout_s} s of real time")
-            finally:
-                self._sleepers -= 1
-
-    def advance(self, seconds: float) -> None:
-        with self._cond:
-            self._now += seconds
-            self._cond.notify_all()
-
-    def wait_for_sleepers(self, count: int = 1, timeout_s: float | None = None) -> None:
-        """Block until ``count`` threads sleep on this clock (bounded by real time)."""
-        timeout = check_bound("timeout_s", timeout_s, where="manual clock") if timeout_s is not None \
-            else self._timeout_s
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._sleepers >= count, timeout):
-                raise WaitTimeout(f"manual clock: waited {timeout} s for {count} sleeper(s), saw {self._sleepers}")
-
-
-class TokenBucket:
-    """Byte pacing: ``rate`` bytes/s refill up to ``burst`` bytes.
-
-    A request of ``n`` bytes may start once the bucket holds ``min(n, burst)`` tokens and then takes ``n``
-    (the balance may go negative for ``n > burst``). Bytes started in any window of length ``w`` are thus at
-    most ``burst + rate * w`` for requests no larger than ``burst``.
-    """
-
-    def __init__(self, rate_bytes_per_s: float, burst_bytes: int, now: float) -> None:
-        self.rate = check_bound("bandwidth_bytes_per_s", rate_bytes_per_s, where="token bucket")
-        self.burst = float(check_bound("burst_bytes", burst_bytes, integer=True, where="token bucket"))
-        self._tokens = float(burst_bytes)
-        self._last = now
-
-    def _refill(self, now: float) -> None:
-        self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)
-        self._last = now
-
-    def delay_for(self, nbytes: int, now: float) -> float:
-        """Seconds until a request of ``nbytes`` may start (0 when it may start now)."""
-        self._refill(now)
-        need = min(float(nbytes), self.burst)
-        missing = need - self._tokens
-        # Rounding after a sleep of exactly the computed delay can leave a sliver missing whose delay is below the
-        # clock's resolution; waiting for it would never finish.
-        if missing <= need * _TOKEN_SLACK:
-            return 0.0
-        return missing / self.rate
-
-    def take(self, nbytes: int, now: float) -> None:
-        self._refill(now)
-        self._tokens -= nbytes
-
-
-@dataclasses.dataclass
-class ReadTicket:
-    """One queued block read; :meth:`wait` bounds the wait and re-raises the read's error."""
-
-    block_id: bytes
-    nbytes: int
-    submitted_at: float
-    started_at: float | None = None
-    finished_at: float | None = None
-    _done: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
-    _error: BaseException | None = dataclasses.field(default=None, repr=False)
-
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self, timeout_s: float | None = None) -> None:
-        timeout = check_bound("timeout_s", timeout_s, zero_ok=True, where=f"read of block {self.block_id.hex()}") \
-            if timeout_s is not None else _env.timeout_s()
-        if not self._done.wait(timeout):
-            state = "queued" if self.started_at is None else "reading"
-            raise WaitTimeout(f"read of block {self.block_id.hex()} ({self.nbytes} bytes) not done after "
-                              f"{timeout} s; last state: {state}")
-        if self._error is not None:
-            raise self._error
-
-    def _finish(self, now: float, error: BaseException | None = None) -> None:
-        self.finished_at = now
-        self._error = error
-        self._done.set()
-
-
-@dataclasses.dataclass(frozen=True)
-class ReadQueueStats:
-    """Queue length of one node's storage reads: waiting (paced, not started) and in flight."""
-
-    queued_requests: int
-    queued_bytes: int
-    inflight_requests: int
-    inflight_bytes: int
-    completed_requests: int
-    completed_bytes: int
-    failed_requests: int
-
-    @property
-    def requests(self) -> int:
-        return self.queued_requests + self.inflight_requests
-
-    @property
-    def bytes(self) -> int:
-        return self.queued_bytes + self.inflight_bytes
-
-
-class ReadQueue:
-    """FIFO of block reads for one node, paced to a storage-NIC bandwidth cap.
-
-    A dispatcher thread starts reads in submission order once the token bucket allows their bytes, and hands
-    them to ``io_depth`` reader threads. Reads go to ``store.read_into``.
-
-    Parameters
-    ----------
-    store : BlockStore
-        Where blocks come from.
-    bandwidth_bytes_per_s : float
-        The cap (e.g. a 400 Gb/s SNIC is 50e9).
-    burst_bytes : int, optional
-        Bucket size; default one Full Block, so reads are spread evenly.
-    io_depth : int
-        Reads in flight at once.
-    max_queued_bytes : int, optional
-        Bound on bytes waiting; :meth:`submit` raises :class:`CapacityError` beyond it.
-    clock : Clock, optional
-        Time source; a :class:`ManualClock` makes pacing deterministic in tests.
-    node : str
-        Name used in reports and errors.
-    """
-
-    def __init__(self, store: BlockStore, bandwidth_bytes_per_s: float, *, burst_bytes: int | None = None,
-                 io_depth: int = 4, max_queued_bytes: int | None = None, clock: Clock | None = None,
-                 node: str = "node0") -> None:
-        where = f"read queue of {node}"
-        check_type("store", store, BlockStore, where=where)
-        check_bound("bandwidth_bytes_per_s", bandwidth_bytes_per_s, where=where)
-        if burst_bytes is not None:
-            check_bound("burst_bytes", burst_bytes, integer=True, where=where)
-        io_depth = check_bound("io_depth", io_depth, integer=True, where=where)
-        if max_queued_bytes is not None:
-            check_bound("max_queued_bytes", max_queued_bytes, integer=True, where=where)
-        self.store = store
-        self.node = node
-        self.clock = clock or MonotonicClock()
-        self.bucket = TokenBucket(bandwidth_bytes_per_s, burst_bytes or store.layout.full_block_bytes,
-                                  self.clock.now())
-        self.max_queued_bytes = max_queued_bytes
-        self._cond = threading.Condition()
-        self._queue: collections.deque[tuple[ReadTicket, Callable[[], None]]] = collections.deque()
-        self._queued_bytes = 0
-        self._inflight_requests = 0
-        self._inflight_bytes = 0
-        self._completed_requests = 0
-        self._completed_bytes = 0
-        self._failed_requests = 0
-        self._closed = False
-        self._readers = ThreadPoolExecutor(max_workers=io_depth, thread_name_prefix=f"adp-read-{node}")
-        self._dispatcher = threading.Thread(target=self._dispatch, name=f"adp-readq-{node}", daemon=True)
-        self._dispatcher.start()
-
-    def submit(self, block_id: bytes, dest: Any) -> ReadTicket:
-        """Queue a read of one Full Block into ``dest`` (``full_block_bytes`` bytes); returns its ticket."""
-        nbytes = as_memoryview(dest, writable=True).nbytes
-        if nbytes != self.store.layout.full_block_bytes:
-            raise BoundsError(f"block {block_id.hex()}: destination is {nbytes} bytes, a Full Block is "
-                              f"{self.store.layout.full_block_bytes}")
-        with self._cond:
-            if self._closed:
-                raise QueueError(f"read queue of {self.node} is closed")
-            if self.max_queued_bytes is not None and self._queued_bytes + nbytes > self.max_queued_bytes:
-                raise CapacityError(f"read queue of {self.node}: {self._queued_bytes} bytes queued + {nbytes} "
-                                    f"exceeds max_queued_bytes={self.max_queued_bytes}")
-            ticket = ReadTicket(block_id, nbytes, self.clock.now())
-            self._queue.append((ticket, lambda: self.store.read_into(block_id, dest)))
-            self._queued_bytes += nbytes
-            self._cond.notify_all()
-        return ticket
-
-    def submit_many(self, block_ids: Sequence[bytes], dests: Sequence[Any]) -> list[ReadTicket]:
-        if len(block_ids) != len(dests):
-            raise ValueError(f"{len(block_ids)} block ids but {len(dests)} destinations")
-        return [self.submit(block_id, dest) for block_id, dest in zip(block_ids, dests, strict=True)]
-
-    def stats(self) -> ReadQueueStats:
-        with self._cond:
-            return ReadQueueStats(len(self._queue), self._queued_bytes, self._inflight_requests, self._inflight_bytes,
-                                  self._completed_requests, self._completed_bytes, self._failed_requests)
-
-    def _dispatch(self) -> None:
-        try:
-            self._pace_and_start()
-        except BaseException as error:  # e.g. a ManualClock nobody advanced: fail every waiter, loudly
-            with self._cond:
-                self._closed = True
-                abandoned = list(self._queue)
-                self._queue.clear()
-                self._queued_bytes = 0
-            for ticket, _ in abandoned:
-                ticket._finish(self.clock.now(), QueueError(f"read queue of {self.node} stopped: {error!r}"))
-            raise
-
-    def _pace_and_start(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._queue or self._closed)
-                if self._closed:
-                    return
-                ticket, _ = self._queue[0]
-                delay = self.bucket.delay_for(ticket.nbytes, self.clock.now())
-            if delay > 0:
-                self.clock.sleep(delay)  # outside the lock: submitters and stats() stay responsive
-                continue
-            with self._cond:
-                if self._closed:
-                    return
-                ticket, read = self._queue.popleft()
-                now = self.clock.now()
-                self.bucket.take(ticket.nbytes, now)
-                ticket.started_at = now
-                self._queued_bytes -= ticket.nbytes
-                self._inflight_requests += 1
-                self._inflight_bytes += ticket.nbytes
-            self._readers.submit(self._run, ticket, read)
-
-    def _run(self, ticket: ReadTicket, read: Callable[[], None]) -> None:
-        error: BaseException | None = None
-        try:
-            read()
-        except Exception as caught:  # handed to the waiter through the ticket
-            error = caught
-        with self._cond:
-            self._inflight_requests -= 1
-            self._inflight_bytes -= ticket.nbytes
-            if error is None:
-                self._completed_requests += 1
-                self._completed_bytes += ticket.nbytes
-            else:
-                self._failed_requests += 1
-        ticket._finish(self.clock.now(), error)
-
-    def close(self, timeout_s: float | None = None) -> None:
-        """Stop the queue: queued reads fail with :class:`QueueError`, in-flight reads finish first."""
-        timeout = check_bound("timeout_s", timeout_s, where=f"read queue of {self.node}") if timeout_s is not None \
-            else _env.timeout_s()
-        with self._cond:
-            if self._closed:
-                return
-            self._closed = True
-            abandoned = list(self._queue)
-            self._queue.clear()
-            self._queued_bytes = 0
-            self._cond.notify_all()
-        for ticket, _ in abandoned:
-            ticket._finish(self.clock.now(), QueueError(f"read queue of {self.node} closed before block "
-                                                        f"{ticket.block_id.hex()} was read"))
-        self._readers.shutdown(wait=True)
-        self._dispatcher.join(timeout)
-        if self._dispatcher.is_alive():
-            raise WaitTimeout(f"read queue of {self.node}: dispatcher still pacing after {timeout} s")
-
-    def __enter__(self) -> ReadQueue:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        return getattr(importlib.import_module(f"ascend_dualpath.kv.{_MOVED[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,8 +1,10 @@
 """``Buffer``: DeepEP V1's MoE dispatch/combine API over pluggable strategies.
 
 Names, arguments and return tuples follow DeepEP V1 (``deep_ep.Buffer``); docs/moe.md lists every deviation.
-The buffer validates all inputs *before* any communication (so bad input raises the same error on every rank
-and nothing is half-sent), then hands the data movement to a strategy (see
+The buffer is a thin shell: it validates all inputs *before* any communication
+(:mod:`ascend_dualpath.moe.validation`: bad input raises the same error on every rank and nothing is
+half-sent), takes the kernel settings from a :class:`~ascend_dualpath.moe.config.Config`, and hands the data
+movement to a strategy (:class:`~ascend_dualpath.moe.strategies.base.Strategy`, see
 :mod:`ascend_dualpath.moe.strategies`). Shapes: ``R`` ranks, ``E`` experts, ``L = E / R`` local experts,
 ``T`` tokens on this rank, ``K`` top-k slots, ``H`` hidden, ``N`` received tokens, ``M`` =
 ``num_max_dispatch_tokens_per_rank``.
@@ -12,141 +14,30 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from ascend_dualpath import _env
 from ascend_dualpath._checks import check_bound, check_type
-from ascend_dualpath.errors import AlignmentError, BoundsError, CapacityError, ConfigError, PayloadTooLarge
+from ascend_dualpath.errors import AlignmentError, CapacityError, ConfigError
+from ascend_dualpath.moe import config as configs
 from ascend_dualpath.moe import quant
+from ascend_dualpath.moe import validation as v
+from ascend_dualpath.moe.config import Config
 from ascend_dualpath.moe.event import EventOverlap
-from ascend_dualpath.moe.layout import compute_dispatch_layout
+from ascend_dualpath.moe.handle import DispatchHandle
 from ascend_dualpath.moe.strategies.base import NormalPlan, to_device_async
 
 BUFFER_ALIGNMENT_BYTES = 128
-MAX_LOCAL_EXPERTS = 1024
-LL_MAX_TOPK = 11
 LL_MESSAGE_HEADER_BYTES = 16
-TOPK_IDX_DTYPE = torch.int64
-SUPPORTED_X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-@dataclass(frozen=True)
-class Config:
-    """DeepEP's tuning knobs; only ``num_sms`` is used (by the ``cuda`` strategy, 0 = bandwidth model)."""
-
-    num_sms: int = 0
-    num_max_nvl_chunked_send_tokens: int = 6
-    num_max_nvl_chunked_recv_tokens: int = 256
-    num_max_rdma_chunked_send_tokens: int = 6
-    num_max_rdma_chunked_recv_tokens: int = 256
-
-
-class DispatchHandle(NamedTuple):
-    """Normal-dispatch handle; ``handle[0]`` is DeepEP's ``rank_prefix_matrix``.
-
-    Fields: ``rank_prefix_matrix`` int32 [R, R] (``[i, j]`` = tokens sent to rank j by ranks 0..i),
-    ``recv_src_idx`` int32 [N] (token index on the source rank), ``is_token_in_rank`` bool [T, R],
-    ``plan`` (:class:`~ascend_dualpath.moe.strategies.base.NormalPlan`, strategy state for reuse).
-    """
-
-    rank_prefix_matrix: torch.Tensor
-    recv_src_idx: torch.Tensor
-    is_token_in_rank: torch.Tensor
-    plan: NormalPlan
-
-
-def _row_bytes(t: torch.Tensor) -> int:
-    return math.prod(t.shape[1:]) * t.element_size()
-
-
-def _check_tensor(t: Any, name: str, dtype: torch.dtype | tuple, shape: tuple) -> None:
-    """``shape`` entries of None match any size."""
-    if not isinstance(t, torch.Tensor):
-        raise ConfigError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
-    if t.dtype not in dtypes:
-        raise ConfigError(f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
-    if t.dim() != len(shape) or any(want is not None and got != want for got, want in zip(t.shape, shape, strict=True)):
-        expected = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-        raise ConfigError(f"{name} must have shape {expected}, got {list(t.shape)}")
-
-
-def _check_topk_idx(topk_idx: torch.Tensor, tokens: int, num_experts: int) -> None:
-    _check_tensor(topk_idx, "topk_idx", TOPK_IDX_DTYPE, (tokens, None))
-    if topk_idx.numel():
-        _check_id_range(*torch.aminmax(topk_idx), num_experts)
-
-
-def _check_id_range(low: Any, high: Any, num_experts: int, where: str = "") -> None:
-    low, high = int(low), int(high)
-    if high >= num_experts:
-        raise BoundsError(f"topk_idx{where} holds expert id {high}, but num_experts={num_experts} (ids must be < it)")
-    if low < -1:
-        raise BoundsError(f"topk_idx{where} holds expert id {low}; ids must be -1 (unused) or in [0, {num_experts})")
-
-
-def _x_parts(x: Any) -> list[torch.Tensor]:
-    """Validate ``x`` (bf16/fp16/fp32, or an FP8 / INT8 tuple) and return its row-aligned tensors."""
-    if isinstance(x, tuple):
-        if len(x) != 2:
-            raise ConfigError(f"quantised x must be a (values, scales) pair, got a tuple of {len(x)}")
-        values, scales = x
-        _check_tensor(values, "x[0]", (torch.float8_e4m3fn, torch.int8), (None, None))
-        tokens, hidden = values.shape
-        if values.dtype == torch.float8_e4m3fn:
-            if hidden % quant.FP8_BLOCK:
-                raise AlignmentError(f"FP8 x needs hidden % {quant.FP8_BLOCK} == 0, got hidden={hidden}")
-            if scales.dtype == torch.int32:
-                _check_tensor(scales, "x[1] (UE8M0 scales)", torch.int32, (tokens, hidden // (4 * quant.FP8_BLOCK)))
-            else:
-                _check_tensor(scales, "x[1] (FP8 scales)", torch.float32, (tokens, hidden // quant.FP8_BLOCK))
-        else:
-            _check_tensor(scales, "x[1] (INT8 per-token scales)", torch.float32, (tokens,))
-        return [values, scales]
-    _check_tensor(x, "x", SUPPORTED_X_DTYPES, (None, None))
-    if x.shape[1] * x.element_size() % 16:
-        raise AlignmentError(f"x rows must be a multiple of 16 bytes, got hidden={x.shape[1]} of {x.dtype}")
-    return [x]
+# re-exported: the limits Buffer's docstrings name
+MAX_LOCAL_EXPERTS, LL_MAX_TOPK, TOPK_IDX_DTYPE = v.MAX_LOCAL_EXPERTS, v.LL_MAX_TOPK, v.TOPK_IDX_DTYPE
+SUPPORTED_X_DTYPES = v.SUPPORTED_X_DTYPES
 
 
 def _align_up(value: int, alignment: int) -> int:
     return -(-value // alignment) * alignment
-
-
-# What every rank must pass alike to an op that exchanges counts, as a fixed-size int64 vector gathered before any
-# exchange whose size depends on it: gloo aborts the process (EnforceNotMet) when the ranks' sizes differ.
-AGREEMENT_OPS = ("dispatch", "low-latency dispatch")
-AGREEMENT_FIELDS = ("op", "num_experts", "hidden", "x_dtype", "scales_dtype", "scales_width", "num_topk",
-                    "num_worst_tokens", "num_max_dispatch_tokens_per_rank", "use_fp8", "round_scale", "use_ue8m0")
-# dtypes travel as their index here + 1 (0: no such tensor), so a disagreement message can name them
-AGREEMENT_DTYPES = (*SUPPORTED_X_DTYPES, torch.float8_e4m3fn, torch.int8, torch.int32)
-
-
-def _agreement_vector(op: str, **fields: Any) -> torch.Tensor:
-    """int64 [len(AGREEMENT_FIELDS)] for ``op`` (one of AGREEMENT_OPS) and ``fields`` (AGREEMENT_FIELDS names;
-    absent ones are 0, dtypes by code)."""
-    codes = {"op": AGREEMENT_OPS.index(op)}
-    for name, value in fields.items():
-        codes[name] = AGREEMENT_DTYPES.index(value) + 1 if isinstance(value, torch.dtype) else int(value)
-    return torch.tensor([codes.get(name, 0) for name in AGREEMENT_FIELDS], dtype=torch.int64)
-
-
-def _check_agreement(table: torch.Tensor, what: str) -> None:
-    """Raise the same ConfigError on every rank if the gathered rows (int64 [R, len(AGREEMENT_FIELDS)]) differ,
-    naming the first field that differs and each rank's value."""
-    for column, name in enumerate(AGREEMENT_FIELDS):
-        values = table[:, column].tolist()
-        if len(set(values)) == 1:
-            continue
-        if name == "op":
-            values = [AGREEMENT_OPS[v] for v in values]
-        elif name.endswith("dtype"):
-            values = [str(AGREEMENT_DTYPES[v - 1]) if v else "none" for v in values]
-        shown = ", ".join(f"rank {rank}: {value}" for rank, value in enumerate(values))
-        raise ConfigError(f"{what}: ranks disagree on {name} ({shown}); every rank must pass the same")
 
 
 class Buffer:
@@ -169,8 +60,34 @@ class Buffer:
     timeout_s : float, keyword-only
         Bound of every wait (finite, > 0); default ``ADP_TIMEOUT_S`` (:func:`ascend_dualpath._env.timeout_s`).
 
-    Arguments are checked by name before any communication: a wrong type raises
-    :class:`~ascend_dualpath.errors.ArgumentTypeError`, a NaN, infinite or non-positive bound :class:`ConfigError`.
+    Raises
+    ------
+    ArgumentTypeError, ConfigError
+        Arguments are checked by name before any communication: a wrong type raises
+        :class:`~ascend_dualpath.errors.ArgumentTypeError`, a NaN, infinite or non-positive bound
+        :class:`ConfigError`.
+
+    Examples
+    --------
+    One rank over gloo (every rank of a real group runs the same code):
+
+    >>> import tempfile, torch, torch.distributed as dist
+    >>> from ascend_dualpath import moe
+    >>> dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+    >>> buffer = moe.Buffer(None, num_nvl_bytes=1 << 20, strategy="alltoall")
+    >>> x = torch.randn(4, 128, dtype=torch.bfloat16)
+    >>> topk_idx = torch.tensor([[0, 1], [1, -1], [0, 1], [1, 0]])
+    >>> topk_weights = torch.full((4, 2), 0.5)
+    >>> per_rank, per_node, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts=2)
+    >>> recv_x, recv_idx, recv_w, per_expert_list, handle, _ = buffer.dispatch(
+    ...     x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+    ...     topk_idx=topk_idx, topk_weights=topk_weights)
+    >>> per_expert_list
+    [3, 4]
+    >>> combined, _, _ = buffer.combine(recv_x, handle)
+    >>> torch.equal(combined, x)
+    True
+    >>> buffer.destroy(); dist.destroy_process_group()
     """
 
     num_sms = 0
@@ -184,14 +101,11 @@ class Buffer:
 
         from ascend_dualpath.moe import strategies
 
-        for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes),
-                            ("num_qps_per_rank", num_qps_per_rank), ("ranks_per_node", ranks_per_node)):
-            check_type(name, value, int, where="Buffer")
-        for name, value in (("low_latency_mode", low_latency_mode), ("explicitly_destroy", explicitly_destroy),
-                            ("allow_nvlink_for_low_latency_mode", allow_nvlink_for_low_latency_mode),
-                            ("allow_mnnvl", allow_mnnvl)):
-            check_type(name, value, bool, where="Buffer")
-        check_type("strategy", strategy, str, where="Buffer")
+        _check_init_types(num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes,
+                          num_qps_per_rank=num_qps_per_rank, ranks_per_node=ranks_per_node,
+                          low_latency_mode=low_latency_mode, explicitly_destroy=explicitly_destroy,
+                          allow_nvlink_for_low_latency_mode=allow_nvlink_for_low_latency_mode,
+                          allow_mnnvl=allow_mnnvl, strategy=strategy)
         # checked before any wait: a NaN bound would never expire
         timeout_s = check_bound("timeout_s", timeout_s, where="Buffer") if timeout_s is not None else _env.timeout_s()
         for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
@@ -228,26 +142,11 @@ class Buffer:
         if self._destroyed:
             raise ConfigError("this Buffer was destroyed; create a new one")
 
-    @staticmethod
-    def _check_stream_args(previous_event: Any, async_finish: bool, allocate_on_comm_stream: bool) -> None:
-        if previous_event is not None and not isinstance(previous_event, EventOverlap):
-            raise ConfigError(f"previous_event must be an EventOverlap, got {type(previous_event).__name__}")
-        if allocate_on_comm_stream and not (previous_event is not None and async_finish):
-            raise ConfigError("allocate_on_comm_stream=True needs previous_event and async_finish=True")
-
     def _check_capacity(self, needed: int, what: str) -> None:
-        if needed > self.capacity_bytes:
-            raise CapacityError(f"{what} needs {needed} bytes of buffer, but num_nvl_bytes + num_rdma_bytes = "
-                                f"{self.capacity_bytes}")
+        v.check_capacity(needed, self.capacity_bytes, what)
 
-    def _num_experts_check(self, num_experts: int) -> int:
-        if num_experts <= 0 or num_experts % self.group_size:
-            raise ConfigError(f"num_experts={num_experts} must be a positive multiple of the group size "
-                              f"{self.group_size}")
-        local = num_experts // self.group_size
-        if local > MAX_LOCAL_EXPERTS:
-            raise ConfigError(f"{local} local experts per rank exceed the limit {MAX_LOCAL_EXPERTS}")
-        return local
+    def _finish_event(self, x_device: torch.device, async_finish: bool) -> EventOverlap:
+        return EventOverlap.capture(x_device) if async_finish else EventOverlap(None)
 
     # ----------------------------------------------------------------- DeepEP static helpers
     @staticmethod
@@ -264,17 +163,21 @@ class Buffer:
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
-        return Config(num_sms=Buffer.num_sms)
+        """The tuned dispatch :class:`Config` for ``num_ranks`` (:data:`ascend_dualpath.moe.config.DISPATCH_CONFIGS`),
+        with :meth:`set_num_sms`'s SM count."""
+        return configs.dispatch_config(num_ranks).with_num_sms(Buffer.num_sms)
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
-        return Config(num_sms=Buffer.num_sms)
+        """The tuned combine :class:`Config` for ``num_ranks`` (:data:`ascend_dualpath.moe.config.COMBINE_CONFIGS`),
+        with :meth:`set_num_sms`'s SM count."""
+        return configs.combine_config(num_ranks).with_num_sms(Buffer.num_sms)
 
     @staticmethod
     def get_normal_buffer_size_hint(num_max_tokens_per_rank: int, hidden_bytes: int, num_ranks: int,
                                     num_topk: int = 0) -> int:
         """Bytes a normal dispatch/combine may need at worst: every rank sends all its tokens here."""
-        row = hidden_bytes + 4 + num_topk * (8 + 4)
+        row = hidden_bytes + v.SOURCE_INDEX_BYTES + num_topk * v.TOPK_SLOT_BYTES
         return _align_up(num_ranks * num_max_tokens_per_rank * row, BUFFER_ALIGNMENT_BYTES)
 
     @staticmethod
@@ -302,12 +205,7 @@ class Buffer:
     def destroy(self) -> None:
         self._check_alive()
         self._destroyed = True
-        close = getattr(self.strategy, "close", None)
-        if close is not None:
-            close()
-
-    def _finish_event(self, x_device: torch.device, async_finish: bool) -> EventOverlap:
-        return EventOverlap.capture(x_device) if async_finish else EventOverlap(None)
+        self.strategy.close()
 
     # ----------------------------------------------------------------- layout
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event: Any = None,
@@ -325,26 +223,17 @@ class Buffer:
         node, num_tokens_per_expert int32 [E], is_token_in_rank bool [T, R], EventOverlap)
         """
         self._check_alive()
-        self._check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
-        self._num_experts_check(num_experts)
-        if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2:
-            got = getattr(topk_idx, "shape", topk_idx)
-            raise ConfigError(f"topk_idx must be a 2-D tensor [tokens, topk], got {got}")
-        fused = getattr(self.strategy, "dispatch_layout", None)
-        if fused is None:
-            _check_topk_idx(topk_idx, topk_idx.shape[0], num_experts)
-        else:
-            _check_tensor(topk_idx, "topk_idx", TOPK_IDX_DTYPE, (topk_idx.shape[0], None))
+        v.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
+        v.check_num_experts(num_experts, self.group_size)
+        v.check_topk_2d(topk_idx)
+        v.check_tensor(topk_idx, "topk_idx", v.TOPK_IDX_DTYPE, (topk_idx.shape[0], None))
         if previous_event is not None:
             previous_event.current_stream_wait()
-        if fused is None:
-            layout = compute_dispatch_layout(topk_idx, num_experts, self.group_size, self.ranks_per_node)
-        else:
-            # One kernel computes the layout and the id range. A strategy that returns no host-side range (cuda:
-            # no host sync here) checks it at the count exchange of the fresh dispatch given this layout.
-            layout, id_range = fused(topk_idx, num_experts, self.group_size, self.ranks_per_node)
-            if id_range is not None:
-                _check_id_range(*id_range, num_experts)
+        # The default strategy checks the ids before it counts; the cuda one computes layout and id range in one
+        # kernel and leaves the range for the count exchange of the fresh dispatch given this layout.
+        layout, id_range = self.strategy.dispatch_layout(topk_idx, num_experts, self.group_size, self.ranks_per_node)
+        if id_range is not None:
+            v.check_id_range(*id_range, num_experts)
         return (*layout, self._finish_event(topk_idx.device, async_finish))
 
     # ----------------------------------------------------------------- normal dispatch
@@ -370,6 +259,9 @@ class Buffer:
         num_worst_tokens : int
             If > 0, outputs have exactly this many rows (padding: ``recv_topk_idx == -1``, zero rows) and the
             per-expert list is empty.
+        config : Config or None
+            Kernel settings of the plan this fresh dispatch makes (default :meth:`get_dispatch_config`); its
+            cached dispatches and its combine run with them.
 
         Returns
         -------
@@ -380,111 +272,44 @@ class Buffer:
         Cached mode returns ``(recv_x, None, None, None, None, event)``.
         """
         self._check_alive()
-        self._check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
-        if config is not None and not isinstance(config, Config):
-            raise ConfigError(f"config must be a moe.Config, got {type(config).__name__}")
-        parts = _x_parts(x)
-        tokens = parts[0].shape[0]
-        row_bytes = sum(_row_bytes(p) for p in parts)
+        v.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
+        v.check_config(config)
+        parts = v.x_parts(x)
         if handle is not None:
-            return self._cached_dispatch(x, parts, handle, row_bytes, topk_idx, topk_weights, previous_event,
-                                         async_finish)
-        if num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
-            raise ConfigError("non-cached dispatch needs num_tokens_per_rank, is_token_in_rank and "
-                              "num_tokens_per_expert (from get_dispatch_layout)")
-        _check_tensor(num_tokens_per_rank, "num_tokens_per_rank", torch.int32, (self.group_size,))
-        _check_tensor(is_token_in_rank, "is_token_in_rank", torch.bool, (tokens, self.group_size))
-        _check_tensor(num_tokens_per_expert, "num_tokens_per_expert", torch.int32, (None,))
-        num_experts = num_tokens_per_expert.shape[0]
-        local_experts = self._num_experts_check(num_experts)
-        if self.num_nodes > 1:
-            if num_tokens_per_rdma_rank is None:
-                raise ConfigError(f"internode dispatch ({self.num_nodes} nodes) needs num_tokens_per_rdma_rank")
-            _check_tensor(num_tokens_per_rdma_rank, "num_tokens_per_rdma_rank", torch.int32, (self.num_nodes,))
-        elif num_tokens_per_rdma_rank is not None:
-            raise ConfigError("num_tokens_per_rdma_rank must be None for intranode dispatch (one node)")
-        if (topk_idx is None) != (topk_weights is None):
-            raise ConfigError("topk_idx and topk_weights must be given together or both omitted")
-        if topk_idx is not None:
-            _check_tensor(topk_idx, "topk_idx", TOPK_IDX_DTYPE, (tokens, None))
-            _check_tensor(topk_weights, "topk_weights", torch.float32, tuple(topk_idx.shape))
-            row_bytes += topk_idx.shape[1] * (8 + 4)
-        row_bytes += 4  # source token index
-        if not isinstance(expert_alignment, int) or expert_alignment < 1:
-            raise ConfigError(f"expert_alignment={expert_alignment!r} must be an int >= 1")
-        if not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
-            raise ConfigError(f"num_worst_tokens={num_worst_tokens!r} must be an int >= 0")
-        if num_worst_tokens and topk_idx is None:
-            raise ConfigError("num_worst_tokens > 0 needs topk_idx and topk_weights")
-        if tokens * self.group_size * row_bytes > self.capacity_bytes:
+            return self._cached_dispatch(x, parts, handle, topk_idx, topk_weights, previous_event, async_finish)
+        args = v.check_dispatch(
+            parts, group_size=self.group_size, num_nodes=self.num_nodes, num_tokens_per_rank=num_tokens_per_rank,
+            num_tokens_per_rdma_rank=num_tokens_per_rdma_rank, is_token_in_rank=is_token_in_rank,
+            num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
+            expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens)
+        if parts[0].shape[0] * self.group_size * args.row_bytes > self.capacity_bytes:
             # Only a budget this small can be exceeded by the send side: then the exact count is worth a host
             # sync, and the error comes before any communication.
-            self._check_capacity(int(num_tokens_per_rank.sum()) * row_bytes, f"dispatch on rank {self.rank} (send)")
+            self._check_capacity(int(num_tokens_per_rank.sum()) * args.row_bytes,
+                                 f"dispatch on rank {self.rank} (send)")
         if previous_event is not None:
             previous_event.current_stream_wait()
-        # The ranks first agree on the shapes and options (the count table's width depends on num_experts), then
-        # one exchange carries every rank's counts per rank and per expert and the statistics its inputs are
-        # checked with (id range, layout sums), so all ranks raise the same error before any data moves.
-        scales = parts[1] if len(parts) > 1 else None
-        agreement = _agreement_vector(
-            "dispatch", num_experts=num_experts, hidden=parts[0].shape[1], x_dtype=parts[0].dtype,
-            scales_dtype=scales.dtype if scales is not None else 0,
-            scales_width=math.prod(scales.shape[1:]) if scales is not None else 0,
-            num_topk=0 if topk_idx is None else topk_idx.shape[1], num_worst_tokens=num_worst_tokens)
-        _check_agreement(self.strategy.exchange_counts(agreement.to(parts[0].device), "dispatch shapes"), "dispatch")
-        table = self.strategy.exchange_dispatch_counts(num_tokens_per_rank, num_tokens_per_expert, topk_idx,
-                                                       is_token_in_rank, "dispatch token counts")
+        table = self._exchange_dispatch_counts(parts, args, num_tokens_per_rank, num_tokens_per_expert, topk_idx,
+                                               is_token_in_rank, num_worst_tokens)
         count_matrix = table[:, :self.group_size]
-        expert_table = table[:, self.group_size:self.group_size + num_experts]
-        for rank, (low, high, per_rank_sum, in_rank_sum) in enumerate(table[:, -4:].tolist()):
-            where = f" on rank {rank}"
-            # (-1, -1) when the rank had neither top-k ids nor a layout with a device-side id range (cuda)
-            _check_id_range(low, high, num_experts, where)
-            if per_rank_sum != in_rank_sum:
-                raise ConfigError(f"num_tokens_per_rank{where} sums to {per_rank_sum} but is_token_in_rank marks "
-                                  f"{in_rank_sum} (token, rank) pairs; pass one layout")
-        received = count_matrix.sum(dim=0)
-        # Every rank sees the whole matrix, so every rank raises the same error here, before any data moves.
-        for rank, count in enumerate(received.tolist()):
-            self._check_capacity(count * row_bytes, f"dispatch on rank {rank} (receive {count} tokens)")
-            if num_worst_tokens and count > num_worst_tokens:
-                raise CapacityError(f"rank {rank} receives {count} tokens, more than num_worst_tokens="
-                                    f"{num_worst_tokens}")
         plan = NormalPlan(self.rank, is_token_in_rank, count_matrix, private={
-            "num_sms": config.num_sms if config is not None else Buffer.num_sms, "num_experts": num_experts,
-            "num_topk": 0 if topk_idx is None else topk_idx.shape[1]})
+            "config": config if config is not None else self.get_dispatch_config(self.group_size),
+            "num_experts": args.num_experts, "num_topk": args.num_topk})
         self.strategy.prepare_plan(plan)
-        payload = list(parts)
-        if topk_idx is not None:
-            payload += [topk_idx, topk_weights]
-        source_index = getattr(self.strategy, "source_index", None)
-        payload.append(source_index(tokens, parts[0].device) if source_index is not None
-                       else torch.arange(tokens, dtype=torch.int32, device=parts[0].device))
+        payload = [*parts, *(() if topk_idx is None else (topk_idx, topk_weights)),
+                   self.strategy.source_index(parts[0].shape[0], parts[0].device)]
         recv = self.strategy.dispatch_rows(plan, payload, "dispatch rows")
         plan.recv_src_idx = recv[-1]
         recv_parts = recv[:len(parts)]
         recv_topk_idx = recv_topk_weights = None
         counts_list: list[int] = []
         if topk_idx is not None:
-            global_idx, weights = recv[len(parts)], recv[len(parts) + 1]
-            localize = getattr(self.strategy, "localize_topk", None)
-            if localize is not None:  # in place: the received tensors are fresh
-                localize(global_idx, weights, local_experts)
-                recv_topk_idx, recv_topk_weights = global_idx, weights
-            else:
-                local = global_idx - self.rank * local_experts
-                here = (global_idx >= 0) & (local >= 0) & (local < local_experts)
-                recv_topk_idx = torch.where(here, local, torch.full_like(local, -1))
-                recv_topk_weights = torch.where(here, weights, torch.zeros_like(weights))
-            mine = expert_table[:, self.rank * local_experts:(self.rank + 1) * local_experts].sum(dim=0)
-            counts_list = ((mine + expert_alignment - 1) // expert_alignment * expert_alignment).tolist()
-        num_recv = plan.num_recv_tokens
+            recv_topk_idx, recv_topk_weights = self.strategy.localize_topk(
+                recv[len(parts)], recv[len(parts) + 1], self.rank, args.local_experts)
+            counts_list = self._recv_counts_per_expert(table, args, expert_alignment)
         if num_worst_tokens:
-            pad = num_worst_tokens - num_recv
-            recv_parts = [torch.cat([p, p.new_zeros((pad, *p.shape[1:]))]) for p in recv_parts]
-            recv_topk_idx = torch.cat([recv_topk_idx, recv_topk_idx.new_full((pad, recv_topk_idx.shape[1]), -1)])
-            recv_topk_weights = torch.cat([recv_topk_weights,
-                                           recv_topk_weights.new_zeros((pad, recv_topk_idx.shape[1]))])
+            recv_parts, recv_topk_idx, recv_topk_weights = _pad_to_worst(
+                num_worst_tokens - plan.num_recv_tokens, recv_parts, recv_topk_idx, recv_topk_weights)
             counts_list = []
         rank_prefix_matrix = (plan.private or {}).get("rank_prefix_matrix")  # made on the device by the strategy
         if rank_prefix_matrix is None:
@@ -494,15 +319,38 @@ class Buffer:
         return (recv_x, recv_topk_idx, recv_topk_weights, counts_list, new_handle,
                 self._finish_event(parts[0].device, async_finish))
 
-    def _cached_dispatch(self, x, parts, handle, row_bytes, topk_idx, topk_weights, previous_event, async_finish):
-        if not isinstance(handle, DispatchHandle):
-            raise ConfigError(f"handle must be the DispatchHandle returned by dispatch, got {type(handle).__name__}")
-        if topk_idx is not None or topk_weights is not None:
-            raise ConfigError("cached dispatch (handle given) takes no topk_idx/topk_weights")
+    def _exchange_dispatch_counts(self, parts: list[torch.Tensor], args: v.DispatchArgs,
+                                  num_tokens_per_rank: torch.Tensor, num_tokens_per_expert: torch.Tensor,
+                                  topk_idx: torch.Tensor | None, is_token_in_rank: torch.Tensor,
+                                  num_worst_tokens: int) -> torch.Tensor:
+        """The ranks first agree on the shapes and options (the count table's width depends on num_experts),
+        then one exchange carries every rank's counts per rank and per expert and the statistics its inputs are
+        checked with (id range, layout sums), so all ranks raise the same error before any data moves.
+        Returns the CPU int64 table ``[R, R + E + 4]``."""
+        scales = parts[1] if len(parts) > 1 else None
+        agreement = v.agreement_vector(
+            "dispatch", num_experts=args.num_experts, hidden=parts[0].shape[1], x_dtype=parts[0].dtype,
+            scales_dtype=scales.dtype if scales is not None else 0,
+            scales_width=math.prod(scales.shape[1:]) if scales is not None else 0,
+            num_topk=args.num_topk, num_worst_tokens=num_worst_tokens)
+        v.check_agreement(self.strategy.exchange_counts(agreement.to(parts[0].device), "dispatch shapes"),
+                          "dispatch")
+        table = self.strategy.exchange_dispatch_counts(num_tokens_per_rank, num_tokens_per_expert, topk_idx,
+                                                       is_token_in_rank, "dispatch token counts")
+        v.check_dispatch_table(table, args.num_experts, self.capacity_bytes, args.row_bytes, num_worst_tokens)
+        return table
+
+    def _recv_counts_per_expert(self, table: torch.Tensor, args: v.DispatchArgs, expert_alignment: int) -> list[int]:
+        """Tokens this rank receives per local expert, each rounded up to ``expert_alignment``."""
+        first = self.group_size + self.rank * args.local_experts
+        mine = table[:, first:first + args.local_experts].sum(dim=0)
+        return ((mine + expert_alignment - 1) // expert_alignment * expert_alignment).tolist()
+
+    def _cached_dispatch(self, x, parts, handle, topk_idx, topk_weights, previous_event, async_finish):
+        v.check_handle(handle, DispatchHandle)
         plan = handle.plan
-        if parts[0].shape[0] != plan.is_token_in_rank.shape[0]:
-            raise ConfigError(f"cached dispatch: x has {parts[0].shape[0]} tokens but the handle was made for "
-                              f"{plan.is_token_in_rank.shape[0]}")
+        v.check_cached_dispatch(plan, parts, topk_idx, topk_weights)
+        row_bytes = sum(v.row_bytes(p) for p in parts)
         self._check_capacity(max(sum(plan.send_counts), plan.num_recv_tokens) * row_bytes, "cached dispatch")
         if previous_event is not None:
             previous_event.current_stream_wait()
@@ -522,6 +370,7 @@ class Buffer:
         handle : the handle of the dispatch that produced the rows
         topk_weights : float32 [N, K] or None: the dispatch's ``recv_topk_weights``
         bias : Tensor [T, H] or a pair of them (either may be None), added after the sum
+        config : Config or None: validated; the kernels run with the config of the dispatch that made ``handle``
         weighted : bool, keyword-only
             False (DeepEP): ``combined[t] = Σ_r x_r[t]``. True (torch_npu MC2 style): each rank's row is first
             scaled by the sum of that row's ``topk_weights`` (the weights of the token's experts on that rank).
@@ -533,32 +382,13 @@ class Buffer:
         equals the original weights with ``-1`` slots zeroed.
         """
         self._check_alive()
-        self._check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
-        if not isinstance(handle, DispatchHandle):
-            raise ConfigError(f"handle must be the DispatchHandle returned by dispatch, got {type(handle).__name__}")
+        v.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
+        v.check_handle(handle, DispatchHandle)
+        v.check_config(config)
         plan = handle.plan
-        num_recv, tokens = plan.num_recv_tokens, plan.is_token_in_rank.shape[0]
-        _check_tensor(x, "x", SUPPORTED_X_DTYPES, (None, None))
-        if x.shape[0] < num_recv:
-            raise ConfigError(f"combine: x has {x.shape[0]} rows but this rank received {num_recv} tokens")
-        if x.shape[0] > num_recv:
-            x = x[:num_recv]
-        if topk_weights is not None:
-            _check_tensor(topk_weights, "topk_weights", torch.float32, (None, None))
-            if topk_weights.shape[0] < num_recv:
-                raise ConfigError(f"combine: topk_weights has {topk_weights.shape[0]} rows, fewer than {num_recv}")
-            if topk_weights.shape[0] > num_recv:
-                topk_weights = topk_weights[:num_recv]
-        if weighted and topk_weights is None:
-            raise ConfigError("weighted combine needs topk_weights (the dispatch's recv_topk_weights)")
-        biases = bias if isinstance(bias, tuple) else (bias,)
-        if len(biases) > 2:
-            raise ConfigError(f"bias takes at most two tensors, got {len(biases)}")
-        for i, b in enumerate(biases):
-            if b is not None:
-                _check_tensor(b, f"bias[{i}]", x.dtype, (tokens, x.shape[1]))
+        x, topk_weights, biases = v.check_combine(x, plan, topk_weights, bias, weighted)
         row_bytes = x.shape[1] * x.element_size() + (0 if topk_weights is None else topk_weights.shape[1] * 4)
-        self._check_capacity(max(num_recv, sum(plan.send_counts)) * row_bytes, "combine")
+        self._check_capacity(max(plan.num_recv_tokens, sum(plan.send_counts)) * row_bytes, "combine")
         if previous_event is not None:
             previous_event.current_stream_wait()
         if weighted:
@@ -660,96 +490,22 @@ class Buffer:
         ascending token index (DeepEP's order is arrival order; do not rely on either).
         """
         self._check_alive()
-        local_experts = self._check_ll_common(topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-                                              async_finish, return_recv_hook)
-        _check_tensor(x, "x", torch.bfloat16, (topk_idx.shape[0], None))
-        tokens, hidden = x.shape
-        self._check_ll_hidden(hidden, num_max_dispatch_tokens_per_rank, num_experts)
-        if use_ue8m0 and not round_scale:
-            raise ConfigError("use_ue8m0=True needs round_scale=True")
-        if use_ue8m0 and not use_fp8:
-            raise ConfigError("use_ue8m0=True needs use_fp8=True")
-        if use_ue8m0 and hidden % (4 * quant.FP8_BLOCK):
-            raise AlignmentError(f"UE8M0 scales need hidden % {4 * quant.FP8_BLOCK} == 0, got hidden={hidden}")
-        if cumulative_local_expert_recv_stats is not None:
-            _check_tensor(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats", torch.int32,
-                          (local_experts,))
-        if dispatch_wait_recv_cost_stats is not None:
-            raise ConfigError("dispatch_wait_recv_cost_stats is not supported (no device-side wait to time)")
-        num_ranks, slots = self.group_size, self.group_size * num_max_dispatch_tokens_per_rank
-        device = x.device
-        ll_dispatch = getattr(self.strategy, "ll_dispatch", None)
-        if ll_dispatch is not None:  # a device kernel (cuda): no host work past the checks above
-            recv_x, recv_count, src_info, layout_range, receive = ll_dispatch(
-                x.contiguous(), topk_idx.contiguous(), num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
-                round_scale, use_ue8m0,
-                cumulative_local_expert_recv_stats, return_recv_hook)
-            hook = _OnceHook(receive if receive is not None else lambda: None, "low-latency dispatch receive")
-            if not return_recv_hook:
-                hook()  # a strategy that launched the halves apart (no fused launch) receives now
-            handle = (src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)
-            return recv_x, recv_count, handle, self._finish_event(device, async_finish), hook
-
-        token_of, slot_of, dest_key = self._ll_selections(topk_idx, local_experts)
-        dest_rank = dest_key // local_experts
-        send_counts = torch.bincount(dest_rank, minlength=num_ranks)
-        # the shapes and options every rank must share travel with the counts (fixed size: one exchange)
-        agreement = _agreement_vector(
-            "low-latency dispatch", num_experts=num_experts, hidden=hidden, x_dtype=x.dtype,
-            num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank, use_fp8=use_fp8,
-            round_scale=round_scale, use_ue8m0=use_ue8m0)
-        table = self.strategy.exchange_counts(torch.cat([send_counts, agreement.to(device)]),
-                                              "low-latency dispatch counts")
-        _check_agreement(table[:, num_ranks:], "low_latency_dispatch")
-        count_matrix = table[:, :num_ranks]
-        payload = [x.index_select(0, token_of)]
-        if use_fp8:
-            payload = list(quant.per_token_cast_to_fp8(payload[0], round_scale=round_scale))
-        payload += [(dest_key % local_experts).to(torch.int32), token_of.to(torch.int32)]
-        pending = self.strategy.exchange_rows(payload, send_counts.tolist(), count_matrix[:, self.rank].tolist(),
-                                              "low-latency dispatch rows")
-
-        values_dtype = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
-        recv_values = torch.zeros(local_experts, slots, hidden, dtype=values_dtype, device=device)
-        recv_scales = None
-        if use_fp8:
-            blocks = hidden // quant.FP8_BLOCK // (4 if use_ue8m0 else 1)
-            recv_scales = torch.zeros(local_experts, blocks, slots, dtype=torch.int32 if use_ue8m0 else torch.float32,
-                                      device=device).transpose(1, 2)
-        recv_count = torch.zeros(local_experts, dtype=torch.int32, device=device)
-        src_info = torch.full((local_experts, slots), -1, dtype=torch.int32, device=device)
-        layout_range = torch.zeros(local_experts, num_ranks, dtype=torch.int64, device=device)
-        recv_counts_per_source = count_matrix[:, self.rank]
-
-        def receive() -> None:
-            rows = pending.wait()
-            local_id, src_token = rows[-2].long(), rows[-1]
-            src_rank = torch.repeat_interleave(torch.arange(num_ranks, device=device),
-                                               recv_counts_per_source.to(device))
-            order = torch.sort(local_id, stable=True).indices  # (expert, source rank, token) order
-            per_expert = torch.bincount(local_id, minlength=local_experts)
-            starts = per_expert.cumsum(0) - per_expert
-            sorted_expert = local_id[order]
-            position = torch.arange(order.numel(), device=device) - starts[sorted_expert]
-            recv_values[sorted_expert, position] = rows[0][order]
-            if recv_scales is not None:
-                scales = rows[1][order]
-                recv_scales[sorted_expert, position] = quant.pack_ue8m0(scales) if use_ue8m0 else scales
-            src_info[sorted_expert, position] = src_token[order]
-            recv_count.copy_(per_expert.to(torch.int32))
-            per_pair = torch.bincount(local_id * num_ranks + src_rank, minlength=local_experts * num_ranks)
-            per_pair = per_pair.view(local_experts, num_ranks)
-            begins = per_pair.cumsum(1) - per_pair
-            layout_range.copy_((begins << 32) | per_pair)
-            if cumulative_local_expert_recv_stats is not None:
-                cumulative_local_expert_recv_stats.add_(per_expert.to(torch.int32))
-
-        hook = _OnceHook(receive, "low-latency dispatch receive")
+        max_tokens = num_max_dispatch_tokens_per_rank
+        local_experts = v.check_ll_common(topk_idx, max_tokens, num_experts, self.group_size, self.low_latency_mode,
+                                          async_finish, return_recv_hook)
+        v.check_tensor(x, "x", torch.bfloat16, (topk_idx.shape[0], None))
+        hidden = x.shape[1]
+        self._check_ll_hidden(hidden, max_tokens, num_experts)
+        v.check_ll_dispatch_options(hidden, use_fp8, round_scale, use_ue8m0, cumulative_local_expert_recv_stats,
+                                    dispatch_wait_recv_cost_stats, local_experts)
+        recv_x, recv_count, src_info, layout_range, receive = self.strategy.ll_dispatch(
+            x.contiguous(), topk_idx.contiguous(), max_tokens, num_experts, use_fp8, round_scale, use_ue8m0,
+            cumulative_local_expert_recv_stats, return_recv_hook)
+        hook = _OnceHook(receive if receive is not None else _nothing, "low-latency dispatch receive")
         if not return_recv_hook:
             hook()
-        recv_x = (recv_values, recv_scales) if use_fp8 else recv_values
-        handle = (src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        return recv_x, recv_count, handle, self._finish_event(device, async_finish), hook
+        handle = (src_info, layout_range, max_tokens, hidden, num_experts)
+        return recv_x, recv_count, handle, self._finish_event(x.device, async_finish), hook
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: tuple,
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
@@ -772,103 +528,57 @@ class Buffer:
         self._check_alive()
         if not isinstance(handle, tuple) or len(handle) != 5:
             raise ConfigError("handle must be the 5-tuple returned by low_latency_dispatch")
-        src_info, layout_range, max_tokens, hidden, num_experts = handle
-        local_experts = self._check_ll_common(topk_idx, max_tokens, num_experts, async_finish, return_recv_hook)
-        num_ranks = self.group_size
-        _check_tensor(x, "x", torch.bfloat16, (local_experts, num_ranks * max_tokens, hidden))
-        _check_tensor(topk_weights, "topk_weights", torch.float32, tuple(topk_idx.shape))
-        if out is not None:
-            _check_tensor(out, "out", torch.bfloat16, (topk_idx.shape[0], hidden))
-        if use_logfmt or zero_copy:
-            raise ConfigError("use_logfmt and zero_copy are not supported (no device-side LL buffer to write into)")
-        if combine_wait_recv_cost_stats is not None:
-            raise ConfigError("combine_wait_recv_cost_stats is not supported (no device-side wait to time)")
+        _, layout_range, max_tokens, hidden, num_experts = handle
+        local_experts = v.check_ll_common(topk_idx, max_tokens, num_experts, self.group_size, self.low_latency_mode,
+                                          async_finish, return_recv_hook)
+        v.check_ll_combine_options(x, topk_idx, topk_weights, out, hidden, local_experts, self.group_size * max_tokens,
+                                   use_logfmt, zero_copy, combine_wait_recv_cost_stats)
         self._check_ll_hidden(hidden, max_tokens, num_experts)
+        v.check_tensor(layout_range, "handle layout_range", torch.int64, (local_experts, self.group_size))
         tokens, device = topk_idx.shape[0], x.device
-        ll_combine = getattr(self.strategy, "ll_combine", None)
-        if ll_combine is not None:  # a device kernel (cuda)
-            _check_tensor(layout_range, "handle layout_range", torch.int64, (local_experts, num_ranks))
-            result = out if out is not None else torch.empty(tokens, hidden, dtype=torch.bfloat16, device=device)
-            target = result if result.is_contiguous() else torch.empty_like(
-                result, memory_format=torch.contiguous_format)
-            receive = ll_combine(x, topk_idx.contiguous(), topk_weights.contiguous(), layout_range, max_tokens,
-                                 num_experts, target, return_recv_hook)
-
-            def finish() -> None:
-                if receive is not None:
-                    receive()
-                if target is not result:
-                    result.copy_(target)
-
-            if not return_recv_hook:
-                finish()
-            hook = _OnceHook(finish if return_recv_hook else lambda: None, "low-latency combine receive")
-            return result, self._finish_event(device, async_finish), hook
-
-        token_of, slot_of, dest_key = self._ll_selections(topk_idx, local_experts)
-        recv_counts = torch.bincount(dest_key // local_experts, minlength=num_ranks).tolist()
-        ranges = layout_range.cpu()
-        # Rows to send back, grouped by source rank, then local expert, then position: (expert, source) pairs
-        # in source-major order, each a run of ``count`` rows from ``expert * R * M + begin``.
-        begins, counts = (ranges >> 32).t().reshape(-1), (ranges & 0xFFFFFFFF).t().reshape(-1)
-        pair_expert = torch.arange(local_experts).repeat(num_ranks)
-        total = int(counts.sum())
-        pair_of_row = torch.repeat_interleave(torch.arange(counts.numel()), counts, output_size=total)
-        within = torch.arange(total) - (torch.cumsum(counts, 0) - counts)[pair_of_row]
-        row_index = (pair_expert[pair_of_row] * num_ranks * max_tokens + begins[pair_of_row] + within).to(device)
-        send_counts = counts.view(num_ranks, local_experts).sum(dim=1).tolist()
-        send = x.reshape(-1, hidden).index_select(0, row_index)
-        pending = self.strategy.exchange_rows([send], send_counts, recv_counts, "low-latency combine rows")
         result = out if out is not None else torch.empty(tokens, hidden, dtype=torch.bfloat16, device=device)
+        # the strategies write a contiguous [T, H]; a strided ``out`` gets the result copied in
+        target = result if result.is_contiguous() else torch.empty_like(result, memory_format=torch.contiguous_format)
+        receive = self.strategy.ll_combine(x, topk_idx.contiguous(), topk_weights.contiguous(), layout_range,
+                                           max_tokens, num_experts, target, return_recv_hook)
 
-        def receive() -> None:
-            back = pending.wait()[0]
-            per_slot = torch.zeros(tokens, topk_idx.shape[1], hidden, dtype=torch.float32, device=device)
-            per_slot[token_of, slot_of] = back.float()
-            weights = torch.where(topk_idx >= 0, topk_weights, torch.zeros_like(topk_weights))
-            acc = torch.zeros(tokens, hidden, dtype=torch.float32, device=device)
-            for slot in range(topk_idx.shape[1]):
-                acc += weights[:, slot:slot + 1] * per_slot[:, slot]
-            result.copy_(acc.to(torch.bfloat16))
+        def finish() -> None:
+            if receive is not None:
+                receive()
+            if target is not result:
+                result.copy_(target)
 
-        hook = _OnceHook(receive, "low-latency combine receive")
+        hook = _OnceHook(finish, "low-latency combine receive")
         if not return_recv_hook:
             hook()
         return result, self._finish_event(device, async_finish), hook
 
-    def _check_ll_common(self, topk_idx, max_tokens, num_experts, async_finish, return_recv_hook) -> int:
-        if not self.low_latency_mode:
-            raise ConfigError("low-latency ops need Buffer(..., low_latency_mode=True)")
-        if async_finish and return_recv_hook:
-            raise ConfigError("async_finish and return_recv_hook are mutually exclusive")
-        local_experts = self._num_experts_check(num_experts)
-        if not isinstance(max_tokens, int) or max_tokens <= 0:
-            raise ConfigError(f"num_max_dispatch_tokens_per_rank={max_tokens!r} must be a positive int")
-        if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2:
-            raise ConfigError("topk_idx must be a 2-D int64 tensor [tokens, topk]")
-        if topk_idx.shape[0] > max_tokens:
-            raise PayloadTooLarge(f"{topk_idx.shape[0]} tokens exceed num_max_dispatch_tokens_per_rank={max_tokens}")
-        if topk_idx.shape[1] > LL_MAX_TOPK:
-            raise ConfigError(f"low-latency top-k {topk_idx.shape[1]} exceeds {LL_MAX_TOPK}")
-        _check_topk_idx(topk_idx, topk_idx.shape[0], num_experts)
-        return local_experts
-
     def _check_ll_hidden(self, hidden: int, max_tokens: int, num_experts: int) -> None:
-        if hidden % quant.FP8_BLOCK:
-            raise AlignmentError(f"low-latency ops need hidden % {quant.FP8_BLOCK} == 0, got hidden={hidden}")
         needed = self.get_low_latency_rdma_size_hint(max_tokens, hidden, self.group_size, num_experts)
-        if needed > self.num_rdma_bytes:
-            raise CapacityError(f"low-latency ops with M={max_tokens}, hidden={hidden}, {num_experts} experts need "
-                                f"num_rdma_bytes >= {needed} (get_low_latency_rdma_size_hint), got "
-                                f"{self.num_rdma_bytes}")
+        v.check_ll_hidden(hidden, needed, self.num_rdma_bytes, max_tokens, num_experts)
 
-    @staticmethod
-    def _ll_selections(topk_idx: torch.Tensor, local_experts: int):
-        """Valid (token, slot) pairs sorted by (destination rank, local expert, token, slot), and their expert ids."""
-        token_of, slot_of = (topk_idx >= 0).nonzero(as_tuple=True)
-        experts = topk_idx[token_of, slot_of]
-        order = torch.sort(experts, stable=True).indices
-        return token_of[order], slot_of[order], experts[order]
+
+def _check_init_types(*, strategy: str, **values: Any) -> None:
+    """Buffer's argument types, by name: the byte counts and counts int, the switches bool."""
+    for name, value in values.items():
+        check_type(name, value, bool if name in _BOOL_ARGS else int, where="Buffer")
+    check_type("strategy", strategy, str, where="Buffer")
+
+
+_BOOL_ARGS = ("low_latency_mode", "explicitly_destroy", "allow_nvlink_for_low_latency_mode", "allow_mnnvl")
+
+
+def _pad_to_worst(pad: int, parts: list[torch.Tensor], topk_idx: torch.Tensor,
+                  topk_weights: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Worst-token mode: ``pad`` zero rows after the received ones, top-k ids -1 and weights 0 there."""
+    parts = [torch.cat([p, p.new_zeros((pad, *p.shape[1:]))]) for p in parts]
+    num_topk = topk_idx.shape[1]
+    return (parts, torch.cat([topk_idx, topk_idx.new_full((pad, num_topk), -1)]),
+            torch.cat([topk_weights, topk_weights.new_zeros((pad, num_topk))]))
+
+
+def _nothing() -> None:
+    """The receive half of an op that completed at its call."""
 
 
 class CapturedGraph:

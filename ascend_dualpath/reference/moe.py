@@ -17,6 +17,7 @@ Rules (DeepEP V1):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -74,6 +75,46 @@ class RankReceive:
     rank_prefix_matrix: torch.Tensor
 
 
+def _stack_rows(rows: list, example) -> Any:
+    """The received rows stacked like ``example`` (a tensor or a tuple of tensors); empty with its row shape."""
+    if isinstance(example, tuple):
+        return tuple(torch.stack([r[i] for r in rows]) if rows else part.new_empty((0, *part.shape[1:]))
+                     for i, part in enumerate(example))
+    return torch.stack(rows) if rows else example.new_empty((0, *example.shape[1:]))
+
+
+def _local_weights(weights: list[float], local: list[int]) -> list[float]:
+    return [w if e >= 0 else 0.0 for w, e in zip(weights, local, strict=True)]
+
+
+def _receive_on(dst: int, xs, topk_idxs, topk_weights, local_experts: int, expert_alignment: int,
+                sent: torch.Tensor) -> RankReceive:
+    """What rank ``dst`` receives (rows by source rank, then source token); counts into ``sent[src, dst]``."""
+    src_rank, src_idx, rows, idx_rows, weight_rows = [], [], [], [], []
+    for src in range(len(xs)):
+        for t, row in enumerate(topk_idxs[src].tolist()):
+            local = [e - dst * local_experts if e >= 0 and e // local_experts == dst else -1 for e in row]
+            if all(e < 0 for e in local):
+                continue
+            sent[src, dst] += 1
+            src_rank.append(src)
+            src_idx.append(t)
+            x = xs[src]
+            rows.append(tuple(part[t] for part in x) if isinstance(x, tuple) else x[t])
+            idx_rows.append(local)
+            if topk_weights is not None:
+                weight_rows.append(_local_weights(topk_weights[src][t].tolist(), local))
+    k = topk_idxs[0].shape[1]
+    recv_idx = torch.tensor(idx_rows, dtype=torch.int64).reshape(-1, k)
+    counts = [int((recv_idx == e).sum()) for e in range(local_experts)]
+    return RankReceive(
+        src_rank=src_rank, src_idx=src_idx, x=_stack_rows(rows, xs[0]), topk_idx=recv_idx,
+        topk_weights=torch.tensor(weight_rows, dtype=torch.float32).reshape(-1, k) if topk_weights else None,
+        num_recv_tokens_per_expert=[-(-c // expert_alignment) * expert_alignment for c in counts],
+        rank_prefix_matrix=None,
+    )
+
+
 def dispatch(xs, topk_idxs, topk_weights, num_experts: int, expert_alignment: int = 1) -> list[RankReceive]:
     """Normal dispatch of every rank's tokens.
 
@@ -87,40 +128,8 @@ def dispatch(xs, topk_idxs, topk_weights, num_experts: int, expert_alignment: in
     num_ranks = len(xs)
     local_experts = num_experts // num_ranks
     sent = torch.zeros(num_ranks, num_ranks, dtype=torch.int64)
-    results = []
-    for dst in range(num_ranks):
-        src_rank, src_idx, rows, idx_rows, weight_rows = [], [], [], [], []
-        for src in range(num_ranks):
-            for t, row in enumerate(topk_idxs[src].tolist()):
-                if not any(e >= 0 and e // local_experts == dst for e in row):
-                    continue
-                sent[src, dst] += 1
-                src_rank.append(src)
-                src_idx.append(t)
-                x = xs[src]
-                rows.append(tuple(part[t] for part in x) if isinstance(x, tuple) else x[t])
-                local = [e - dst * local_experts if e >= 0 and e // local_experts == dst else -1 for e in row]
-                idx_rows.append(local)
-                if topk_weights is not None:
-                    weights = topk_weights[src][t].tolist()
-                    weight_rows.append([w if e >= 0 else 0.0 for w, e in zip(weights, local, strict=True)])
-        example = xs[0]
-        if isinstance(example, tuple):
-            x_out = tuple(
-                torch.stack([r[i] for r in rows]) if rows else part.new_empty((0, *part.shape[1:]))
-                for i, part in enumerate(example)
-            )
-        else:
-            x_out = torch.stack(rows) if rows else example.new_empty((0, *example.shape[1:]))
-        k = topk_idxs[0].shape[1]
-        recv_idx = torch.tensor(idx_rows, dtype=torch.int64).reshape(-1, k)
-        counts = [int((recv_idx == e).sum()) for e in range(local_experts)]
-        aligned = [-(-c // expert_alignment) * expert_alignment for c in counts]
-        results.append(RankReceive(
-            src_rank=src_rank, src_idx=src_idx, x=x_out, topk_idx=recv_idx,
-            topk_weights=torch.tensor(weight_rows, dtype=torch.float32).reshape(-1, k) if topk_weights else None,
-            num_recv_tokens_per_expert=aligned, rank_prefix_matrix=None,
-        ))
+    results = [_receive_on(dst, xs, topk_idxs, topk_weights, local_experts, expert_alignment, sent)
+               for dst in range(num_ranks)]
     prefix = sent.cumsum(0).to(torch.int32)
     for result in results:
         result.rank_prefix_matrix = prefix

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "../../op_kernels/moe_dispatch/op_kernel/moe_exchange.h"
+#include "adp/moe_exchange.h"
 #include "adp/transfer_kernels.h"
 #include "emulator/hccl_comm.h"
 #include "emulator/kernel_runner.h"

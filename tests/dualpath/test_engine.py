@@ -16,7 +16,7 @@ from ascend_dualpath.dualpath.engine import (
     verify_turn,
 )
 from ascend_dualpath.dualpath.workload import synthetic_conversations
-from ascend_dualpath.kv.store import FaultInjector
+from ascend_dualpath.kv.faults import FaultInjector
 from tests.dualpath.fast_config import FAST
 
 rng = np.random.default_rng(7)

@@ -18,17 +18,11 @@ from ascend_dualpath.errors import (
     StorageReadError,
 )
 from ascend_dualpath.kv.buffers import de_buffer
+from ascend_dualpath.kv.clocks import ManualClock, TokenBucket
+from ascend_dualpath.kv.faults import FaultInjector
 from ascend_dualpath.kv.layout import KVLayout, block_hashes
-from ascend_dualpath.kv.store import (
-    HEADER_BYTES,
-    IO_ALIGN,
-    BlockStore,
-    FaultInjector,
-    LocalBlockStore,
-    ManualClock,
-    ReadQueue,
-    TokenBucket,
-)
+from ascend_dualpath.kv.read_queue import ReadQueue
+from ascend_dualpath.kv.store import HEADER_BYTES, IO_ALIGN, BlockStore, LocalBlockStore
 
 POISON = 0xA5
 # 2 layers x 4 tokens x 656 bytes = 5248 bytes: not a multiple of 4096, so O_DIRECT reads need the tail path.

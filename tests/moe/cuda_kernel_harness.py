@@ -16,6 +16,7 @@ import torch
 
 from ascend_dualpath.errors import WaitTimeout
 from ascend_dualpath.moe import quant
+from ascend_dualpath.moe.config import Config
 from ascend_dualpath.moe.strategies import cuda as cuda_strategy
 from ascend_dualpath.moe.strategies.base import NormalPlan
 from ascend_dualpath.reference import moe as ref
@@ -181,7 +182,7 @@ def _plans(ranks, idxs, experts, layouts):
     count_matrix = torch.stack([layout[0].to(torch.int64) for layout in layouts])
     plans = []
     for r, strategy in enumerate(ranks):
-        plan = NormalPlan(r, layouts[r][3], count_matrix, private={"num_sms": 0, "num_experts": experts,
+        plan = NormalPlan(r, layouts[r][3], count_matrix, private={"config": Config(), "num_experts": experts,
                                                                    "num_topk": idxs[r].shape[1]})
         strategy.prepare_plan(plan)
         for name, want in _expected_tables(r, layouts[r][3], count_matrix).items():
@@ -291,7 +292,8 @@ def check_localize_topk(world: int) -> None:
     weights = torch.rand(37, 5, generator=g)
     want_ids = torch.where((ids >= rank.rank * local) & (ids < (rank.rank + 1) * local), ids - rank.rank * local, -1)
     want_weights = torch.where(want_ids >= 0, weights, 0.0)
-    rank.localize_topk(ids, weights, local)
+    got_ids, got_weights = rank.localize_topk(ids, weights, rank.rank, local)
+    assert got_ids is ids and got_weights is weights, "the cuda strategy localises in place"
     assert torch.equal(ids, want_ids) and torch.equal(_bits(weights), _bits(want_weights))
 
 

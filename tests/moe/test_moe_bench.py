@@ -32,3 +32,25 @@ def test_bench_moe_measures_every_op_on_gloo(tmp_path, capsys):
     # every token of both ranks is received (top-2 of 8 experts on 2 ranks: some tokens reach both)
     assert rows["dispatch bf16 (cached)"]["logical_bytes"] >= 32 * 256 * 2
     assert "loop us" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_bench_moe_reports_an_unavailable_strategy_instead_of_failing(tmp_path, capsys):
+    """On a machine without 2 CUDA GPUs, ``--strategies cuda`` gives one error row naming why, exit 0, and the
+    default ``auto`` picks only strategies that exist here."""
+    import torch
+
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("cuda is available here")
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert parser.parse_args([]).strategies == "auto"
+    out = tmp_path / "moe.json"
+    args = parser.parse_args(["--ranks", "2", "--strategies", "cuda,nosuch", "--deadline-s", "60",
+                              "--json", str(out)])
+    assert bench.run(args) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(row["strategy"], row["error"].split(":")[0]) for row in rows] == [("cuda", "unavailable"),
+                                                                                ("nosuch", "unavailable")]
+    assert "needs a CUDA build of torch" in rows[0]["error"] and "unknown MoE strategy" in rows[1]["error"]
+    assert "Traceback" not in capsys.readouterr().err

@@ -278,7 +278,8 @@ def _type_error_cases(tmp: str):
     from ascend_dualpath.backends import emulator as emu
     from ascend_dualpath.kv.buffers import HostBuffer
     from ascend_dualpath.kv.layout import KVLayout
-    from ascend_dualpath.kv.store import LocalBlockStore, ReadQueue
+    from ascend_dualpath.kv.read_queue import ReadQueue
+    from ascend_dualpath.kv.store import LocalBlockStore
     from ascend_dualpath.moe import Buffer
     from ascend_dualpath.transport.emulator import EmulatedTransferEngine
     from ascend_dualpath.transport.segments import RemoteSlot

@@ -46,7 +46,30 @@ def model_kv_layout(vllm_config: Any) -> KVLayout:
 
 
 class DualPathConnector(KVConnectorBase_V1):
-    """DualPath's PE and DE read paths inside vLLM (``kv_producer`` = PE, ``kv_consumer`` = DE)."""
+    """DualPath's PE and DE read paths inside vLLM (``kv_producer`` = PE, ``kv_consumer`` = DE).
+
+    vLLM creates the connector from its KV transfer config, once per role (scheduler, worker); ``serve``
+    (docs/vllm.md) launches a PE/DE pair and the proxy with these configs.
+
+    Examples
+    --------
+    The decode engine's config (``kv_connector_extra_config`` is read by
+    :class:`~ascend_dualpath.integrations.vllm.settings.ConnectorSettings`, which needs no vLLM):
+
+    >>> from types import SimpleNamespace
+    >>> from ascend_dualpath.integrations.vllm.settings import ConnectorSettings
+    >>> kv_transfer_config = SimpleNamespace(
+    ...     kv_connector="DualPathConnector", kv_connector_module_path="ascend_dualpath.integrations.vllm.connector",
+    ...     kv_role="kv_consumer", kv_connector_extra_config={"store": "/tmp/adp-store", "side_port": 7601})
+    >>> settings = ConnectorSettings.from_kv_transfer_config(kv_transfer_config)
+    >>> settings.role, settings.side_port
+    ('decode', 7601)
+
+    With vLLM, the same config on the command line:
+    ``vllm serve MODEL --kv-transfer-config '{"kv_connector": "DualPathConnector", "kv_connector_module_path":
+    "ascend_dualpath.integrations.vllm.connector", "kv_role": "kv_consumer", "kv_connector_extra_config":
+    {"store": "/tmp/adp-store", "side_port": 7601}}'``.
+    """
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)

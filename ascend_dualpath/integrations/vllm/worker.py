@@ -41,7 +41,8 @@ from ascend_dualpath.integrations.vllm.persisting import PersistAnnouncements
 from ascend_dualpath.integrations.vllm.protocol import PeerClient, SideChannel, XferParams
 from ascend_dualpath.integrations.vllm.settings import ConnectorSettings
 from ascend_dualpath.kv.layout import KVLayout
-from ascend_dualpath.kv.store import LocalBlockStore, ReadQueue
+from ascend_dualpath.kv.read_queue import ReadQueue
+from ascend_dualpath.kv.store import LocalBlockStore
 
 NOTIFY_POLL_S = 0.0002
 log = logging.getLogger(__name__)

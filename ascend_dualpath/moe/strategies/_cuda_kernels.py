@@ -496,6 +496,56 @@ def _e4m3_bits(values):
     return tl.where(magnitude >= 0.015625, normal, subnormal) | sign
 
 
+@triton.jit
+def _ll_dispatch_receive(signals, me, epoch, timeout_ns, values_region, scales_region, source_region, counts_region,
+                         out_values, out_scales, out_source, recv_count, layout_range, stats,
+                         NUM_RANKS: tl.constexpr, MAX_TOKENS: tl.constexpr, LOCAL_EXPERTS: tl.constexpr,
+                         VALUE_WORDS: tl.constexpr, SCALE_WORDS: tl.constexpr, SCALE_PAD: tl.constexpr,
+                         USE_FP8: tl.constexpr, TILE: tl.constexpr, WORD_BLOCK: tl.constexpr,
+                         HAS_STATS: tl.constexpr, TIMED: tl.constexpr):
+    """The receive half of :func:`ll_dispatch` (its docstring describes it), inlined into that kernel."""
+    program, programs = tl.program_id(0), tl.num_programs(0)
+    _wait_all_peers(signals, me, epoch, timeout_ns, SIG_DATA, NUM_RANKS, TIMED, True)
+    slab = NUM_RANKS * MAX_TOKENS
+    for pair in range(program, LOCAL_EXPERTS * NUM_RANKS, programs):
+        expert = pair // NUM_RANKS
+        source = pair % NUM_RANKS
+        begin = tl.zeros((), tl.int32)
+        count = tl.zeros((), tl.int32)
+        total = tl.zeros((), tl.int32)
+        for rank in tl.static_range(NUM_RANKS):
+            sent = tl.load(signals + counts_region + rank * LOCAL_EXPERTS + expert)
+            begin += tl.where(source > rank, sent, 0)
+            count += tl.where(source == rank, sent, 0)
+            total += sent
+        tl.store(layout_range + pair, (begin.to(tl.int64) << 32) | count.to(tl.int64))
+        if source == 0:
+            tl.store(recv_count + expert, total)
+            if HAS_STATS:
+                tl.store(stats + expert, tl.load(stats + expert) + total)
+        for first in range(0, count, TILE):
+            index = first + tl.arange(0, TILE)
+            live = index < count
+            src_row = (pair * MAX_TOKENS + index).to(tl.int64)
+            dst_row = (begin + index).to(tl.int64)
+            tl.store(out_source + expert * slab + dst_row,
+                     tl.load(signals + source_region + src_row, mask=live), mask=live)
+            for start in range(0, VALUE_WORDS, WORD_BLOCK):
+                cols = start + tl.arange(0, WORD_BLOCK)
+                mask = live[:, None] & (cols < VALUE_WORDS)[None, :]
+                values = tl.load(signals + values_region + src_row[:, None] * VALUE_WORDS + cols[None, :],
+                                 mask=mask)
+                tl.store(out_values + (expert * slab + dst_row)[:, None] * VALUE_WORDS + cols[None, :], values,
+                         mask=mask)
+            if USE_FP8:
+                cols = tl.arange(0, SCALE_PAD)
+                mask = live[:, None] & (cols < SCALE_WORDS)[None, :]
+                values = tl.load(signals + scales_region + src_row[:, None] * SCALE_WORDS + cols[None, :],
+                                 mask=mask)
+                tl.store(out_scales + expert * SCALE_WORDS * slab + cols[None, :] * slab + dst_row[:, None],
+                         values, mask=mask)
+
+
 @triton.jit(do_not_specialize=["num_tokens", "epoch_arg"])
 def ll_dispatch(peers, signals, x_words, x_values, topk, num_tokens, me, timeout_ns, epoch_arg,
                 values_region, scales_region, source_region, counts_region,
@@ -596,45 +646,10 @@ def ll_dispatch(peers, signals, x_words, x_values, topk, num_tokens, me, timeout
     else:
         epoch = epoch_arg
     if RECEIVE:
-        _wait_all_peers(signals, me, epoch, timeout_ns, SIG_DATA, NUM_RANKS, TIMED, True)
-        slab = NUM_RANKS * MAX_TOKENS
-        for pair in range(program, LOCAL_EXPERTS * NUM_RANKS, programs):
-            expert = pair // NUM_RANKS
-            source = pair % NUM_RANKS
-            begin = tl.zeros((), tl.int32)
-            count = tl.zeros((), tl.int32)
-            total = tl.zeros((), tl.int32)
-            for rank in tl.static_range(NUM_RANKS):
-                sent = tl.load(signals + counts_region + rank * LOCAL_EXPERTS + expert)
-                begin += tl.where(source > rank, sent, 0)
-                count += tl.where(source == rank, sent, 0)
-                total += sent
-            tl.store(layout_range + pair, (begin.to(tl.int64) << 32) | count.to(tl.int64))
-            if source == 0:
-                tl.store(recv_count + expert, total)
-                if HAS_STATS:
-                    tl.store(stats + expert, tl.load(stats + expert) + total)
-            for first in range(0, count, TILE):
-                index = first + tl.arange(0, TILE)
-                live = index < count
-                src_row = (pair * MAX_TOKENS + index).to(tl.int64)
-                dst_row = (begin + index).to(tl.int64)
-                tl.store(out_source + expert * slab + dst_row,
-                         tl.load(signals + source_region + src_row, mask=live), mask=live)
-                for start in range(0, VALUE_WORDS, WORD_BLOCK):
-                    cols = start + tl.arange(0, WORD_BLOCK)
-                    mask = live[:, None] & (cols < VALUE_WORDS)[None, :]
-                    values = tl.load(signals + values_region + src_row[:, None] * VALUE_WORDS + cols[None, :],
-                                     mask=mask)
-                    tl.store(out_values + (expert * slab + dst_row)[:, None] * VALUE_WORDS + cols[None, :], values,
-                             mask=mask)
-                if USE_FP8:
-                    cols = tl.arange(0, SCALE_PAD)
-                    mask = live[:, None] & (cols < SCALE_WORDS)[None, :]
-                    values = tl.load(signals + scales_region + src_row[:, None] * SCALE_WORDS + cols[None, :],
-                                     mask=mask)
-                    tl.store(out_scales + expert * SCALE_WORDS * slab + cols[None, :] * slab + dst_row[:, None],
-                             values, mask=mask)
+        _ll_dispatch_receive(signals, me, epoch, timeout_ns, values_region, scales_region, source_region,
+                             counts_region, out_values, out_scales, out_source, recv_count, layout_range, stats,
+                             NUM_RANKS, MAX_TOKENS, LOCAL_EXPERTS, VALUE_WORDS, SCALE_WORDS, SCALE_PAD, USE_FP8,
+                             TILE, WORD_BLOCK, HAS_STATS, TIMED)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "epoch_arg"])

@@ -367,16 +367,42 @@ class AivStrategy(AllToAllStrategy):
         row = sum(_row_bytes(p) for p in in_parts)
         self._ensure_windows(int(sends.sum(axis=0).max()) * row, int(sends.sum(axis=1).max()) * row)
         self._epoch += 1
-        comm, rank, epoch = self.comm, self.rank, self._epoch
+        comm, epoch = self.comm, self._epoch
         half = self._receive_half(route)
-        mine = sends[rank]
+        linked = self._linked_peers(sends, route, what)
+        table, pieces = self._peer_table(sends, linked, row, half, epoch)
+        aicpu = not comm.aiv_dataplane
+        params = dict(row_bytes=row, max_payload=self.max_payload, total_items=int(pieces.sum()) if aicpu else 0,
+                      send_window=comm.windows_out.addr + STAGING_BYTES, recv_window=comm.windows_in.addr + half,
+                      magic_staging=comm.windows_out.addr, magic=self.magic(self.rank, epoch),
+                      items=self._item_array(int(pieces.sum())) if aicpu and pieces.sum() else 0,
+                      start_vtime_ns=self.device.nic.virtual_time_ns, submit_ns=self.device.nic.cost.aiv_submit_ns)
+        run = self._C.launch_moe_exchange(
+            kernel, comm, params, table, [(p.data_ptr(), _row_bytes(p)) for p in in_parts],
+            [(p.data_ptr(), _row_bytes(p)) for p in out_parts], send_index.numpy(), reduce, self.block_dim,
+            self.device.profile.ub_bytes, self.timeout_s)
+        self._finish_launch(run, kernel, what, int(linked.sum()), aicpu, epoch)
+
+    def _linked_peers(self, sends: np.ndarray, route: str, what: str) -> np.ndarray:
+        """bool [R]: the peers ``route`` links this rank with (itself excluded); ProtocolError when ``sends``
+        routes rows between this rank and a peer the route does not link."""
+        rank = self.rank
         linked = self._links[route][rank].copy()
         linked[rank] = False
         unlinked = ~linked
         unlinked[rank] = False
-        if mine[unlinked].any() or sends[unlinked, rank].any():
+        if sends[rank][unlinked].any() or sends[unlinked, rank].any():
             raise ProtocolError(f"{what}: rows routed between rank {rank} and ranks "
                                 f"{np.flatnonzero(unlinked).tolist()}, which this op does not link")
+        return linked
+
+    def _peer_table(self, sends: np.ndarray, linked: np.ndarray, row: int, half: int,
+                    epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """The kernel's int64 [R, 10] peer table (remote data address, remote notify address, their rkeys, send
+        begin and count, receive begin and count, first BatchWrite item, the peer's magic) and the pieces
+        (WQEs / items) per peer."""
+        rank = self.rank
+        mine = sends[rank]
         send_begin, recv_begin = _prefix(mine), _prefix(sends[:, rank])
         # where this rank's block goes at peer j: after the blocks of ranks 0..rank-1 to j
         remote_offset = _prefix(sends.T)[:, rank]
@@ -390,16 +416,10 @@ class AivStrategy(AllToAllStrategy):
                            sends[peer, rank], item_begin[peer], self.magic(peer, epoch)]
             if not linked[peer] and peer != rank:
                 table[peer, 1] = table[peer, 9] = 0  # no notify either way
-        aicpu = not comm.aiv_dataplane
-        params = dict(row_bytes=row, max_payload=self.max_payload, total_items=int(pieces.sum()) if aicpu else 0,
-                      send_window=comm.windows_out.addr + STAGING_BYTES, recv_window=comm.windows_in.addr + half,
-                      magic_staging=comm.windows_out.addr, magic=self.magic(rank, epoch),
-                      items=self._item_array(int(pieces.sum())) if aicpu and pieces.sum() else 0,
-                      start_vtime_ns=self.device.nic.virtual_time_ns, submit_ns=self.device.nic.cost.aiv_submit_ns)
-        run = self._C.launch_moe_exchange(
-            kernel, comm, params, table, [(p.data_ptr(), _row_bytes(p)) for p in in_parts],
-            [(p.data_ptr(), _row_bytes(p)) for p in out_parts], send_index.numpy(), reduce, self.block_dim,
-            self.device.profile.ub_bytes, self.timeout_s)
+        return table, pieces
+
+    def _finish_launch(self, run: Any, kernel: str, what: str, num_linked: int, aicpu: bool, epoch: int) -> None:
+        """Wait (bounded) for a launch; raise what its cores reported (full SQs, silent peers, failed WQEs)."""
         try:
             status = run.wait(2 * self.timeout_s + 5)
         except WaitTimeout:
@@ -411,7 +431,7 @@ class AivStrategy(AllToAllStrategy):
             raise QueueError(f"{what} ({self.name} strategy): the SQs towards ranks {stuck} stayed full for "
                              f"{self.timeout_s:g} s")
         if not aicpu:
-            self.last_vtime_ns = self._collect(int(linked.sum()), what)
+            self.last_vtime_ns = self._collect(num_linked, what)
         else:
             self.last_vtime_ns = run.hccl_done_vtime_ns
         silent = sorted(s["detail"] for s in status if s["code"] == self._C.CORE_NOTIFY_TIMEOUT)

@@ -43,6 +43,7 @@ import torch
 from ascend_dualpath import _env
 from ascend_dualpath._triton_launch import LaunchSite
 from ascend_dualpath.errors import BackendUnavailable, WaitTimeout
+from ascend_dualpath.moe.config import Config
 from ascend_dualpath.moe.strategies.alltoall import AllToAllStrategy
 from ascend_dualpath.moe.strategies.base import NormalPlan, to_device_async
 
@@ -61,14 +62,7 @@ HEADER_BYTES = 256
 COUNT_SLOT_BYTES = 266240
 DATA_OFFSET = HEADER_BYTES + 2 * COUNT_SLOT_BYTES
 MAX_PARTS = 5
-# Copy kernels: TILE rows x up to COPY_BLOCK_WORDS words per CTA iteration (16 warps: 128 bytes in flight per
-# thread); the reduce: TILE tokens x REDUCE_BLOCK elements.
-COPY_BLOCK_WORDS = 4096
-COPY_TILE = 4
-COPY_WARPS = 16
-REDUCE_BLOCK = 2048
-REDUCE_TILE = 4
-REDUCE_WARPS = 16
+# The copy and reduce kernels' block, tile and warp settings are data: ascend_dualpath.moe.config (per EP size).
 LAYOUT_BLOCK_TOKENS = 64
 PLAN_BLOCK_TOKENS = 1024
 LOCALIZE_GRID = 16
@@ -164,6 +158,9 @@ def _site(kernel: Any, grid: int, constants: dict) -> LaunchSite:
     directly, unless ``ADP_MOE_DIRECT_LAUNCH=0`` (then every launch goes through Triton). Its ``key`` is the
     16-byte alignment of the caller-supplied tensors (:func:`_aligned`); the other tensors are the strategy's own
     or fresh from the caching allocator (512-byte aligned)."""
+    # ADP_MOE_DIRECT_LAUNCH is kept: the direct call uses Triton's compiled launcher, not a public API; a Triton
+    # version that changes it in a way the refusal check does not catch is put back on `kernel[grid]` by it
+    # (tools/gpu_moe.sh does so after a failed eager check).
     return LaunchSite(kernel, grid, constants, mode="direct" if _env.moe_direct_launch() else "jit")
 
 
@@ -199,7 +196,10 @@ class CudaStrategy(AllToAllStrategy):
         self.kernels = _kernels()
         self.timeout_ns = int(timeout_s * 1e9)
         self._symm: Any = None  # (local uint8 tensor, handle, peers int64 [R], signals int32 header view)
-        # Send and receive halves in one launch (all CTAs resident: grid <= SMs), unless ADP_MOE_FUSED=0.
+        # Send and receive halves in one launch (all CTAs resident: grid <= SMs), unless ADP_MOE_FUSED=0. Kept
+        # as a switch: the split launches are the path for a GPU whose SMs are shared (MPS, green contexts), where
+        # not every CTA of a fused grid is resident and the waiting ones would hold SMs until the timeout; the
+        # Triton interpreter harness, which runs the ranks in turn, uses the split path for the same reason.
         self.fused = _env.moe_fused()
         self._epoch = 0  # host copy of the device epoch (signal word EPOCH): picks each data op's half
         self._count_epoch = 0
@@ -264,8 +264,13 @@ class CudaStrategy(AllToAllStrategy):
             raise WaitTimeout(f"a device-side wait of the cuda MoE strategy exceeded {self.timeout_s:g} s (a peer "
                               f"did not signal its rows); this buffer cannot be used further")
 
+    @staticmethod
+    def config_of(plan: NormalPlan) -> Config:
+        """The kernel settings the plan was made with (``Buffer.dispatch``'s ``config``)."""
+        return plan.private["config"]
+
     def num_sms_for(self, plan: NormalPlan) -> int:
-        override = (plan.private or {}).get("num_sms") or self.fixed_num_sms
+        override = self.config_of(plan).num_sms or self.fixed_num_sms
         if override:
             return min(override, self.device_sms)
         return plan.private["model_sms"]
@@ -398,18 +403,19 @@ class CudaStrategy(AllToAllStrategy):
         private["model_sms"] = choose_num_sms(private["num_experts"], private["num_topk"], world, self.device_sms)
         plan.private = private
 
-    def localize_topk(self, topk_idx: torch.Tensor, topk_weights: torch.Tensor, local_experts: int) -> None:
-        """In place on a fresh dispatch's received top-k: local expert ids (-1 for other ranks' experts), weights
-        of -1 slots zeroed (one kernel instead of a chain of torch ops)."""
+    def localize_topk(self, topk_idx: torch.Tensor, topk_weights: torch.Tensor, rank: int,
+                      local_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """In place on a fresh dispatch's received top-k: local expert ids of ``rank`` (-1 for other ranks'
+        experts), weights of -1 slots zeroed (one kernel instead of a chain of torch ops); returns the two."""
         if not topk_idx.numel():
-            return
+            return topk_idx, topk_weights
         key = ("localize", local_experts, self._generation)
         launch = self._plan_sites.get(key)
         if launch is None:
             launch = self._plan_sites[key] = _site(self.kernels.localize_topk, LOCALIZE_GRID, dict(
                 LOCAL_EXPERTS=local_experts, BLOCK=1024))
-        launch(topk_idx, topk_weights, topk_idx.numel(),
-               self.rank * local_experts, key=_aligned(topk_idx, topk_weights))
+        launch(topk_idx, topk_weights, topk_idx.numel(), rank * local_experts, key=_aligned(topk_idx, topk_weights))
+        return topk_idx, topk_weights
 
     def source_index(self, tokens: int, device: torch.device) -> torch.Tensor:
         """``arange(tokens)`` int32, made once per size (only read)."""
@@ -433,15 +439,16 @@ class CudaStrategy(AllToAllStrategy):
         rows = self._rows_capacity(private["max_recv"])
         offsets, total = self._regions([4 * w for w in widths], rows)
         _, _, peers, signals = self._buffer(total)
-        sms = self.num_sms_for(plan)
-        key = ("dispatch", widths, rows, sms, parity, self._generation, self.fused)
+        sms, config = self.num_sms_for(plan), self.config_of(plan)
+        key = ("dispatch", widths, rows, sms, config, parity, self._generation, self.fused)
         site = self._sites.get(key)
         if site is not None:
             return site
         half = self._half(parity)
-        blocks = [_pow2_block(w, COPY_BLOCK_WORDS) for w in widths] + [1] * (MAX_PARTS - len(wire))
+        blocks = [_pow2_block(w, config.copy_block_words) for w in widths] + [1] * (MAX_PARTS - len(wire))
         constants = dict(NUM_RANKS=self.world, NUM_PARTS=len(wire), B0=blocks[0], B1=blocks[1], B2=blocks[2],
-                         B3=blocks[3], B4=blocks[4], TILE=COPY_TILE, TIMED=_timed(), num_warps=COPY_WARPS)
+                         B3=blocks[3], B4=blocks[4], TILE=config.copy_tile, TIMED=_timed(),
+                         num_warps=config.copy_warps)
         site = self._sites[key] = dict(
             widths=widths, regions=[(half + offset) // 4 for offset in offsets],
             mines=[self._local_view(half + offset, rows, width, torch.int32)
@@ -485,32 +492,32 @@ class CudaStrategy(AllToAllStrategy):
         rows = self._rows_capacity(private["max_send"])
         offsets, total = self._regions([4 * w for w in widths], rows)
         _, _, peers, signals = self._buffer(total)
-        sms = self.num_sms_for(plan)
-        key = ("combine", widths, parts[0].dtype, has_bias, rows, sms, parity, self._generation, self.fused)
+        sms, config = self.num_sms_for(plan), self.config_of(plan)
+        key = ("combine", widths, parts[0].dtype, has_bias, rows, sms, config, parity, self._generation, self.fused)
         site = self._sites.get(key)
         if site is not None:
             return site
         half = self._half(parity)
-        blocks = [_pow2_block(w, COPY_BLOCK_WORDS) for w in widths] + [1]
-        reduce_x = dict(HAS_BIAS0=has_bias[0], HAS_BIAS1=has_bias[1], TIMED=_timed(), num_warps=REDUCE_WARPS)
-        x_block = _pow2_block(parts[0].shape[1], REDUCE_BLOCK)
+        blocks = [_pow2_block(w, config.copy_block_words) for w in widths] + [1]
+        reduce_x = dict(HAS_BIAS0=has_bias[0], HAS_BIAS1=has_bias[1], TIMED=_timed(), num_warps=config.reduce_warps)
+        x_block = _pow2_block(parts[0].shape[1], config.reduce_block)
         reduce = reduce_weights = None
         if not self.fused:
             reduce = _site(self.kernels.reduce_rows, sms, dict(
-                reduce_x, NUM_RANKS=self.world, WAIT=True, BLOCK=x_block, TILE=REDUCE_TILE))
+                reduce_x, NUM_RANKS=self.world, WAIT=True, BLOCK=x_block, TILE=config.reduce_tile))
         if len(parts) > 1:
             reduce_weights = _site(self.kernels.reduce_rows, sms, dict(
                 NUM_RANKS=self.world, HAS_BIAS0=False, HAS_BIAS1=False, WAIT=False,
-                BLOCK=_pow2_block(parts[1].shape[1], REDUCE_BLOCK), TILE=REDUCE_TILE, TIMED=_timed(),
-                num_warps=REDUCE_WARPS))
+                BLOCK=_pow2_block(parts[1].shape[1], config.reduce_block), TILE=config.reduce_tile, TIMED=_timed(),
+                num_warps=config.reduce_warps))
         site = self._sites[key] = dict(
             widths=widths, regions=[(half + offset) // 4 for offset in offsets],
             mines=[self._local_view(half + offset, rows, part.shape[1], part.dtype)
                    for part, offset in zip(parts, offsets, strict=True)],
             peers=peers, signals=signals,
             push=_site(self.kernels.push_back, sms, dict(
-                reduce_x, NUM_RANKS=self.world, NUM_PARTS=len(wire), B0=blocks[0], B1=blocks[1], TILE=COPY_TILE,
-                FUSED=self.fused, RBLOCK=x_block, RTILE=REDUCE_TILE)),
+                reduce_x, NUM_RANKS=self.world, NUM_PARTS=len(wire), B0=blocks[0], B1=blocks[1],
+                TILE=config.copy_tile, FUSED=self.fused, RBLOCK=x_block, RTILE=config.reduce_tile)),
             reduce=reduce, reduce_weights=reduce_weights)
         return site
 

@@ -2,7 +2,7 @@
 // its source rank, into the slot it was sent from), then each core reduces its share of the tokens:
 // float32 sum of the token's rows over destination ranks 0..R-1, then bias 0, then bias 1, rounded to
 // nearest-even into the output dtype; the top-k weights (float32) are summed the same way.
-#include "../../moe_dispatch/op_kernel/moe_exchange.h"
+#include "adp/moe_exchange.h"
 
 using namespace AscendC;
 

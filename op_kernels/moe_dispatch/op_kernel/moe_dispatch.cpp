@@ -3,7 +3,7 @@
 // AICPU BatchWrite, see moe_exchange.h), raise this op's notify magic in every peer, then wait for every
 // peer's notify and unpack the received rows (grouped by source rank, ascending source token) into the
 // output parts.
-#include "moe_exchange.h"
+#include "adp/moe_exchange.h"
 
 using namespace AscendC;
 

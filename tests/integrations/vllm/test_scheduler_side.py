@@ -18,7 +18,7 @@ from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from ascend_dualpath.integrations.vllm.settings import store_ids  # noqa: E402
-from ascend_dualpath.kv.store import LocalBlockStore  # noqa: E402
+from ascend_dualpath.kv.store import LocalBlockStore
 from tests.integrations.vllm.scheduler_harness import (  # noqa: E402
     BLOCK_SIZE,
     SAMPLED_TOKEN,

@@ -1,0 +1,57 @@
+"""Fault injection for the block store's tests: failed reads, corrupted payloads, a crash before a write's rename."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+
+
+class FaultInjector:
+    """Test hooks: make chosen reads fail, corrupt the bytes a read delivers, or crash a write before its rename.
+
+    Each armed fault fires once per matching call (``block_id=None`` matches any block).
+    """
+
+    class SimulatedCrash(BaseException):
+        """Raised where a process would have died; BaseException so no ``except Exception`` swallows it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._read_errors: list[tuple[bytes | None, int]] = []
+        self._corruptions: list[tuple[bytes | None, int]] = []
+        self._crashes: list[tuple[bytes | None]] = []
+
+    def fail_next_read(self, block_id: bytes | None = None, error: int = errno.EIO) -> None:
+        with self._lock:
+            self._read_errors.append((block_id, error))
+
+    def corrupt_next_read(self, block_id: bytes | None = None, byte_offset: int = 0) -> None:
+        """Flip every bit of payload byte ``byte_offset`` after the read, before verification (media corruption)."""
+        with self._lock:
+            self._corruptions.append((block_id, byte_offset))
+
+    def crash_next_write_before_rename(self, block_id: bytes | None = None) -> None:
+        with self._lock:
+            self._crashes.append((block_id,))
+
+    def _take(self, armed: list[tuple], block_id: bytes) -> tuple | None:
+        with self._lock:
+            for index, entry in enumerate(armed):
+                if entry[0] is None or entry[0] == block_id:
+                    return armed.pop(index)
+        return None
+
+    def before_read(self, block_id: bytes) -> None:
+        fault = self._take(self._read_errors, block_id)
+        if fault is not None:
+            raise OSError(fault[1], f"injected read error ({os.strerror(fault[1])})")
+
+    def after_read(self, block_id: bytes, payload: memoryview) -> None:
+        fault = self._take(self._corruptions, block_id)
+        if fault is not None:
+            payload[fault[1]] ^= 0xFF
+
+    def before_rename(self, block_id: bytes) -> None:
+        if self._take(self._crashes, block_id) is not None:
+            raise FaultInjector.SimulatedCrash(f"simulated crash before renaming block {block_id.hex()}")
