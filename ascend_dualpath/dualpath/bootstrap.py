@@ -23,7 +23,7 @@ from ascend_dualpath.dualpath.nodes import (
     verify_turn,
 )
 from ascend_dualpath.dualpath.read_paths import DE_RANK, PE_RANK
-from ascend_dualpath.kv.store import FaultInjector
+from ascend_dualpath.kv.faults import FaultInjector
 
 
 @contextlib.contextmanager

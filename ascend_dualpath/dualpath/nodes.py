@@ -54,8 +54,10 @@ from ascend_dualpath.errors import (
     StorageReadError,
 )
 from ascend_dualpath.kv.buffers import HostBuffer, de_buffer, pe_buffer
+from ascend_dualpath.kv.faults import FaultInjector
 from ascend_dualpath.kv.layout import block_hashes
-from ascend_dualpath.kv.store import FaultInjector, LocalBlockStore, ReadQueue
+from ascend_dualpath.kv.read_queue import ReadQueue
+from ascend_dualpath.kv.store import LocalBlockStore
 from ascend_dualpath.models.tiny_llama import TinyLlama, TinyLlamaConfig
 
 FALLBACK_ERRORS = (StorageReadError, TransferFailed, PeerAborted, AdmissionDeferred)
