@@ -1,4 +1,4 @@
-"""One GPU run for the transfer engine (issue 14): versions, the CUDA tests, the engine against torch, a profile.
+"""One GPU run for the transfer engine: versions, the CUDA tests, the engine against torch, a profile.
 
     python3 tools/gpu_bench_engine.py            # results under $OUT (default ./gpu_bench_engine_out)
 

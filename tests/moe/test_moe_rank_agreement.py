@@ -1,4 +1,4 @@
-"""Ranks that disagree on a shape or option of a MoE op all raise the same ConfigError, and none aborts (issue 18, D4).
+"""Ranks that disagree on a shape or option of a MoE op all raise the same ConfigError, and none aborts (defect D4).
 
 Before the fix, a disagreement reached a gloo collective of mismatched sizes: one rank aborted (``EnforceNotMet``),
 the other waited out its timeout. Each case below makes rank 0 and rank 1 pass different values; every rank must

@@ -1,4 +1,4 @@
-"""Issue 18, lifecycle rows: NaN bounds (D5, D6), what dead processes leave in /dev/shm (D9), closed objects used
+"""Memory safety, lifecycle rows: NaN bounds (D5, D6), what dead processes leave in /dev/shm (D9), closed objects used
 again (D14), wrong Python types (D15), released leases (D16) and block files deleted behind a store (D17).
 
 Where a hang or a crash is possible the scenario runs in a child process bounded by a timeout, and prints one JSON

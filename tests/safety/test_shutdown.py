@@ -1,4 +1,4 @@
-"""How the commands end when an engine dies or they are interrupted or killed (issue 18, D7 and D8).
+"""How the commands end when an engine dies or they are interrupted or killed (defects D7 and D8).
 
 Each test runs ``python -m ascend_dualpath ...`` in its own session (so the whole process tree can be found and
 signalled like a terminal's Ctrl-C) with its own temporary directory, then checks the exit status, the output,

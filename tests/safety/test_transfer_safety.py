@@ -1,4 +1,4 @@
-"""Issue 18, the transfer rows: every byte-moving path refuses a bad request at submit, before anything moves.
+"""Memory safety, the transfer rows: every byte-moving path refuses a bad request at submit, before anything moves.
 
 Each test is one row of the issue's table. Cases that crashed the process before the fix (raw copies from addresses no
 region holds) run in a child interpreter that must exit normally; every region of both ranks is watched and must hold
