@@ -13,9 +13,9 @@ PACKAGE = ROOT / "ascend_dualpath"
 # top-level modules (errors, _env, _checks, _ext, _process, _triton_launch, version) are layer 0.
 LAYERS = (
     "backends",
-    "ops",
     "reference",
     "transport",
+    "ops",
     "kv",
     "models",
     "dualpath",
@@ -28,11 +28,7 @@ LAYERS = (
 # The package's own entry points sit above every layer (they name the main entry points, run the CLI).
 FRONT_DOOR = ("ascend_dualpath", "ascend_dualpath.__main__")
 # Known upward imports, each with the work that removes it. Empty this as that work lands.
-UPWARD_ALLOWED = {
-    # transport/cuda.py still holds a benchmark harness that uses bench.transfer: moving it out of transport/ is
-    # the "one transfer engine per backend" work, in progress.
-    ("ascend_dualpath.transport.cuda", "ascend_dualpath.bench.transfer"),
-}
+UPWARD_ALLOWED: set[tuple[str, str]] = set()
 
 
 def _modules() -> dict[str, pathlib.Path]:

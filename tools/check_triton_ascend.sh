@@ -28,4 +28,4 @@ if [ "$versions" != "3.2.0 1.2.0" ]; then
 fi
 bin=$("$PY" -c "import ascendnpuir, os; print(os.path.join(os.path.dirname(ascendnpuir.__file__), 'bin'))")
 echo "triton-ascend / ascendnpu-ir: $versions"
-env -u ASCEND_HOME_PATH PATH="$bin:$PATH" "$PY" tools/triton_ascend_lower.py ascend_dualpath/moe/strategies/_cuda_kernels.py
+env -u ASCEND_HOME_PATH PATH="$bin:$PATH" "$PY" tools/triton_ascend_lower.py ascend_dualpath/ops/_layout_kernel.py

@@ -84,7 +84,7 @@ def to_hivm(linalg: str, soc: str, temps: str) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("kernels", help="path of ascend_dualpath/moe/strategies/_cuda_kernels.py")
+    parser.add_argument("kernels", help="path of ascend_dualpath/ops/_layout_kernel.py")
     parser.add_argument("--soc", default="Ascend910B1", help="bishengir target (A2: Ascend910B1..B4)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as work:

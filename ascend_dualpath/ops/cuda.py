@@ -26,11 +26,11 @@ def _next_power_of_2(value: int) -> int:
 
 
 def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, ranks_per_node: int):
-    """The layout in one Triton pass (``moe.strategies._cuda_kernels.dispatch_layout``); same outputs as
+    """The layout in one Triton pass (``ops._layout_kernel.dispatch_layout``); same outputs as
     :func:`ascend_dualpath.ops.cpu.dispatch_layout`, bit for bit, for ids in ``[-1, E)``."""
     if not has_triton():
         return cpu.dispatch_layout(topk_idx, num_experts, num_ranks, ranks_per_node)
-    from ascend_dualpath.moe.strategies import _cuda_kernels
+    from ascend_dualpath.ops import _layout_kernel
 
     tokens, topk = topk_idx.shape
     num_nodes = cpu.num_nodes_of(num_ranks, ranks_per_node)
@@ -40,7 +40,7 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, ra
     in_rank = torch.zeros(tokens, num_ranks, dtype=torch.bool, device=topk_idx.device)
     if tokens:
         grid = (-(-tokens // LAYOUT_BLOCK_TOKENS),)
-        _cuda_kernels.dispatch_layout[grid](
+        _layout_kernel.dispatch_layout[grid](
             topk_idx.contiguous(),
             counts,
             in_rank.view(torch.uint8),
