@@ -72,6 +72,21 @@ def check_sample(name: str, cpu_args: tuple, gpu_args: tuple) -> tuple[str, str]
     return opcheck, "ok" if not bad else f"tensors {bad} differ (outputs first, then arguments after the call)"
 
 
+def check_op(name: str, cpu_cases: list, gpu_cases: list) -> tuple[dict, bool]:
+    """(report entry, failed) of every sample of one op; prints the op's line and each failing sample."""
+    results = [check_sample(name, c, g) for c, g in zip(cpu_cases, gpu_cases, strict=True)]
+    kernel = "triton" if name == "dispatch_layout" and cuda_kernels.has_triton() else "torch"
+    ok_check = sum(r[0] == "ok" for r in results)
+    ok_exact = sum(r[1] == "ok" for r in results)
+    failed = ok_check < len(results) or ok_exact < len(results)
+    print(f"{name:<20} {kernel:<12} {len(results):>7}  {ok_check:>3}/{len(results):<3}  {ok_exact:>3}/{len(results)}")
+    for index, (check, exact) in enumerate(results):
+        for what, value in (("opcheck", check), ("bit-exact", exact)):
+            if value != "ok":
+                print(f"    sample {index} {what}: {value}")
+    return {"kernel": kernel, "samples": [{"opcheck": c, "bit_exact": e} for c, e in results]}, failed
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA GPU: nothing checked")
@@ -87,19 +102,8 @@ def main() -> int:
     print(f"{'op':<20} {'kernel':<12} {'samples':>7}  opcheck  bit-exact")
     failed = False
     for name, gpu_cases in gpu_samples.items():
-        results = [check_sample(name, c, g) for c, g in zip(cpu_samples[name], gpu_cases, strict=True)]
-        kernel = "triton" if name == "dispatch_layout" and cuda_kernels.has_triton() else "torch"
-        ok_check = sum(r[0] == "ok" for r in results)
-        ok_exact = sum(r[1] == "ok" for r in results)
-        failed |= ok_check < len(results) or ok_exact < len(results)
-        print(
-            f"{name:<20} {kernel:<12} {len(results):>7}  {ok_check:>3}/{len(results):<3}  {ok_exact:>3}/{len(results)}"
-        )
-        for index, (check, exact) in enumerate(results):
-            for what, value in (("opcheck", check), ("bit-exact", exact)):
-                if value != "ok":
-                    print(f"    sample {index} {what}: {value}")
-        report["ops"][name] = {"kernel": kernel, "samples": [{"opcheck": c, "bit_exact": e} for c, e in results]}
+        report["ops"][name], op_failed = check_op(name, cpu_samples[name], gpu_cases)
+        failed |= op_failed
     report["passed"] = not failed
     out = os.environ.get("OUT")
     if out:

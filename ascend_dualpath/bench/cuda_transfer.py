@@ -68,6 +68,11 @@ def parse_kind(kind: str, primitives: bool) -> tuple[str, dict]:
         raise E.ConfigError(
             f"bad cuda kind {kind!r}: device/graph:TILE_KIB:PER_SM:WARPS[:stream|nostream] or staged:CHUNK_KIB"
         )
+    return base, {"config": _kernel_config_fields(params)}
+
+
+def _kernel_config_fields(params: list[str]) -> dict:
+    """KernelConfig fields of ``TILE_KIB:PER_SM:WARPS[:stream|nostream]`` (already checked; ``-`` keeps a default)."""
     fields: dict = {}
     for value, name, scale in zip(
         params[:3], ("tile_bytes", "programs_per_sm", "num_warps"), (1024, 1, 1), strict=False
@@ -76,7 +81,7 @@ def parse_kind(kind: str, primitives: bool) -> tuple[str, dict]:
             fields[name] = int(value) * scale
     if len(params) == 4:
         fields["streaming"] = STREAMING[params[3]]
-    return base, {"config": fields}
+    return fields
 
 
 @dataclasses.dataclass
@@ -293,28 +298,28 @@ def measure(
     p50 = percentile(latency_ms, 50) * 1e3
     gpu_p50 = percentile(gpu_ms, 50) * 1e3
     return Row(
-        kind,
-        case.name,
-        case.count,
-        case.size,
-        submit_us / case.count,
-        submit_us,
-        p50,
-        percentile(latency_ms, 99) * 1e3,
-        case.nbytes / (gpu_p50 * 1e3),
-        percentile(cpu_s, 50) * 1e6,
-        facts.get("staging_bytes", 0),
-        submit_us / p50 if p50 else 0.0,
-        "measured",
-        {
+        kind=kind,
+        case=case.name,
+        count=case.count,
+        size=case.size,
+        submit_us_per_segment=submit_us / case.count,
+        submit_us=submit_us,
+        latency_us_p50=p50,
+        latency_us_p99=percentile(latency_ms, 99) * 1e3,
+        bandwidth_gbps=case.nbytes / (gpu_p50 * 1e3),
+        host_cpu_us=percentile(cpu_s, 50) * 1e6,
+        staging_peak_bytes=facts.get("staging_bytes", 0),
+        submit_share=submit_us / p50 if p50 else 0.0,
+        clock="measured",
+        extra={
             "wall_us_p50": percentile(wall_s, 50) * 1e6,
             "hold_us": hold_cycles / cycles_per_us,
             "warm_submit_us": warm_submit_us,
             "bit_exact": True,
             **facts,
         },
-        gpu_p50,
-        percentile(gpu_ms, 99) * 1e3,
+        gpu_us_p50=gpu_p50,
+        gpu_us_p99=percentile(gpu_ms, 99) * 1e3,
     )
 
 

@@ -85,11 +85,9 @@ EMULATOR_KINDS = ("aiv", "aicpu", "staging", "host", "host/seg")
 def run_emulator(
     cases: list[Case], kinds: list[str], repeats: int, block_dim: int, max_aiv_payload: int, progress
 ) -> tuple[list[Row], dict]:
-    import numpy as np
-
     from ascend_dualpath import _ext
     from ascend_dualpath.backends import emulator as emu
-    from ascend_dualpath.transport import MemoryKind, MemorySegment, RemoteSlot, TransferKind
+    from ascend_dualpath.transport import MemoryKind, TransferKind
     from ascend_dualpath.transport.emulator import EmulatedTransferEngine
 
     C = _ext.load()
@@ -119,47 +117,57 @@ def run_emulator(
             mem_kind = C.MemKind.HOST_DRAM if memory is MemoryKind.HOST else C.MemKind.DEVICE_GM
             window = comms[1].windows_in
             for case in cases:
-                region = devices[0].alloc_region(case.nbytes, mem_kind, 7)
-                view = np.frombuffer(region, np.uint8)
-                view[:] = np.random.default_rng(case.count).integers(0, 256, case.nbytes, dtype=np.uint8)
-                comms[0].register_local(region)
-                sources = [MemorySegment.of_region(region, i * case.size, case.size) for i in range(case.count)]
-                slot = RemoteSlot(1, window.addr, case.nbytes, window.rkey)
-                engine.staging.peak_bytes = 0
-                latencies, cpu, submit = [], [], 0.0
-                for _ in range(repeats):
-                    cpu0 = time.process_time()
-                    result = engine.transfer(sources, slot, kind=transfer_kind)
-                    cpu.append((time.process_time() - cpu0) * 1e6)
-                    latencies.append(result.latency_vtime_ns / 1e3)
-                    submit = result.submit_vtime_ns / 1e3
-                if not np.array_equal(np.frombuffer(window, np.uint8)[: case.nbytes], view):
-                    raise AssertionError(f"{kind} {case.name}: destination differs from the source")
-                region.close()
-                p50 = percentile(latencies, 50)
                 rows.append(
-                    Row(
-                        kind,
-                        case.name,
-                        case.count,
-                        case.size,
-                        submit / case.count,
-                        submit,
-                        p50,
-                        percentile(latencies, 99),
-                        case.nbytes / (p50 * 1e3),
-                        percentile(cpu, 50),
-                        engine.staging.peak_bytes,
-                        submit / p50 if p50 else 0.0,
-                        "virtual",
-                        {"pieces": result.num_pieces},
-                    )
+                    _emulated_case(engine, devices[0], comms[0], window, mem_kind, kind, transfer_kind, case, repeats)
                 )
                 progress(rows[-1])
             engine.close()
             for c in comms:
                 c.close()
     return rows, cost_params
+
+
+def _emulated_case(engine, device, comm, window, mem_kind, kind: str, transfer_kind, case: Case, repeats: int) -> Row:
+    """One row: ``case`` moved ``repeats`` times by ``engine`` from a fresh region of ``device`` (memory
+    ``mem_kind``, registered with ``comm``) into rank 1's ``window``, checked byte-exact after the last run."""
+    import numpy as np
+
+    from ascend_dualpath.transport import MemorySegment, RemoteSlot
+
+    region = device.alloc_region(case.nbytes, mem_kind, 7)
+    view = np.frombuffer(region, np.uint8)
+    view[:] = np.random.default_rng(case.count).integers(0, 256, case.nbytes, dtype=np.uint8)
+    comm.register_local(region)
+    sources = [MemorySegment.of_region(region, i * case.size, case.size) for i in range(case.count)]
+    slot = RemoteSlot(1, window.addr, case.nbytes, window.rkey)
+    engine.staging.peak_bytes = 0
+    latencies, cpu, submit = [], [], 0.0
+    for _ in range(repeats):
+        cpu0 = time.process_time()
+        result = engine.transfer(sources, slot, kind=transfer_kind)
+        cpu.append((time.process_time() - cpu0) * 1e6)
+        latencies.append(result.latency_vtime_ns / 1e3)
+        submit = result.submit_vtime_ns / 1e3
+    if not np.array_equal(np.frombuffer(window, np.uint8)[: case.nbytes], view):
+        raise AssertionError(f"{kind} {case.name}: destination differs from the source")
+    region.close()
+    p50 = percentile(latencies, 50)
+    return Row(
+        kind=kind,
+        case=case.name,
+        count=case.count,
+        size=case.size,
+        submit_us_per_segment=submit / case.count,
+        submit_us=submit,
+        latency_us_p50=p50,
+        latency_us_p99=percentile(latencies, 99),
+        bandwidth_gbps=case.nbytes / (p50 * 1e3),
+        host_cpu_us=percentile(cpu, 50),
+        staging_peak_bytes=engine.staging.peak_bytes,
+        submit_share=submit / p50 if p50 else 0.0,
+        clock="virtual",
+        extra={"pieces": result.num_pieces},
+    )
 
 
 # ---- verdict ---------------------------------------------------------------------------------------
@@ -236,6 +244,14 @@ def _time_us(r: Row) -> float:
     return r.gpu_us_p50 if r.gpu_us_p50 is not None else r.latency_us_p50
 
 
+def _plot_kind(ax_count, ax_size, rows: list[Row], kind: str) -> None:
+    """``kind``'s two curves: time over the 4 KiB segment-count sweep, bandwidth over the one-segment size sweep."""
+    sweep = sorted((r for r in rows if r.size == 4 * KIB), key=lambda r: r.count)
+    ax_count.plot([r.count for r in sweep], [_time_us(r) for r in sweep], marker="o", label=kind)
+    sizes = sorted((r for r in rows if r.count == 1), key=lambda r: r.size)
+    ax_size.plot([r.size for r in sizes], [r.bandwidth_gbps for r in sizes], marker="o", label=kind)
+
+
 def plot(rows: list[Row], path: str, title: str) -> None:
     import matplotlib
 
@@ -244,10 +260,7 @@ def plot(rows: list[Row], path: str, title: str) -> None:
 
     fig, (ax_count, ax_size) = plt.subplots(1, 2, figsize=(12, 4.5))
     for kind in dict.fromkeys(r.kind for r in rows):
-        sweep = sorted((r for r in rows if r.kind == kind and r.size == 4 * KIB), key=lambda r: r.count)
-        ax_count.plot([r.count for r in sweep], [_time_us(r) for r in sweep], marker="o", label=kind)
-        sizes = sorted((r for r in rows if r.kind == kind and r.count == 1), key=lambda r: r.size)
-        ax_size.plot([r.size for r in sizes], [r.bandwidth_gbps for r in sizes], marker="o", label=kind)
+        _plot_kind(ax_count, ax_size, [r for r in rows if r.kind == kind], kind)
     gpu = any(r.gpu_us_p50 is not None for r in rows)
     ylabel = "GPU time p50 (us)" if gpu else "completion latency p50 (us)"
     ax_count.set(xscale="log", yscale="log", xlabel="segments of 4 KiB", ylabel=ylabel)
@@ -285,6 +298,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    cases = _selected_cases(args)
+    rows, meta = _run_backend(args, cases)
+    meta["date_utc"] = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
+    table = format_table(rows)
+    decided = verdicts(rows)
+    print()
+    print("\n".join(f"{k} = {v}" for k, v in meta.items() if k != "cost_model"))
+    for k, v in meta.get("cost_model", {}).items():
+        print(f"cost.{k} = {v}")
+    print()
+    print(table)
+    print()
+    for v in decided:
+        print(_verdict_line(v))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": [asdict(r) for r in rows], "verdicts": decided}, f, indent=1)
+    if args.plot:
+        clock = "measured" if meta["backend"] == "cuda" else meta["clock"]
+        plot(rows, args.plot, f"layer-block transfers, {meta['backend']} ({clock} clock)")
+    for failure in meta.get("failures", []):
+        print(f"FAILED {failure}")
+    return 1 if meta.get("failures") else 0
+
+
+def _selected_cases(args: argparse.Namespace) -> list[Case]:
+    """The standard cases (or ``--quick``'s few), narrowed to ``--cases``; ConfigError naming unknown ones."""
     cases = standard_cases()
     if args.quick:
         cases = [Case("16x4K", 16, 4 * KIB), Case("1x1M", 1, MIB), Case("61x42K layer blocks", 61, 42 * KIB)]
@@ -294,6 +334,11 @@ def run(args: argparse.Namespace) -> int:
         if unknown:
             raise ConfigError(f"unknown case(s) {unknown}; known: {[c.name for c in cases]}")
         cases = [c for c in cases if c.name in wanted]
+    return cases
+
+
+def _run_backend(args: argparse.Namespace, cases: list[Case]) -> tuple[list[Row], dict]:
+    """(rows, meta) of ``args.backend`` over ``cases``, printing a progress line per row."""
     if args.backend == "emulator":
         if args.primitives:
             raise ConfigError("--primitives measures the CUDA copy primitives: it needs --backend cuda")
@@ -314,45 +359,29 @@ def run(args: argparse.Namespace) -> int:
             "max_single_aiv_payload": args.max_aiv_payload,
             "repeats": args.repeats,
         }
-    else:
-        from ascend_dualpath.bench import cuda_transfer
+        return rows, meta
+    from ascend_dualpath.bench import cuda_transfer
 
-        default = cuda_transfer.PRIMITIVES if args.primitives else cuda_transfer.DEFAULT_KINDS
-        kinds = args.kinds.split(",") if args.kinds else list(default)
-        rows, meta = cuda_transfer.run_bench(
-            cases,
-            kinds,
-            args.repeats,
-            progress=lambda r: print(progress_line(r), flush=True),
-            primitives=args.primitives,
+    default = cuda_transfer.PRIMITIVES if args.primitives else cuda_transfer.DEFAULT_KINDS
+    kinds = args.kinds.split(",") if args.kinds else list(default)
+    return cuda_transfer.run_bench(
+        cases,
+        kinds,
+        args.repeats,
+        progress=lambda r: print(progress_line(r), flush=True),
+        primitives=args.primitives,
+    )
+
+
+def _verdict_line(v: dict) -> str:
+    """One case's verdict as printed (one entry of :func:`verdicts`)."""
+    line = f"{v['case']:<27} {v['best_host_kind']} submit share {v['host_submit_share']:6.1%}  ->  {v['verdict']}"
+    if "per_segment_host_share" in v:
+        line += (
+            f"; vs one submission per segment (share {v['per_segment_host_share']:.1%}): "
+            f"{v['best_device_kind']} {v['speedup_vs_per_segment_host']:.1f}x faster"
         )
-    meta["date_utc"] = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
-    table = format_table(rows)
-    decided = verdicts(rows)
-    print()
-    print("\n".join(f"{k} = {v}" for k, v in meta.items() if k != "cost_model"))
-    for k, v in meta.get("cost_model", {}).items():
-        print(f"cost.{k} = {v}")
-    print()
-    print(table)
-    print()
-    for v in decided:
-        line = f"{v['case']:<27} {v['best_host_kind']} submit share {v['host_submit_share']:6.1%}  ->  {v['verdict']}"
-        if "per_segment_host_share" in v:
-            line += (
-                f"; vs one submission per segment (share {v['per_segment_host_share']:.1%}): "
-                f"{v['best_device_kind']} {v['speedup_vs_per_segment_host']:.1f}x faster"
-            )
-        print(line)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": [asdict(r) for r in rows], "verdicts": decided}, f, indent=1)
-    if args.plot:
-        clock = "measured" if meta["backend"] == "cuda" else meta["clock"]
-        plot(rows, args.plot, f"layer-block transfers, {meta['backend']} ({clock} clock)")
-    for failure in meta.get("failures", []):
-        print(f"FAILED {failure}")
-    return 1 if meta.get("failures") else 0
+    return line
 
 
 def main(argv: list[str] | None = None) -> int:

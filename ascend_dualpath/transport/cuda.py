@@ -402,6 +402,32 @@ def staged_chunk_lengths(end: int, chunk_bytes: int) -> list[int]:
     return [min(chunk_bytes, end - start) for start in range(0, end, chunk_bytes)]
 
 
+def _check_staged_request(torch, host, offsets, nbytes, chunk_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """The segments' offsets and lengths (int64 ``[segments]`` each) of a :class:`StagedCopy` request, after checking
+    the host buffer (pinned 1-D uint8 CPU), ``chunk_bytes`` and that every segment is non-empty and inside ``host``.
+    """
+    if host.device.type != "cpu" or host.dtype != torch.uint8 or host.dim() != 1 or not host.is_pinned():
+        raise E.ConfigError(
+            f"the staged source must be a pinned 1-D uint8 CPU tensor, got {host.dtype} "
+            f"{tuple(host.shape)} on {host.device} (pinned: {host.is_pinned()})"
+        )
+    if chunk_bytes < 4096 or chunk_bytes % 16:
+        raise E.ConfigError(f"chunk_bytes {chunk_bytes} is not a multiple of 16 from 4096")
+    off = np.asarray(offsets, np.int64)
+    size = np.asarray(nbytes, np.int64)
+    if off.shape != size.shape or off.ndim != 1 or off.size == 0:
+        raise E.ConfigError(f"need equal non-empty 1-D offset and size lists, got {off.shape}, {size.shape}")
+    if (size < 1).any():
+        raise E.EmptyTransfer(f"segment {int(np.flatnonzero(size < 1)[0])} has no bytes")
+    outside = (off < 0) | (off + size > host.numel())
+    if outside.any():
+        i = int(np.flatnonzero(outside)[0])
+        raise E.ConfigError(
+            f"segment {i} (offset {off[i]}, {size[i]} bytes) lies outside the host buffer of {host.numel()} bytes"
+        )
+    return off, size
+
+
 class StagedCopy:
     """The ``staged`` kind, pipelined: pinned host buffer -> device staging slot -> destination, chunk by chunk.
 
@@ -427,25 +453,7 @@ class StagedCopy:
 
     def __init__(self, copier: DeviceCopier, host, offsets, dst_addrs, nbytes, chunk_bytes: int = STAGED_CHUNK_BYTES):
         torch = copier.torch
-        if host.device.type != "cpu" or host.dtype != torch.uint8 or host.dim() != 1 or not host.is_pinned():
-            raise E.ConfigError(
-                f"the staged source must be a pinned 1-D uint8 CPU tensor, got {host.dtype} "
-                f"{tuple(host.shape)} on {host.device} (pinned: {host.is_pinned()})"
-            )
-        if chunk_bytes < 4096 or chunk_bytes % 16:
-            raise E.ConfigError(f"chunk_bytes {chunk_bytes} is not a multiple of 16 from 4096")
-        off = np.asarray(offsets, np.int64)
-        size = np.asarray(nbytes, np.int64)
-        if off.shape != size.shape or off.ndim != 1 or off.size == 0:
-            raise E.ConfigError(f"need equal non-empty 1-D offset and size lists, got {off.shape}, {size.shape}")
-        if (size < 1).any():
-            raise E.EmptyTransfer(f"segment {int(np.flatnonzero(size < 1)[0])} has no bytes")
-        outside = (off < 0) | (off + size > host.numel())
-        if outside.any():
-            i = int(np.flatnonzero(outside)[0])
-            raise E.ConfigError(
-                f"segment {i} (offset {off[i]}, {size[i]} bytes) lies outside the host buffer of {host.numel()} bytes"
-            )
+        off, size = _check_staged_request(torch, host, offsets, nbytes, chunk_bytes)
         self.copier, self.host, self.torch = copier, host, torch
         pieces = staged_pieces(off, dst_addrs, size, chunk_bytes)
         self.chunk_bytes = chunk_bytes

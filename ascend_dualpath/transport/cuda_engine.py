@@ -404,29 +404,44 @@ class CudaTransferEngine(TransferEngine):
         self._check_ranges(pieces, remote)
         work = _Work()
         work.nbytes = sum(p.nbytes for p in pieces)
-        device = [p for p in pieces if self._host_buffer(p.local_addr) is None]
-        host = [p for p in pieces if self._host_buffer(p.local_addr) is not None]
-        copies = [(p.remote_addr, p.local_addr, p.nbytes) for p in pieces]
-        if kind is TransferKind.AIV:
-            flag = self.notify[notify_slot : notify_slot + 1] if publishes_notify else None
-            work.plans.append(self._device_copier().plan(*_columns(pieces), flag=flag))
-            work.publishes_notify = publishes_notify
-        elif kind is TransferKind.STAGING and device:
-            work.plans.append(self._device_copier().plan(*_columns(device)))
-        if kind is TransferKind.STAGING:
-            work.staged = self._staged(host)
-            work.staging_bytes = sum(s.staging_bytes for s in work.staged)
-        elif kind is TransferKind.AICPU:
-            from ascend_dualpath.transport.cudart import MemcpyBatch
-
-            dsts, srcs, sizes = zip(*copies, strict=True)
-            work.batch = MemcpyBatch(dsts, srcs, sizes)
-        elif kind is TransferKind.HOST:
-            work.each = copies
+        build = {
+            TransferKind.AIV: self._aiv_work,
+            TransferKind.STAGING: self._staging_work,
+            TransferKind.AICPU: self._aicpu_work,
+            TransferKind.HOST: self._host_work,
+        }[kind]
+        build(work, pieces, notify_slot)
         self._plans[key] = (pieces, work)
         if len(self._plans) > PLAN_CACHE:
             self._plans.popitem(last=False)  # in-flight tickets keep their own reference
         return work
+
+    def _aiv_work(self, work: _Work, pieces, notify_slot: int | None) -> None:
+        """One device-copy plan over every piece; with a notify slot, that slot is the plan's ready flag."""
+        publishes_notify = notify_slot is not None
+        flag = self.notify[notify_slot : notify_slot + 1] if publishes_notify else None
+        work.plans.append(self._device_copier().plan(*_columns(pieces), flag=flag))
+        work.publishes_notify = publishes_notify
+
+    def _staging_work(self, work: _Work, pieces, notify_slot: int | None) -> None:
+        """A device-copy plan for the device-resident pieces, one StagedCopy per host buffer for the others."""
+        device = [p for p in pieces if self._host_buffer(p.local_addr) is None]
+        host = [p for p in pieces if self._host_buffer(p.local_addr) is not None]
+        if device:
+            work.plans.append(self._device_copier().plan(*_columns(device)))
+        work.staged = self._staged(host)
+        work.staging_bytes = sum(s.staging_bytes for s in work.staged)
+
+    def _aicpu_work(self, work: _Work, pieces, notify_slot: int | None) -> None:
+        """One batched runtime copy of every piece."""
+        from ascend_dualpath.transport.cudart import MemcpyBatch
+
+        dsts, srcs, sizes = zip(*_copies(pieces), strict=True)
+        work.batch = MemcpyBatch(dsts, srcs, sizes)
+
+    def _host_work(self, work: _Work, pieces, notify_slot: int | None) -> None:
+        """One cudaMemcpyAsync per piece."""
+        work.each = _copies(pieces)
 
     def _staged(self, pieces) -> list:
         """One StagedCopy per registered host buffer the pieces come from."""
@@ -601,6 +616,11 @@ class _Work:
 
 def _columns(pieces):
     return [p.local_addr for p in pieces], [p.remote_addr for p in pieces], [p.nbytes for p in pieces]
+
+
+def _copies(pieces) -> list[tuple[int, int, int]]:
+    """(destination, source, bytes) of each piece: the runtime copies' argument order."""
+    return [(p.remote_addr, p.local_addr, p.nbytes) for p in pieces]
 
 
 def _indexed(torch, device):
