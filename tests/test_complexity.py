@@ -20,8 +20,6 @@ ALLOWED = {
     "ascend_dualpath/bench/transfer.py:run",
     "ascend_dualpath/bench/transfer.py:run_emulator",
     "ascend_dualpath/bench/transfer.py:plot",
-    # the simulator's split (sim/), in progress
-    "ascend_dualpath/sim/cluster.py:ClusterSim.__init__",
 }
 
 
