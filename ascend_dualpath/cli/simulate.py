@@ -226,19 +226,10 @@ def _paper_run(args: argparse.Namespace) -> int:
     """The paper reproduction: ablation, sweep, Mooncake and online capacity on built-in Table-2 agents."""
     from rich.console import Console
     from rich.markup import escape
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
 
-    from ascend_dualpath.sim.cluster import ClusterConfig, ClusterSim, Mode
-    from ascend_dualpath.sim.experiments import (
-        agentic_agents,
-        plot_figures,
-        reductions_vs_basic,
-        run_ablation,
-        snic_max_over_avg,
-    )
+    from ascend_dualpath.sim.cluster import ClusterConfig
+    from ascend_dualpath.sim.experiments import plot_figures
     from ascend_dualpath.sim.models import get_model
-    from ascend_dualpath.sim.traces import load_mooncake
 
     console = Console()
     prefill_nodes, decode_nodes = _parse_pd(args.pd)
@@ -254,6 +245,28 @@ def _paper_run(args: argparse.Namespace) -> int:
             "seed": args.seed,
         }
     }
+    ablation, sweep, mooncake = _paper_simulations(args, config, sweep_counts, console)
+    _report_ablation(args, ablation, console, results)
+    _report_sweep(sweep, sweep_counts, console, results)
+    _report_mooncake_and_online(args, config, console, mooncake, results)
+    if sweep_counts:
+        written = plot_figures(args.out, sweep, ablation)
+        console.print("figures: " + escape(", ".join(map(str, written))))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    console.print(f"results: {escape(str(args.out / 'results.json'))}")
+    return 0
+
+
+def _paper_simulations(args: argparse.Namespace, config, sweep_counts: list[int], console) -> tuple[dict, dict, dict]:
+    """Run, under one progress display, the ablation (every mode), the JCT sweep (basic, scheduler, oracle at
+    each of ``sweep_counts`` agents) and, with ``--mooncake``, the Mooncake replay. Returns the ablation's
+    results per mode, the sweep's (count, JCT) points per mode and the Mooncake results per mode."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ascend_dualpath.sim.cluster import ClusterSim, Mode
+    from ascend_dualpath.sim.experiments import agentic_agents, run_ablation
+    from ascend_dualpath.sim.traces import load_mooncake
 
     columns = (
         TextColumn("{task.description}"),
@@ -284,6 +297,16 @@ def _paper_run(args: argparse.Namespace) -> int:
                 mooncake[mode] = ClusterSim(
                     config, mode, [[r] for r in rounds], agent_start_s=[r.arrival_s for r in rounds]
                 ).run(progress=lambda done, total, task=task: progress.update(task, completed=done))
+    return ablation, sweep, mooncake
+
+
+def _report_ablation(args: argparse.Namespace, ablation: dict, console, results: dict) -> None:
+    """Print (and add to ``results``) the offline ablation against Basic."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    from ascend_dualpath.sim.cluster import Mode
+    from ascend_dualpath.sim.experiments import reductions_vs_basic, snic_max_over_avg
 
     reductions = reductions_vs_basic(ablation)
     table = Table(
@@ -315,6 +338,12 @@ def _paper_run(args: argparse.Namespace) -> int:
             f"{balance:.2f}",
         )
     console.print(table)
+
+
+def _report_sweep(sweep: dict, sweep_counts: list[int], console, results: dict) -> None:
+    """Add the JCT sweep to ``results`` and, when it ran, print it."""
+    from rich.table import Table
+
     results["sweep"] = {mode.value: points for mode, points in sweep.items()}
     if sweep_counts:
         sweep_table = Table(title="JCT (s) against agent count")
@@ -324,14 +353,6 @@ def _paper_run(args: argparse.Namespace) -> int:
         for index, count in enumerate(sweep_counts):
             sweep_table.add_row(str(count), *(f"{sweep[mode][index][1]:.1f}" for mode in sweep))
         console.print(sweep_table)
-    _report_mooncake_and_online(args, config, console, mooncake, results)
-    if sweep_counts:
-        written = plot_figures(args.out, sweep, ablation)
-        console.print("figures: " + escape(", ".join(map(str, written))))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
-    console.print(f"results: {escape(str(args.out / 'results.json'))}")
-    return 0
 
 
 def _report_mooncake_and_online(args: argparse.Namespace, config, console, mooncake: dict, results: dict) -> None:

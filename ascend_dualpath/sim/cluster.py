@@ -41,6 +41,7 @@ from ascend_dualpath.dualpath.model import pd_ratio_bounds
 from ascend_dualpath.dualpath.scheduler import (
     DEFAULT_COMPUTE_QUOTA_S,
     Assignment,
+    EngineProfile,
     EngineState,
     GroupReport,
     PrefillWork,
@@ -324,19 +325,28 @@ class ClusterSim:
         self.pe_kv_hbm = config.kv_hbm_bytes("pe")
         self.de_kv_hbm = config.kv_hbm_bytes("de")
         self._check_fits(agent_names)
-        # alpha/beta are "profiled in advance" (§A.4): here on the workload's mean request
-        requests = [r for rounds in self.agents for r in rounds]
-        mean_cached = sum(r.cached_tokens for r in requests) // len(requests)
-        mean_new = max(1, sum(r.prompt_tokens - r.cached_tokens for r in requests) // len(requests))
-        self.profile = engine_profile(self.model, self.hw, profiled_context=mean_cached, profiled_append=mean_new)
+        self.profile = self._mean_request_profile()
         self.agent_start = list(agent_start_s) if agent_start_s is not None else [0.0] * len(self.agents)
         if len(self.agent_start) != len(self.agents):
             raise ConfigError(f"{len(self.agent_start)} start times for {len(self.agents)} agents")
+        self._build_topology()
+        self.scheduler = self._adaptive_scheduler() if mode.adaptive else None
+        self._init_run_state()
+
+    def _mean_request_profile(self) -> EngineProfile:
+        """alpha/beta are "profiled in advance" (§A.4): here on the workload's mean request."""
+        requests = [r for rounds in self.agents for r in rounds]
+        mean_cached = sum(r.cached_tokens for r in requests) // len(requests)
+        mean_new = max(1, sum(r.prompt_tokens - r.cached_tokens for r in requests) // len(requests))
+        return engine_profile(self.model, self.hw, profiled_context=mean_cached, profiled_append=mean_new)
+
+    def _build_topology(self) -> None:
+        """Nodes, engines (each with its role's KV HBM free) and lock-step domains: prefill nodes first."""
         g = self.hw.gpus_per_node
-        node_count = config.prefill_nodes + config.decode_nodes
+        node_count = self.config.prefill_nodes + self.config.decode_nodes
         self.nodes = [_Node(n, list(range(n * g, (n + 1) * g))) for n in range(node_count)]
-        self.pe_nodes = list(range(config.prefill_nodes))
-        self.de_nodes = list(range(config.prefill_nodes, len(self.nodes)))
+        self.pe_nodes = list(range(self.config.prefill_nodes))
+        self.de_nodes = list(range(self.config.prefill_nodes, len(self.nodes)))
         self.engines = [_Engine(e, e // g) for e in range(len(self.nodes) * g)]
         self.domains = [domain for role in (self.pe_nodes, self.de_nodes) for domain in self._lockstep_domains(role)]
         self._domain_of = {e: domain for domain in self.domains for e in domain.engines}
@@ -346,16 +356,22 @@ class ClusterSim:
             self.engines[e].free_hbm = self.pe_kv_hbm
         for e in self.de_ids:
             self.engines[e].free_hbm = self.de_kv_hbm
-        self.scheduler = Scheduler.from_profile(self.profile) if mode.adaptive else None
-        if self.scheduler is not None:
-            for n in self.de_nodes:
-                self.scheduler.register_decode_group(n)
-            for n in self.pe_nodes:
-                self.scheduler.register_prefill_group(self._report(self.nodes[n]))
+
+    def _adaptive_scheduler(self) -> Scheduler:
+        """The adaptive scheduler with every DE and PE node registered as a group."""
+        scheduler = Scheduler.from_profile(self.profile)
+        for n in self.de_nodes:
+            scheduler.register_decode_group(n)
+        for n in self.pe_nodes:
+            scheduler.register_prefill_group(self._report(self.nodes[n]))
+        return scheduler
+
+    def _init_run_state(self) -> None:
+        """Placement cursors, the event queue, the clock and the measurements, as at the run's start."""
         self._rr_queue: deque[_Req] = deque()
         self._rr_pe = itertools.cycle(self.pe_ids)
         self._rr_de = 0
-        self._rr_path = itertools.cycle((ReadPath.PE, ReadPath.DE) if mode is Mode.DUALPATH else (ReadPath.PE,))
+        self._rr_path = itertools.cycle((ReadPath.PE, ReadPath.DE) if self.mode is Mode.DUALPATH else (ReadPath.PE,))
         self._by_id: dict[int, _Req] = {}
         self._events: list = []
         self._seq = itertools.count()

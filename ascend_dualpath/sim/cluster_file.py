@@ -147,58 +147,127 @@ def _values(data: dict, table: str, where: str) -> dict[str, float]:
     return values
 
 
+# cluster-file key -> the simulator's field, per table (counts are ints already: validated and unscaled)
+_MODEL_FIELDS = {
+    "layers": "layers",
+    "weight_gb": "weight_bytes",
+    "kv_bytes_per_token": "kv_bytes_per_token",
+    "attn_flops_per_pair": "attn_flops_per_pair",
+    "sparse_topk": "sparse_topk",
+    "index_flops_per_pair": "index_flops_per_pair",
+    "routed_expert_fraction": "routed_expert_fraction",
+    "decode_step_fixed_ms": "decode_step_fixed_s",
+    "decode_read_bytes_per_ctx_token": "decode_read_bytes_per_ctx_token",
+    "decode_read_bytes_per_attended": "decode_read_bytes_per_attended",
+}
+_HARDWARE_FIELDS = {
+    "storage_nic_gbps": "snic_bytes_per_s",
+    "compute_nic_gbps": "cnic_bytes_per_s",
+    "pcie_gbytes_per_s": "pcie_bytes_per_s",
+    "dram_gbytes_per_s": "dram_bytes_per_s",
+    "dram_gb": "dram_bytes",
+    "hbm_gb": "hbm_bytes",
+    "hbm_tbytes_per_s": "hbm_bytes_per_s",
+    "peak_tflops": "peak_flops",
+    "prefill_mfu": "prefill_mfu",
+}
+_SCHEDULER_FIELDS = {
+    "tick_ms": "tick_s",
+    "compute_quota_ms": "compute_quota_s",
+    "workspace_gb": "workspace_bytes",
+    "block_tokens": "block_tokens",
+    "max_batch_tokens": "max_batch_tokens",
+}
+_TRANSFER_FIELDS = {
+    "aiv_submit_us": "aiv_submit_s",
+    "aiv_cores": "aiv_cores",
+    "aicpu_issue_us": "aicpu_issue_s",
+    "aicpu_wqe_us": "aicpu_wqe_s",
+    "host_submit_us": "host_submit_s",
+    "staging_chunk_bytes": "staging_chunk_bytes",
+    "staging_copy_gbytes_per_s": "staging_copy_bytes_per_s",
+}
+
+
+def _renamed(values: dict[str, float], fields: dict[str, str]) -> dict[str, float]:
+    """The ``values`` that ``fields`` maps, under the simulator's field names."""
+    return {field: values[key] for key, field in fields.items() if key in values}
+
+
+def _custom_model_missing(values: dict[str, float]) -> list[str]:
+    """The parameters a model that is not built in lacks (empty when it has them all)."""
+    missing = [key for key in ("weight_gb", "kv_bytes_per_token") if key not in values]
+    if "active_params_b" not in values and "flops_per_token" not in values:
+        missing.append("active_params_b or flops_per_token")
+    if "attn_flops_per_pair" not in values and "heads" not in values:
+        missing.append("heads (or attn_flops_per_pair)")
+    return missing
+
+
+def _base_model(name: str | None, values: dict[str, float], where: str) -> ModelConfig | None:
+    """The built-in model ``name`` names, or None for a model given by its parameters (checked complete)."""
+    if name in MODELS:
+        return MODELS[name]
+    if "layers" in values:
+        missing = _custom_model_missing(values)
+        if missing:
+            raise ConfigError(f"{where}: [model] {name or 'custom'} needs {', '.join(missing)}")
+        return None
+    if name is None:
+        raise ConfigError(f"{where}: [model].name is required (one of {sorted(MODELS)}), or the model's parameters")
+    raise ConfigError(
+        f"{where}: [model].name {name!r} is not built in ({sorted(MODELS)}); give its "
+        "parameters (layers, active_params_b, weight_gb, kv_bytes_per_token, heads) instead"
+    )
+
+
+def _model_fields(values: dict[str, float], base: ModelConfig | None) -> dict:
+    """:class:`ModelConfig` fields from the [model] values (attention FLOPs derived from ``heads``)."""
+    fields: dict = {}
+    layers = int(values.get("layers", base.layers if base else 1))
+    if "heads" in values:
+        head_dim = values.get("head_dim", 128)
+        fields["attn_flops_per_pair"] = 4 * values["heads"] * head_dim * layers  # QK^T + AV, 2 FLOPs per MAC
+    fields.update(_renamed(values, _MODEL_FIELDS))
+    if "active_params_b" in values:
+        fields["active_params"] = values["active_params_b"]
+    elif "flops_per_token" in values:
+        fields["active_params"] = values["flops_per_token"] / 2  # GEMM FLOPs per token = 2 x activated params
+    return fields
+
+
 def _model(data: dict, where: str) -> ModelConfig:
     section = data.get("model", {})
     values = _values(data, "model", where)
     name = section.get("name") if isinstance(section, dict) else None
     if name is not None and not isinstance(name, str):
         raise ConfigError(f"{where}: [model].name must be a string, got {name!r}")
-    if name in MODELS:
-        base = MODELS[name]
-    elif "layers" in values:
-        missing = [key for key in ("weight_gb", "kv_bytes_per_token") if key not in values]
-        if "active_params_b" not in values and "flops_per_token" not in values:
-            missing.append("active_params_b or flops_per_token")
-        if "attn_flops_per_pair" not in values and "heads" not in values:
-            missing.append("heads (or attn_flops_per_pair)")
-        if missing:
-            raise ConfigError(f"{where}: [model] {name or 'custom'} needs {', '.join(missing)}")
-        base = None
-    elif name is None:
-        raise ConfigError(f"{where}: [model].name is required (one of {sorted(MODELS)}), or the model's parameters")
-    else:
-        raise ConfigError(
-            f"{where}: [model].name {name!r} is not built in ({sorted(MODELS)}); give its "
-            "parameters (layers, active_params_b, weight_gb, kv_bytes_per_token, heads) instead"
-        )
+    base = _base_model(name, values, where)
     if "top_k" in values and "experts" in values and values["top_k"] > values["experts"]:
         raise ConfigError(f"{where}: [model].top_k={values['top_k']} exceeds experts={values['experts']}")
-    fields: dict = {}
-    layers = int(values.get("layers", base.layers if base else 1))
-    if "heads" in values:
-        head_dim = values.get("head_dim", 128)
-        fields["attn_flops_per_pair"] = 4 * values["heads"] * head_dim * layers  # QK^T + AV, 2 FLOPs per MAC
-    renames = {
-        "layers": "layers",
-        "weight_gb": "weight_bytes",
-        "kv_bytes_per_token": "kv_bytes_per_token",
-        "attn_flops_per_pair": "attn_flops_per_pair",
-        "sparse_topk": "sparse_topk",
-        "index_flops_per_pair": "index_flops_per_pair",
-        "routed_expert_fraction": "routed_expert_fraction",
-        "decode_step_fixed_ms": "decode_step_fixed_s",
-        "decode_read_bytes_per_ctx_token": "decode_read_bytes_per_ctx_token",
-        "decode_read_bytes_per_attended": "decode_read_bytes_per_attended",
-    }
-    fields.update({renames[key]: value for key, value in values.items() if key in renames})
-    if "active_params_b" in values:
-        fields["active_params"] = values["active_params_b"]
-    elif "flops_per_token" in values:
-        fields["active_params"] = values["flops_per_token"] / 2  # GEMM FLOPs per token = 2 x activated params
+    fields = _model_fields(values, base)
     if base is not None:
         return replace(base, **fields)
     fields.setdefault("decode_read_bytes_per_attended", fields["kv_bytes_per_token"])
     return ModelConfig(name=name or "custom", **fields)
+
+
+def _nodes(data: dict, where: str) -> dict[str, float]:
+    """The [nodes] values, prefill and decode required."""
+    nodes = _values(data, "nodes", where)
+    for key in ("prefill", "decode"):
+        if key not in nodes:
+            raise ConfigError(f"{where}: [nodes].{key} is required (an integer >= 1)")
+    return nodes
+
+
+def _hardware(data: dict, nodes: dict[str, float], where: str) -> HardwareConfig:
+    """The per-accelerator and per-node hardware of [hardware] (accelerators per node from [nodes])."""
+    hw = _values(data, "hardware", where)
+    hardware = HardwareConfig(gpus_per_node=int(nodes.get("accelerators", 8)), **_renamed(hw, _HARDWARE_FIELDS))
+    if hardware.prefill_mfu > 1:
+        raise ConfigError(f"{where}: [hardware].prefill_mfu must be <= 1, got {hardware.prefill_mfu}")
+    return hardware
 
 
 def parse_cluster(data: dict, where: str = "cluster") -> ClusterSpec:
@@ -206,65 +275,17 @@ def parse_cluster(data: dict, where: str = "cluster") -> ClusterSpec:
     for table in data:
         if table not in _TABLES:
             raise ConfigError(f"{where}: unknown table [{table}]; known: {sorted(_TABLES)}")
-    nodes = _values(data, "nodes", where)
-    for key in ("prefill", "decode"):
-        if key not in nodes:
-            raise ConfigError(f"{where}: [nodes].{key} is required (an integer >= 1)")
-    hw = _values(data, "hardware", where)
-    hardware = HardwareConfig(
-        gpus_per_node=int(nodes.get("accelerators", 8)),
-        **{
-            field: hw[key]
-            for key, field in (
-                ("storage_nic_gbps", "snic_bytes_per_s"),
-                ("compute_nic_gbps", "cnic_bytes_per_s"),
-                ("pcie_gbytes_per_s", "pcie_bytes_per_s"),
-                ("dram_gbytes_per_s", "dram_bytes_per_s"),
-                ("dram_gb", "dram_bytes"),
-                ("hbm_gb", "hbm_bytes"),
-                ("hbm_tbytes_per_s", "hbm_bytes_per_s"),
-                ("peak_tflops", "peak_flops"),
-                ("prefill_mfu", "prefill_mfu"),
-            )
-            if key in hw
-        },
-    )
-    if hardware.prefill_mfu > 1:
-        raise ConfigError(f"{where}: [hardware].prefill_mfu must be <= 1, got {hardware.prefill_mfu}")
+    nodes = _nodes(data, where)
+    hardware = _hardware(data, nodes, where)
     parallel = {key: int(value) for key, value in _values(data, "parallelism", where).items()}
-    sched = _values(data, "scheduler", where)
-    knobs = {
-        field: sched[key]
-        for key, field in (
-            ("tick_ms", "tick_s"),
-            ("compute_quota_ms", "compute_quota_s"),
-            ("workspace_gb", "workspace_bytes"),
-        )
-        if key in sched
-    }
-    knobs.update({key: int(sched[key]) for key in ("block_tokens", "max_batch_tokens") if key in sched})
+    knobs = _renamed(_values(data, "scheduler", where), _SCHEDULER_FIELDS)
     model = _model(data, where)
     try:
         config = ClusterConfig(model, hardware, int(nodes["prefill"]), int(nodes["decode"]), **knobs, **parallel)
     except ConfigError as error:
         raise ConfigError(f"{where}: {error}") from None
     slo = Slo(**_values(data, "slo", where))
-    tr = _values(data, "transfer", where)
-    costs = SubmissionCosts(
-        **{
-            field: (int(tr[key]) if key in ("aiv_cores", "staging_chunk_bytes") else tr[key])
-            for key, field in (
-                ("aiv_submit_us", "aiv_submit_s"),
-                ("aiv_cores", "aiv_cores"),
-                ("aicpu_issue_us", "aicpu_issue_s"),
-                ("aicpu_wqe_us", "aicpu_wqe_s"),
-                ("host_submit_us", "host_submit_s"),
-                ("staging_chunk_bytes", "staging_chunk_bytes"),
-                ("staging_copy_gbytes_per_s", "staging_copy_bytes_per_s"),
-            )
-            if key in tr
-        }
-    )
+    costs = SubmissionCosts(**_renamed(_values(data, "transfer", where), _TRANSFER_FIELDS))
     return ClusterSpec(config, slo, costs, where)
 
 

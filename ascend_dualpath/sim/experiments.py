@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ascend_dualpath.errors import ConfigError
-from ascend_dualpath.sim.cluster import ClusterConfig, ClusterSim, Mode, SimResult
+from ascend_dualpath.sim.cluster import ClusterConfig, ClusterSim, Mode, RequestRecord, SimResult
 from ascend_dualpath.sim.traces import Round, generate_trajectories, replay
 
 TTFT_SLO_S = 4.0
@@ -138,14 +138,8 @@ def summarise(result: SimResult, ttft_slo_s: float = TTFT_SLO_S, tpot_slo_s: flo
     :data:`SUBMIT_SHARE_LIMIT` (:func:`host_path_verdict` turns that into the seed's verdict).
     """
     records = result.requests
-    length = max(result.agent_finish_s, default=0.0) if math.isinf(result.jct_s) else result.jct_s
-    length = length if length > 0 else float("nan")
-    met = sum(1 for r in records if r.ttft_s <= ttft_slo_s and (r.tpot_s is None or r.tpot_s <= tpot_slo_s))
+    length = _run_length(result)
     utilisation = {name: busy / (result.units[name] * length) for name, busy in result.busy_s.items()}
-    try:
-        balance = snic_max_over_avg(result)
-    except ConfigError:  # no storage traffic (oracle, or no hits)
-        balance = None
     summary = {
         "jct_s": result.jct_s,
         "completed_requests": result.completed_requests,
@@ -157,28 +151,58 @@ def summarise(result: SimResult, ttft_slo_s: float = TTFT_SLO_S, tpot_slo_s: flo
             "generated_tokens_per_s": sum(r.gen_tokens for r in records) / length,
             "prompt_tokens_per_s": sum(r.prompt_tokens for r in records) / length,
         },
-        "slo": {"ttft_s": ttft_slo_s, "tpot_s": tpot_slo_s, "attainment": met / len(records) if records else 0.0},
-        "snic_max_over_avg": balance,
+        "slo": {
+            "ttft_s": ttft_slo_s,
+            "tpot_s": tpot_slo_s,
+            "attainment": _slo_attainment(records, ttft_slo_s, tpot_slo_s),
+        },
+        "snic_max_over_avg": _snic_balance(result),
         "utilisation": utilisation,
         "binding_resource": max(BINDING_CANDIDATES, key=lambda name: utilisation.get(name, 0.0)),
     }
     if result.transfer_kind is not None:
-        shares = [r.submit_share for r in records]
-        per_request = sum(shares) / len(shares)
-        pass_busy = result.busy_s["prefill_pass"]
-        prefill_share = result.busy_s["prefill_submit"] / pass_busy if pass_busy > 0 else 0.0
-        # under load a pass that submissions lengthened delays every request queued behind it, which no
-        # request's own passes show: where prefill binds, its time share is the larger and the one that counts
-        share = max(per_request, prefill_share)
-        summary["submit_share"] = {
-            "kind": result.transfer_kind.value,
-            **_spread(shares),
-            "prefill_pass": prefill_share,
-            "share": share,
-            "amdahl_bound": 1 / (1 - share),
-            "below_limit": share < SUBMIT_SHARE_LIMIT,
-        }
+        summary["submit_share"] = _submit_share(result)
     return summary
+
+
+def _run_length(result: SimResult) -> float:
+    """The run's length in s: its JCT, or its last agent's finish when some agent never finished (JCT inf);
+    NaN for an empty run, so that rates come out NaN rather than dividing by zero."""
+    length = max(result.agent_finish_s, default=0.0) if math.isinf(result.jct_s) else result.jct_s
+    return length if length > 0 else float("nan")
+
+
+def _slo_attainment(records: Sequence[RequestRecord], ttft_slo_s: float, tpot_slo_s: float) -> float:
+    """The fraction of ``records`` whose TTFT and TPOT (None with one output token) meet the SLOs; 0 if none."""
+    met = sum(1 for r in records if r.ttft_s <= ttft_slo_s and (r.tpot_s is None or r.tpot_s <= tpot_slo_s))
+    return met / len(records) if records else 0.0
+
+
+def _snic_balance(result: SimResult) -> float | None:
+    """:func:`snic_max_over_avg`, None where there was no storage traffic (oracle, or no hits)."""
+    try:
+        return snic_max_over_avg(result)
+    except ConfigError:
+        return None
+
+
+def _submit_share(result: SimResult) -> dict:
+    """``summarise``'s ``submit_share`` of a run with a transfer kind."""
+    shares = [r.submit_share for r in result.requests]
+    per_request = sum(shares) / len(shares)
+    pass_busy = result.busy_s["prefill_pass"]
+    prefill_share = result.busy_s["prefill_submit"] / pass_busy if pass_busy > 0 else 0.0
+    # under load a pass that submissions lengthened delays every request queued behind it, which no
+    # request's own passes show: where prefill binds, its time share is the larger and the one that counts
+    share = max(per_request, prefill_share)
+    return {
+        "kind": result.transfer_kind.value,
+        **_spread(shares),
+        "prefill_pass": prefill_share,
+        "share": share,
+        "amdahl_bound": 1 / (1 - share),
+        "below_limit": share < SUBMIT_SHARE_LIMIT,
+    }
 
 
 def host_path_verdict(host_share: float) -> str:
