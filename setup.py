@@ -168,7 +168,7 @@ setup(
     # torch is not pinned here: a range that admits a newer release would pull a CUDA build on a
     # CPU machine. Install torch first (README); any torch >= 2.4 works.
     install_requires=["numpy", "rich", "matplotlib"],
-    extras_require={"test": ["pytest", "hypothesis", "radon"]},
+    extras_require={"test": ["pytest", "hypothesis", "radon", "ruff==0.17.6"]},
     ext_modules=extensions(),
     cmdclass=cmdclass(),
     entry_points={"console_scripts": ["ascend-dualpath=ascend_dualpath.__main__:main"]},

@@ -49,7 +49,7 @@ class Poisoned:
         return self.region.addr
 
     def expect(self, offset: int, data: np.ndarray) -> None:
-        self.expected[offset:offset + len(data)] = data
+        self.expected[offset : offset + len(data)] = data
 
     def assert_intact(self) -> None:
         """Bytes equal what the test expected: writes landed exactly and nothing else changed."""

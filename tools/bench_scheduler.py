@@ -35,9 +35,16 @@ def main() -> None:
 
     def report(group: int, decode: bool) -> GroupReport:
         base = group * args.group_size
-        engines = [EngineState(base + i, group, seqs=rng.randint(0, 40), tokens=rng.randint(0, beta + beta // 4),
-                               free_hbm_bytes=rng.randint(0, 50 * 10**9) if decode else 0)
-                   for i in range(args.group_size)]
+        engines = [
+            EngineState(
+                base + i,
+                group,
+                seqs=rng.randint(0, 40),
+                tokens=rng.randint(0, beta + beta // 4),
+                free_hbm_bytes=rng.randint(0, 50 * 10**9) if decode else 0,
+            )
+            for i in range(args.group_size)
+        ]
         return GroupReport(group, engines, {group: rng.randint(0, 2 * alpha)})
 
     reports = [(g, report(g, True)) for g in de_groups] + [(g, report(g, False)) for g in pe_groups]
@@ -54,8 +61,10 @@ def main() -> None:
             else:
                 decided += len(scheduler.pull_prefill(group_report))
         elapsed += time.perf_counter() - start
-    print(f"engines={args.engines} groups={groups} (PE {len(pe_groups)}, DE {len(de_groups)}) "
-          f"decisions={decided} total={elapsed:.3f}s per_decision_us={1e6 * elapsed / max(1, decided):.2f}")
+    print(
+        f"engines={args.engines} groups={groups} (PE {len(pe_groups)}, DE {len(de_groups)}) "
+        f"decisions={decided} total={elapsed:.3f}s per_decision_us={1e6 * elapsed / max(1, decided):.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -70,11 +70,15 @@ def _calibration(iters: int) -> list[tuple[str, float]]:
     site = LaunchSite(_empty_kernel, 1, dict(N=1))
     site(small)
     torch.cuda.synchronize()
-    return [("torch.empty(4096, 7168, bf16)", _host_us(lambda: torch.empty(4096, 7168, dtype=torch.bfloat16,
-                                                                         device="cuda"), iters)),
-            ("small.zero_()", _host_us(small.zero_, iters)),
-            ("LaunchSite(empty kernel)", _host_us(lambda: site(small), iters)),
-            ("python no-op call", _host_us(lambda: None, iters))]
+    return [
+        (
+            "torch.empty(4096, 7168, bf16)",
+            _host_us(lambda: torch.empty(4096, 7168, dtype=torch.bfloat16, device="cuda"), iters),
+        ),
+        ("small.zero_()", _host_us(small.zero_, iters)),
+        ("LaunchSite(empty kernel)", _host_us(lambda: site(small), iters)),
+        ("python no-op call", _host_us(lambda: None, iters)),
+    ]
 
 
 def _worker(rank: int, world: int, store: str, args: argparse.Namespace) -> None:
@@ -89,15 +93,25 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace) -> None
     buffer = Buffer(group, num_nvl_bytes=int(4e9), strategy="cuda")
     layout = buffer.get_dispatch_layout(topk_idx, args.experts)
     recv_x, _, _, _, handle, _ = buffer.dispatch(
-        x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3], num_tokens_per_expert=layout[2],
-        topk_idx=topk_idx, topk_weights=topk_weights)
+        x,
+        num_tokens_per_rank=layout[0],
+        is_token_in_rank=layout[3],
+        num_tokens_per_expert=layout[2],
+        topk_idx=topk_idx,
+        topk_weights=topk_weights,
+    )
     ops = {
         "layout": lambda: buffer.get_dispatch_layout(topk_idx, args.experts),
         "dispatch bf16 (cached)": lambda: buffer.dispatch(x, handle=handle),
         "combine bf16": lambda: buffer.combine(recv_x, handle),
         "dispatch bf16 (fresh, layout given)": lambda: buffer.dispatch(
-            x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3], num_tokens_per_expert=layout[2],
-            topk_idx=topk_idx, topk_weights=topk_weights),
+            x,
+            num_tokens_per_rank=layout[0],
+            is_token_in_rank=layout[3],
+            num_tokens_per_expert=layout[2],
+            topk_idx=topk_idx,
+            topk_weights=topk_weights,
+        ),
     }
     report = []
     if rank == 0:

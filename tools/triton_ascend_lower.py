@@ -19,10 +19,24 @@ import sys
 import tempfile
 
 # dispatch_layout's arguments as the cuda strategy launches it (one node of 8 ranks, top-8)
-SIGNATURE = {"topk_idx": "*i64", "counts": "*i32", "in_rank": "*u8", "num_tokens": "i32", "num_topk": "i32",
-             "experts_per_rank": "i32", "num_experts": "i32"}
-CONSTANTS = {"NUM_RANKS": 8, "RANKS_PAD": 8, "RANKS_PER_NODE": 8, "NUM_NODES": 1, "NODES_PAD": 1, "TOPK_PAD": 8,
-             "BLOCK_T": 64}
+SIGNATURE = {
+    "topk_idx": "*i64",
+    "counts": "*i32",
+    "in_rank": "*u8",
+    "num_tokens": "i32",
+    "num_topk": "i32",
+    "experts_per_rank": "i32",
+    "num_experts": "i32",
+}
+CONSTANTS = {
+    "NUM_RANKS": 8,
+    "RANKS_PAD": 8,
+    "RANKS_PER_NODE": 8,
+    "NUM_NODES": 1,
+    "NODES_PAD": 1,
+    "TOPK_PAD": 8,
+    "BLOCK_T": 64,
+}
 
 
 def load_kernel(path: str):
@@ -63,9 +77,22 @@ def to_hivm(linalg: str, soc: str, temps: str) -> int:
     if compiler is None:
         print("bishengir-compile: MISSING (is ascendnpu-ir's bin/ on PATH?)")
         sys.exit(1)
-    run = subprocess.run([compiler, linalg, f"--target={soc}", "--enable-hfusion-compile=true",
-                          "--enable-hivm-compile=true", "--enable-triton-kernel-compile=true", f"--save-temps={temps}",
-                          "-o", os.path.join(temps, "kernel")], capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [
+            compiler,
+            linalg,
+            f"--target={soc}",
+            "--enable-hfusion-compile=true",
+            "--enable-hivm-compile=true",
+            "--enable-triton-kernel-compile=true",
+            f"--save-temps={temps}",
+            "-o",
+            os.path.join(temps, "kernel"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     hivm = glob.glob(os.path.join(temps, "*.hivm*.mlir"))
     text = open(hivm[0]).read() if hivm else ""
     ops = len(re.findall(r"hivm\.hir\.\w+", text))

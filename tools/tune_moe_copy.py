@@ -67,8 +67,14 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace) -> None
         try:
             layout = buffer.get_dispatch_layout(topk_idx, args.experts)
             recv_x, _, _, _, handle, _ = buffer.dispatch(
-                x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3], num_tokens_per_expert=layout[2],
-                topk_idx=topk_idx, topk_weights=topk_weights, config=config)
+                x,
+                num_tokens_per_rank=layout[0],
+                is_token_in_rank=layout[3],
+                num_tokens_per_expert=layout[2],
+                topk_idx=topk_idx,
+                topk_weights=topk_weights,
+                config=config,
+            )
             combined = buffer.combine(recv_x, handle, config=config)[0]
             if reference is None:
                 reference = (recv_x.clone(), combined.clone())
@@ -78,8 +84,9 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace) -> None
             sms = config.num_sms or handle.plan.private.get("model_sms")
             times = torch.tensor([dispatch_us, combine_us], dtype=torch.float64, device=device)
             dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
-            rows.append(dict(setting=setting, sms=sms, exact=exact, dispatch_us=float(times[0]),
-                             combine_us=float(times[1])))
+            rows.append(
+                dict(setting=setting, sms=sms, exact=exact, dispatch_us=float(times[0]), combine_us=float(times[1]))
+            )
         except Exception as error:  # every rank fails the same way; report and go on
             rows.append(dict(setting=setting, error=repr(error)[:200]))
         buffer.destroy()
@@ -89,8 +96,11 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace) -> None
             if "error" in row:
                 print(f"{setting}  error {row['error']}", flush=True)
             else:
-                print(f"{setting or 'default'} sms {row['sms']:>3}  exact {row['exact']!s:5}  "
-                      f"dispatch {row['dispatch_us']:7.1f} us  combine {row['combine_us']:7.1f} us", flush=True)
+                print(
+                    f"{setting or 'default'} sms {row['sms']:>3}  exact {row['exact']!s:5}  "
+                    f"dispatch {row['dispatch_us']:7.1f} us  combine {row['combine_us']:7.1f} us",
+                    flush=True,
+                )
     if rank == 0 and args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "tune_moe_copy.json"), "w") as handle_out:

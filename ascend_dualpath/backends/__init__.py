@@ -91,7 +91,9 @@ def _probe_cuda() -> Capabilities:
     if not torch.cuda.is_available():  # counts devices; creates no context
         return Capabilities(Backend.CUDA, False, "torch sees no CUDA device", "cuda", "nccl", ())
     count = torch.cuda.device_count()
-    return Capabilities(Backend.CUDA, True, f"{count} CUDA device(s)", "cuda", "nccl", _ALL_KINDS, {"device_count": count})
+    return Capabilities(
+        Backend.CUDA, True, f"{count} CUDA device(s)", "cuda", "nccl", _ALL_KINDS, {"device_count": count}
+    )
 
 
 def _probe_emulator() -> Capabilities:

@@ -111,14 +111,25 @@ def completion_error(completion: Any) -> E.AdpError | None:
     syndrome = Syndrome(completion.syndrome)
     cls = _SYNDROME_ERRORS.get(syndrome, E.QueueError)
     status = CqeStatus(completion.status)
-    return cls(f"{status.name} ({syndrome.name}) on qpn {completion.qpn} WQE {completion.wqe_index}: {completion.detail}")
+    return cls(
+        f"{status.name} ({syndrome.name}) on qpn {completion.qpn} WQE {completion.wqe_index}: {completion.detail}"
+    )
 
 
 # ---- wire formats ------------------------------------------------------------------------------
 
 
-def encode_rdma_wqe(opcode: int, owner: int, signaled: bool, length: int, rkey: int, remote_addr: int, lkey: int,
-                    local_addr: int, imm: int = 0) -> bytes:
+def encode_rdma_wqe(
+    opcode: int,
+    owner: int,
+    signaled: bool,
+    length: int,
+    rkey: int,
+    remote_addr: int,
+    lkey: int,
+    local_addr: int,
+    imm: int = 0,
+) -> bytes:
     """48-byte RoCE v2 RC WQE with one SGE, little-endian, as the AIV-direct kernels write it.
 
     ``owner`` is ``(head >> shift) & 1`` for producer index ``head``; bit 7 of the first word holds
@@ -186,8 +197,9 @@ def _with_fields(obj, fields: dict):
             setattr(obj, key, value)
         except TypeError:  # pybind11's message names neither the field nor the type received
             expected = type(getattr(obj, key)).__name__
-            raise E.ArgumentTypeError(f"{type(obj).__name__}.{key} must be {expected}, got {type(value).__name__} "
-                                      f"{value!r}") from None
+            raise E.ArgumentTypeError(
+                f"{type(obj).__name__}.{key} must be {expected}, got {type(value).__name__} {value!r}"
+            ) from None
     return obj
 
 

@@ -47,7 +47,7 @@ def _time_memcpy(src: np.ndarray, dst: np.ndarray, n: int, size: int, span: int)
     offsets = [(i * size) % (span - size) for i in range(n)]
     start = time.perf_counter()
     for off in offsets:
-        np.copyto(dst[off:off + size], src[off:off + size])
+        np.copyto(dst[off : off + size], src[off : off + size])
     return time.perf_counter() - start
 
 
@@ -80,11 +80,18 @@ def run(args: argparse.Namespace) -> int:
         nic_bw = args.mb_writes * mb / statistics.median(bw_times) / 1e9
         memcpy_bw = args.mb_writes * mb / statistics.median(cp_times) / 1e9
 
-    results.update({
-        "wqe_rate_4k_per_s": wqe_rate, "wqe_rate_trials_s": rate_times, "wqes_per_trial": args.wqes,
-        "nic_copy_1mb_GBps": nic_bw, "memcpy_1mb_GBps": memcpy_bw, "copy_ratio": nic_bw / memcpy_bw,
-        "sq_depth": args.depth, "signal_every": signal_every,
-    })
+    results.update(
+        {
+            "wqe_rate_4k_per_s": wqe_rate,
+            "wqe_rate_trials_s": rate_times,
+            "wqes_per_trial": args.wqes,
+            "nic_copy_1mb_GBps": nic_bw,
+            "memcpy_1mb_GBps": memcpy_bw,
+            "copy_ratio": nic_bw / memcpy_bw,
+            "sq_depth": args.depth,
+            "signal_every": signal_every,
+        }
+    )
     rows = [
         ("WQE rate, 4 KB writes, one SQ", f"{wqe_rate / 1e6:.2f} M WQE/s", ">= 1 M WQE/s"),
         ("copy bandwidth, 1 MB writes", f"{nic_bw:.2f} GB/s", ""),

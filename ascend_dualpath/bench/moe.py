@@ -42,9 +42,12 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
     parser.add_argument("--ll-tokens", type=int, default=128, help="tokens per rank, low-latency mode")
-    parser.add_argument("--strategies", default="auto",
-                        help="comma-separated, or auto: every strategy available on this machine (alltoall, the "
-                             "baseline, always is); an unavailable one named explicitly is reported, not run")
+    parser.add_argument(
+        "--strategies",
+        default="auto",
+        help="comma-separated, or auto: every strategy available on this machine (alltoall, the "
+        "baseline, always is); an unavailable one named explicitly is reported, not run",
+    )
     parser.add_argument("--ranks", type=int, default=0, help="processes (default: CUDA GPUs, else 2 on CPU)")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
@@ -72,7 +75,7 @@ def _time(fn, iters, warmup, device, group):
     samples, device_samples, host = [], [], []
     for _ in range(iters):
         pair = []
-        for preload in ((False, True) if cuda else (False,)):
+        for preload in (False, True) if cuda else (False,):
             dist.barrier(group)
             if cuda:
                 flush.zero_()
@@ -160,8 +163,13 @@ def join_group(rank: int, world: int, store: str):
     if cuda:
         torch.cuda.set_device(rank)
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            **({"device_id": device} if cuda else {}))
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
+        **({"device_id": device} if cuda else {}),
+    )
     return device, dist.group.WORLD
 
 
@@ -190,11 +198,26 @@ def _worker(rank, world, store, args, queue):
     device, group = join_group(rank, world, store)
     cuda = device.type == "cuda"
     if rank == 0:
-        queue.put(("meta", dict(world=world, device=torch.cuda.get_device_name(0) if cuda else "cpu",
-                                torch=torch.__version__)))
+        queue.put(
+            (
+                "meta",
+                dict(world=world, device=torch.cuda.get_device_name(0) if cuda else "cpu", torch=torch.__version__),
+            )
+        )
     x, topk_idx, topk_weights = make_inputs(args.tokens, args.hidden, args.experts, args.topk, device, seed=rank)
-    ctx = _Rank(args=args, rank=rank, world=world, device=device, group=group, queue=queue, cuda=cuda, x=x,
-                x_fp8=quant.per_token_cast_to_fp8(x), topk_idx=topk_idx, topk_weights=topk_weights)
+    ctx = _Rank(
+        args=args,
+        rank=rank,
+        world=world,
+        device=device,
+        group=group,
+        queue=queue,
+        cuda=cuda,
+        x=x,
+        x_fp8=quant.per_token_cast_to_fp8(x),
+        topk_idx=topk_idx,
+        topk_weights=topk_weights,
+    )
     for strategy in _runnable_strategies(args.strategies, group, rank, queue):
         sm_list = [int(s) for s in args.num_sms.split(",")] if strategy == "cuda" else [0]
         for num_sms in sm_list:
@@ -235,13 +258,25 @@ def _measure(ctx: _Rank, strategy: str, num_sms: int, with_low_latency: bool) ->
 
     args, rank, queue = ctx.args, ctx.rank, ctx.queue
     x, x_fp8, topk_idx, topk_weights = ctx.x, ctx.x_fp8, ctx.topk_idx, ctx.topk_weights
-    buffer = Buffer(ctx.group, num_nvl_bytes=int(4e9), num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(
-        args.ll_tokens, args.hidden, ctx.world, args.experts), low_latency_mode=True, strategy=strategy)
+    buffer = Buffer(
+        ctx.group,
+        num_nvl_bytes=int(4e9),
+        num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(args.ll_tokens, args.hidden, ctx.world, args.experts),
+        low_latency_mode=True,
+        strategy=strategy,
+    )
     config = Config(num_sms=num_sms)
     layout = buffer.get_dispatch_layout(topk_idx, args.experts)
     recv_x, _, _, _, handle, _ = buffer.dispatch(
-        x, num_tokens_per_rank=layout[0], num_tokens_per_rdma_rank=layout[1], is_token_in_rank=layout[3],
-        num_tokens_per_expert=layout[2], topk_idx=topk_idx, topk_weights=topk_weights, config=config)
+        x,
+        num_tokens_per_rank=layout[0],
+        num_tokens_per_rdma_rank=layout[1],
+        is_token_in_rank=layout[3],
+        num_tokens_per_expert=layout[2],
+        topk_idx=topk_idx,
+        topk_weights=topk_weights,
+        config=config,
+    )
     recv_counts = handle.plan.count_matrix[:, rank]
     logical_rows, cross_rows = int(recv_counts.sum()), int(recv_counts.sum() - recv_counts[rank])
     used_sms = handle.plan.private.get("model_sms") if not num_sms else num_sms
@@ -249,12 +284,19 @@ def _measure(ctx: _Rank, strategy: str, num_sms: int, with_low_latency: bool) ->
 
     def op(name, fn, row_bytes, ll_valid=None):
         samples, device_samples, host, loop = _time(fn, args.iters, args.warmup, ctx.device, ctx.group)
-        row = dict(strategy=strategy, num_sms=used_sms if strategy == "cuda" else None, op=name,
-                   mean_us=statistics.mean(samples) * 1e6, median_us=statistics.median(samples) * 1e6,
-                   min_us=min(samples) * 1e6, gpu_us=statistics.median(device_samples) * 1e6,
-                   host_us=statistics.median(host) * 1e6, loop_us=loop * 1e6,
-                   logical_bytes=logical_rows * row_bytes,
-                   cross_bytes=cross_rows * row_bytes)
+        row = dict(
+            strategy=strategy,
+            num_sms=used_sms if strategy == "cuda" else None,
+            op=name,
+            mean_us=statistics.mean(samples) * 1e6,
+            median_us=statistics.median(samples) * 1e6,
+            min_us=min(samples) * 1e6,
+            gpu_us=statistics.median(device_samples) * 1e6,
+            host_us=statistics.median(host) * 1e6,
+            loop_us=loop * 1e6,
+            logical_bytes=logical_rows * row_bytes,
+            cross_bytes=cross_rows * row_bytes,
+        )
         if ll_valid is not None:  # LL bytes: one message per valid (token, expert) received
             row.update(logical_bytes=ll_valid * row_bytes, cross_bytes=None)
         if rank == 0:
@@ -273,21 +315,35 @@ def _measure(ctx: _Rank, strategy: str, num_sms: int, with_low_latency: bool) ->
     op("layout", lambda: buffer.get_dispatch_layout(topk_idx, args.experts), 0)
     op("dispatch bf16 (cached)", lambda: buffer.dispatch(x, handle=handle, config=config), bf16_row)
     op("dispatch fp8 (cached)", lambda: buffer.dispatch(x_fp8, handle=handle, config=config), fp8_row)
-    op("dispatch bf16 (with topk, layout given)", lambda: buffer.dispatch(
-        x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3], num_tokens_per_expert=layout[2],
-        topk_idx=topk_idx, topk_weights=topk_weights, config=config), bf16_row)
+    op(
+        "dispatch bf16 (with topk, layout given)",
+        lambda: buffer.dispatch(
+            x,
+            num_tokens_per_rank=layout[0],
+            is_token_in_rank=layout[3],
+            num_tokens_per_expert=layout[2],
+            topk_idx=topk_idx,
+            topk_weights=topk_weights,
+            config=config,
+        ),
+        bf16_row,
+    )
     op("combine bf16", lambda: buffer.combine(recv_x, handle, config=config), bf16_row)
     if strategy == "cuda" and ctx.cuda and not args.no_graphs:
         graph_op("dispatch bf16 (cached, graph)", lambda: buffer.dispatch(x, handle=handle)[0], bf16_row)
         graph_op("dispatch fp8 (cached, graph)", lambda: buffer.dispatch(x_fp8, handle=handle)[0], fp8_row)
         graph_op("combine bf16 (graph)", lambda: buffer.combine(recv_x, handle)[0], bf16_row)
     if with_low_latency:
-        ll_x, ll_idx, ll_w = x[:args.ll_tokens], topk_idx[:args.ll_tokens], topk_weights[:args.ll_tokens]
+        ll_x, ll_idx, ll_w = x[: args.ll_tokens], topk_idx[: args.ll_tokens], topk_weights[: args.ll_tokens]
         ll = buffer.low_latency_dispatch(ll_x, ll_idx, args.ll_tokens, args.experts, use_fp8=True)
         ll_bf16 = torch.zeros_like(ll[0][0], dtype=torch.bfloat16)
         valid = int(ll[1].sum())
-        op("ll dispatch fp8", lambda: buffer.low_latency_dispatch(ll_x, ll_idx, args.ll_tokens, args.experts,
-                                                                 use_fp8=True), fp8_row + 16, valid)
+        op(
+            "ll dispatch fp8",
+            lambda: buffer.low_latency_dispatch(ll_x, ll_idx, args.ll_tokens, args.experts, use_fp8=True),
+            fp8_row + 16,
+            valid,
+        )
         op("ll combine bf16", lambda: buffer.low_latency_combine(ll_bf16, ll_idx, ll_w, ll[2]), bf16_row, valid)
     buffer.destroy()
 
@@ -298,13 +354,17 @@ def _line(r: dict) -> str:
     t = r["median_us"] / 1e6
     logical = f"{r['logical_bytes'] / t / 1e9:.0f}" if r["logical_bytes"] else "-"
     cross = f"{r['cross_bytes'] / t / 1e9:.0f}" if r.get("cross_bytes") else "-"
-    return (f"{r['strategy']:<9} {str(r['num_sms'] or '-'):>4} {r['op']:<40} {r['median_us']:>10.1f} "
-            f"{r['gpu_us']:>9.1f} {r['host_us']:>8.1f} {r['loop_us']:>8.1f} {r['mean_us']:>10.1f} {logical:>12} "
-            f"{cross:>10}")
+    return (
+        f"{r['strategy']:<9} {str(r['num_sms'] or '-'):>4} {r['op']:<40} {r['median_us']:>10.1f} "
+        f"{r['gpu_us']:>9.1f} {r['host_us']:>8.1f} {r['loop_us']:>8.1f} {r['mean_us']:>10.1f} {logical:>12} "
+        f"{cross:>10}"
+    )
 
 
-HEADER = (f"{'strategy':<9} {'sms':>4} {'op':<40} {'median us':>10} {'gpu us':>9} {'host us':>8} {'loop us':>8} "
-          f"{'mean us':>10} {'logical GB/s':>12} {'cross GB/s':>10}")
+HEADER = (
+    f"{'strategy':<9} {'sms':>4} {'op':<40} {'median us':>10} {'gpu us':>9} {'host us':>8} {'loop us':>8} "
+    f"{'mean us':>10} {'logical GB/s':>12} {'cross GB/s':>10}"
+)
 
 
 def sm_calibration(rows: list[dict]) -> dict | None:
@@ -312,8 +372,11 @@ def sm_calibration(rows: list[dict]) -> dict | None:
     cached BF16 dispatch at the smallest SM count measured (where the SMs, not NVLink, bound it): every
     written row (own and peer) per second per SM. This is the figure ``choose_num_sms`` takes as
     ``sm_write_gbs``."""
-    runs = [r for r in rows if r["strategy"] == "cuda" and r["op"] == "dispatch bf16 (cached)" and r["num_sms"]
-            and "error" not in r]
+    runs = [
+        r
+        for r in rows
+        if r["strategy"] == "cuda" and r["op"] == "dispatch bf16 (cached)" and r["num_sms"] and "error" not in r
+    ]
     if not runs:
         return None
     fewest = min(runs, key=lambda r: r["num_sms"])
@@ -379,13 +442,18 @@ def run(args: argparse.Namespace) -> int:
     finally:
         _stop(procs, finished, store)
     if not finished:
-        print(f"bench moe: incomplete (a rank failed or the run exceeded {args.deadline_s:g} s); "
-              f"{len(result['rows'])} rows measured", file=sys.stderr)
+        print(
+            f"bench moe: incomplete (a rank failed or the run exceeded {args.deadline_s:g} s); "
+            f"{len(result['rows'])} rows measured",
+            file=sys.stderr,
+        )
     result["args"] = vars(args)
     result["sm_calibration"] = sm_calibration(result["rows"])
     if result["sm_calibration"]:
-        print("sm calibration: {per_sm_write_gbs:.1f} GB/s written per SM (device time of the cached BF16 "
-              "dispatch at {num_sms} SMs)".format(**result["sm_calibration"]))
+        print(
+            "sm calibration: {per_sm_write_gbs:.1f} GB/s written per SM (device time of the cached BF16 "
+            "dispatch at {num_sms} SMs)".format(**result["sm_calibration"])
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

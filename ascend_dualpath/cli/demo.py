@@ -29,14 +29,22 @@ STORE_PREFIX = "adp-demo-store-"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--agents", type=int, default=8, help="concurrent agent conversations")
-    parser.add_argument("--turns", type=int, default=None,
-                        help="turns per conversation (default 4; 8 with --compare, so the cold first turn, which "
-                             "has no cached prefix to load, does not dominate the comparison)")
+    parser.add_argument(
+        "--turns",
+        type=int,
+        default=None,
+        help="turns per conversation (default 4; 8 with --compare, so the cold first turn, which "
+        "has no cached prefix to load, does not dominate the comparison)",
+    )
     parser.add_argument("--first-prompt", type=int, default=384, help="tokens of the first turn's prompt")
     parser.add_argument("--append", type=int, default=64, help="mean tokens appended per later turn")
     parser.add_argument("--gen", type=int, default=4, help="tokens generated per turn")
-    parser.add_argument("--snic-mbps", type=float, default=1.0,
-                        help="storage-NIC read cap of each engine node, MB/s (scaled down with the model)")
+    parser.add_argument(
+        "--snic-mbps",
+        type=float,
+        default=1.0,
+        help="storage-NIC read cap of each engine node, MB/s (scaled down with the model)",
+    )
     parser.add_argument("--mode", choices=("dual", "pe", "de"), default="dual", help="read-path policy")
     parser.add_argument("--compare", action="store_true", help="also run the PE-only baseline, side by side")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
@@ -84,7 +92,7 @@ def reap_dead_runs() -> list[str]:
     for directory, prefix in ((SHM_DIR, "adp.demo"), (tempfile.gettempdir(), STORE_PREFIX)):
         names = os.listdir(directory) if os.path.isdir(directory) else []
         for name in filter(lambda n, prefix=prefix: n.startswith(prefix), names):
-            pid = name[len(prefix):].split("x" if directory == SHM_DIR else "-")[0]
+            pid = name[len(prefix) :].split("x" if directory == SHM_DIR else "-")[0]
             if not pid.isdigit() or _pid_alive(int(pid)):
                 continue
             path = os.path.join(directory, name)
@@ -138,8 +146,7 @@ class _JobWatch:
             return
         self.death_seen = self.death_seen or time.monotonic()
         # a survivor notices within its own bounded waits and reports the error it saw: prefer that
-        survivor_may_report = (self.procs[1].exitcode is None
-                               and time.monotonic() - self.death_seen < 2 * self.timeout_s)
+        survivor_may_report = self.procs[1].exitcode is None and time.monotonic() - self.death_seen < 2 * self.timeout_s
         if not survivor_may_report:
             self.error = "; ".join(f"{self.ROLES[r]} process exited with code {self.procs[r].exitcode}" for r in dead)
 
@@ -176,8 +183,10 @@ def run_job(config, job: dict, on_event, kill_pe_after: int | None = None) -> di
     events = ctx.Queue()
     fabric_name = new_fabric_name("demo")
     port = _free_port()
-    procs = [ctx.Process(target=_engine_child, args=(os.getpid(), rank, port, fabric_name, config, job, events))
-             for rank in range(2)]
+    procs = [
+        ctx.Process(target=_engine_child, args=(os.getpid(), rank, port, fabric_name, config, job, events))
+        for rank in range(2)
+    ]
     with sigint_blocked():  # Ctrl-C is for this process; it stops the engines
         for p in procs:
             p.start()
@@ -238,40 +247,52 @@ def _run_mode(args, mode: str, console) -> dict | None:
     from ascend_dualpath.dualpath.engine import EngineConfig
     from ascend_dualpath.dualpath.workload import synthetic_conversations
 
-    conversations = synthetic_conversations(args.agents, args.turns, args.first_prompt, args.append, args.gen,
-                                            seed=args.seed)
+    conversations = synthetic_conversations(
+        args.agents, args.turns, args.first_prompt, args.append, args.gen, seed=args.seed
+    )
     longest = max(c.max_context() for c in conversations)
     timeout = args.timeout or 30.0
     with tempfile.TemporaryDirectory(prefix=f"{STORE_PREFIX}{os.getpid()}-") as root:
-        config = EngineConfig(root, dtype=args.dtype, max_tokens=max(256, -(-longest // 256) * 256),
-                              pe_snic_bytes_per_s=args.snic_mbps * 1e6, de_snic_bytes_per_s=args.snic_mbps * 1e6,
-                              timeout_s=timeout, idle_timeout_s=max(120.0, 20 * timeout), verify=not args.no_verify)
+        config = EngineConfig(
+            root,
+            dtype=args.dtype,
+            max_tokens=max(256, -(-longest // 256) * 256),
+            pe_snic_bytes_per_s=args.snic_mbps * 1e6,
+            de_snic_bytes_per_s=args.snic_mbps * 1e6,
+            timeout_s=timeout,
+            idle_timeout_s=max(120.0, 20 * timeout),
+            verify=not args.no_verify,
+        )
         turns: list[dict] = []
         total = args.agents * args.turns
         table = Table(title=f"{mode}: per turn", show_lines=False)
-        for column in ("agent", "turn", "path", "prompt", "hit", "PE SNIC KiB", "DE SNIC KiB", "TTFT ms",
-                       "fallback"):
+        for column in ("agent", "turn", "path", "prompt", "hit", "PE SNIC KiB", "DE SNIC KiB", "TTFT ms", "fallback"):
             table.add_column(column, justify="right")
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task(escape(f"[{mode}] turns served"), total=total)
-            check_task = progress.add_task(escape(f"[{mode}] turns verified"), total=total,
-                                           visible=not args.no_verify)
+            check_task = progress.add_task(escape(f"[{mode}] turns verified"), total=total, visible=not args.no_verify)
 
             def on_event(event) -> None:
                 if event[0] == "turn":
                     t = event[1]
                     turns.append(t)
                     progress.advance(task)
-                    table.add_row(str(t["agent_id"]), str(t["turn"]), t["path"], str(t["prompt_tokens"]),
-                                  str(t["hit_tokens"]), f"{t['pe_read_bytes'] / 1024:.0f}",
-                                  f"{t['de_read_bytes'] / 1024:.0f}", f"{t['ttft_s'] * 1e3:.0f}",
-                                  escape("; ".join(t["fallbacks"] + ([t["error"]] if t["error"] else []))[:60]))
+                    table.add_row(
+                        str(t["agent_id"]),
+                        str(t["turn"]),
+                        t["path"],
+                        str(t["prompt_tokens"]),
+                        str(t["hit_tokens"]),
+                        f"{t['pe_read_bytes'] / 1024:.0f}",
+                        f"{t['de_read_bytes'] / 1024:.0f}",
+                        f"{t['ttft_s'] * 1e3:.0f}",
+                        escape("; ".join(t["fallbacks"] + ([t["error"]] if t["error"] else []))[:60]),
+                    )
                 elif event[0] == "verified":
                     progress.advance(check_task)
 
             try:
-                summary = run_job(config, {"conversations": conversations, "mode": mode}, on_event,
-                                  args.kill_pe_after)
+                summary = run_job(config, {"conversations": conversations, "mode": mode}, on_event, args.kill_pe_after)
             except RuntimeError as error:
                 console.print(f"[red]demo ({mode}) failed: {escape(str(error))}")
                 return None
@@ -290,13 +311,22 @@ def _summary_rows() -> list:
         ("aggregate storage read bandwidth", lambda r: f"{r['read_bw'] / 1e6:.2f} MB/s"),
         ("mean TTFT", lambda r: f"{r['mean_ttft_s'] * 1e3:.0f} ms"),
         ("fallbacks / deferred / failed turns", lambda r: f"{r['fallbacks']} / {r['deferred']} / {r['failed']}"),
-        ("DE NIC virtual clock (transfers)", lambda r: f"{r['nic_vtime_ns'] / 1e3:.0f} us, "
-                                                       f"{r['nic_bytes'] / 2**20:.1f} MiB"),
-        ("DE transfer requests by kind", lambda r: escape(", ".join(f"{k} {n}" for k, n in
-                                                                    sorted(r["transfer_kinds"].items())) or "-")),
+        (
+            "DE NIC virtual clock (transfers)",
+            lambda r: f"{r['nic_vtime_ns'] / 1e3:.0f} us, {r['nic_bytes'] / 2**20:.1f} MiB",
+        ),
+        (
+            "DE transfer requests by kind",
+            lambda r: escape(", ".join(f"{k} {n}" for k, n in sorted(r["transfer_kinds"].items())) or "-"),
+        ),
         ("loaded KV bit-exact", lambda r: _count(r, "loaded_exact")),
-        ("KV within tolerance of float64", lambda r: _count(r, "kv_ok") + (
-            f" (worst {max(c['kv_max_err'] for c in r['checks']):.3f})" if r["checks"] else "")),
+        (
+            "KV within tolerance of float64",
+            lambda r: (
+                _count(r, "kv_ok")
+                + (f" (worst {max(c['kv_max_err'] for c in r['checks']):.3f})" if r["checks"] else "")
+            ),
+        ),
         ("greedy tokens = no-cache run", lambda r: _count(r, "tokens_equal")),
     ]
 
@@ -322,8 +352,10 @@ def _print_summary(console, results: dict[str, dict]) -> bool:
 
 def _print_gain(console, dual: dict, base: dict) -> None:
     bw = dual["read_bw"] / base["read_bw"] if base["read_bw"] else float("nan")
-    console.print(f"DualPath vs PE-only: aggregate storage read bandwidth {bw:.2f}x, "
-                  f"job completion time {base['jct_s'] / dual['jct_s']:.2f}x better")
+    console.print(
+        f"DualPath vs PE-only: aggregate storage read bandwidth {bw:.2f}x, "
+        f"job completion time {base['jct_s'] / dual['jct_s']:.2f}x better"
+    )
 
 
 def _count(result: dict, key: str) -> str:
@@ -343,9 +375,11 @@ def run(args: argparse.Namespace) -> int:
         args.turns = 8 if args.compare else 4
     reap_dead_runs()
     console = Console()
-    console.print(f"DualPath demo: {args.agents} agents x {args.turns} turns, first prompt {args.first_prompt} "
-                  f"tokens, +{args.append} per turn, {args.gen} generated; storage NIC cap {args.snic_mbps} MB/s "
-                  f"per engine node; tiny Llama ({args.dtype}) on 2 emulated NPUs")
+    console.print(
+        f"DualPath demo: {args.agents} agents x {args.turns} turns, first prompt {args.first_prompt} "
+        f"tokens, +{args.append} per turn, {args.gen} generated; storage NIC cap {args.snic_mbps} MB/s "
+        f"per engine node; tiny Llama ({args.dtype}) on 2 emulated NPUs"
+    )
     modes = ["dual", "pe"] if args.compare else [args.mode]
     results = {}
     for mode in modes:

@@ -7,7 +7,9 @@ import json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--product", choices=["A2", "A3"], default=None, help="emulated product (default A2 or ADP_EMU_PRODUCT)")
+    parser.add_argument(
+        "--product", choices=["A2", "A3"], default=None, help="emulated product (default A2 or ADP_EMU_PRODUCT)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
@@ -27,7 +29,9 @@ def collect(product: str | None = None) -> dict:
     for backend in Backend:
         caps = capabilities(backend)
         report["backends"][backend.value] = {
-            "available": caps.available, "reason": caps.reason, "transfer_kinds": list(caps.transfer_kinds),
+            "available": caps.available,
+            "reason": caps.reason,
+            "transfer_kinds": list(caps.transfer_kinds),
             "collectives": caps.collective_backend,
         }
     if report["backends"]["emulator"]["available"]:
@@ -42,8 +46,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(f"ascend_dualpath {report['ascend_dualpath']}  (torch {report['torch']}; "
-          f"compiled: {', '.join(report['compiled_backends']) or 'nothing'})")
+    print(
+        f"ascend_dualpath {report['ascend_dualpath']}  (torch {report['torch']}; "
+        f"compiled: {', '.join(report['compiled_backends']) or 'nothing'})"
+    )
     print("backends:")
     for name, b in report["backends"].items():
         state = "available  " if b["available"] else "unavailable"

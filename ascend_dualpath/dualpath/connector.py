@@ -86,8 +86,16 @@ class PrefillConnector:
         Bound of every wait.
     """
 
-    def __init__(self, layout: Any, comm: Any, leg: LayerTransferLeg, read_queue: ReadQueue, pe_buf: HostBuffer,
-                 slots: list[HbmSlot], timeout_s: float) -> None:
+    def __init__(
+        self,
+        layout: Any,
+        comm: Any,
+        leg: LayerTransferLeg,
+        read_queue: ReadQueue,
+        pe_buf: HostBuffer,
+        slots: list[HbmSlot],
+        timeout_s: float,
+    ) -> None:
         if len(slots) != 2:
             raise ProtocolError(f"the PE needs 2 HBM layer slots, got {len(slots)}")
         self.layout, self.comm, self.leg, self.read_queue = layout, comm, leg, read_queue
@@ -119,8 +127,9 @@ class PrefillConnector:
         fb = self.layout.full_block_bytes
         lease = self.pe_buf.allocate(request_id, len(block_ids) * fb, timeout_s=timeout_s)
         try:
-            tickets = [self.read_queue.submit(block_id, lease.slice(b * fb, fb).view)
-                       for b, block_id in enumerate(block_ids)]
+            tickets = [
+                self.read_queue.submit(block_id, lease.slice(b * fb, fb).view) for b, block_id in enumerate(block_ids)
+            ]
         except BaseException:
             lease.release()
             raise
@@ -146,8 +155,10 @@ class PrefillConnector:
         total = self.hit_tokens + len(plan.new_tokens)
         need = total * self.layout.token_bytes
         if need > self.slots[0].tensor.numel():
-            raise CapacityError(f"request {plan.request_id}: {total} tokens need {need} bytes per HBM layer slot, "
-                                f"slots hold {self.slots[0].tensor.numel()}")
+            raise CapacityError(
+                f"request {plan.request_id}: {total} tokens need {need} bytes per HBM layer slot, "
+                f"slots hold {self.slots[0].tensor.numel()}"
+            )
         if plan.path is not ReadPath.PE or not plan.hit_block_ids:
             return
         self._sync_index(plan.hit_block_ids)
@@ -184,9 +195,15 @@ class PrefillConnector:
                 if layer + 1 < self.layout.num_layers:
                     self._copy(layer + 1)
             else:
-                wait_notify(self.comm, layer, plan.hit_magics[layer],
-                            f"hit layer {layer} of request {plan.request_id} from the DE",
-                            abort_magic=plan.abort_to_pe, timeout_s=self.timeout_s, check=self._check_saves)
+                wait_notify(
+                    self.comm,
+                    layer,
+                    plan.hit_magics[layer],
+                    f"hit layer {layer} of request {plan.request_id} from the DE",
+                    abort_magic=plan.abort_to_pe,
+                    timeout_s=self.timeout_s,
+                    check=self._check_saves,
+                )
         C = self.layout.token_bytes
         return self.slots[layer % 2].tensor[: self.hit_tokens * C].view(self.hit_tokens, C)
 
@@ -196,12 +213,13 @@ class PrefillConnector:
         C, hit, L = self.layout.token_bytes, self.hit_tokens, self.layout.num_layers
         miss = len(plan.new_tokens)
         if tuple(miss_rows.shape) != (miss, C) or miss_rows.dtype != torch.uint8:
-            raise ProtocolError(f"layer {layer}: miss rows must be uint8 [{miss}, {C}], got {miss_rows.dtype} "
-                                f"{list(miss_rows.shape)}")
+            raise ProtocolError(
+                f"layer {layer}: miss rows must be uint8 [{miss}, {C}], got {miss_rows.dtype} {list(miss_rows.shape)}"
+            )
         if layer >= 2:  # the slot's previous save (layer - 2) must have left before its bytes are overwritten
             self.stats.vtime_ns = max(self.stats.vtime_ns, self.leg.wait(self._saves[layer - 2], self.timeout_s))
         slot = self.slots[layer % 2]
-        slot.tensor[hit * C:(hit + miss) * C].copy_(miss_rows.reshape(-1))  # complete layer = hit ++ miss rows
+        slot.tensor[hit * C : (hit + miss) * C].copy_(miss_rows.reshape(-1))  # complete layer = hit ++ miss rows
         if plan.path is ReadPath.PE:
             segments, dst = [Segment(slot.addr, (hit + miss) * C, 0)], plan.de_lease_addr + layer * (hit + miss) * C
         else:

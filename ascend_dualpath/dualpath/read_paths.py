@@ -56,14 +56,30 @@ class LoadPlan:
         return self.request_id, self.attempt
 
 
-def make_plan(comm: Any, request_id: int, attempt: int, path: ReadPath, new_tokens: list[int],
-              hit_block_ids: list[bytes], de_lease_addr: int,
-              num_layers: int) -> LoadPlan:
+def make_plan(
+    comm: Any,
+    request_id: int,
+    attempt: int,
+    path: ReadPath,
+    new_tokens: list[int],
+    hit_block_ids: list[bytes],
+    de_lease_addr: int,
+    num_layers: int,
+) -> LoadPlan:
     """A plan with fresh magics from ``comm`` (the DE's communicator)."""
     magics = [comm.next_magic() for _ in range(2 * num_layers + 2)]
-    return LoadPlan(request_id, attempt, path, tuple(new_tokens), tuple(hit_block_ids),
-                    de_lease_addr, tuple(magics[:num_layers]), tuple(magics[num_layers:2 * num_layers]),
-                    magics[-2], magics[-1])
+    return LoadPlan(
+        request_id,
+        attempt,
+        path,
+        tuple(new_tokens),
+        tuple(hit_block_ids),
+        de_lease_addr,
+        tuple(magics[:num_layers]),
+        tuple(magics[num_layers : 2 * num_layers]),
+        magics[-2],
+        magics[-1],
+    )
 
 
 def hit_layer_segments(layout: KVLayout, blocks_addr: int, num_blocks: int, layer: int) -> list[Segment]:
@@ -81,8 +97,15 @@ class PathTimes:
     vtime_ns: float = 0.0
 
 
-def de_side_de_path(plan: LoadPlan, layout: KVLayout, comm: Any, leg: LayerTransferLeg, pe_slot_addrs: list[int],
-                    timeout_s: float, times: PathTimes) -> None:
+def de_side_de_path(
+    plan: LoadPlan,
+    layout: KVLayout,
+    comm: Any,
+    leg: LayerTransferLeg,
+    pe_slot_addrs: list[int],
+    timeout_s: float,
+    times: PathTimes,
+) -> None:
     """DE side of the DE read path, after its SNIC read the hit blocks into the lease at ``plan.de_lease_addr``.
 
     Pushes hit layer ``l`` into PE slot ``l % 2`` (notify ``hit_magics[l]``), waits for the PE to return miss
@@ -93,14 +116,26 @@ def de_side_de_path(plan: LoadPlan, layout: KVLayout, comm: Any, leg: LayerTrans
     n, L = len(plan.hit_block_ids), layout.num_layers
 
     def push(layer: int):
-        return leg.submit(layer, hit_layer_segments(layout, plan.de_lease_addr, n, layer), PE_RANK,
-                          pe_slot_addrs[layer % 2], layer, plan.hit_magics[layer])
+        return leg.submit(
+            layer,
+            hit_layer_segments(layout, plan.de_lease_addr, n, layer),
+            PE_RANK,
+            pe_slot_addrs[layer % 2],
+            layer,
+            plan.hit_magics[layer],
+        )
 
     pushes = {layer: push(layer) for layer in range(min(2, L))}
     for layer in range(L):
         times.vtime_ns = max(times.vtime_ns, leg.wait(pushes.pop(layer), timeout_s))
-        wait_notify(comm, layer, plan.save_magics[layer], f"miss KV of layer {layer} of request {plan.request_id} "
-                    f"from the PE (DE read path)", abort_magic=plan.abort_to_de, timeout_s=timeout_s)
+        wait_notify(
+            comm,
+            layer,
+            plan.save_magics[layer],
+            f"miss KV of layer {layer} of request {plan.request_id} from the PE (DE read path)",
+            abort_magic=plan.abort_to_de,
+            timeout_s=timeout_s,
+        )
         if layer + 2 < L:
             pushes[layer + 2] = push(layer + 2)
     times.layers_s += time.monotonic() - start
@@ -110,13 +145,20 @@ def de_side_pe_path(plan: LoadPlan, layout: KVLayout, comm: Any, timeout_s: floa
     """DE side of the PE read path: wait for the PE to write every complete layer into the lease."""
     start = time.monotonic()
     for layer in range(layout.num_layers):
-        wait_notify(comm, layer, plan.save_magics[layer], f"complete layer {layer} of request {plan.request_id} "
-                    f"from the PE (PE read path)", abort_magic=plan.abort_to_de, timeout_s=timeout_s)
+        wait_notify(
+            comm,
+            layer,
+            plan.save_magics[layer],
+            f"complete layer {layer} of request {plan.request_id} from the PE (PE read path)",
+            abort_magic=plan.abort_to_de,
+            timeout_s=timeout_s,
+        )
     times.layers_s += time.monotonic() - start
 
 
-def h2d_segments(plan: LoadPlan, layout: KVLayout, total_tokens: int, hbm_addr: int,
-                 hbm_tokens: int) -> list[tuple[int, int, int]]:
+def h2d_segments(
+    plan: LoadPlan, layout: KVLayout, total_tokens: int, hbm_addr: int, hbm_tokens: int
+) -> list[tuple[int, int, int]]:
     """``(src_addr, dst_addr, nbytes)`` copies that assemble the lease into DE HBM ``[L, hbm_tokens, C]``.
 
     PE path: the lease is ``[L, T_all, C]``, one copy per layer. DE path: per layer, the ``n`` hit Layer Blocks

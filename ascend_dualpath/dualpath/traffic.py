@@ -151,6 +151,7 @@ class OpensmQos:
 
     def opensm_lines(self) -> list[str]:
         """The ``opensm.conf`` lines."""
+
         def table(entries: tuple[tuple[int, int], ...]) -> str:
             return ",".join(f"{vl}:{weight}" for vl, weight in entries)
 

@@ -110,8 +110,10 @@ class Region:
         if lease is not None:
             self.buffer._check_live(lease)
         if offset < 0 or nbytes < 0 or offset + nbytes > self.nbytes:
-            raise BoundsError(f"slice [{offset}, {offset + nbytes}) is outside a region of {self.nbytes} bytes "
-                              f"(at byte {self.offset} of {self.buffer.role})")
+            raise BoundsError(
+                f"slice [{offset}, {offset + nbytes}) is outside a region of {self.nbytes} bytes "
+                f"(at byte {self.offset} of {self.buffer.role})"
+            )
         return Region(self.buffer, self.offset + offset, nbytes, owner=lease)
 
     def full_blocks(self, layout: KVLayout, num_blocks: int | None = None) -> torch.Tensor:
@@ -182,9 +184,16 @@ class HostBuffer:
     a NaN, infinite or non-positive bound :class:`ConfigError`.
     """
 
-    def __init__(self, capacity_bytes: int | None = None, *, backing: Any = None,
-                 registration: Registration | None = None, role: str = "de_buffer",
-                 alignment: int = DEFAULT_ALIGNMENT, timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int | None = None,
+        *,
+        backing: Any = None,
+        registration: Registration | None = None,
+        role: str = "de_buffer",
+        alignment: int = DEFAULT_ALIGNMENT,
+        timeout_s: float | None = None,
+    ) -> None:
         self._check_arguments(capacity_bytes, registration, role, alignment)
         self.role = role
         self.alignment = int(alignment)
@@ -192,16 +201,21 @@ class HostBuffer:
         if backing is None:
             if capacity_bytes is None or capacity_bytes < 1:
                 raise ConfigError(f"{role}: capacity_bytes must be >= 1 without a backing, got {capacity_bytes}")
-            backing = torch.empty(capacity_bytes + alignment - 1, dtype=torch.uint8,
-                                  pin_memory=torch.cuda.is_available())
+            backing = torch.empty(
+                capacity_bytes + alignment - 1, dtype=torch.uint8, pin_memory=torch.cuda.is_available()
+            )
         self.backing = backing
         try:
             self.memory = as_memoryview(backing, writable=True)
         except TypeError:
-            raise ArgumentTypeError(f"{role}: backing must be a writable buffer-protocol object or CPU tensor, "
-                                    f"got {type(backing).__name__}") from None
-        self.bytes = torch.frombuffer(self.memory, dtype=torch.uint8) if self.memory.nbytes else torch.empty(
-            0, dtype=torch.uint8)
+            raise ArgumentTypeError(
+                f"{role}: backing must be a writable buffer-protocol object or CPU tensor, got {type(backing).__name__}"
+            ) from None
+        self.bytes = (
+            torch.frombuffer(self.memory, dtype=torch.uint8)
+            if self.memory.nbytes
+            else torch.empty(0, dtype=torch.uint8)
+        )
         base_addr = buffer_address(self.memory)
         if registration is None:
             if isinstance(backing, torch.Tensor) or not hasattr(backing, "addr"):
@@ -209,8 +223,9 @@ class HostBuffer:
             else:  # a registered region: its own address space and key
                 registration = Registration(int(backing.addr), int(backing.size), getattr(backing, "lkey", None))
         if registration.size < self.memory.nbytes:
-            raise ConfigError(f"{role}: registration covers {registration.size} bytes, "
-                              f"backing has {self.memory.nbytes}")
+            raise ConfigError(
+                f"{role}: registration covers {registration.size} bytes, backing has {self.memory.nbytes}"
+            )
         self.registration = registration
         # Leases are aligned in the registration's address space, which is what a NIC or O_DIRECT sees.
         self._start = -registration.addr % alignment
@@ -218,8 +233,10 @@ class HostBuffer:
         if capacity_bytes is None:
             capacity_bytes = usable
         if not 1 <= capacity_bytes <= usable:
-            raise ConfigError(f"{role}: capacity_bytes={capacity_bytes} must be in [1, {usable}] "
-                              f"(backing of {self.memory.nbytes} bytes, {self._start} skipped for alignment)")
+            raise ConfigError(
+                f"{role}: capacity_bytes={capacity_bytes} must be in [1, {usable}] "
+                f"(backing of {self.memory.nbytes} bytes, {self._start} skipped for alignment)"
+            )
         self.capacity_bytes = capacity_bytes
         self._cond = threading.Condition()
         self._free: list[list[int]] = [[self._start, self._start + capacity_bytes]]  # sorted [start, end)
@@ -279,8 +296,10 @@ class HostBuffer:
             raise BoundsError(f"{self.role}: allocation of {nbytes} bytes for request {request_id!r}; needs >= 1")
         size = self._round(nbytes)
         if size > self.capacity_bytes:
-            raise CapacityError(f"{self.role}: request {request_id!r} needs {nbytes} bytes ({size} aligned), "
-                                f"capacity is {self.capacity_bytes}")
+            raise CapacityError(
+                f"{self.role}: request {request_id!r} needs {nbytes} bytes ({size} aligned), "
+                f"capacity is {self.capacity_bytes}"
+            )
         if timeout_s is None:
             timeout_s = self.default_timeout_s if self.default_timeout_s is not None else _env.timeout_s()
         else:
@@ -290,13 +309,15 @@ class HostBuffer:
             self._waiters.append(turn)
             try:
                 admitted = self._cond.wait_for(
-                    lambda: self._waiters[0] is turn and self._find_extent(size) is not None, timeout_s)
+                    lambda: self._waiters[0] is turn and self._find_extent(size) is not None, timeout_s
+                )
                 if not admitted:
                     ahead = self._waiters.index(turn)
                     raise AdmissionDeferred(
                         f"{self.role}: request {request_id!r} waited {timeout_s} s for {nbytes} bytes ({size} aligned);"
                         f" {self.capacity_bytes - self._used} of {self.capacity_bytes} bytes free, largest free extent"
-                        f" {self._largest_free()}, {ahead} allocation(s) ahead")
+                        f" {self._largest_free()}, {ahead} allocation(s) ahead"
+                    )
                 index = self._find_extent(size)
                 assert index is not None
                 start, end = self._free[index]
@@ -320,8 +341,10 @@ class HostBuffer:
             if lease.buffer is not self:
                 raise InvalidKey(f"lease {lease.lease_id} belongs to another buffer, not this {self.role}")
             if self._leases.get(lease.lease_id) is not lease:
-                raise InvalidKey(f"{self.role}: lease {lease.lease_id} of request {lease.request_id!r} "
-                                 f"({lease.nbytes} bytes at {lease.offset}) is not live: already released")
+                raise InvalidKey(
+                    f"{self.role}: lease {lease.lease_id} of request {lease.request_id!r} "
+                    f"({lease.nbytes} bytes at {lease.offset}) is not live: already released"
+                )
             del self._leases[lease.lease_id]
             size = self._extent_bytes.pop(lease.lease_id)
             owned = self._by_request[lease.request_id]
@@ -335,8 +358,10 @@ class HostBuffer:
 
     def _check_live(self, lease: Lease) -> None:
         if self._leases.get(lease.lease_id) is not lease:
-            raise InvalidKey(f"{self.role}: lease {lease.lease_id} of request {lease.request_id!r} ({lease.nbytes} "
-                             f"bytes at {lease.offset}) was released; its bytes may belong to another lease now")
+            raise InvalidKey(
+                f"{self.role}: lease {lease.lease_id} of request {lease.request_id!r} ({lease.nbytes} "
+                f"bytes at {lease.offset}) was released; its bytes may belong to another lease now"
+            )
 
     def _track(self, lease: Lease, obj: Any) -> None:
         with self._cond:
@@ -385,8 +410,14 @@ class HostBuffer:
     # -- accounting -----------------------------------------------------------------------------------------------
     def stats(self) -> HostBufferStats:
         with self._cond:
-            return HostBufferStats(self.capacity_bytes, self._used, len(self._leases), len(self._by_request),
-                                   len(self._waiters), self._largest_free())
+            return HostBufferStats(
+                self.capacity_bytes,
+                self._used,
+                len(self._leases),
+                len(self._by_request),
+                len(self._waiters),
+                self._largest_free(),
+            )
 
     def leases_of(self, request_id: Any) -> list[Lease]:
         with self._cond:
@@ -396,8 +427,9 @@ class HostBuffer:
         """Raise AssertionError unless free extents and live leases tile the buffer exactly, with no overlap."""
         with self._cond:
             pieces = [(start, end, "free") for start, end in self._free]
-            pieces += [(lease.offset, lease.offset + self._extent_bytes[i], "lease")
-                       for i, lease in self._leases.items()]
+            pieces += [
+                (lease.offset, lease.offset + self._extent_bytes[i], "lease") for i, lease in self._leases.items()
+            ]
             pieces.sort()
             cursor = self._start
             for start, end, _ in pieces:

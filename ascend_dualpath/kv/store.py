@@ -75,8 +75,9 @@ def _pread_exact(fd: int, view: memoryview, offset: int, what: str) -> None:
     while done < view.nbytes:
         count = os.preadv(fd, [view[done:]], offset + done)
         if count == 0:
-            raise StorageReadError(errno.EIO, f"{what}: file ended after {done} of {view.nbytes} bytes "
-                                              f"at offset {offset}")
+            raise StorageReadError(
+                errno.EIO, f"{what}: file ended after {done} of {view.nbytes} bytes at offset {offset}"
+            )
         done += count
 
 
@@ -89,9 +90,17 @@ class BlockHeader:
     parent_id: bytes | None
 
     def pack(self) -> bytes:
-        fixed = _HEADER.pack(MAGIC, FORMAT_VERSION, HEADER_BYTES, self.payload_bytes, self.checksum,
-                             self.layout_fingerprint, self.block_id, self.parent_id or bytes(BLOCK_ID_BYTES),
-                             self.parent_id is not None)
+        fixed = _HEADER.pack(
+            MAGIC,
+            FORMAT_VERSION,
+            HEADER_BYTES,
+            self.payload_bytes,
+            self.checksum,
+            self.layout_fingerprint,
+            self.block_id,
+            self.parent_id or bytes(BLOCK_ID_BYTES),
+            self.parent_id is not None,
+        )
         fixed += _HEADER_CRC.pack(zlib.crc32(fixed))
         return fixed + bytes(HEADER_BYTES - len(fixed))
 
@@ -100,14 +109,18 @@ class BlockHeader:
         fixed = bytes(raw[: _HEADER.size])
         (stored_crc,) = _HEADER_CRC.unpack_from(raw, _HEADER.size)
         if zlib.crc32(fixed) != stored_crc:
-            raise ChecksumMismatch(errno.EIO, f"{where}: header CRC {zlib.crc32(fixed):#010x} "
-                                              f"!= stored {stored_crc:#010x}")
+            raise ChecksumMismatch(
+                errno.EIO, f"{where}: header CRC {zlib.crc32(fixed):#010x} != stored {stored_crc:#010x}"
+            )
         magic, version, header_bytes, payload_bytes, checksum, fingerprint, block_id, parent_id, has_parent = (
             _HEADER.unpack(fixed)
         )
         if magic != MAGIC or version != FORMAT_VERSION or header_bytes != HEADER_BYTES:
-            raise StorageReadError(errno.EIO, f"{where}: not a v{FORMAT_VERSION} block file "
-                                              f"(magic {magic!r}, version {version}, header {header_bytes} bytes)")
+            raise StorageReadError(
+                errno.EIO,
+                f"{where}: not a v{FORMAT_VERSION} block file "
+                f"(magic {magic!r}, version {version}, header {header_bytes} bytes)",
+            )
         return cls(payload_bytes, checksum, fingerprint, block_id, parent_id if has_parent else None)
 
 
@@ -151,8 +164,9 @@ class LocalBlockStore:
     After :meth:`close` every call raises :class:`QueueError` naming the store.
     """
 
-    def __init__(self, root: str | Path, layout: KVLayout, *, direct_io: bool | None = None,
-                 faults: FaultInjector | None = None) -> None:
+    def __init__(
+        self, root: str | Path, layout: KVLayout, *, direct_io: bool | None = None, faults: FaultInjector | None = None
+    ) -> None:
         check_type("root", root, (str, os.PathLike), where="LocalBlockStore")
         check_type("layout", layout, KVLayout, where="LocalBlockStore")
         check_type("direct_io", direct_io, (bool, type(None)), where="LocalBlockStore")
@@ -274,8 +288,12 @@ class LocalBlockStore:
     def _forget(self, block_id: bytes) -> None:
         with contextlib.suppress(InvalidKey):  # another thread forgot it first
             removed = self.index.remove(block_id)
-            log.warning("block store %s: block %s was deleted behind the store; dropped it and %d descendant(s) "
-                        "from the index", self.root, block_id.hex(), len(removed) - 1)
+            log.warning(
+                "block store %s: block %s was deleted behind the store; dropped it and %d descendant(s) from the index",
+                self.root,
+                block_id.hex(),
+                len(removed) - 1,
+            )
 
     def contains(self, block_id: bytes) -> bool:
         """Whether the block is indexed and its file is still on disk."""
@@ -307,12 +325,16 @@ class LocalBlockStore:
         check_type("block_id", block_id, bytes, where=f"block store at {self.root}")
         check_type("parent_id", parent_id, (bytes, type(None)), where=f"block store at {self.root}")
         if len(block_id) != BLOCK_ID_BYTES or (parent_id is not None and len(parent_id) != BLOCK_ID_BYTES):
-            raise InvalidKey(f"block ids must be {BLOCK_ID_BYTES} bytes, got {len(block_id)} "
-                             f"and {None if parent_id is None else len(parent_id)}")
+            raise InvalidKey(
+                f"block ids must be {BLOCK_ID_BYTES} bytes, got {len(block_id)} "
+                f"and {None if parent_id is None else len(parent_id)}"
+            )
         data = as_memoryview(payload, writable=False)
         if data.nbytes != self.layout.full_block_bytes:
-            raise BoundsError(f"block {block_id.hex()}: payload is {data.nbytes} bytes, a Full Block is "
-                              f"{self.layout.full_block_bytes}")
+            raise BoundsError(
+                f"block {block_id.hex()}: payload is {data.nbytes} bytes, a Full Block is "
+                f"{self.layout.full_block_bytes}"
+            )
         if parent_id is not None and parent_id not in self.index:
             raise InvalidKey(f"parent {parent_id.hex()} of block {block_id.hex()} is not stored; write chains in order")
         if block_id in self.index:
@@ -409,19 +431,24 @@ class LocalBlockStore:
                 _pread_exact(fd, page, 0, f"{path} header")
                 header = BlockHeader.unpack(page, str(path))
                 if header.block_id != block_id or header.layout_fingerprint != self.layout.fingerprint():
-                    raise StorageReadError(errno.EIO, f"{path}: header names block {header.block_id.hex()} "
-                                                      f"or another layout")
+                    raise StorageReadError(
+                        errno.EIO, f"{path}: header names block {header.block_id.hex()} or another layout"
+                    )
                 if header.payload_bytes != expected:
-                    raise StorageReadError(errno.EIO, f"{path}: payload of {header.payload_bytes} bytes, "
-                                                      f"layout needs {expected}")
+                    raise StorageReadError(
+                        errno.EIO, f"{path}: payload of {header.payload_bytes} bytes, layout needs {expected}"
+                    )
                 self._read_payload(fd, view, direct, str(path))
             finally:
                 os.close(fd)
             self.faults.after_read(block_id, view)
             actual = zlib.crc32(view)
             if actual != header.checksum:
-                raise ChecksumMismatch(errno.EIO, f"block {block_id.hex()} at {path}: CRC-32 of the payload is "
-                                                  f"{actual:#010x}, stored {header.checksum:#010x}")
+                raise ChecksumMismatch(
+                    errno.EIO,
+                    f"block {block_id.hex()} at {path}: CRC-32 of the payload is "
+                    f"{actual:#010x}, stored {header.checksum:#010x}",
+                )
         except StorageReadError:
             self._restore(view, saved)
             raise
@@ -429,8 +456,9 @@ class LocalBlockStore:
             self._restore(view, saved)
             if error.errno == errno.ENOENT:
                 self._forget(block_id)
-            raise StorageReadError(error.errno or errno.EIO,
-                                   f"reading block {block_id.hex()} from {path} failed: {error}") from error
+            raise StorageReadError(
+                error.errno or errno.EIO, f"reading block {block_id.hex()} from {path} failed: {error}"
+            ) from error
 
     @staticmethod
     def _restore(view: memoryview, saved: bytes | None) -> None:
@@ -469,8 +497,15 @@ class LocalBlockStore:
 
 # The read queue and its clocks moved to their own modules; their old import path from here keeps working (lazily:
 # read_queue imports this module, so an import at the top would be a cycle).
-_MOVED = {"Clock": "clocks", "ManualClock": "clocks", "MonotonicClock": "clocks", "TokenBucket": "clocks",
-          "ReadQueue": "read_queue", "ReadQueueStats": "read_queue", "ReadTicket": "read_queue"}
+_MOVED = {
+    "Clock": "clocks",
+    "ManualClock": "clocks",
+    "MonotonicClock": "clocks",
+    "TokenBucket": "clocks",
+    "ReadQueue": "read_queue",
+    "ReadQueueStats": "read_queue",
+    "ReadTicket": "read_queue",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -96,12 +96,14 @@ class TinyLlama:
         """``int [T] -> dtype [T, hidden]``."""
         ids = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
-            raise BoundsError(f"token ids must be in [0, {self.config.vocab_size}), got range "
-                              f"[{int(ids.min())}, {int(ids.max())}]")
+            raise BoundsError(
+                f"token ids must be in [0, {self.config.vocab_size}), got range [{int(ids.min())}, {int(ids.max())}]"
+            )
         return self.weights["embed"][ids]
 
-    def layer_forward(self, layer: int, hidden: torch.Tensor,
-                      hit_kv: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer_forward(
+        self, layer: int, hidden: torch.Tensor, hit_kv: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decoder layer over the new tokens, attending to the cached prefix.
 
         Parameters
@@ -128,8 +130,10 @@ class TinyLlama:
         if hit_kv is None:
             hit_kv = torch.empty((0, *kv_shape), dtype=self.dtype)
         if tuple(hit_kv.shape[1:]) != kv_shape or hit_kv.dtype != self.dtype:
-            raise ValueError(f"hit_kv must be {self.dtype} [T_hit, {', '.join(map(str, kv_shape))}], "
-                             f"got {hit_kv.dtype} {list(hit_kv.shape)}")
+            raise ValueError(
+                f"hit_kv must be {self.dtype} [T_hit, {', '.join(map(str, kv_shape))}], "
+                f"got {hit_kv.dtype} {list(hit_kv.shape)}"
+            )
         num_hit, num_new = hit_kv.shape[0], hidden.shape[0]
         w = {name: self.weights[f"layers.{layer}.{name}"] for name in _LAYER_WEIGHTS}
         positions = torch.arange(num_hit, num_hit + num_new)
@@ -160,8 +164,9 @@ class TinyLlama:
         return self._rms_norm(hidden, self.weights["final_norm"]) @ self.weights["lm_head"]
 
     # -- whole passes -----------------------------------------------------------------------------------------------
-    def prefill(self, token_ids: Sequence[int] | torch.Tensor,
-                hit_kv: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def prefill(
+        self, token_ids: Sequence[int] | torch.Tensor, hit_kv: Sequence[torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Prefill new tokens after a cached prefix, layer by layer.
 
         Parameters
@@ -191,8 +196,9 @@ class TinyLlama:
         """Full recompute: logits ``[T, vocab]`` and per-layer KV ``[T, 2, kv_heads, head_dim]`` of all tokens."""
         return self.prefill(token_ids, None)
 
-    def generate_greedy(self, token_ids: Sequence[int] | torch.Tensor, max_new_tokens: int,
-                        hit_kv: Sequence[torch.Tensor] | None = None) -> list[int]:
+    def generate_greedy(
+        self, token_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, hit_kv: Sequence[torch.Tensor] | None = None
+    ) -> list[int]:
         """Greedy decoding with a KV cache, starting from an optional cached prefix.
 
         ``token_ids`` are the tokens after the prefix that ``hit_kv`` covers; each step appends one token and

@@ -92,20 +92,36 @@ class Buffer:
 
     num_sms = 0
 
-    def __init__(self, group: Any = None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
-                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
-                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
-                 explicitly_destroy: bool = False, *, strategy: str = "auto", ranks_per_node: int = 8,
-                 timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        group: Any = None,
+        num_nvl_bytes: int = 0,
+        num_rdma_bytes: int = 0,
+        low_latency_mode: bool = False,
+        num_qps_per_rank: int = 24,
+        allow_nvlink_for_low_latency_mode: bool = True,
+        allow_mnnvl: bool = False,
+        explicitly_destroy: bool = False,
+        *,
+        strategy: str = "auto",
+        ranks_per_node: int = 8,
+        timeout_s: float | None = None,
+    ) -> None:
         import torch.distributed as dist
 
         from ascend_dualpath.moe import strategies
 
-        _check_init_types(num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes,
-                          num_qps_per_rank=num_qps_per_rank, ranks_per_node=ranks_per_node,
-                          low_latency_mode=low_latency_mode, explicitly_destroy=explicitly_destroy,
-                          allow_nvlink_for_low_latency_mode=allow_nvlink_for_low_latency_mode,
-                          allow_mnnvl=allow_mnnvl, strategy=strategy)
+        _check_init_types(
+            num_nvl_bytes=num_nvl_bytes,
+            num_rdma_bytes=num_rdma_bytes,
+            num_qps_per_rank=num_qps_per_rank,
+            ranks_per_node=ranks_per_node,
+            low_latency_mode=low_latency_mode,
+            explicitly_destroy=explicitly_destroy,
+            allow_nvlink_for_low_latency_mode=allow_nvlink_for_low_latency_mode,
+            allow_mnnvl=allow_mnnvl,
+            strategy=strategy,
+        )
         # checked before any wait: a NaN bound would never expire
         timeout_s = check_bound("timeout_s", timeout_s, where="Buffer") if timeout_s is not None else _env.timeout_s()
         for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
@@ -174,15 +190,17 @@ class Buffer:
         return configs.combine_config(num_ranks).with_num_sms(Buffer.num_sms)
 
     @staticmethod
-    def get_normal_buffer_size_hint(num_max_tokens_per_rank: int, hidden_bytes: int, num_ranks: int,
-                                    num_topk: int = 0) -> int:
+    def get_normal_buffer_size_hint(
+        num_max_tokens_per_rank: int, hidden_bytes: int, num_ranks: int, num_topk: int = 0
+    ) -> int:
         """Bytes a normal dispatch/combine may need at worst: every rank sends all its tokens here."""
         row = hidden_bytes + v.SOURCE_INDEX_BYTES + num_topk * v.TOPK_SLOT_BYTES
         return _align_up(num_ranks * num_max_tokens_per_rank * row, BUFFER_ALIGNMENT_BYTES)
 
     @staticmethod
-    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
-                                       num_experts: int) -> int:
+    def get_low_latency_rdma_size_hint(
+        num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
+    ) -> int:
         """Low-latency buffer bytes: two sets of (send M messages + receive E·M messages + E signals).
 
         A message is a 16-byte header plus the larger of a BF16 row and an FP8 row with its scales.
@@ -197,8 +215,9 @@ class Buffer:
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Nothing to clean: no strategy keeps state between low-latency calls. Validates the sizes only."""
         self._check_alive()
-        needed = self.get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, self.group_size,
-                                                     num_experts)
+        needed = self.get_low_latency_rdma_size_hint(
+            num_max_dispatch_tokens_per_rank, hidden, self.group_size, num_experts
+        )
         if needed > self.num_rdma_bytes:
             raise CapacityError(f"low-latency mode needs num_rdma_bytes >= {needed}, got {self.num_rdma_bytes}")
 
@@ -208,8 +227,14 @@ class Buffer:
         self.strategy.close()
 
     # ----------------------------------------------------------------- layout
-    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event: Any = None,
-                            async_finish: bool = False, allocate_on_comm_stream: bool = False):
+    def get_dispatch_layout(
+        self,
+        topk_idx: torch.Tensor,
+        num_experts: int,
+        previous_event: Any = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
         """Count tokens per rank, node and expert (no communication).
 
         Parameters
@@ -237,12 +262,23 @@ class Buffer:
         return (*layout, self._finish_event(topk_idx.device, async_finish))
 
     # ----------------------------------------------------------------- normal dispatch
-    def dispatch(self, x: Any, handle: DispatchHandle | None = None, num_tokens_per_rank: torch.Tensor | None = None,
-                 num_tokens_per_rdma_rank: torch.Tensor | None = None, is_token_in_rank: torch.Tensor | None = None,
-                 num_tokens_per_expert: torch.Tensor | None = None, topk_idx: torch.Tensor | None = None,
-                 topk_weights: torch.Tensor | None = None, expert_alignment: int = 1, num_worst_tokens: int = 0,
-                 config: Config | None = None, previous_event: Any = None, async_finish: bool = False,
-                 allocate_on_comm_stream: bool = False):
+    def dispatch(
+        self,
+        x: Any,
+        handle: DispatchHandle | None = None,
+        num_tokens_per_rank: torch.Tensor | None = None,
+        num_tokens_per_rdma_rank: torch.Tensor | None = None,
+        is_token_in_rank: torch.Tensor | None = None,
+        num_tokens_per_expert: torch.Tensor | None = None,
+        topk_idx: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
+        expert_alignment: int = 1,
+        num_worst_tokens: int = 0,
+        config: Config | None = None,
+        previous_event: Any = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
         """Send each token to every rank holding one of its experts (once per rank).
 
         Parameters
@@ -278,72 +314,111 @@ class Buffer:
         if handle is not None:
             return self._cached_dispatch(x, parts, handle, topk_idx, topk_weights, previous_event, async_finish)
         args = v.check_dispatch(
-            parts, group_size=self.group_size, num_nodes=self.num_nodes, num_tokens_per_rank=num_tokens_per_rank,
-            num_tokens_per_rdma_rank=num_tokens_per_rdma_rank, is_token_in_rank=is_token_in_rank,
-            num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
-            expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens)
+            parts,
+            group_size=self.group_size,
+            num_nodes=self.num_nodes,
+            num_tokens_per_rank=num_tokens_per_rank,
+            num_tokens_per_rdma_rank=num_tokens_per_rdma_rank,
+            is_token_in_rank=is_token_in_rank,
+            num_tokens_per_expert=num_tokens_per_expert,
+            topk_idx=topk_idx,
+            topk_weights=topk_weights,
+            expert_alignment=expert_alignment,
+            num_worst_tokens=num_worst_tokens,
+        )
         if parts[0].shape[0] * self.group_size * args.row_bytes > self.capacity_bytes:
             # Only a budget this small can be exceeded by the send side: then the exact count is worth a host
             # sync, and the error comes before any communication.
-            self._check_capacity(int(num_tokens_per_rank.sum()) * args.row_bytes,
-                                 f"dispatch on rank {self.rank} (send)")
+            self._check_capacity(
+                int(num_tokens_per_rank.sum()) * args.row_bytes, f"dispatch on rank {self.rank} (send)"
+            )
         if previous_event is not None:
             previous_event.current_stream_wait()
-        table = self._exchange_dispatch_counts(parts, args, num_tokens_per_rank, num_tokens_per_expert, topk_idx,
-                                               is_token_in_rank, num_worst_tokens)
-        count_matrix = table[:, :self.group_size]
-        plan = NormalPlan(self.rank, is_token_in_rank, count_matrix, private={
-            "config": config if config is not None else self.get_dispatch_config(self.group_size),
-            "num_experts": args.num_experts, "num_topk": args.num_topk})
+        table = self._exchange_dispatch_counts(
+            parts, args, num_tokens_per_rank, num_tokens_per_expert, topk_idx, is_token_in_rank, num_worst_tokens
+        )
+        count_matrix = table[:, : self.group_size]
+        plan = NormalPlan(
+            self.rank,
+            is_token_in_rank,
+            count_matrix,
+            private={
+                "config": config if config is not None else self.get_dispatch_config(self.group_size),
+                "num_experts": args.num_experts,
+                "num_topk": args.num_topk,
+            },
+        )
         self.strategy.prepare_plan(plan)
-        payload = [*parts, *(() if topk_idx is None else (topk_idx, topk_weights)),
-                   self.strategy.source_index(parts[0].shape[0], parts[0].device)]
+        payload = [
+            *parts,
+            *(() if topk_idx is None else (topk_idx, topk_weights)),
+            self.strategy.source_index(parts[0].shape[0], parts[0].device),
+        ]
         recv = self.strategy.dispatch_rows(plan, payload, "dispatch rows")
         plan.recv_src_idx = recv[-1]
-        recv_parts = recv[:len(parts)]
+        recv_parts = recv[: len(parts)]
         recv_topk_idx = recv_topk_weights = None
         counts_list: list[int] = []
         if topk_idx is not None:
             recv_topk_idx, recv_topk_weights = self.strategy.localize_topk(
-                recv[len(parts)], recv[len(parts) + 1], self.rank, args.local_experts)
+                recv[len(parts)], recv[len(parts) + 1], self.rank, args.local_experts
+            )
             counts_list = self._recv_counts_per_expert(table, args, expert_alignment)
         if num_worst_tokens:
             recv_parts, recv_topk_idx, recv_topk_weights = _pad_to_worst(
-                num_worst_tokens - plan.num_recv_tokens, recv_parts, recv_topk_idx, recv_topk_weights)
+                num_worst_tokens - plan.num_recv_tokens, recv_parts, recv_topk_idx, recv_topk_weights
+            )
             counts_list = []
         rank_prefix_matrix = (plan.private or {}).get("rank_prefix_matrix")  # made on the device by the strategy
         if rank_prefix_matrix is None:
             rank_prefix_matrix = to_device_async(count_matrix.cumsum(dim=0).to(torch.int32), parts[0].device)
         new_handle = DispatchHandle(rank_prefix_matrix, plan.recv_src_idx, is_token_in_rank, plan)
         recv_x = tuple(recv_parts) if isinstance(x, tuple) else recv_parts[0]
-        return (recv_x, recv_topk_idx, recv_topk_weights, counts_list, new_handle,
-                self._finish_event(parts[0].device, async_finish))
+        return (
+            recv_x,
+            recv_topk_idx,
+            recv_topk_weights,
+            counts_list,
+            new_handle,
+            self._finish_event(parts[0].device, async_finish),
+        )
 
-    def _exchange_dispatch_counts(self, parts: list[torch.Tensor], args: v.DispatchArgs,
-                                  num_tokens_per_rank: torch.Tensor, num_tokens_per_expert: torch.Tensor,
-                                  topk_idx: torch.Tensor | None, is_token_in_rank: torch.Tensor,
-                                  num_worst_tokens: int) -> torch.Tensor:
+    def _exchange_dispatch_counts(
+        self,
+        parts: list[torch.Tensor],
+        args: v.DispatchArgs,
+        num_tokens_per_rank: torch.Tensor,
+        num_tokens_per_expert: torch.Tensor,
+        topk_idx: torch.Tensor | None,
+        is_token_in_rank: torch.Tensor,
+        num_worst_tokens: int,
+    ) -> torch.Tensor:
         """The ranks first agree on the shapes and options (the count table's width depends on num_experts),
         then one exchange carries every rank's counts per rank and per expert and the statistics its inputs are
         checked with (id range, layout sums), so all ranks raise the same error before any data moves.
         Returns the CPU int64 table ``[R, R + E + 4]``."""
         scales = parts[1] if len(parts) > 1 else None
         agreement = v.agreement_vector(
-            "dispatch", num_experts=args.num_experts, hidden=parts[0].shape[1], x_dtype=parts[0].dtype,
+            "dispatch",
+            num_experts=args.num_experts,
+            hidden=parts[0].shape[1],
+            x_dtype=parts[0].dtype,
             scales_dtype=scales.dtype if scales is not None else 0,
             scales_width=math.prod(scales.shape[1:]) if scales is not None else 0,
-            num_topk=args.num_topk, num_worst_tokens=num_worst_tokens)
-        v.check_agreement(self.strategy.exchange_counts(agreement.to(parts[0].device), "dispatch shapes"),
-                          "dispatch")
-        table = self.strategy.exchange_dispatch_counts(num_tokens_per_rank, num_tokens_per_expert, topk_idx,
-                                                       is_token_in_rank, "dispatch token counts")
+            num_topk=args.num_topk,
+            num_worst_tokens=num_worst_tokens,
+        )
+        v.check_agreement(self.strategy.exchange_counts(agreement.to(parts[0].device), "dispatch shapes"), "dispatch")
+        table = self.strategy.exchange_dispatch_counts(
+            num_tokens_per_rank, num_tokens_per_expert, topk_idx, is_token_in_rank, "dispatch token counts"
+        )
         v.check_dispatch_table(table, args.num_experts, self.capacity_bytes, args.row_bytes, num_worst_tokens)
         return table
 
     def _recv_counts_per_expert(self, table: torch.Tensor, args: v.DispatchArgs, expert_alignment: int) -> list[int]:
         """Tokens this rank receives per local expert, each rounded up to ``expert_alignment``."""
         first = self.group_size + self.rank * args.local_experts
-        mine = table[:, first:first + args.local_experts].sum(dim=0)
+        mine = table[:, first : first + args.local_experts].sum(dim=0)
         return ((mine + expert_alignment - 1) // expert_alignment * expert_alignment).tolist()
 
     def _cached_dispatch(self, x, parts, handle, topk_idx, topk_weights, previous_event, async_finish):
@@ -359,9 +434,19 @@ class Buffer:
         return recv_x, None, None, None, None, self._finish_event(parts[0].device, async_finish)
 
     # ----------------------------------------------------------------- normal combine
-    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None = None,
-                bias: Any = None, config: Config | None = None, previous_event: Any = None,
-                async_finish: bool = False, allocate_on_comm_stream: bool = False, *, weighted: bool = False):
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle: DispatchHandle,
+        topk_weights: torch.Tensor | None = None,
+        bias: Any = None,
+        config: Config | None = None,
+        previous_event: Any = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+        *,
+        weighted: bool = False,
+    ):
         """Return every received row to its source and sum per token (the reverse of :meth:`dispatch`).
 
         Parameters
@@ -429,15 +514,18 @@ class Buffer:
         self._check_alive()
         strategy = self.strategy
         if not getattr(strategy, "graph_capturable", False) or not torch.cuda.is_available():
-            raise ConfigError(f"capture_graph needs the cuda strategy on a GPU; this buffer uses "
-                              f"{self.strategy_name!r}")
+            raise ConfigError(
+                f"capture_graph needs the cuda strategy on a GPU; this buffer uses {self.strategy_name!r}"
+            )
         for _ in range(2):
             first, counts_before = strategy.data_epoch, strategy.count_epoch
             fn()
             num_ops = strategy.data_epoch - first
             if strategy.count_epoch != counts_before:
-                raise ConfigError("capture_graph: fn exchanged counts (a dispatch without handle); only cached "
-                                  "dispatch and combine can be captured")
+                raise ConfigError(
+                    "capture_graph: fn exchanged counts (a dispatch without handle); only cached "
+                    "dispatch and combine can be captured"
+                )
             if num_ops == 0:
                 raise ConfigError("capture_graph: fn issued no cached dispatch or combine on this buffer")
         torch.cuda.synchronize()
@@ -452,8 +540,9 @@ class Buffer:
                 with torch.cuda.graph(graph):
                     outputs.append(fn())
             except RuntimeError as exc:
-                raise ConfigError(f"capture_graph: capturing fn failed ({exc}); fn may only issue cached "
-                                  f"dispatches and combines") from exc
+                raise ConfigError(
+                    f"capture_graph: capturing fn failed ({exc}); fn may only issue cached dispatches and combines"
+                ) from exc
             finally:
                 strategy.data_epoch = resume
             if strategy.generation != generation:
@@ -462,11 +551,20 @@ class Buffer:
         return CapturedGraph(self, graphs, outputs, num_ops, generation)
 
     # ----------------------------------------------------------------- low latency
-    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
-                             num_experts: int, cumulative_local_expert_recv_stats: torch.Tensor | None = None,
-                             dispatch_wait_recv_cost_stats: torch.Tensor | None = None, use_fp8: bool = True,
-                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
-                             return_recv_hook: bool = False):
+    def low_latency_dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        num_max_dispatch_tokens_per_rank: int,
+        num_experts: int,
+        cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+        dispatch_wait_recv_cost_stats: torch.Tensor | None = None,
+        use_fp8: bool = True,
+        round_scale: bool = False,
+        use_ue8m0: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+    ):
         """Send one message per valid (token, expert) slot into a per-expert packed layout.
 
         Parameters
@@ -491,26 +589,51 @@ class Buffer:
         """
         self._check_alive()
         max_tokens = num_max_dispatch_tokens_per_rank
-        local_experts = v.check_ll_common(topk_idx, max_tokens, num_experts, self.group_size, self.low_latency_mode,
-                                          async_finish, return_recv_hook)
+        local_experts = v.check_ll_common(
+            topk_idx, max_tokens, num_experts, self.group_size, self.low_latency_mode, async_finish, return_recv_hook
+        )
         v.check_tensor(x, "x", torch.bfloat16, (topk_idx.shape[0], None))
         hidden = x.shape[1]
         self._check_ll_hidden(hidden, max_tokens, num_experts)
-        v.check_ll_dispatch_options(hidden, use_fp8, round_scale, use_ue8m0, cumulative_local_expert_recv_stats,
-                                    dispatch_wait_recv_cost_stats, local_experts)
+        v.check_ll_dispatch_options(
+            hidden,
+            use_fp8,
+            round_scale,
+            use_ue8m0,
+            cumulative_local_expert_recv_stats,
+            dispatch_wait_recv_cost_stats,
+            local_experts,
+        )
         recv_x, recv_count, src_info, layout_range, receive = self.strategy.ll_dispatch(
-            x.contiguous(), topk_idx.contiguous(), max_tokens, num_experts, use_fp8, round_scale, use_ue8m0,
-            cumulative_local_expert_recv_stats, return_recv_hook)
+            x.contiguous(),
+            topk_idx.contiguous(),
+            max_tokens,
+            num_experts,
+            use_fp8,
+            round_scale,
+            use_ue8m0,
+            cumulative_local_expert_recv_stats,
+            return_recv_hook,
+        )
         hook = _OnceHook(receive if receive is not None else _nothing, "low-latency dispatch receive")
         if not return_recv_hook:
             hook()
         handle = (src_info, layout_range, max_tokens, hidden, num_experts)
         return recv_x, recv_count, handle, self._finish_event(x.device, async_finish), hook
 
-    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: tuple,
-                            use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
-                            return_recv_hook: bool = False, out: torch.Tensor | None = None,
-                            combine_wait_recv_cost_stats: torch.Tensor | None = None):
+    def low_latency_combine(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        handle: tuple,
+        use_logfmt: bool = False,
+        zero_copy: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+        out: torch.Tensor | None = None,
+        combine_wait_recv_cost_stats: torch.Tensor | None = None,
+    ):
         """Return expert outputs to their tokens and take the weighted sum over each token's valid slots.
 
         Parameters
@@ -529,18 +652,37 @@ class Buffer:
         if not isinstance(handle, tuple) or len(handle) != 5:
             raise ConfigError("handle must be the 5-tuple returned by low_latency_dispatch")
         _, layout_range, max_tokens, hidden, num_experts = handle
-        local_experts = v.check_ll_common(topk_idx, max_tokens, num_experts, self.group_size, self.low_latency_mode,
-                                          async_finish, return_recv_hook)
-        v.check_ll_combine_options(x, topk_idx, topk_weights, out, hidden, local_experts, self.group_size * max_tokens,
-                                   use_logfmt, zero_copy, combine_wait_recv_cost_stats)
+        local_experts = v.check_ll_common(
+            topk_idx, max_tokens, num_experts, self.group_size, self.low_latency_mode, async_finish, return_recv_hook
+        )
+        v.check_ll_combine_options(
+            x,
+            topk_idx,
+            topk_weights,
+            out,
+            hidden,
+            local_experts,
+            self.group_size * max_tokens,
+            use_logfmt,
+            zero_copy,
+            combine_wait_recv_cost_stats,
+        )
         self._check_ll_hidden(hidden, max_tokens, num_experts)
         v.check_tensor(layout_range, "handle layout_range", torch.int64, (local_experts, self.group_size))
         tokens, device = topk_idx.shape[0], x.device
         result = out if out is not None else torch.empty(tokens, hidden, dtype=torch.bfloat16, device=device)
         # the strategies write a contiguous [T, H]; a strided ``out`` gets the result copied in
         target = result if result.is_contiguous() else torch.empty_like(result, memory_format=torch.contiguous_format)
-        receive = self.strategy.ll_combine(x, topk_idx.contiguous(), topk_weights.contiguous(), layout_range,
-                                           max_tokens, num_experts, target, return_recv_hook)
+        receive = self.strategy.ll_combine(
+            x,
+            topk_idx.contiguous(),
+            topk_weights.contiguous(),
+            layout_range,
+            max_tokens,
+            num_experts,
+            target,
+            return_recv_hook,
+        )
 
         def finish() -> None:
             if receive is not None:
@@ -568,13 +710,17 @@ def _check_init_types(*, strategy: str, **values: Any) -> None:
 _BOOL_ARGS = ("low_latency_mode", "explicitly_destroy", "allow_nvlink_for_low_latency_mode", "allow_mnnvl")
 
 
-def _pad_to_worst(pad: int, parts: list[torch.Tensor], topk_idx: torch.Tensor,
-                  topk_weights: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+def _pad_to_worst(
+    pad: int, parts: list[torch.Tensor], topk_idx: torch.Tensor, topk_weights: torch.Tensor
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Worst-token mode: ``pad`` zero rows after the received ones, top-k ids -1 and weights 0 there."""
     parts = [torch.cat([p, p.new_zeros((pad, *p.shape[1:]))]) for p in parts]
     num_topk = topk_idx.shape[1]
-    return (parts, torch.cat([topk_idx, topk_idx.new_full((pad, num_topk), -1)]),
-            torch.cat([topk_weights, topk_weights.new_zeros((pad, num_topk))]))
+    return (
+        parts,
+        torch.cat([topk_idx, topk_idx.new_full((pad, num_topk), -1)]),
+        torch.cat([topk_weights, topk_weights.new_zeros((pad, num_topk))]),
+    )
 
 
 def _nothing() -> None:
@@ -593,8 +739,9 @@ class CapturedGraph:
         self._buffer._check_alive()
         strategy = self._buffer.strategy
         if strategy.generation != self._generation:
-            raise ConfigError("the buffer's symmetric memory was replaced after capture (an op needed more room); "
-                              "capture again")
+            raise ConfigError(
+                "the buffer's symmetric memory was replaced after capture (an op needed more room); capture again"
+            )
         parity = (strategy.data_epoch + 1) % 2
         self._graphs[parity].replay()
         strategy.data_epoch += self.num_ops

@@ -9,10 +9,22 @@ import triton.language as tl
 
 
 @triton.jit
-def dispatch_layout(topk_idx, counts, in_rank, num_tokens, num_topk, experts_per_rank, num_experts,
-                    NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr, RANKS_PER_NODE: tl.constexpr,
-                    NUM_NODES: tl.constexpr, NODES_PAD: tl.constexpr, TOPK_PAD: tl.constexpr,
-                    BLOCK_T: tl.constexpr):
+def dispatch_layout(
+    topk_idx,
+    counts,
+    in_rank,
+    num_tokens,
+    num_topk,
+    experts_per_rank,
+    num_experts,
+    NUM_RANKS: tl.constexpr,
+    RANKS_PAD: tl.constexpr,
+    RANKS_PER_NODE: tl.constexpr,
+    NUM_NODES: tl.constexpr,
+    NODES_PAD: tl.constexpr,
+    TOPK_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
     """One pass over ``topk_idx`` [T, K]: ``in_rank`` [T, R] (uint8) and, by atomic adds into the zeroed
     int32 ``counts``: tokens per rank [R], per node [NODES] (when NUM_NODES > 1), per expert [E], then
     ``max(0, -min id)`` and ``max(0, max id)`` for the caller's bounds check. Out-of-range ids count nowhere."""
@@ -30,8 +42,11 @@ def dispatch_layout(topk_idx, counts, in_rank, num_tokens, num_topk, experts_per
     rank_of = tl.where(valid, idx // experts_per_rank, -1)
     ranks = tl.arange(0, RANKS_PAD)
     hit = tl.max((rank_of[:, :, None] == ranks[None, None, :]).to(tl.int32), axis=1)
-    tl.store(in_rank + tokens[:, None] * NUM_RANKS + ranks[None, :], hit.to(tl.uint8),
-             mask=(tokens < num_tokens)[:, None] & (ranks < NUM_RANKS)[None, :])
+    tl.store(
+        in_rank + tokens[:, None] * NUM_RANKS + ranks[None, :],
+        hit.to(tl.uint8),
+        mask=(tokens < num_tokens)[:, None] & (ranks < NUM_RANKS)[None, :],
+    )
     tl.atomic_add(counts + ranks, tl.sum(hit, axis=0), mask=ranks < NUM_RANKS)
     if NUM_NODES > 1:
         nodes = tl.arange(0, NODES_PAD)

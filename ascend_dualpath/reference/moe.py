@@ -53,7 +53,7 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, ra
             per_rank[r] += in_rank[t][r]
         if nodes > 1:
             for n in range(nodes):
-                per_node[n] += any(in_rank[t][n * ranks_per_node:(n + 1) * ranks_per_node])
+                per_node[n] += any(in_rank[t][n * ranks_per_node : (n + 1) * ranks_per_node])
     return (
         torch.tensor(per_rank, dtype=torch.int32),
         torch.tensor(per_node, dtype=torch.int32) if nodes > 1 else None,
@@ -78,8 +78,10 @@ class RankReceive:
 def _stack_rows(rows: list, example) -> Any:
     """The received rows stacked like ``example`` (a tensor or a tuple of tensors); empty with its row shape."""
     if isinstance(example, tuple):
-        return tuple(torch.stack([r[i] for r in rows]) if rows else part.new_empty((0, *part.shape[1:]))
-                     for i, part in enumerate(example))
+        return tuple(
+            torch.stack([r[i] for r in rows]) if rows else part.new_empty((0, *part.shape[1:]))
+            for i, part in enumerate(example)
+        )
     return torch.stack(rows) if rows else example.new_empty((0, *example.shape[1:]))
 
 
@@ -87,8 +89,9 @@ def _local_weights(weights: list[float], local: list[int]) -> list[float]:
     return [w if e >= 0 else 0.0 for w, e in zip(weights, local, strict=True)]
 
 
-def _receive_on(dst: int, xs, topk_idxs, topk_weights, local_experts: int, expert_alignment: int,
-                sent: torch.Tensor) -> RankReceive:
+def _receive_on(
+    dst: int, xs, topk_idxs, topk_weights, local_experts: int, expert_alignment: int, sent: torch.Tensor
+) -> RankReceive:
     """What rank ``dst`` receives (rows by source rank, then source token); counts into ``sent[src, dst]``."""
     src_rank, src_idx, rows, idx_rows, weight_rows = [], [], [], [], []
     for src in range(len(xs)):
@@ -108,7 +111,10 @@ def _receive_on(dst: int, xs, topk_idxs, topk_weights, local_experts: int, exper
     recv_idx = torch.tensor(idx_rows, dtype=torch.int64).reshape(-1, k)
     counts = [int((recv_idx == e).sum()) for e in range(local_experts)]
     return RankReceive(
-        src_rank=src_rank, src_idx=src_idx, x=_stack_rows(rows, xs[0]), topk_idx=recv_idx,
+        src_rank=src_rank,
+        src_idx=src_idx,
+        x=_stack_rows(rows, xs[0]),
+        topk_idx=recv_idx,
         topk_weights=torch.tensor(weight_rows, dtype=torch.float32).reshape(-1, k) if topk_weights else None,
         num_recv_tokens_per_expert=[-(-c // expert_alignment) * expert_alignment for c in counts],
         rank_prefix_matrix=None,
@@ -128,8 +134,9 @@ def dispatch(xs, topk_idxs, topk_weights, num_experts: int, expert_alignment: in
     num_ranks = len(xs)
     local_experts = num_experts // num_ranks
     sent = torch.zeros(num_ranks, num_ranks, dtype=torch.int64)
-    results = [_receive_on(dst, xs, topk_idxs, topk_weights, local_experts, expert_alignment, sent)
-               for dst in range(num_ranks)]
+    results = [
+        _receive_on(dst, xs, topk_idxs, topk_weights, local_experts, expert_alignment, sent) for dst in range(num_ranks)
+    ]
     prefix = sent.cumsum(0).to(torch.int32)
     for result in results:
         result.rank_prefix_matrix = prefix
@@ -159,7 +166,7 @@ def combine(expert_outputs, receives: list[RankReceive], num_tokens: list[int], 
             sums[src][t] += expert_outputs[dst][row].float()
     out = []
     for rank, acc in enumerate(sums):
-        for bias in (biases[rank] if biases else ()):
+        for bias in biases[rank] if biases else ():
             if bias is not None:
                 acc = acc + bias.float()
         out.append(acc.to(dtype))

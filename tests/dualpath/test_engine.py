@@ -27,8 +27,9 @@ APPEND = [int(t) for t in rng.integers(0, 512, 12)]
 def assert_accounting_zero(pe, de) -> None:
     for buffer in (pe.buffer, de.buffer):
         stats = buffer.stats()
-        assert (stats.used_bytes, stats.live_leases, stats.live_requests, stats.waiting_allocations) == (0, 0, 0, 0), \
+        assert (stats.used_bytes, stats.live_leases, stats.live_requests, stats.waiting_allocations) == (0, 0, 0, 0), (
             f"{buffer.role}: {stats}"
+        )
         buffer.check_invariants()
     for queue in (pe.read_queue, de.read_queue):
         stats = queue.stats()
@@ -53,8 +54,9 @@ def serve_second_turn(de, mode, arm=lambda: None):
     results, deferred, _ = de.serve_wave([(0, 1, prompt, 2)], mode)
     assert not deferred
     result = results[0]
-    check = verify_turn(result, prompt, de.model, de.model.with_dtype(torch.float64), de.store, de.namespace,
-                        KV_BF16_ATOL)
+    check = verify_turn(
+        result, prompt, de.model, de.model.with_dtype(torch.float64), de.store, de.namespace, KV_BF16_ATOL
+    )
     assert check["loaded_exact"] and check["kv_ok"] and check["tokens_equal"], check
     return result
 
@@ -148,8 +150,9 @@ def test_thousand_requests_with_random_faults_leave_no_leases_behind(tmp_path):
         fabric = de.comm.device.fabric
         regions_before = fabric.num_live_regions
         for job in range(10):
-            conversations = synthetic_conversations(agents=10, turns=10, first_prompt=24, append_mean=6,
-                                                    gen_tokens=2, seed=job)
+            conversations = synthetic_conversations(
+                agents=10, turns=10, first_prompt=24, append_mean=6, gen_tokens=2, seed=job
+            )
             mode = chooser.choice(["dual", "pe", "de"])
 
             def arm(_result) -> None:  # about one fault per request, of every kind, at random points
@@ -158,7 +161,8 @@ def test_thousand_requests_with_random_faults_leave_no_leases_behind(tmp_path):
                     (pe_faults if fault[0] == "p" else de_faults).fail_next_read()
                 elif fault.endswith("crc"):
                     (pe_faults if fault[0] == "p" else de_faults).corrupt_next_read(
-                        byte_offset=chooser.randrange(config.layout.full_block_bytes))
+                        byte_offset=chooser.randrange(config.layout.full_block_bytes)
+                    )
                 else:
                     (pe if fault[0] == "p" else de).leg.fail_after(chooser.randrange(12))
 
@@ -182,8 +186,9 @@ def test_thousand_requests_with_random_faults_leave_no_leases_behind(tmp_path):
 def test_killed_prefill_engine_process_is_a_clear_error(tmp_path):
     from ascend_dualpath.cli.demo import run_job
 
-    config = EngineConfig(str(tmp_path / "store"), **{**FAST, "timeout_s": 5.0, "idle_timeout_s": 60.0,
-                                                      "verify": False})
+    config = EngineConfig(
+        str(tmp_path / "store"), **{**FAST, "timeout_s": 5.0, "idle_timeout_s": 60.0, "verify": False}
+    )
     conversations = synthetic_conversations(agents=2, turns=3, first_prompt=40, append_mean=8, gen_tokens=2)
     clear_error = "decode engine: (EngineLost|WaitTimeout): .*(prefill engine|from the PE)"
     with pytest.raises(RuntimeError, match=clear_error):

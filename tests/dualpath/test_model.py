@@ -28,16 +28,21 @@ def test_dram_can_bind():
     assert bounds.binding == "de_dram" and bounds.upper == Fraction(1, 2)
 
 
-@given(g=st.integers(2, 16), s_num=st.integers(1, 40), s_den=st.integers(1, 8), p=st.integers(1, 64),
-       d=st.integers(1, 64))
+@given(
+    g=st.integers(2, 16), s_num=st.integers(1, 40), s_den=st.integers(1, 8), p=st.integers(1, 64), d=st.integers(1, 64)
+)
 def test_bounds_are_exactly_where_nic_loads_reach_one(g, s_num, s_den, p, d):
     s = Fraction(s_num, s_den)
     if not 0 < s < g:
         return
     ratio = Fraction(p, d)
     bounds = model.pd_ratio_bounds(g, s, 10**9, 1)  # DRAM never binds here
-    nics_ok = (model.pe_cnic_write_load(g, s, ratio) <= 1 and model.de_cnic_read_load(g, s, ratio) <= 1
-               and model.de_cnic_write_load(g, s, ratio) <= 1 and model.pe_cnic_read_load(g, s) <= 1)
+    nics_ok = (
+        model.pe_cnic_write_load(g, s, ratio) <= 1
+        and model.de_cnic_read_load(g, s, ratio) <= 1
+        and model.de_cnic_write_load(g, s, ratio) <= 1
+        and model.pe_cnic_read_load(g, s) <= 1
+    )
     assert nics_ok == bounds.contains(ratio)
 
 
@@ -46,8 +51,17 @@ def test_dram_formula():
     assert model.pe_dram_load(50) == 100
 
 
-@pytest.mark.parametrize("args,match", [((8, 0, 500, 50), "s "), ((8, 8, 500, 50), "s "), ((0, 1, 500, 50), "g "),
-                                        ((8, 1, 500, 0), "Bs"), ((8, 1, -1, 50), "M "), ((8, "1", 500, 50), "s must")])
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        ((8, 0, 500, 50), "s "),
+        ((8, 8, 500, 50), "s "),
+        ((0, 1, 500, 50), "g "),
+        ((8, 1, 500, 0), "Bs"),
+        ((8, 1, -1, 50), "M "),
+        ((8, "1", 500, 50), "s must"),
+    ],
+)
 def test_bad_inputs_raise(args, match):
     with pytest.raises(ConfigError, match=match):
         model.pd_ratio_bounds(*args)

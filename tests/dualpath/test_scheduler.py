@@ -147,8 +147,9 @@ def test_quota_batch_takes_head_whole_when_nothing_fits():
 
 
 def test_profile_thresholds_and_sparse_attention_flops():
-    profile = EngineProfile(read_tokens_per_s=1000, prefill_tokens_per_s=200, attn_flops_per_pair=2.0,
-                            seconds_per_flop=1.0, sparse_topk=4)
+    profile = EngineProfile(
+        read_tokens_per_s=1000, prefill_tokens_per_s=200, attn_flops_per_pair=2.0, seconds_per_flop=1.0, sparse_topk=4
+    )
     assert profile.alpha_tokens == 3000 and profile.beta_tokens == 1000
     # new tokens 3..6 after 2 cached: contexts 3,4 (dense) then capped at 4, 4 -> 3+4+4+4 = 15 pairs
     assert profile.attention_flops(2, 4) == 2.0 * 15
@@ -169,8 +170,14 @@ def test_scheduler_run_end_to_end_is_deterministic_and_tracks_read_queues():
     admitted, assignments, scheduler = run()
     assert len(admitted) == 6 and len(assignments) == 6 and scheduler.queued == 0
     # PE node 0 starts empty (0 < 100): PE path until its queue passes the DE node's 100 tokens
-    assert [a.read_path for a in assignments] == [ReadPath.PE, ReadPath.PE, ReadPath.DE, ReadPath.PE,
-                                                  ReadPath.DE, ReadPath.PE]
+    assert [a.read_path for a in assignments] == [
+        ReadPath.PE,
+        ReadPath.PE,
+        ReadPath.DE,
+        ReadPath.PE,
+        ReadPath.DE,
+        ReadPath.PE,
+    ]
     assert assignments == run()[1]
 
 

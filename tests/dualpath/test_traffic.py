@@ -35,7 +35,9 @@ def test_roce_config():
 
 def test_opensm_lines_are_the_papers():
     assert OpensmQos().opensm_lines() == [
-        "qos_max_vls 4", "qos_high_limit 240", "qos_vlarb_high 0:192,1:192,2:0,3:192",
+        "qos_max_vls 4",
+        "qos_high_limit 240",
+        "qos_vlarb_high 0:192,1:192,2:0,3:192",
         "qos_vlarb_low 0:192,1:192,2:64,3:192",
     ]
     share = OpensmQos().low_vl_min_share(2)
@@ -79,8 +81,10 @@ def test_high_class_gets_at_least_98_percent_under_contention():
 
 
 @settings(max_examples=25, deadline=None)
-@given(model_sizes=st.lists(st.integers(64, 4096), min_size=50, max_size=50),
-       kv_sizes=st.lists(st.integers(1, 4096), min_size=3, max_size=3))
+@given(
+    model_sizes=st.lists(st.integers(64, 4096), min_size=50, max_size=50),
+    kv_sizes=st.lists(st.integers(1, 4096), min_size=3, max_size=3),
+)
 def test_low_class_never_starves(model_sizes, kv_sizes):
     """While MODEL stays backlogged, KV is served after at most one round of MODEL credit
     (99 x 4096 B, plus at most one packet of carried deficit): it can be slowed, never starved."""

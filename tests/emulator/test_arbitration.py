@@ -25,14 +25,22 @@ def backlog_two_classes(C, emu, weights):
         qps = {sl: d0.create_qp(cqs[sl], None, 256, sl) for sl in (MODEL_SL, KV_SL)}
         d0.nic.set_paused(True)
         for k, sl in enumerate((KV_SL, MODEL_SL)):  # KV rings first: arbitration, not arrival, must decide
-            qps[sl].post([C.WorkRequest(3, src.addr + i * CHUNK, src.lkey, CHUNK, dst.addr + (k * COUNT + i) * CHUNK,
-                                        dst.rkey) for i in range(COUNT)], 0.0, 10.0)
+            qps[sl].post(
+                [
+                    C.WorkRequest(
+                        3, src.addr + i * CHUNK, src.lkey, CHUNK, dst.addr + (k * COUNT + i) * CHUNK, dst.rkey
+                    )
+                    for i in range(COUNT)
+                ],
+                0.0,
+                10.0,
+            )
         d0.nic.set_paused(False)
         done = {sl: poll_all(cqs[sl], COUNT) for sl in (MODEL_SL, KV_SL)}
         assert all(c.status == 0 for cs in done.values() for c in cs)
         landed = np.frombuffer(dst, dtype=np.uint8)
         expected = np.frombuffer(src, dtype=np.uint8)
-        assert np.array_equal(landed[:CHUNK * COUNT], expected) and np.array_equal(landed[CHUNK * COUNT:], expected)
+        assert np.array_equal(landed[: CHUNK * COUNT], expected) and np.array_equal(landed[CHUNK * COUNT :], expected)
         return done[MODEL_SL], done[KV_SL]
 
 

@@ -43,24 +43,39 @@ def worker(rank: int, fabric_name: str, port: int, results) -> None:
             # 1) host one-sided put into the peer's windowsIn, then a notify with this call's magic
             magic = comm.next_magic()
             dist.barrier()
-            comm.batch_put(peer, [C.OneSideDesc(comm.windows_out.addr, comm.peer_info(peer).windows_in.addr + 128,
-                                                 65536, 0)], TIMEOUT_S)
+            comm.batch_put(
+                peer,
+                [C.OneSideDesc(comm.windows_out.addr, comm.peer_info(peer).windows_in.addr + 128, 65536, 0)],
+                TIMEOUT_S,
+            )
             comm.notify_record(peer, rank, magic, TIMEOUT_S)
             magics = [None] * WORLD
             dist.all_gather_object(magics, magic)
             comm.notify_wait(peer, magics[peer], TIMEOUT_S)
             expected = np.full(win_in.shape, 0xA5, np.uint8)
-            expected[128:128 + 65536] = pattern(peer, 65536)
+            expected[128 : 128 + 65536] = pattern(peer, 65536)
             landed = bool(np.array_equal(win_in, expected))
             # 2) a raw WQE on this rank's AIV QP towards the peer, with the peer's rkey
             dist.barrier()
             qp = comm.aiv_qp(peer)
             info = comm.peer_info(peer)
-            qp.post([C.WorkRequest(C.OPCODE_WRITE, comm.windows_out.addr, comm.windows_out.lkey, 4096,
-                                   info.windows_in.addr + (1 << 20), info.windows_in.rkey)], 1000.0, TIMEOUT_S)
+            qp.post(
+                [
+                    C.WorkRequest(
+                        C.OPCODE_WRITE,
+                        comm.windows_out.addr,
+                        comm.windows_out.lkey,
+                        4096,
+                        info.windows_in.addr + (1 << 20),
+                        info.windows_in.rkey,
+                    )
+                ],
+                1000.0,
+                TIMEOUT_S,
+            )
             qp.drain(TIMEOUT_S)
             dist.barrier()
-            raw_ok = bool(np.array_equal(win_in[1 << 20:(1 << 20) + 4096], pattern(peer, 4096)))
+            raw_ok = bool(np.array_equal(win_in[1 << 20 : (1 << 20) + 4096], pattern(peer, 4096)))
             dist.barrier()
             comm.close()
         results.put((rank, landed, raw_ok, None))

@@ -16,13 +16,27 @@ def reference_wqe(opcode, owner, signaled, length, rkey, remote_addr, lkey, loca
     return struct.pack("<IIIIIIQIIQ", byte4, length, imm, 1 << 24, 0, rkey, remote_addr, length, lkey, local_addr)
 
 
-@given(opcode=st.sampled_from([3, 4, 5]), owner=st.integers(0, 1), signaled=st.booleans(), length=u32, rkey=u32,
-       remote=u64, lkey=u32, local=u64, imm=u32)
+@given(
+    opcode=st.sampled_from([3, 4, 5]),
+    owner=st.integers(0, 1),
+    signaled=st.booleans(),
+    length=u32,
+    rkey=u32,
+    remote=u64,
+    lkey=u32,
+    local=u64,
+    imm=u32,
+)
 def test_wqe_matches_documented_layout(emu, opcode, owner, signaled, length, rkey, remote, lkey, local, imm):
     wqe = emu.encode_rdma_wqe(opcode, owner, signaled, length, rkey, remote, lkey, local, imm)
     assert wqe == reference_wqe(opcode, owner, signaled, length, rkey, remote, lkey, local, imm)
     fields = emu.decode_rdma_wqe(wqe)
-    assert (fields["opcode"], fields["owner"], fields["signaled"], fields["length"]) == (opcode, owner, signaled, length)
+    assert (fields["opcode"], fields["owner"], fields["signaled"], fields["length"]) == (
+        opcode,
+        owner,
+        signaled,
+        length,
+    )
     assert (fields["rkey"], fields["remote_addr"], fields["lkey"], fields["local_addr"]) == (rkey, remote, lkey, local)
     assert fields["num_sge"] == 1 and fields["sge_length"] == length and fields["imm"] == imm
     assert fields["owner_bit"] == 1 - owner  # bit 7 holds the inverse
@@ -30,8 +44,10 @@ def test_wqe_matches_documented_layout(emu, opcode, owner, signaled, length, rke
 
 def test_owner_bit_follows_ring_passes(emu):
     depth, shift = 8, 3
-    bits = [emu.decode_rdma_wqe(emu.encode_rdma_wqe(3, (head >> shift) & 1, True, 1, 0, 0, 0, 0))["owner_bit"]
-            for head in range(3 * depth)]
+    bits = [
+        emu.decode_rdma_wqe(emu.encode_rdma_wqe(3, (head >> shift) & 1, True, 1, 0, 0, 0, 0))["owner_bit"]
+        for head in range(3 * depth)
+    ]
     assert bits == [1] * depth + [0] * depth + [1] * depth
 
 

@@ -15,11 +15,27 @@ from tests.conftest import poll_all
 SIZE = 1 << 14
 DEPTH = 64
 UB = 192 * 1024
-KINDS = ["valid", "valid", "valid", "bad_rkey", "remote_oob", "local_oob", "bad_lkey", "zero_len", "no_permission",
-         "bad_opcode"]
+KINDS = [
+    "valid",
+    "valid",
+    "valid",
+    "bad_rkey",
+    "remote_oob",
+    "local_oob",
+    "bad_lkey",
+    "zero_len",
+    "no_permission",
+    "bad_opcode",
+]
 EXPECTED = {  # kind -> (status, syndrome)
-    "bad_rkey": (0x13, 4), "remote_oob": (0x13, 5), "local_oob": (0x04, 2), "bad_lkey": (0x04, 1),
-    "zero_len": (0x01, 7), "no_permission": (0x13, 6), "bad_opcode": (0x02, 9), "wrong_sl": (0x02, 8),
+    "bad_rkey": (0x13, 4),
+    "remote_oob": (0x13, 5),
+    "local_oob": (0x04, 2),
+    "bad_lkey": (0x04, 1),
+    "zero_len": (0x01, 7),
+    "no_permission": (0x13, 6),
+    "bad_opcode": (0x02, 9),
+    "wrong_sl": (0x02, 8),
 }
 
 
@@ -76,7 +92,7 @@ def test_random_wqe_streams(rig, ops, wrong_sl, seed):
             expected.append(EXPECTED["wrong_sl"])
             failed = True
         elif kind == "valid":
-            model["dst"][d_off:d_off + length] = model["src"][s_off:s_off + length]
+            model["dst"][d_off : d_off + length] = model["src"][s_off : s_off + length]
             expected.append((0, 0))
         else:
             expected.append(EXPECTED[kind])
@@ -85,7 +101,9 @@ def test_random_wqe_streams(rig, ops, wrong_sl, seed):
     qp.post(requests, 0.0, 10.0, sl=5 if wrong_sl else -1)
     completions = poll_all(cq, len(requests))
     assert [(c.status, c.syndrome) for c in completions] == expected
-    assert [c.wqe_index for c in completions] == list(range(completions[0].wqe_index, completions[0].wqe_index + len(ops)))
+    assert [c.wqe_index for c in completions] == list(
+        range(completions[0].wqe_index, completions[0].wqe_index + len(ops))
+    )
     for name, v in views.items():
         assert np.array_equal(v, model[name]), f"{name}: stray or missing bytes"
     qp.reset(10.0)
@@ -350,8 +368,10 @@ def test_random_aicpu_batch_writes_move_nothing_stray():
     depend on where the kernel mapped the regions."""
     from tests.safety.rig import run_child
 
-    out = run_child("from tests.emulator.test_fuzz_wqe import fuzz_aicpu_batch_write as f; import json; "
-                    "print(json.dumps(f()))", timeout_s=300)
+    out = run_child(
+        "from tests.emulator.test_fuzz_wqe import fuzz_aicpu_batch_write as f; import json; print(json.dumps(f()))",
+        timeout_s=300,
+    )
     outcomes = json.loads(out.strip().splitlines()[-1])
     assert outcomes["accepted"] + outcomes["refused"] >= PATH_EXAMPLES, outcomes
     assert min(outcomes.values()) >= PATH_EXAMPLES // 20, outcomes

@@ -52,14 +52,25 @@ def test_expansion_mode_per_product(C, emu, monkeypatch):
     assert resolve(C, emu, "A3", hcclOpExpansionMode=3)["expansion_mode"] == 3
 
 
-@pytest.mark.parametrize("fields, env, message", [
-    ({"hcclRdmaTrafficClass": 130}, {}, "traffic class must be a multiple of 4 in \\[0, 255\\], got 130 \\(config\\)"),
-    ({}, {"HCCL_RDMA_TC": "256"}, "got 256 \\(env HCCL_RDMA_TC\\)"),
-    ({"hcclRdmaServiceLevel": 8}, {}, "service level must be in \\[0, 7\\], got 8"),
-    ({}, {"HCCL_BUFFSIZE": "0"}, "must be >= 1 MB, got 0"),
-    ({}, {"HCCL_BUFFSIZE": "lots"}, "HCCL_BUFFSIZE='lots' is not a non-negative integer"),
-    ({"hcclOpExpansionMode": 4}, {}, "hcclOpExpansionMode must be 0 \\(default\\), 1 \\(host\\), 2 \\(aicpu\\) or 3 \\(aiv\\), got 4"),
-])
+@pytest.mark.parametrize(
+    "fields, env, message",
+    [
+        (
+            {"hcclRdmaTrafficClass": 130},
+            {},
+            "traffic class must be a multiple of 4 in \\[0, 255\\], got 130 \\(config\\)",
+        ),
+        ({}, {"HCCL_RDMA_TC": "256"}, "got 256 \\(env HCCL_RDMA_TC\\)"),
+        ({"hcclRdmaServiceLevel": 8}, {}, "service level must be in \\[0, 7\\], got 8"),
+        ({}, {"HCCL_BUFFSIZE": "0"}, "must be >= 1 MB, got 0"),
+        ({}, {"HCCL_BUFFSIZE": "lots"}, "HCCL_BUFFSIZE='lots' is not a non-negative integer"),
+        (
+            {"hcclOpExpansionMode": 4},
+            {},
+            "hcclOpExpansionMode must be 0 \\(default\\), 1 \\(host\\), 2 \\(aicpu\\) or 3 \\(aiv\\), got 4",
+        ),
+    ],
+)
 def test_out_of_range_config_is_rejected(C, emu, monkeypatch, fields, env, message):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -98,11 +109,17 @@ def test_batch_put_and_get_move_exact_bytes(C, pair):
     out0, in1 = u8(c0.windows_out), u8(c1.windows_in)
     out0[:8192] = np.random.default_rng(1).integers(0, 256, 8192, dtype=np.uint8)
     in1[:] = 0xA5
-    vtime = c0.batch_put(1, [C.OneSideDesc(c0.windows_out.addr, c1.windows_in.addr + 64, 1024, FP32),
-                             C.OneSideDesc(c0.windows_out.addr + 4096, c1.windows_in.addr + 8192, 100, INT8)], 10.0)
+    vtime = c0.batch_put(
+        1,
+        [
+            C.OneSideDesc(c0.windows_out.addr, c1.windows_in.addr + 64, 1024, FP32),
+            C.OneSideDesc(c0.windows_out.addr + 4096, c1.windows_in.addr + 8192, 100, INT8),
+        ],
+        10.0,
+    )
     assert vtime > 0
     expected = np.full(in1.shape, 0xA5, np.uint8)
-    expected[64:64 + 4096] = out0[:4096]
+    expected[64 : 64 + 4096] = out0[:4096]
     expected[8192:8292] = out0[4096:4196]
     assert np.array_equal(in1, expected)
     in0 = u8(c0.windows_in)
@@ -110,13 +127,16 @@ def test_batch_put_and_get_move_exact_bytes(C, pair):
     assert np.array_equal(in0[:4096], out0[:4096])
 
 
-@pytest.mark.parametrize("bad, error, message", [
-    ("local unregistered", errors.NotRegistered, "local address .* is not in the communicator's windows"),
-    ("remote past window", errors.BoundsError, "remote range .* runs past its registered memory"),
-    ("remote unknown", errors.NotRegistered, "remote address .* is in no memory rank 1 registered"),
-    ("zero count", errors.ConfigError, "count must be > 0"),
-    ("bad dtype", errors.ConfigError, "unknown HcclDataType 99"),
-])
+@pytest.mark.parametrize(
+    "bad, error, message",
+    [
+        ("local unregistered", errors.NotRegistered, "local address .* is not in the communicator's windows"),
+        ("remote past window", errors.BoundsError, "remote range .* runs past its registered memory"),
+        ("remote unknown", errors.NotRegistered, "remote address .* is in no memory rank 1 registered"),
+        ("zero count", errors.ConfigError, "count must be > 0"),
+        ("bad dtype", errors.ConfigError, "unknown HcclDataType 99"),
+    ],
+)
 def test_bad_descriptor_moves_nothing(C, emu, pair, bad, error, message):
     c0, c1 = pair
     in1 = u8(c1.windows_in)
@@ -151,13 +171,15 @@ def test_batch_write_from_core_zero(C, emu, pair):
     # the items live in device memory (the workspace), as the kernels write them
     work = u8(c0.windows_out)
     base = 1 << 20
-    items = items_array([(c0.windows_out.addr + 1024 * i, c1.windows_in.addr + 2048 * i, 256, FP32, 1) for i in range(4)])
-    work[base:base + items.size] = items
+    items = items_array(
+        [(c0.windows_out.addr + 1024 * i, c1.windows_in.addr + 2048 * i, 256, FP32, 1) for i in range(4)]
+    )
+    work[base : base + items.size] = items
     issues = c0.batch_write_issues
     handle = c0.batch_write(c0.windows_out.addr + base, 4, 0)
     vtime = c0.batch_write_wait(handle, 10.0)
     for i in range(4):
-        assert np.array_equal(in1[2048 * i: 2048 * i + 1024], out0[1024 * i: 1024 * i + 1024])
+        assert np.array_equal(in1[2048 * i : 2048 * i + 1024], out0[1024 * i : 1024 * i + 1024])
     assert c0.batch_write_issues == issues + 1
     cost = c0.device.nic.cost
     assert vtime >= cost.aicpu_issue_ns + 4 * cost.aicpu_wqe_ns  # the fixed per-issue cost is paid
@@ -174,9 +196,10 @@ def test_batch_write_rules(C, pair):
     in1 = u8(c1.windows_in)
     in1[:] = 0xA5
     work = u8(c0.windows_out)
-    items = items_array([(c0.windows_out.addr, c1.windows_in.addr, 8, INT8, 1),
-                         (c0.windows_out.addr, c1.windows_in.addr, 8, INT8, 7)])  # rank 7 does not exist
-    work[base:base + items.size] = items
+    items = items_array(
+        [(c0.windows_out.addr, c1.windows_in.addr, 8, INT8, 1), (c0.windows_out.addr, c1.windows_in.addr, 8, INT8, 7)]
+    )  # rank 7 does not exist
+    work[base : base + items.size] = items
     handle = c0.batch_write(c0.windows_out.addr + base, 2, 0)
     with pytest.raises(errors.ConfigError, match="peer rank 7 is outside world size 2"):
         c0.batch_write_wait(handle, 10.0)

@@ -70,20 +70,48 @@ def test_unsignaled_success_makes_no_cqe(C, link):
 
 BAD_INPUTS = {
     # name: (work-request builder, expected status, expected syndrome, words the detail must contain)
-    "bad rkey": (lambda C, s, d: C.WorkRequest(3, s.addr, s.region.lkey, 64, d.addr, d.region.rkey ^ 0x1),
-                 0x13, 4, ["rkey", "no live registration"]),
-    "remote out of bounds": (lambda C, s, d: C.WorkRequest(3, s.addr, s.region.lkey, 64, d.addr + (1 << 16) - 32, d.region.rkey),
-                             0x13, 5, ["outside region", "+65536"]),
-    "local out of bounds": (lambda C, s, d: C.WorkRequest(3, s.addr + (1 << 16) - 8, s.region.lkey, 64, d.addr, d.region.rkey),
-                            0x04, 2, ["local range", "outside"]),
-    "unregistered memory": (lambda C, s, d: C.WorkRequest(3, s.addr, 0x7777700, 64, d.addr, d.region.rkey),
-                            0x04, 1, ["unregistered memory"]),
-    "zero length": (lambda C, s, d: C.WorkRequest(3, s.addr, s.region.lkey, 0, d.addr, d.region.rkey),
-                    0x01, 7, ["length 0"]),
-    "bad opcode": (lambda C, s, d: C.WorkRequest(9, s.addr, s.region.lkey, 64, d.addr, d.region.rkey),
-                   0x02, 9, ["opcode 9"]),
-    "read from write-only region": (lambda C, s, d: C.WorkRequest(5, s.addr, s.region.lkey, 64, d.addr, d.region.rkey),
-                                    0x04, 3, ["LOCAL_WRITE"]),
+    "bad rkey": (
+        lambda C, s, d: C.WorkRequest(3, s.addr, s.region.lkey, 64, d.addr, d.region.rkey ^ 0x1),
+        0x13,
+        4,
+        ["rkey", "no live registration"],
+    ),
+    "remote out of bounds": (
+        lambda C, s, d: C.WorkRequest(3, s.addr, s.region.lkey, 64, d.addr + (1 << 16) - 32, d.region.rkey),
+        0x13,
+        5,
+        ["outside region", "+65536"],
+    ),
+    "local out of bounds": (
+        lambda C, s, d: C.WorkRequest(3, s.addr + (1 << 16) - 8, s.region.lkey, 64, d.addr, d.region.rkey),
+        0x04,
+        2,
+        ["local range", "outside"],
+    ),
+    "unregistered memory": (
+        lambda C, s, d: C.WorkRequest(3, s.addr, 0x7777700, 64, d.addr, d.region.rkey),
+        0x04,
+        1,
+        ["unregistered memory"],
+    ),
+    "zero length": (
+        lambda C, s, d: C.WorkRequest(3, s.addr, s.region.lkey, 0, d.addr, d.region.rkey),
+        0x01,
+        7,
+        ["length 0"],
+    ),
+    "bad opcode": (
+        lambda C, s, d: C.WorkRequest(9, s.addr, s.region.lkey, 64, d.addr, d.region.rkey),
+        0x02,
+        9,
+        ["opcode 9"],
+    ),
+    "read from write-only region": (
+        lambda C, s, d: C.WorkRequest(5, s.addr, s.region.lkey, 64, d.addr, d.region.rkey),
+        0x04,
+        3,
+        ["LOCAL_WRITE"],
+    ),
 }
 
 
@@ -143,8 +171,9 @@ def test_owner_bit_over_many_ring_passes(C, emu, two_devices, poisoned):
     dst.assert_intact()
     # hand-write a WQE with the owner value of the previous pass: the NIC must refuse it as stale
     head = qp.head
-    stale = emu.encode_rdma_wqe(3, ((head >> qp.owner_shift) & 1) ^ 1, True, 16, dst.region.rkey, dst.addr,
-                                src.region.lkey, src.addr)
+    stale = emu.encode_rdma_wqe(
+        3, ((head >> qp.owner_shift) & 1) ^ 1, True, 16, dst.region.rkey, dst.addr, src.region.lkey, src.addr
+    )
     qp.write_wqe_bytes(head, stale)
     qp.set_head(head + 1)
     qp.ring_doorbell(emu.encode_sq_doorbell(qp.qpn, head + 1, 4))
@@ -156,9 +185,13 @@ def test_owner_bit_over_many_ring_passes(C, emu, two_devices, poisoned):
 def test_doorbell_before_flush_is_caught(C, emu, link):
     d0, d1, src, dst, cq, qp = link
     head = qp.head
-    wqe = emu.encode_rdma_wqe(3, (head >> qp.owner_shift) & 1, True, 16, dst.region.rkey, dst.addr, src.region.lkey, src.addr)
+    wqe = emu.encode_rdma_wqe(
+        3, (head >> qp.owner_shift) & 1, True, 16, dst.region.rkey, dst.addr, src.region.lkey, src.addr
+    )
     qp.write_wqe_bytes(head, wqe)
-    np.frombuffer(qp.region, dtype=np.uint8)[qp.dirty_addr - qp.region.addr + head % qp.depth] = 1  # written, not flushed
+    np.frombuffer(qp.region, dtype=np.uint8)[qp.dirty_addr - qp.region.addr + head % qp.depth] = (
+        1  # written, not flushed
+    )
     qp.set_head(head + 1)
     qp.ring_doorbell(emu.encode_sq_doorbell(qp.qpn, head + 1, 4))
     [c] = poll_all(cq, 1)
@@ -170,8 +203,9 @@ def test_sq_full_backpressure_is_bounded(C, emu, link):
     d0, d1, src, dst, cq, qp = link
     # fill the ring with WQEs but ring no doorbell: the NIC consumes nothing, so the SQ stays full
     for i in range(qp.depth - 1):
-        qp.write_wqe_bytes(i, emu.encode_rdma_wqe(3, 0, True, 8, dst.region.rkey, dst.addr + 8 * i, src.region.lkey,
-                                                  src.addr + 8 * i))
+        qp.write_wqe_bytes(
+            i, emu.encode_rdma_wqe(3, 0, True, 8, dst.region.rkey, dst.addr + 8 * i, src.region.lkey, src.addr + 8 * i)
+        )
     qp.set_head(qp.depth - 1)
     with pytest.raises(errors.WaitTimeout, match=r"SQ space on qpn \d+: head=63 tail=0 depth=64"):
         qp.post([write(C, src, 0, dst, 0, 8)], 0.0, 0.2)
@@ -184,7 +218,7 @@ def test_sq_full_backpressure_is_bounded(C, emu, link):
     assert result["head"] == qp.depth
     assert len(poll_all(cq, qp.depth)) == qp.depth
     for i in range(qp.depth - 1):
-        dst.expect(8 * i, src.view[8 * i: 8 * i + 8])
+        dst.expect(8 * i, src.view[8 * i : 8 * i + 8])
     dst.expect(1000, src.view[:8])
     dst.assert_intact()
 

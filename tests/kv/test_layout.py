@@ -17,13 +17,19 @@ def layouts(draw) -> KVLayout:
     num_layers = draw(st.integers(1, 5))
     block_tokens = draw(st.integers(1, 9))
     if kind == "gqa":
-        return KVLayout.gqa(num_layers, draw(st.integers(1, 4)), draw(st.integers(1, 12)),
-                            draw(st.sampled_from(GQA_DTYPES)), block_tokens)
+        return KVLayout.gqa(
+            num_layers,
+            draw(st.integers(1, 4)),
+            draw(st.integers(1, 12)),
+            draw(st.sampled_from(GQA_DTYPES)),
+            block_tokens,
+        )
     if kind == "mla":
         return KVLayout.mla(num_layers, draw(st.integers(1, 40)), draw(st.sampled_from(GQA_DTYPES)), block_tokens)
     group = draw(st.sampled_from([4, 8]))
-    return KVLayout.mla_fp8(num_layers, group * draw(st.integers(1, 4)), 2 * draw(st.integers(1, 8)), group,
-                            block_tokens)
+    return KVLayout.mla_fp8(
+        num_layers, group * draw(st.integers(1, 4)), 2 * draw(st.integers(1, 8)), group, block_tokens
+    )
 
 
 def random_bytes(numel: int, seed: int) -> torch.Tensor:
@@ -120,14 +126,23 @@ def test_bad_shapes_and_fields_are_rejected_by_name():
 
 
 def test_fingerprints_differ_between_layouts():
-    prints = {KVLayout.mla(61).fingerprint(), KVLayout.mla_fp8(61).fingerprint(), KVLayout.mla(60).fingerprint(),
-              KVLayout.gqa(61, 8, 72, torch.float16).fingerprint(), KVLayout.gqa(61, 8, 72).fingerprint()}
+    prints = {
+        KVLayout.mla(61).fingerprint(),
+        KVLayout.mla_fp8(61).fingerprint(),
+        KVLayout.mla(60).fingerprint(),
+        KVLayout.gqa(61, 8, 72, torch.float16).fingerprint(),
+        KVLayout.gqa(61, 8, 72).fingerprint(),
+    }
     assert len(prints) == 5
 
 
 @settings(max_examples=80, deadline=None)
-@given(tokens=st.lists(st.integers(0, 3), max_size=40), block_tokens=st.integers(1, 6), cut=st.integers(0, 40),
-       flip=st.integers(0, 39))
+@given(
+    tokens=st.lists(st.integers(0, 3), max_size=40),
+    block_tokens=st.integers(1, 6),
+    cut=st.integers(0, 40),
+    flip=st.integers(0, 39),
+)
 def test_block_hashes_form_a_prefix_chain(tokens, block_tokens, cut, flip):
     ids = block_hashes(tokens, block_tokens)
     assert len(ids) == len(tokens) // block_tokens
@@ -151,8 +166,10 @@ def test_block_hashes_form_a_prefix_chain(tokens, block_tokens, cut, flip):
 @given(layout=layouts(), num_blocks=st.integers(1, 3), seed=st.integers(0, 2**31))
 def test_full_blocks_from_layers_inverts_layer_rows(layout, num_blocks, seed):
     tokens = num_blocks * layout.block_tokens
-    rows = [random_bytes(tokens * layout.token_bytes, seed + layer).view(tokens, layout.token_bytes)
-            for layer in range(layout.num_layers)]
+    rows = [
+        random_bytes(tokens * layout.token_bytes, seed + layer).view(tokens, layout.token_bytes)
+        for layer in range(layout.num_layers)
+    ]
     blocks = layout.full_blocks_from_layers(rows)
     assert blocks.shape == (num_blocks, layout.num_layers, layout.block_tokens, layout.token_bytes)
     for layer in range(layout.num_layers):

@@ -91,8 +91,13 @@ def test_write_read_round_trip_is_bit_exact(tmp_path, layout, direct_io):
 
 
 @settings(max_examples=15, deadline=None)
-@given(num_layers=st.integers(1, 3), block_tokens=st.integers(1, 8), heads=st.integers(1, 3),
-       head_dim=st.sampled_from([1, 3, 64]), seed=st.integers(0, 1000))
+@given(
+    num_layers=st.integers(1, 3),
+    block_tokens=st.integers(1, 8),
+    heads=st.integers(1, 3),
+    head_dim=st.sampled_from([1, 3, 64]),
+    seed=st.integers(0, 1000),
+)
 def test_round_trip_over_layout_shapes(tmp_path_factory, num_layers, block_tokens, heads, head_dim, seed):
     layout = KVLayout.gqa(num_layers, heads, head_dim, torch.float16, block_tokens)
     store = LocalBlockStore(tmp_path_factory.mktemp("s"), layout)
@@ -292,8 +297,7 @@ def reference_start_times(sizes: list[int], rate: float, burst: float) -> list[f
 
 
 @settings(max_examples=10, deadline=None)
-@given(count=st.integers(1, 8), burst_blocks=st.sampled_from([0.5, 1, 2, 3]),
-       rate=st.sampled_from([1e3, 4096.0, 1e6]))
+@given(count=st.integers(1, 8), burst_blocks=st.sampled_from([0.5, 1, 2, 3]), rate=st.sampled_from([1e3, 4096.0, 1e6]))
 def test_read_queue_paces_to_the_bandwidth_cap(tmp_path_factory, count, burst_blocks, rate):
     store = LocalBlockStore(tmp_path_factory.mktemp("q"), FP8_LAYOUT)
     blocks = make_blocks(FP8_LAYOUT, count)

@@ -51,8 +51,12 @@ def load_hit_kv(store: LocalBlockStore, tokens: torch.Tensor, request_id: str):
 
 
 @settings(max_examples=8, deadline=None)
-@given(prefix_len=st.integers(BLOCK_TOKENS, 3 * BLOCK_TOKENS + 7), append=st.integers(1, 9), seed=st.integers(0, 99),
-       dtype=st.sampled_from(DTYPES))
+@given(
+    prefix_len=st.integers(BLOCK_TOKENS, 3 * BLOCK_TOKENS + 7),
+    append=st.integers(1, 9),
+    seed=st.integers(0, 99),
+    dtype=st.sampled_from(DTYPES),
+)
 def test_prefix_cached_layerwise_prefill_equals_full_recompute(tmp_path_factory, prefix_len, append, seed, dtype):
     model = TinyLlama(TinyLlamaConfig(seed=seed % 3), dtype=dtype)
     reference = model.with_dtype(torch.float64)

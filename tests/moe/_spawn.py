@@ -21,8 +21,13 @@ def _entry(rank: int, world: int, store_path: str, fn, args, results, backend: s
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=world,
-                                **({"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}))
+        dist.init_process_group(
+            backend,
+            init_method=f"file://{store_path}",
+            rank=rank,
+            world_size=world,
+            **({"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}),
+        )
         results.put((rank, fn(rank, world, *args)))
     except BaseException:  # report everything, including assertion failures outside the checks
         results.put((rank, {"__fatal__": traceback.format_exc()}))

@@ -66,8 +66,12 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def _layout_args(buffer: Buffer, idx: torch.Tensor, experts: int) -> dict:
     per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, experts)
-    return dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
-                num_tokens_per_expert=per_expert)
+    return dict(
+        num_tokens_per_rank=per_rank,
+        num_tokens_per_rdma_rank=per_rdma,
+        is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
+    )
 
 
 class DeviceProxy:
@@ -121,6 +125,7 @@ class DeviceProxy:
             hook()
             for dev, host in pairs:
                 host.copy_(dev.cpu())
+
         return run
 
     @classmethod
@@ -145,9 +150,17 @@ class Checks:
     def __init__(self, rank: int, world: int, strategy: str = "alltoall", device: str = "cpu") -> None:
         self.rank, self.world = rank, world
         self.ranks_per_node = 2 if world >= 4 else 8  # R >= 4 exercises the internode (multi-node) layout
-        self.buffer = Buffer(None, num_nvl_bytes=NVL_BYTES, num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(
-            LL_MAX_TOKENS, HIDDEN, world, EXPERTS_PER_RANK * world), low_latency_mode=True, strategy=strategy,
-            ranks_per_node=self.ranks_per_node, timeout_s=WAIT_S)
+        self.buffer = Buffer(
+            None,
+            num_nvl_bytes=NVL_BYTES,
+            num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(
+                LL_MAX_TOKENS, HIDDEN, world, EXPERTS_PER_RANK * world
+            ),
+            low_latency_mode=True,
+            strategy=strategy,
+            ranks_per_node=self.ranks_per_node,
+            timeout_s=WAIT_S,
+        )
         if device != "cpu":
             self.buffer = DeviceProxy(self.buffer, torch.device(device))
         self.xs, self.idxs, self.weights, self.experts = make_inputs(world)
@@ -182,43 +195,56 @@ class Checks:
             else:
                 self.expect(torch.equal(g, w), f"{name}: {g} != {w}")
         if self.world >= 4:
-            self.expect(got[1] is not None and got[1].shape == (self.world // 2,),
-                        'got[1] is not None and got[1].shape == (self.world // 2,)')
+            self.expect(
+                got[1] is not None and got[1].shape == (self.world // 2,),
+                "got[1] is not None and got[1].shape == (self.world // 2,)",
+            )
 
     def check_dispatch_bf16(self) -> None:
         recv_x, recv_idx, recv_w, counts, handle, event = self.dispatch(self.xs[self.rank])
         event.current_stream_wait()
-        self.expect(recv_x.shape[0] == len(self.mine.src_idx), 'recv_x.shape[0] == len(self.mine.src_idx)')
-        self.expect(torch.equal(handle.rank_prefix_matrix, self.mine.rank_prefix_matrix),
-                    'torch.equal(handle.rank_prefix_matrix, self.mine.rank_prefix_matrix)')
+        self.expect(recv_x.shape[0] == len(self.mine.src_idx), "recv_x.shape[0] == len(self.mine.src_idx)")
+        self.expect(
+            torch.equal(handle.rank_prefix_matrix, self.mine.rank_prefix_matrix),
+            "torch.equal(handle.rank_prefix_matrix, self.mine.rank_prefix_matrix)",
+        )
         prefix = [0] + handle.rank_prefix_matrix[:, self.rank].tolist()
         for row in range(recv_x.shape[0]):
             src = next(s for s in range(self.world) if prefix[s] <= row < prefix[s + 1])
             src_idx = int(handle.recv_src_idx[row])
             self.expect(torch.equal(_bits(recv_x[row]), _bits(self.xs[src][src_idx])), f"row {row} != source row")
         self.expect(torch.equal(_bits(recv_x), _bits(self.mine.x)), "receive order differs from (source, index) order")
-        self.expect(torch.equal(recv_idx, self.mine.topk_idx), 'torch.equal(recv_idx, self.mine.topk_idx)')
-        self.expect(bool(((recv_idx == -1) | ((recv_idx >= 0) & (recv_idx < EXPERTS_PER_RANK))).all()),
-                    'bool(((recv_idx == -1) | ((recv_idx >= 0) & (recv_idx < EXPERTS_PER_RANK))).all())')
-        self.expect(torch.equal(recv_w, self.mine.topk_weights), 'torch.equal(recv_w, self.mine.topk_weights)')
-        self.expect(bool((recv_w[recv_idx == -1] == 0).all()), 'bool((recv_w[recv_idx == -1] == 0).all())')
-        self.expect(counts == self.mine.num_recv_tokens_per_expert, 'counts == self.mine.num_recv_tokens_per_expert')
-        self.expect(counts == [int((recv_idx == e).sum()) for e in range(EXPERTS_PER_RANK)],
-                    'counts == [int((recv_idx == e).sum()) for e in range(EXPERTS_PER_RANK)]')
+        self.expect(torch.equal(recv_idx, self.mine.topk_idx), "torch.equal(recv_idx, self.mine.topk_idx)")
+        self.expect(
+            bool(((recv_idx == -1) | ((recv_idx >= 0) & (recv_idx < EXPERTS_PER_RANK))).all()),
+            "bool(((recv_idx == -1) | ((recv_idx >= 0) & (recv_idx < EXPERTS_PER_RANK))).all())",
+        )
+        self.expect(torch.equal(recv_w, self.mine.topk_weights), "torch.equal(recv_w, self.mine.topk_weights)")
+        self.expect(bool((recv_w[recv_idx == -1] == 0).all()), "bool((recv_w[recv_idx == -1] == 0).all())")
+        self.expect(counts == self.mine.num_recv_tokens_per_expert, "counts == self.mine.num_recv_tokens_per_expert")
+        self.expect(
+            counts == [int((recv_idx == e).sum()) for e in range(EXPERTS_PER_RANK)],
+            "counts == [int((recv_idx == e).sum()) for e in range(EXPERTS_PER_RANK)]",
+        )
         global_counts = sum(ref.dispatch_layout(i, self.experts, self.world)[2] for i in self.idxs)
-        self.expect(counts == global_counts[self.rank * EXPERTS_PER_RANK:(self.rank + 1) * EXPERTS_PER_RANK].tolist(),
-                    'counts == global_counts[self.rank * EXPERTS_PER_RANK:(self.rank + 1) * EXPERTS_PER_RANK].tolist()')
+        self.expect(
+            counts == global_counts[self.rank * EXPERTS_PER_RANK : (self.rank + 1) * EXPERTS_PER_RANK].tolist(),
+            "counts == global_counts[self.rank * EXPERTS_PER_RANK:(self.rank + 1) * EXPERTS_PER_RANK].tolist()",
+        )
 
     def check_expert_alignment(self) -> None:
         *_, counts, _, _ = self.dispatch(self.xs[self.rank], expert_alignment=4)
         want = ref.dispatch(self.xs, self.idxs, self.weights, self.experts, expert_alignment=4)[self.rank]
-        self.expect(counts == want.num_recv_tokens_per_expert and all(c % 4 == 0 for c in counts),
-                    'counts == want.num_recv_tokens_per_expert and all(c % 4 == 0 for c in counts)')
+        self.expect(
+            counts == want.num_recv_tokens_per_expert and all(c % 4 == 0 for c in counts),
+            "counts == want.num_recv_tokens_per_expert and all(c % 4 == 0 for c in counts)",
+        )
 
     def check_dispatch_quantised(self) -> None:
         variants = {
             "fp8 column-major scales": lambda x: (lambda q: (q[0], q[1].t().contiguous().t()))(
-                quant.per_token_cast_to_fp8(x)),
+                quant.per_token_cast_to_fp8(x)
+            ),
             "fp8 ue8m0": lambda x: quant.per_token_cast_to_fp8(x, round_scale=True, use_ue8m0=True),
             "int8 per-token": quant.per_token_cast_to_int8,
         }
@@ -235,28 +261,36 @@ class Checks:
         worst = BASE_TOKENS * self.world
         recv_x, recv_idx, recv_w, counts, _, _ = self.dispatch(self.xs[self.rank], num_worst_tokens=worst)
         n = exact[0].shape[0]
-        self.expect(recv_x.shape[0] == recv_idx.shape[0] == recv_w.shape[0] == worst,
-                    'recv_x.shape[0] == recv_idx.shape[0] == recv_w.shape[0] == worst')
-        self.expect(counts == [], 'counts == []')
-        self.expect(torch.equal(_bits(recv_x[:n]), _bits(exact[0])), 'torch.equal(_bits(recv_x[:n]), _bits(exact[0]))')
-        self.expect(torch.equal(recv_idx[:n], exact[1]) and torch.equal(recv_w[:n], exact[2]),
-                    'torch.equal(recv_idx[:n], exact[1]) and torch.equal(recv_w[:n], exact[2])')
-        self.expect(bool((recv_idx[n:] == -1).all()) and bool((recv_w[n:] == 0).all()),
-                    'bool((recv_idx[n:] == -1).all()) and bool((recv_w[n:] == 0).all())')
+        self.expect(
+            recv_x.shape[0] == recv_idx.shape[0] == recv_w.shape[0] == worst,
+            "recv_x.shape[0] == recv_idx.shape[0] == recv_w.shape[0] == worst",
+        )
+        self.expect(counts == [], "counts == []")
+        self.expect(torch.equal(_bits(recv_x[:n]), _bits(exact[0])), "torch.equal(_bits(recv_x[:n]), _bits(exact[0]))")
+        self.expect(
+            torch.equal(recv_idx[:n], exact[1]) and torch.equal(recv_w[:n], exact[2]),
+            "torch.equal(recv_idx[:n], exact[1]) and torch.equal(recv_w[:n], exact[2])",
+        )
+        self.expect(
+            bool((recv_idx[n:] == -1).all()) and bool((recv_w[n:] == 0).all()),
+            "bool((recv_idx[n:] == -1).all()) and bool((recv_w[n:] == 0).all())",
+        )
 
     def check_cached_dispatch(self) -> None:
         recv_x, _, _, _, handle, _ = self.dispatch(self.xs[self.rank])
         cached = self.buffer.dispatch(self.xs[self.rank], handle=handle)
-        self.expect(cached[1:5] == (None, None, None, None), 'cached[1:5] == (None, None, None, None)')
-        self.expect(torch.equal(_bits(cached[0]), _bits(recv_x)), 'torch.equal(_bits(cached[0]), _bits(recv_x))')
+        self.expect(cached[1:5] == (None, None, None, None), "cached[1:5] == (None, None, None, None)")
+        self.expect(torch.equal(_bits(cached[0]), _bits(recv_x)), "torch.equal(_bits(cached[0]), _bits(recv_x))")
         for i in range(3):  # the same handle again, in both data halves (cuda: the launch sites' direct path)
             again = self.buffer.dispatch(self.xs[self.rank], handle=handle)[0]
             self.expect(torch.equal(_bits(again), _bits(recv_x)), f"cached dispatch repeated ({i + 2})")
         fp8 = quant.per_token_cast_to_fp8(self.xs[self.rank])
         cached_fp8 = self.buffer.dispatch(fp8, handle=handle)[0]
         want = ref.dispatch([quant.per_token_cast_to_fp8(x) for x in self.xs], self.idxs, None, self.experts)
-        self.expect(all(torch.equal(_bits(g), _bits(w)) for g, w in zip(cached_fp8, want[self.rank].x, strict=True)),
-                    'all(torch.equal(_bits(g), _bits(w)) for g, w in zip(cached_fp8, want[self.rank].x, strict=True))')
+        self.expect(
+            all(torch.equal(_bits(g), _bits(w)) for g, w in zip(cached_fp8, want[self.rank].x, strict=True)),
+            "all(torch.equal(_bits(g), _bits(w)) for g, w in zip(cached_fp8, want[self.rank].x, strict=True))",
+        )
 
     def check_combine(self) -> None:
         recv_x, _, recv_w, _, handle, _ = self.dispatch(self.xs[self.rank])
@@ -269,13 +303,14 @@ class Checks:
         for r in range(self.world):
             gr = torch.Generator().manual_seed(100 + r)
             t = self.xs[r].shape[0]
-            biases.append((torch.randn(t, HIDDEN, generator=gr).to(torch.bfloat16), torch.ones(t, HIDDEN,
-                                                                                              dtype=torch.bfloat16)))
+            biases.append(
+                (torch.randn(t, HIDDEN, generator=gr).to(torch.bfloat16), torch.ones(t, HIDDEN, dtype=torch.bfloat16))
+            )
         want = ref.combine([e.x for e in self.expected], self.expected, [x.shape[0] for x in self.xs], biases)
         self.expect(torch.equal(_bits(combined), _bits(want[self.rank])), "combine differs from fixed-order reference")
         masked = torch.where(self.idxs[self.rank] >= 0, self.weights[self.rank], 0.0)
-        self.expect(torch.equal(combined_w, masked), 'torch.equal(combined_w, masked)')
-        self.expect(not bool(combined.isnan().any()), 'not bool(combined.isnan().any())')
+        self.expect(torch.equal(combined_w, masked), "torch.equal(combined_w, masked)")
+        self.expect(not bool(combined.isnan().any()), "not bool(combined.isnan().any())")
         # DeepEP's check: identity experts, no bias, divided by the number of destination ranks.
         plain, _, _ = self.buffer.combine(recv_x, handle)
         for i in range(3):  # repeated on the same handle, in both data halves
@@ -295,8 +330,10 @@ class Checks:
         masked = torch.where(self.idxs[self.rank] >= 0, self.weights[self.rank], 0.0).double()
         want = self.xs[self.rank].double() * masked.sum(dim=1, keepdim=True)
         # Each rank's scaled row is rounded to bf16 once and the sum once more: 2 bf16 ulps relative.
-        self.expect(torch.allclose(combined.double(), want, rtol=2 * 2 ** -8, atol=1e-6),
-                    'torch.allclose(combined.double(), want, rtol=2 * 2 ** -8, atol=1e-6)')
+        self.expect(
+            torch.allclose(combined.double(), want, rtol=2 * 2**-8, atol=1e-6),
+            "torch.allclose(combined.double(), want, rtol=2 * 2 ** -8, atol=1e-6)",
+        )
 
     def check_graph_replay(self) -> None:
         """cuda: cached dispatch + combine captured as CUDA graphs, replayed with new inputs (written in place)
@@ -314,19 +351,32 @@ class Checks:
         idx, w = self.idxs[self.rank].to(device), self.weights[self.rank].to(device)
         static_x = self.xs[self.rank].to(device)
         layout = buffer.get_dispatch_layout(idx, self.experts)
-        recv_x, _, _, _, handle, _ = buffer.dispatch(static_x, num_tokens_per_rank=layout[0],
-                                                     is_token_in_rank=layout[3], num_tokens_per_expert=layout[2],
-                                                     topk_idx=idx, topk_weights=w)
+        recv_x, _, _, _, handle, _ = buffer.dispatch(
+            static_x,
+            num_tokens_per_rank=layout[0],
+            is_token_in_rank=layout[3],
+            num_tokens_per_expert=layout[2],
+            topk_idx=idx,
+            topk_weights=w,
+        )
         try:  # a fresh dispatch exchanges counts with a host sync: refused (after its eager warm-up run)
-            buffer.capture_graph(lambda: buffer.dispatch(static_x, num_tokens_per_rank=layout[0],
-                                                         is_token_in_rank=layout[3], num_tokens_per_expert=layout[2],
-                                                         topk_idx=idx, topk_weights=w))
+            buffer.capture_graph(
+                lambda: buffer.dispatch(
+                    static_x,
+                    num_tokens_per_rank=layout[0],
+                    is_token_in_rank=layout[3],
+                    num_tokens_per_expert=layout[2],
+                    topk_idx=idx,
+                    topk_weights=w,
+                )
+            )
             self.expect(False, "capturing a fresh dispatch did not raise")
         except ConfigError as exc:
             self.expect("cached" in str(exc), str(exc))
         static_back = recv_x.clone()
-        graph = buffer.capture_graph(lambda: (buffer.dispatch(static_x, handle=handle)[0],
-                                              buffer.combine(static_back, handle)[0]))
+        graph = buffer.capture_graph(
+            lambda: (buffer.dispatch(static_x, handle=handle)[0], buffer.combine(static_back, handle)[0])
+        )
         self.expect(graph.num_ops == 2, f"graph.num_ops == {graph.num_ops}")
         tokens = [x.shape[0] for x in self.xs]
         for round_ in range(4):
@@ -346,39 +396,58 @@ class Checks:
     # ------------------------------------------------------------------ low latency
     def _ll(self, **kwargs):
         stats = torch.zeros(EXPERTS_PER_RANK, dtype=torch.int32)
-        out = self.buffer.low_latency_dispatch(self.xs[self.rank], self.idxs[self.rank], LL_MAX_TOKENS, self.experts,
-                                               cumulative_local_expert_recv_stats=stats, **kwargs)
+        out = self.buffer.low_latency_dispatch(
+            self.xs[self.rank],
+            self.idxs[self.rank],
+            LL_MAX_TOKENS,
+            self.experts,
+            cumulative_local_expert_recv_stats=stats,
+            **kwargs,
+        )
         return out, stats
 
     def check_low_latency_dispatch(self) -> None:
         sources = ref.low_latency_dispatch(self.idxs, self.experts)[self.rank]
-        for use_fp8, round_scale, use_ue8m0, hook_mode in [(False, False, False, False), (True, False, False, False),
-                                                           (True, True, False, True), (True, True, True, False)]:
+        for use_fp8, round_scale, use_ue8m0, hook_mode in [
+            (False, False, False, False),
+            (True, False, False, False),
+            (True, True, False, True),
+            (True, True, True, False),
+        ]:
             (recv_x, recv_count, handle, _, hook), stats = self._ll(
-                use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0, return_recv_hook=hook_mode)
+                use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0, return_recv_hook=hook_mode
+            )
             if hook_mode:
                 self.expect(int(recv_count.sum()) == 0, "receive half ran before hook()")
                 hook()
             src_info, layout_range, max_tokens, hidden, experts = handle
-            self.expect((max_tokens, hidden, experts) == (LL_MAX_TOKENS, HIDDEN, self.experts),
-                        '(max_tokens, hidden, experts) == (LL_MAX_TOKENS, HIDDEN, self.experts)')
+            self.expect(
+                (max_tokens, hidden, experts) == (LL_MAX_TOKENS, HIDDEN, self.experts),
+                "(max_tokens, hidden, experts) == (LL_MAX_TOKENS, HIDDEN, self.experts)",
+            )
             values = recv_x[0] if use_fp8 else recv_x
-            self.expect(values.shape == (EXPERTS_PER_RANK, self.world * LL_MAX_TOKENS, HIDDEN),
-                        'values.shape == (EXPERTS_PER_RANK, self.world * LL_MAX_TOKENS, HIDDEN)')
+            self.expect(
+                values.shape == (EXPERTS_PER_RANK, self.world * LL_MAX_TOKENS, HIDDEN),
+                "values.shape == (EXPERTS_PER_RANK, self.world * LL_MAX_TOKENS, HIDDEN)",
+            )
             if use_fp8:
                 scales = recv_x[1]
                 blocks = HIDDEN // 128 // (4 if use_ue8m0 else 1)
-                self.expect(scales.shape == (EXPERTS_PER_RANK, self.world * LL_MAX_TOKENS, blocks),
-                            'scales.shape == (EXPERTS_PER_RANK, self.world * LL_MAX_TOKENS, blocks)')
-                self.expect(scales.dtype == (torch.int32 if use_ue8m0 else torch.float32),
-                            'scales.dtype == (torch.int32 if use_ue8m0 else torch.float32)')
+                self.expect(
+                    scales.shape == (EXPERTS_PER_RANK, self.world * LL_MAX_TOKENS, blocks),
+                    "scales.shape == (EXPERTS_PER_RANK, self.world * LL_MAX_TOKENS, blocks)",
+                )
+                self.expect(
+                    scales.dtype == (torch.int32 if use_ue8m0 else torch.float32),
+                    "scales.dtype == (torch.int32 if use_ue8m0 else torch.float32)",
+                )
                 self.expect(scales.stride(1) == 1, "scales must be column-major in the last two dims")
             for expert in range(EXPERTS_PER_RANK):
                 want = sources[expert].sources
                 count = int(recv_count[expert])
-                self.expect(count == len(want) == int(stats[expert]), 'count == len(want) == int(stats[expert])')
+                self.expect(count == len(want) == int(stats[expert]), "count == len(want) == int(stats[expert])")
                 ranges = layout_range[expert]
-                self.expect(int((ranges & 0xFFFFFFFF).sum()) == count, 'int((ranges & 0xFFFFFFFF).sum()) == count')
+                self.expect(int((ranges & 0xFFFFFFFF).sum()) == count, "int((ranges & 0xFFFFFFFF).sum()) == count")
                 got = []
                 for src in range(self.world):
                     begin, n = int(ranges[src] >> 32), int(ranges[src] & 0xFFFFFFFF)
@@ -386,15 +455,21 @@ class Checks:
                         t = int(src_info[expert, row])
                         got.append((src, t))
                         if use_fp8:
-                            q, s = quant.per_token_cast_to_fp8(self.xs[src][t:t + 1], round_scale, use_ue8m0)
-                            self.expect(torch.equal(_bits(values[expert, row]), _bits(q[0])),
-                                        'torch.equal(_bits(values[expert, row]), _bits(q[0]))')
-                            self.expect(torch.equal(_bits(recv_x[1][expert, row]), _bits(s[0])),
-                                        'torch.equal(_bits(recv_x[1][expert, row]), _bits(s[0]))')
+                            q, s = quant.per_token_cast_to_fp8(self.xs[src][t : t + 1], round_scale, use_ue8m0)
+                            self.expect(
+                                torch.equal(_bits(values[expert, row]), _bits(q[0])),
+                                "torch.equal(_bits(values[expert, row]), _bits(q[0]))",
+                            )
+                            self.expect(
+                                torch.equal(_bits(recv_x[1][expert, row]), _bits(s[0])),
+                                "torch.equal(_bits(recv_x[1][expert, row]), _bits(s[0]))",
+                            )
                         else:
-                            self.expect(torch.equal(_bits(values[expert, row]), _bits(self.xs[src][t])),
-                                        'torch.equal(_bits(values[expert, row]), _bits(self.xs[src][t]))')
-                self.expect(sorted(got) == sorted(want), 'sorted(got) == sorted(want)')
+                            self.expect(
+                                torch.equal(_bits(values[expert, row]), _bits(self.xs[src][t])),
+                                "torch.equal(_bits(values[expert, row]), _bits(self.xs[src][t]))",
+                            )
+                self.expect(sorted(got) == sorted(want), "sorted(got) == sorted(want)")
                 self.expect(bool((_bits(values[expert, count:]) == 0).all()), "rows past the count must stay zero")
 
     def check_low_latency_combine(self) -> None:
@@ -410,10 +485,11 @@ class Checks:
         else:
             simulated = recv_x
         poison = torch.full((self.xs[self.rank].shape[0], HIDDEN), float("nan"), dtype=torch.bfloat16)
-        out, _, _ = self.buffer.low_latency_combine(simulated, self.idxs[self.rank], self.weights[self.rank],
-                                                    handle, out=poison)
-        self.expect(out.data_ptr() == poison.data_ptr(), 'out.data_ptr() == poison.data_ptr()')
-        self.expect(not bool(out.isnan().any()), 'not bool(out.isnan().any())')
+        out, _, _ = self.buffer.low_latency_combine(
+            simulated, self.idxs[self.rank], self.weights[self.rank], handle, out=poison
+        )
+        self.expect(out.data_ptr() == poison.data_ptr(), "out.data_ptr() == poison.data_ptr()")
+        self.expect(not bool(out.isnan().any()), "not bool(out.isnan().any())")
         idx, w = self.idxs[self.rank], self.weights[self.rank]
         if use_fp8:
             deq = quant.per_token_cast_back(*quant.per_token_cast_to_fp8(self.xs[self.rank])).to(torch.bfloat16)
@@ -421,7 +497,7 @@ class Checks:
             deq = self.xs[self.rank]
         want = ref.low_latency_combine(lambda t, e: deq[t], idx, w)
         if want is None:
-            self.expect(out.numel() == 0 or bool((out == 0).all()), 'out.numel() == 0 or bool((out == 0).all())')
+            self.expect(out.numel() == 0 or bool((out == 0).all()), "out.numel() == 0 or bool((out == 0).all())")
             return
         diff = ref.calc_diff(out, want)
         self.expect(diff < limit, f"use_fp8={use_fp8}: calc_diff {diff} >= {limit}")
@@ -431,8 +507,9 @@ class Checks:
             recv_x, recv_idx, recv_w, _, handle, _ = self.dispatch(self.xs[self.rank])
             combined, combined_w, _ = self.buffer.combine(recv_x, handle, recv_w)
             (ll_x, ll_count, ll_handle, _, _), _ = self._ll(use_fp8=False)
-            ll_out, _, _ = self.buffer.low_latency_combine(ll_x, self.idxs[self.rank], self.weights[self.rank],
-                                                           ll_handle)
+            ll_out, _, _ = self.buffer.low_latency_combine(
+                ll_x, self.idxs[self.rank], self.weights[self.rank], ll_handle
+            )
             return [recv_x, recv_idx, recv_w, combined, combined_w, ll_x, ll_count, ll_handle[0], ll_out]
 
         first = once()
@@ -466,10 +543,17 @@ class Checks:
             # cuda: the layout does not sync with the host; the out-of-range id travels with the layout into the
             # fresh dispatch's count exchange, where every rank raises before any row moves.
             self.expect(b.strategy_name == "cuda", f"{b.strategy_name}: get_dispatch_layout accepted id {self.experts}")
-            raises(BoundsError, lambda: raw.dispatch(x.to(device), num_tokens_per_rank=bad_layout[0],
-                                                     is_token_in_rank=bad_layout[3],
-                                                     num_tokens_per_rdma_rank=bad_layout[1],
-                                                     num_tokens_per_expert=bad_layout[2]), str(self.experts))
+            raises(
+                BoundsError,
+                lambda: raw.dispatch(
+                    x.to(device),
+                    num_tokens_per_rank=bad_layout[0],
+                    is_token_in_rank=bad_layout[3],
+                    num_tokens_per_rdma_rank=bad_layout[1],
+                    num_tokens_per_expert=bad_layout[2],
+                ),
+                str(self.experts),
+            )
         raises(BoundsError, lambda: b.dispatch(x, **args, topk_idx=bad_idx, topk_weights=w), "num_experts")
         raises(ConfigError, lambda: b.dispatch(x, **args, topk_idx=idx.int(), topk_weights=w), "int32")
         raises(ConfigError, lambda: b.dispatch(x, **args, topk_idx=idx, topk_weights=w[:, :2]), "shape")
@@ -481,17 +565,26 @@ class Checks:
         raises(AlignmentError, lambda: quant.per_token_cast_to_fp8(torch.ones(2, 192)), "192")
         small = Buffer(None, num_nvl_bytes=128, strategy="alltoall", timeout_s=10)
         raises(CapacityError, lambda: small.dispatch(x, **args, topk_idx=idx, topk_weights=w), "128")
-        no_ll = Buffer(None, num_nvl_bytes=NVL_BYTES, num_rdma_bytes=128, low_latency_mode=True,
-                       strategy="alltoall", timeout_s=10)
-        raises(CapacityError, lambda: no_ll.low_latency_dispatch(x, idx, LL_MAX_TOKENS, self.experts),
-               "num_rdma_bytes")
+        no_ll = Buffer(
+            None, num_nvl_bytes=NVL_BYTES, num_rdma_bytes=128, low_latency_mode=True, strategy="alltoall", timeout_s=10
+        )
+        raises(CapacityError, lambda: no_ll.low_latency_dispatch(x, idx, LL_MAX_TOKENS, self.experts), "num_rdma_bytes")
         stats = torch.full((EXPERTS_PER_RANK,), 7, dtype=torch.int32)
-        raises(PayloadTooLarge, lambda: b.low_latency_dispatch(x, idx, x.shape[0] - 1, self.experts,
-                                                               cumulative_local_expert_recv_stats=stats),
-               str(x.shape[0] - 1))
+        raises(
+            PayloadTooLarge,
+            lambda: b.low_latency_dispatch(
+                x, idx, x.shape[0] - 1, self.experts, cumulative_local_expert_recv_stats=stats
+            ),
+            str(x.shape[0] - 1),
+        )
         self.expect(bool((stats == 7).all()), "a rejected call must leave the stats intact")
-        raises(ConfigError, lambda: b.low_latency_dispatch(x, idx, LL_MAX_TOKENS, self.experts,
-                                                           async_finish=True, return_recv_hook=True), "exclusive")
+        raises(
+            ConfigError,
+            lambda: b.low_latency_dispatch(
+                x, idx, LL_MAX_TOKENS, self.experts, async_finish=True, return_recv_hook=True
+            ),
+            "exclusive",
+        )
         raises(AlignmentError, lambda: Buffer(None, num_nvl_bytes=100), "128")
         (ll_x, _, ll_handle, _, _), _ = self._ll(use_fp8=False)
         poison = torch.full((x.shape[0], HIDDEN), float("nan"), dtype=torch.bfloat16)

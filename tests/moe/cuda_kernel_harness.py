@@ -39,6 +39,7 @@ class _Queued:
                 self.queue.append((self.kernel, grid, args, kwargs))
             else:
                 self.kernel[grid](*args, **kwargs)
+
         return launch
 
 
@@ -67,7 +68,7 @@ class EmulatedRank(cuda_strategy.CudaStrategy):
         self.fused = False  # one process runs the ranks in turn: the waiting halves must be separate launches
         local = buffers[rank]
         peers = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
-        self._symm = (local, None, peers, local[:cuda_strategy.HEADER_BYTES].view(torch.int32))
+        self._symm = (local, None, peers, local[: cuda_strategy.HEADER_BYTES].view(torch.int32))
 
     def _buffer(self, half_bytes: int):
         assert cuda_strategy.DATA_OFFSET + 2 * half_bytes <= self._symm[0].numel(), "harness buffer too small"
@@ -77,7 +78,7 @@ class EmulatedRank(cuda_strategy.CudaStrategy):
 def _buffers(world: int) -> list[torch.Tensor]:
     buffers = [torch.full((BUFFER_BYTES,), POISON, dtype=torch.uint8) for _ in range(world)]
     for b in buffers:
-        b[:cuda_strategy.HEADER_BYTES] = 0
+        b[: cuda_strategy.HEADER_BYTES] = 0
     return buffers
 
 
@@ -157,8 +158,15 @@ def check_count_exchange(world: int) -> None:
             high = int(idx.max()) if q % 2 == 0 and idx.numel() else -1
             below, above = ranks[q].layout_range(layouts[q][3]).tolist()
             low, high = min(low, -below), max(high, above)
-            rows_want.append(torch.cat([layouts[q][0].long(), layouts[q][2].long(), torch.tensor(
-                [low, high, int(layouts[q][0].sum()), int(layouts[q][3].sum())])]))
+            rows_want.append(
+                torch.cat(
+                    [
+                        layouts[q][0].long(),
+                        layouts[q][2].long(),
+                        torch.tensor([low, high, int(layouts[q][0].sum()), int(layouts[q][3].sum())]),
+                    ]
+                )
+            )
         assert torch.equal(table, torch.stack(rows_want)), (table, torch.stack(rows_want))
         if world > 1 and idxs[0].shape[0] > 2:
             assert int(table[0, world + experts + 1]) == experts + 3, "rank 0's bad id reaches every rank"
@@ -172,9 +180,12 @@ def _expected_tables(rank: int, in_rank: torch.Tensor, counts: torch.Tensor) -> 
     gather[:, rank] = slots[:, rank]
     received = counts[:, rank]
     return dict(
-        dispatch_slots=slots, gather_rows=gather,
+        dispatch_slots=slots,
+        gather_rows=gather,
         recv_prefix_dev=torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(received, 0)]),
-        slot_base_dev=counts[:, :rank].sum(dim=1), rank_prefix_matrix=counts.cumsum(dim=0))
+        slot_base_dev=counts[:, :rank].sum(dim=1),
+        rank_prefix_matrix=counts.cumsum(dim=0),
+    )
 
 
 def _plans(ranks, idxs, experts, layouts):
@@ -182,8 +193,12 @@ def _plans(ranks, idxs, experts, layouts):
     count_matrix = torch.stack([layout[0].to(torch.int64) for layout in layouts])
     plans = []
     for r, strategy in enumerate(ranks):
-        plan = NormalPlan(r, layouts[r][3], count_matrix, private={"config": Config(), "num_experts": experts,
-                                                                   "num_topk": idxs[r].shape[1]})
+        plan = NormalPlan(
+            r,
+            layouts[r][3],
+            count_matrix,
+            private={"config": Config(), "num_experts": experts, "num_topk": idxs[r].shape[1]},
+        )
         strategy.prepare_plan(plan)
         for name, want in _expected_tables(r, layouts[r][3], count_matrix).items():
             got = plan.private[name]
@@ -228,10 +243,17 @@ def check_dispatch_and_combine(world: int) -> None:
 
     # Combine with both biases and the weights part, against the fixed-order float32 reference.
     g = torch.Generator().manual_seed(7)
-    biases = [(torch.randn(x.shape[0], HIDDEN, generator=g).to(torch.bfloat16),
-               torch.ones(x.shape[0], HIDDEN, dtype=torch.bfloat16)) for x in xs]
-    combined = [strategy.combine_rows(plans[r], expected[r].x, expected[r].topk_weights, biases[r])
-                for r, strategy in enumerate(ranks)]
+    biases = [
+        (
+            torch.randn(x.shape[0], HIDDEN, generator=g).to(torch.bfloat16),
+            torch.ones(x.shape[0], HIDDEN, dtype=torch.bfloat16),
+        )
+        for x in xs
+    ]
+    combined = [
+        strategy.combine_rows(plans[r], expected[r].x, expected[r].topk_weights, biases[r])
+        for r, strategy in enumerate(ranks)
+    ]
     _flush(queue)
     want = ref.combine([e.x for e in expected], expected, [x.shape[0] for x in xs], biases)
     for r, (out, out_w) in enumerate(combined):
@@ -242,8 +264,9 @@ def check_dispatch_and_combine(world: int) -> None:
     for round_ in range(3):
         sites_before = [len(strategy._sites) for strategy in ranks]
         new_xs = [torch.randn(x.shape, generator=g).to(torch.bfloat16) for x in xs]
-        received = [strategy.dispatch_rows(plans[r], [new_xs[r]], "test cached site")[0]
-                    for r, strategy in enumerate(ranks)]
+        received = [
+            strategy.dispatch_rows(plans[r], [new_xs[r]], "test cached site")[0] for r, strategy in enumerate(ranks)
+        ]
         _flush(queue)
         want_new = ref.dispatch(new_xs, idxs, None, experts)
         for r, got in enumerate(received):
@@ -251,7 +274,7 @@ def check_dispatch_and_combine(world: int) -> None:
         if round_ == 2:
             assert [len(strategy._sites) for strategy in ranks] == sites_before, "the third reused a site"
     for r, (strategy, b) in enumerate(zip(ranks, buffers, strict=True)):
-        header = b[:cuda_strategy.HEADER_BYTES].view(torch.int32)
+        header = b[: cuda_strategy.HEADER_BYTES].view(torch.int32)
         assert int(header[cuda_strategy._kernels().ERROR_WORD]) == 0
         assert int(header[cuda_strategy._kernels().EPOCH_WORD]) == strategy.data_epoch == 6, "device epoch"
         assert bool((b[-4096:] == POISON).all()), f"rank {r}: bytes past the used regions were written"
@@ -279,8 +302,8 @@ def check_fused_launches(world: int) -> None:
     combined = [strategy.combine_rows(plans[r], expected[r].x, None, ())[0] for r, strategy in enumerate(ranks)]
     want = ref.combine([e.x for e in expected], expected, [x.shape[0] for x in xs], [() for _ in xs])
     assert torch.equal(_bits(combined[last]), _bits(want[last])), "fused combine (last rank)"
-    assert int(buffers[last][:cuda_strategy.HEADER_BYTES].view(torch.int32)[cuda_strategy._kernels().ERROR_WORD]) == 0
-    assert int(buffers[0][:cuda_strategy.HEADER_BYTES].view(torch.int32)[cuda_strategy._kernels().ERROR_WORD]) == 1
+    assert int(buffers[last][: cuda_strategy.HEADER_BYTES].view(torch.int32)[cuda_strategy._kernels().ERROR_WORD]) == 0
+    assert int(buffers[0][: cuda_strategy.HEADER_BYTES].view(torch.int32)[cuda_strategy._kernels().ERROR_WORD]) == 1
 
 
 def check_localize_topk(world: int) -> None:
@@ -309,14 +332,22 @@ def check_low_latency(world: int) -> None:
     local = experts // world
     slab = world * LL_MAX_TOKENS
     sources = ref.low_latency_dispatch(idxs, experts)
-    for use_fp8, round_scale, use_ue8m0 in [(False, False, False), (True, False, False), (True, True, False),
-                                            (True, True, True)]:
+    for use_fp8, round_scale, use_ue8m0 in [
+        (False, False, False),
+        (True, False, False),
+        (True, True, False),
+        (True, True, True),
+    ]:
         queue: list = []
         buffers = _buffers(world)
         ranks = [EmulatedRank(r, world, buffers, queue) for r in range(world)]
         stats = [torch.full((local,), 5, dtype=torch.int32) for _ in range(world)]
-        outs = [strategy.ll_dispatch(xs[r], idxs[r], LL_MAX_TOKENS, experts, use_fp8, round_scale, use_ue8m0,
-                                     stats[r], True) for r, strategy in enumerate(ranks)]
+        outs = [
+            strategy.ll_dispatch(
+                xs[r], idxs[r], LL_MAX_TOKENS, experts, use_fp8, round_scale, use_ue8m0, stats[r], True
+            )
+            for r, strategy in enumerate(ranks)
+        ]
         assert all(int(out[1].sum()) == 0 for out in outs), "the receive half ran before it was called"
         for out in outs:
             out[4]()
@@ -330,13 +361,14 @@ def check_low_latency(world: int) -> None:
                 assert count == len(want) and int(stats[r][expert]) == 5 + count, (r, expert, count, len(want))
                 begins = (layout_range[expert] >> 32).tolist()
                 counts = (layout_range[expert] & 0xFFFFFFFF).tolist()
-                got = [(src, int(src_info[expert, begins[src] + i]))
-                       for src in range(world) for i in range(counts[src])]
+                got = [
+                    (src, int(src_info[expert, begins[src] + i])) for src in range(world) for i in range(counts[src])
+                ]
                 assert got == want, (r, expert, got, want)
                 assert bool((src_info[expert, count:] == -1).all())
                 for row, (src, t) in enumerate(want):
                     if use_fp8:
-                        q, scales = quant.per_token_cast_to_fp8(xs[src][t:t + 1], round_scale, use_ue8m0)
+                        q, scales = quant.per_token_cast_to_fp8(xs[src][t : t + 1], round_scale, use_ue8m0)
                         assert torch.equal(_bits(values[expert, row]), _bits(q[0])), (r, expert, row, "fp8 values")
                         assert torch.equal(_bits(recv_x[1][expert, row]), _bits(scales[0])), (r, expert, row)
                     else:
@@ -345,12 +377,15 @@ def check_low_latency(world: int) -> None:
                 if use_fp8:
                     assert bool((_bits(recv_x[1][expert, count:]) == 0).all())
             # Message rows no source sent (j >= count of that source) keep the poison.
-            assert int(buffers[r][:cuda_strategy.HEADER_BYTES].view(torch.int32)[
-                cuda_strategy._kernels().ERROR_WORD]) == 0
+            assert (
+                int(buffers[r][: cuda_strategy.HEADER_BYTES].view(torch.int32)[cuda_strategy._kernels().ERROR_WORD])
+                == 0
+            )
             half = ranks[r]._half(ranks[r].data_epoch % 2)
             value_words = HIDDEN // 4 if use_fp8 else HIDDEN // 2
-            region = buffers[r][half:half + experts * LL_MAX_TOKENS * value_words * 4].view(
-                local, world, LL_MAX_TOKENS, value_words * 4)
+            region = buffers[r][half : half + experts * LL_MAX_TOKENS * value_words * 4].view(
+                local, world, LL_MAX_TOKENS, value_words * 4
+            )
             for expert in range(local):
                 for src in range(world):
                     n = int(layout_range[expert, src] & 0xFFFFFFFF)
@@ -361,8 +396,10 @@ def check_low_latency(world: int) -> None:
         factors = (1 + torch.arange(local, dtype=torch.float32) / 4).view(local, 1, 1)
         expert_x = [(out[0].float() * factors).to(torch.bfloat16) for out in outs]
         results = [torch.full((xs[r].shape[0], HIDDEN), float("nan"), dtype=torch.bfloat16) for r in range(world)]
-        receives = [strategy.ll_combine(expert_x[r], idxs[r], weights[r], outs[r][3], LL_MAX_TOKENS, experts,
-                                        results[r], True) for r, strategy in enumerate(ranks)]
+        receives = [
+            strategy.ll_combine(expert_x[r], idxs[r], weights[r], outs[r][3], LL_MAX_TOKENS, experts, results[r], True)
+            for r, strategy in enumerate(ranks)
+        ]
         for receive in receives:
             receive()
         _flush(queue)
@@ -378,7 +415,8 @@ def check_low_latency(world: int) -> None:
             if idx.shape[0]:
                 x_r = xs[r]
                 want64 = ref.low_latency_combine(
-                    lambda t, e, x_r=x_r: (x_r[t].float() * (1 + (e % local) / 4)).to(torch.bfloat16), idx, w)
+                    lambda t, e, x_r=x_r: (x_r[t].float() * (1 + (e % local) / 4)).to(torch.bfloat16), idx, w
+                )
                 if want64 is not None:
                     assert ref.calc_diff(results[r], want64) < 1e-5
 

@@ -35,8 +35,15 @@ def _inputs(world: int, seed: int, tokens: list[int], hidden: int, topk: int, lo
 
 def _dispatch(buffer, x, idx, w, experts):
     per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, experts)
-    return buffer.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma,
-                           is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+    return buffer.dispatch(
+        x,
+        num_tokens_per_rank=per_rank,
+        num_tokens_per_rdma_rank=per_rdma,
+        is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
+        topk_idx=idx,
+        topk_weights=w,
+    )
 
 
 def _packed_rows(receive, idxs, weights, xs) -> bytes:
@@ -44,10 +51,12 @@ def _packed_rows(receive, idxs, weights, xs) -> bytes:
     as sent) | weights | source index, back to back."""
     rows = []
     for src, t in zip(receive.src_rank, receive.src_idx, strict=True):
-        rows += [xs[src][t].contiguous().view(torch.uint8).numpy().tobytes(),
-                 idxs[src][t].contiguous().view(torch.uint8).numpy().tobytes(),
-                 weights[src][t].contiguous().view(torch.uint8).numpy().tobytes(),
-                 np.int32(t).tobytes()]
+        rows += [
+            xs[src][t].contiguous().view(torch.uint8).numpy().tobytes(),
+            idxs[src][t].contiguous().view(torch.uint8).numpy().tobytes(),
+            weights[src][t].contiguous().view(torch.uint8).numpy().tobytes(),
+            np.int32(t).tobytes(),
+        ]
     return b"".join(rows)
 
 
@@ -59,15 +68,22 @@ def _dataplane_worker(rank: int, world: int, env: dict) -> dict:
     from ascend_dualpath.reference import moe as ref
 
     hidden, local_experts, max_tokens = 256, 2, 16
-    buffer = Buffer(None, num_nvl_bytes=1 << 22, num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(
-        max_tokens, hidden, world, local_experts * world), low_latency_mode=True, strategy="aiv", timeout_s=WAIT_S)
+    buffer = Buffer(
+        None,
+        num_nvl_bytes=1 << 22,
+        num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(max_tokens, hidden, world, local_experts * world),
+        low_latency_mode=True,
+        strategy="aiv",
+        timeout_s=WAIT_S,
+    )
     xs, idxs, weights, experts = _inputs(world, 7, [9, 5, 0, 6][:world], hidden, 3, local_experts, torch.bfloat16)
     want = ref.dispatch(xs, idxs, weights, experts)
     recv_x, _, _, _, handle, _ = _dispatch(buffer, xs[rank], idxs[rank], weights[rank], experts)
     combined, _, _ = buffer.combine(recv_x, handle)
     want_combined = ref.combine([r.x for r in want], want, [x.shape[0] for x in xs])[rank]
-    ll_x, ll_count, ll_handle, _, _ = buffer.low_latency_dispatch(xs[rank], idxs[rank], max_tokens, experts,
-                                                                  use_fp8=False)
+    ll_x, ll_count, ll_handle, _, _ = buffer.low_latency_dispatch(
+        xs[rank], idxs[rank], max_tokens, experts, use_fp8=False
+    )
     ll_out, _, _ = buffer.low_latency_combine(ll_x, idxs[rank], weights[rank], ll_handle)
     want_ll = [len(e.sources) for e in ref.low_latency_dispatch(idxs, experts)[rank]]
     want_ll_out = ref.low_latency_combine(lambda t, e: xs[rank][t], idxs[rank], weights[rank])
@@ -127,11 +143,11 @@ def _poison_worker(rank: int, world: int, env: dict) -> dict:
     recv_x, *_ = _dispatch(buffer, xs[rank], idxs[rank], weights[rank], experts)
     want = ref.dispatch(xs, idxs, weights, experts)[rank]
     packed = _packed_rows(want, idxs, weights, xs)
-    half = window[used * half_bytes:(used + 1) * half_bytes]
-    other = window[(1 - used) * half_bytes:(2 - used) * half_bytes]
+    half = window[used * half_bytes : (used + 1) * half_bytes]
+    other = window[(1 - used) * half_bytes : (2 - used) * half_bytes]
     out = {
-        "rows": "ok" if half[:len(packed)].tobytes() == packed else "packed rows differ",
-        "after": "ok" if (half[len(packed):] == POISON).all() else "written past the received rows",
+        "rows": "ok" if half[: len(packed)].tobytes() == packed else "packed rows differ",
+        "after": "ok" if (half[len(packed) :] == POISON).all() else "written past the received rows",
         "other_half": "ok" if (other == POISON).all() else "the other half was written",
         "received": "ok" if torch.equal(recv_x.view(torch.int16), want.x.view(torch.int16)) else "recv_x differs",
     }
@@ -170,8 +186,10 @@ def _silent_peer_worker(rank: int, world: int, env: dict) -> dict:
         buffer.dispatch(xs[rank], handle=handle)
     except WaitTimeout as exc:
         message = str(exc)
-        return {"timeout": "ok" if "no notify" in message and "rank(s) [1]" in message else message,
-                "elapsed": "ok" if time.monotonic() - start < 4.5 else f"took {time.monotonic() - start:.1f} s"}
+        return {
+            "timeout": "ok" if "no notify" in message and "rank(s) [1]" in message else message,
+            "elapsed": "ok" if time.monotonic() - start < 4.5 else f"took {time.monotonic() - start:.1f} s",
+        }
     finally:
         buffer.destroy()
     return {"timeout": "the cached dispatch returned although rank 1 never sent"}
@@ -215,8 +233,11 @@ def _bad_remote_worker(rank: int, world: int, env: dict) -> dict:
             words = "REMOTE_OUT_OF_BOUNDS" if strategy.dataplane == "aiv" else "rank 1 registered"
             out["sender"] = "ok" if words in str(exc) else str(exc)
         strategy._peer_in[1] = good
-        out["queues"] = "ok" if all(strategy.comm.aiv_qp(p).state.name == "READY_TO_SEND" for p in range(world)) \
+        out["queues"] = (
+            "ok"
+            if all(strategy.comm.aiv_qp(p).state.name == "READY_TO_SEND" for p in range(world))
             else "a queue pair stayed in ERROR"
+        )
     else:
         try:
             buffer.dispatch(xs[rank], handle=handle)
@@ -253,8 +274,10 @@ def _hierarchy_worker(rank: int, world: int, env: dict, ranks_per_node: int) -> 
     want_fp8 = ref.dispatch(fp8, idxs, None, experts)[rank].x
     bias = torch.randn(tokens[rank], 256, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
     combined, combined_w, _ = buffer.combine(recv_x, handle, recv_w, bias=bias)
-    biases = [(torch.randn(t, 256, generator=torch.Generator().manual_seed(r)).to(torch.bfloat16), None)
-              for r, t in enumerate(tokens)]
+    biases = [
+        (torch.randn(t, 256, generator=torch.Generator().manual_seed(r)).to(torch.bfloat16), None)
+        for r, t in enumerate(tokens)
+    ]
     want_combined = ref.combine([r.x for r in want], want, tokens, biases)[rank]
     strategy = buffer.strategy
     node, local = rank // ranks_per_node, rank % ranks_per_node
@@ -262,9 +285,11 @@ def _hierarchy_worker(rank: int, world: int, env: dict, ranks_per_node: int) -> 
     posted = {p for p in range(world) if strategy.comm.aiv_qp(p).head}
     out = {
         "dispatch": torch.equal(recv_x.view(torch.int16), want[rank].x.view(torch.int16))
-        and torch.equal(recv_idx, want[rank].topk_idx) and torch.equal(recv_w, want[rank].topk_weights),
-        "cached_fp8": all(torch.equal(g.view(torch.uint8), w.view(torch.uint8))
-                          for g, w in zip(cached, want_fp8, strict=True)),
+        and torch.equal(recv_idx, want[rank].topk_idx)
+        and torch.equal(recv_w, want[rank].topk_weights),
+        "cached_fp8": all(
+            torch.equal(g.view(torch.uint8), w.view(torch.uint8)) for g, w in zip(cached, want_fp8, strict=True)
+        ),
         "combine": torch.equal(combined.view(torch.int16), want_combined.view(torch.int16))
         and torch.equal(combined_w, torch.where(idxs[rank] >= 0, weights[rank], 0.0)),
         "routes": posted <= allowed - {rank} if strategy.dataplane == "aiv" else True,
@@ -275,12 +300,16 @@ def _hierarchy_worker(rank: int, world: int, env: dict, ranks_per_node: int) -> 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("env, world, ranks_per_node", [({}, 4, 2), (AICPU_ENV, 4, 2), ({}, 8, 2), (AICPU_ENV, 8, 4)],
-                         ids=["aiv-R4-P2", "aicpu-R4-P2", "aiv-R8-P2", "aicpu-R8-P4"])
+@pytest.mark.parametrize(
+    "env, world, ranks_per_node",
+    [({}, 4, 2), (AICPU_ENV, 4, 2), ({}, 8, 2), (AICPU_ENV, 8, 4)],
+    ids=["aiv-R4-P2", "aicpu-R4-P2", "aiv-R8-P2", "aicpu-R8-P4"],
+)
 def test_hierarchy_routes_match_the_reference(env: dict, world: int, ranks_per_node: int) -> None:
     for result in _spawn.run_ranks(world, _hierarchy_worker, env, ranks_per_node):
-        assert result == {"dispatch": True, "cached_fp8": True, "combine": True, "routes": True, "two_hop": True}, \
+        assert result == {"dispatch": True, "cached_fp8": True, "combine": True, "routes": True, "two_hop": True}, (
             result
+        )
 
 
 # Every GM -> UB copy of rank 0's cores takes this much longer (emulator: ADP_EMU_MTE2_STALL_US).
@@ -339,20 +368,26 @@ def _property_worker(rank: int, world: int, env: dict) -> dict:
     failures: list[str] = []
 
     @settings(max_examples=12, derandomize=True, database=None, deadline=None)
-    @given(tokens=st.lists(st.integers(0, 24), min_size=world, max_size=world),
-           hidden_blocks=st.integers(1, 24), topk=st.integers(1, 4), local_experts=st.integers(1, 4),
-           dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]), seed=st.integers(0, 2 ** 16))
+    @given(
+        tokens=st.lists(st.integers(0, 24), min_size=world, max_size=world),
+        hidden_blocks=st.integers(1, 24),
+        topk=st.integers(1, 4),
+        local_experts=st.integers(1, 4),
+        dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+        seed=st.integers(0, 2**16),
+    )
     def example(tokens, hidden_blocks, topk, local_experts, dtype, seed):
         hidden = hidden_blocks * 16  # rows stay multiples of 16 bytes in every dtype
         topk = min(topk, local_experts * world)
         xs, idxs, weights, experts = _inputs(world, seed, tokens, hidden, topk, local_experts, dtype)
         want = ref.dispatch(xs, idxs, weights, experts)
         recv_x, recv_idx, recv_w, _, handle, _ = _dispatch(buffer, xs[rank], idxs[rank], weights[rank], experts)
-        bias = (torch.randn(tokens[rank], hidden, generator=torch.Generator().manual_seed(seed + rank)).to(dtype),
-                None)
+        bias = (torch.randn(tokens[rank], hidden, generator=torch.Generator().manual_seed(seed + rank)).to(dtype), None)
         combined, combined_w, _ = buffer.combine(recv_x, handle, recv_w, bias=bias)
-        biases = [(torch.randn(tokens[r], hidden, generator=torch.Generator().manual_seed(seed + r)).to(dtype), None)
-                  for r in range(world)]
+        biases = [
+            (torch.randn(tokens[r], hidden, generator=torch.Generator().manual_seed(seed + r)).to(dtype), None)
+            for r in range(world)
+        ]
         want_combined = ref.combine([r.x for r in want], want, tokens, biases)[rank]
         label = f"tokens={tokens} hidden={hidden} topk={topk} L={local_experts} {dtype} seed={seed}"
         if not torch.equal(recv_x.view(torch.uint8), want[rank].x.view(torch.uint8)):

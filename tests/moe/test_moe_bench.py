@@ -10,8 +10,15 @@ import pytest
 
 from ascend_dualpath.bench import moe as bench
 
-OPS = {"layout", "dispatch bf16 (cached)", "dispatch fp8 (cached)", "dispatch bf16 (with topk, layout given)",
-       "combine bf16", "ll dispatch fp8", "ll combine bf16"}
+OPS = {
+    "layout",
+    "dispatch bf16 (cached)",
+    "dispatch fp8 (cached)",
+    "dispatch bf16 (with topk, layout given)",
+    "combine bf16",
+    "ll dispatch fp8",
+    "ll combine bf16",
+}
 
 
 @pytest.mark.slow
@@ -19,9 +26,32 @@ def test_bench_moe_measures_every_op_on_gloo(tmp_path, capsys):
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     out = tmp_path / "moe.json"
-    args = parser.parse_args(["--ranks", "2", "--strategies", "alltoall", "--tokens", "32", "--ll-tokens", "8",
-                              "--hidden", "256", "--experts", "8", "--topk", "2", "--iters", "3", "--warmup", "1",
-                              "--deadline-s", "120", "--json", str(out)])
+    args = parser.parse_args(
+        [
+            "--ranks",
+            "2",
+            "--strategies",
+            "alltoall",
+            "--tokens",
+            "32",
+            "--ll-tokens",
+            "8",
+            "--hidden",
+            "256",
+            "--experts",
+            "8",
+            "--topk",
+            "2",
+            "--iters",
+            "3",
+            "--warmup",
+            "1",
+            "--deadline-s",
+            "120",
+            "--json",
+            str(out),
+        ]
+    )
     assert bench.run(args) == 0
     data = json.loads(out.read_text())
     rows = {row["op"]: row for row in data["rows"]}
@@ -46,11 +76,12 @@ def test_bench_moe_reports_an_unavailable_strategy_instead_of_failing(tmp_path, 
     bench.add_arguments(parser)
     assert parser.parse_args([]).strategies == "auto"
     out = tmp_path / "moe.json"
-    args = parser.parse_args(["--ranks", "2", "--strategies", "cuda,nosuch", "--deadline-s", "60",
-                              "--json", str(out)])
+    args = parser.parse_args(["--ranks", "2", "--strategies", "cuda,nosuch", "--deadline-s", "60", "--json", str(out)])
     assert bench.run(args) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(row["strategy"], row["error"].split(":")[0]) for row in rows] == [("cuda", "unavailable"),
-                                                                                ("nosuch", "unavailable")]
+    assert [(row["strategy"], row["error"].split(":")[0]) for row in rows] == [
+        ("cuda", "unavailable"),
+        ("nosuch", "unavailable"),
+    ]
     assert "needs a CUDA build of torch" in rows[0]["error"] and "unknown MoE strategy" in rows[1]["error"]
     assert "Traceback" not in capsys.readouterr().err

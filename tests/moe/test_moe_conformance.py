@@ -8,8 +8,20 @@ import pytest
 from tests.moe import _spawn, conformance_worker
 from tests.moe.conftest import conformance_results
 
-CHECKS = ["layout", "dispatch_bf16", "expert_alignment", "dispatch_quantised", "worst_tokens", "cached_dispatch",
-          "combine", "weighted_combine", "low_latency_dispatch", "low_latency_combine", "repeatable", "graph_replay"]
+CHECKS = [
+    "layout",
+    "dispatch_bf16",
+    "expert_alignment",
+    "dispatch_quantised",
+    "worst_tokens",
+    "cached_dispatch",
+    "combine",
+    "weighted_combine",
+    "low_latency_dispatch",
+    "low_latency_combine",
+    "repeatable",
+    "graph_replay",
+]
 
 
 @pytest.mark.slow
@@ -29,8 +41,9 @@ def test_bad_input_raises_before_communication(strategy: str) -> None:
 
 @pytest.mark.slow
 def test_a_failed_expectation_leaves_every_other_check_running():
-    results = _spawn.run_ranks(2, conformance_worker.run_all, "alltoall", "cpu",
-                               conformance_worker.InjectedFailureChecks)
+    results = _spawn.run_ranks(
+        2, conformance_worker.run_all, "alltoall", "cpu", conformance_worker.InjectedFailureChecks
+    )
     for result in results:
         assert result["check_aaa_injected_failure"].startswith("1 failed expectation(s):"), result
         assert "injected failure" in result["check_aaa_injected_failure"]

@@ -14,8 +14,9 @@ _cache: dict[str, list[dict]] = {}
 
 def _results(strategy: str) -> list[dict]:
     if strategy not in _cache:
-        _cache[strategy] = _spawn.run_ranks(GPUS, conformance_worker.run_all, strategy, "cuda", backend="nccl",
-                                            timeout_s=140)
+        _cache[strategy] = _spawn.run_ranks(
+            GPUS, conformance_worker.run_all, strategy, "cuda", backend="nccl", timeout_s=140
+        )
     return _cache[strategy]
 
 
@@ -35,7 +36,7 @@ def test_sm_model_uses_the_calibrated_write_speed():
     18 GB/s per SM it asks for 68 SMs (write bound: 478 GB/s x 2 rows per token / 18 GB/s x 1.25)."""
     from ascend_dualpath.moe.strategies.cuda import choose_num_sms, expected_ranks_per_token
 
-    assert abs(expected_ranks_per_token(256, 8, 2) - 2 * (1 - 0.5 ** 8)) < 0.01
+    assert abs(expected_ranks_per_token(256, 8, 2) - 2 * (1 - 0.5**8)) < 0.01
     assert choose_num_sms(256, 8, 2, 132) == 68
     assert choose_num_sms(256, 8, 2, 132, sm_write_gbs=50.0) == 24
     assert choose_num_sms(256, 8, 8, 132) % 2 == 0
@@ -54,6 +55,7 @@ class _FakeCompiled:
             if self.refuse:
                 raise TypeError("function takes exactly 9 arguments")
             self.log.append(("direct", grid, args))
+
         return run
 
 
@@ -70,6 +72,7 @@ class _FakeKernel:
         def run(*args, **kwargs):
             self.log.append(("triton", grid, args, kwargs))
             return _FakeCompiled(self.log, self.refuse)
+
         return run
 
 

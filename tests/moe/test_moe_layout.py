@@ -11,8 +11,14 @@ from ascend_dualpath.reference import moe as ref
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 2**31), tokens=st.integers(0, 20), topk=st.integers(1, 6),
-       world=st.sampled_from([1, 2, 4, 8, 16]), per_rank=st.integers(1, 4), ranks_per_node=st.sampled_from([2, 8]))
+@given(
+    seed=st.integers(0, 2**31),
+    tokens=st.integers(0, 20),
+    topk=st.integers(1, 6),
+    world=st.sampled_from([1, 2, 4, 8, 16]),
+    per_rank=st.integers(1, 4),
+    ranks_per_node=st.sampled_from([2, 8]),
+)
 def test_layout_matches_reference(seed, tokens, topk, world, per_rank, ranks_per_node):
     experts = world * per_rank
     g = torch.Generator().manual_seed(seed)

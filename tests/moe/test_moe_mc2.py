@@ -28,29 +28,36 @@ def _inputs(tokens=8, hidden=7168, topk=8, experts=256):
 
 # ---- comm_alg resolution ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("version, product, comm_alg, env, op, resolved", [
-    ("v1", "A2", "", NO_PCIE, "dispatch", "fullmesh"),
-    ("v1", "A2", "", INTRA_PCIE, "dispatch", "hierarchy"),
-    ("v1", "A3", "", INTRA_PCIE, "dispatch", "fullmesh_v1"),
-    ("v2", "A2", "", NO_PCIE, "dispatch", "fullmesh"),
-    ("v2", "A2", "", INTRA_PCIE, "dispatch", "hierarchy"),
-    ("v2", "A2", "hierarchy", NO_PCIE, "combine", "hierarchy"),
-    ("v2", "A3", "", NO_PCIE, "dispatch", "fullmesh_v1"),
-    ("v2", "A3", "fullmesh_v2", NO_PCIE, "dispatch", "fullmesh_v2"),
-    ("v2", "A3", "hierarchy", NO_PCIE, "combine", "hierarchy"),
-])
+
+@pytest.mark.parametrize(
+    "version, product, comm_alg, env, op, resolved",
+    [
+        ("v1", "A2", "", NO_PCIE, "dispatch", "fullmesh"),
+        ("v1", "A2", "", INTRA_PCIE, "dispatch", "hierarchy"),
+        ("v1", "A3", "", INTRA_PCIE, "dispatch", "fullmesh_v1"),
+        ("v2", "A2", "", NO_PCIE, "dispatch", "fullmesh"),
+        ("v2", "A2", "", INTRA_PCIE, "dispatch", "hierarchy"),
+        ("v2", "A2", "hierarchy", NO_PCIE, "combine", "hierarchy"),
+        ("v2", "A3", "", NO_PCIE, "dispatch", "fullmesh_v1"),
+        ("v2", "A3", "fullmesh_v2", NO_PCIE, "dispatch", "fullmesh_v2"),
+        ("v2", "A3", "hierarchy", NO_PCIE, "combine", "hierarchy"),
+    ],
+)
 def test_comm_alg_resolves_as_documented(version, product, comm_alg, env, op, resolved):
     assert mc2.resolve_comm_alg(version, product, comm_alg, env, op) == resolved
 
 
-@pytest.mark.parametrize("version, product, comm_alg, op, words", [
-    ("v1", "A2", "hierarchy", "dispatch", "v1 ops take no comm_alg"),
-    ("v2", "A2", "fullmesh_v2", "dispatch", "not accepted by dispatch_v2 on A2"),
-    ("v2", "A3", "fullmesh", "dispatch", "not accepted by dispatch_v2 on A3"),
-    ("v2", "A3", "fullmesh_v2", "combine", "not accepted by combine_v2 on A3"),
-    ("v2", "A1", "", "dispatch", "product='A1'"),
-    ("v3", "A3", "", "dispatch", "version='v3'"),
-])
+@pytest.mark.parametrize(
+    "version, product, comm_alg, op, words",
+    [
+        ("v1", "A2", "hierarchy", "dispatch", "v1 ops take no comm_alg"),
+        ("v2", "A2", "fullmesh_v2", "dispatch", "not accepted by dispatch_v2 on A2"),
+        ("v2", "A3", "fullmesh", "dispatch", "not accepted by dispatch_v2 on A3"),
+        ("v2", "A3", "fullmesh_v2", "combine", "not accepted by combine_v2 on A3"),
+        ("v2", "A1", "", "dispatch", "product='A1'"),
+        ("v3", "A3", "", "dispatch", "version='v3'"),
+    ],
+)
 def test_comm_alg_refusals_name_the_value(version, product, comm_alg, op, words):
     with pytest.raises(ConfigError, match=words):
         mc2.resolve_comm_alg(version, product, comm_alg, NO_PCIE, op)
@@ -63,13 +70,28 @@ EDGES = [
     # tokens per rank by product and comm_alg
     ("v1", "A2", "", NO_PCIE, dict(tokens=256, world=16, experts=256), ("tokens", 257), PayloadTooLarge, "1 to 256"),
     ("v1", "A3", "", NO_PCIE, dict(tokens=512, world=16, experts=256), ("tokens", 513), PayloadTooLarge, "1 to 512"),
-    ("v2", "A2", "fullmesh", NO_PCIE, dict(tokens=256, world=16, experts=256), ("tokens", 257), PayloadTooLarge,
-     "1 to 256"),
-    ("v2", "A2", "hierarchy", NO_PCIE, dict(tokens=512, world=16, experts=256), ("tokens", 513), PayloadTooLarge,
-     "1 to 512"),
+    (
+        "v2",
+        "A2",
+        "fullmesh",
+        NO_PCIE,
+        dict(tokens=256, world=16, experts=256),
+        ("tokens", 257),
+        PayloadTooLarge,
+        "1 to 256",
+    ),
+    (
+        "v2",
+        "A2",
+        "hierarchy",
+        NO_PCIE,
+        dict(tokens=512, world=16, experts=256),
+        ("tokens", 513),
+        PayloadTooLarge,
+        "1 to 512",
+    ),
     ("v2", "A3", "", NO_PCIE, dict(tokens=512, hidden=4096), ("tokens", 513), PayloadTooLarge, "1 to 512"),
-    ("v2", "A3", "fullmesh_v2", NO_PCIE, dict(tokens=256, hidden=4096), ("tokens", 257), PayloadTooLarge,
-     "1 to 256"),
+    ("v2", "A3", "fullmesh_v2", NO_PCIE, dict(tokens=256, hidden=4096), ("tokens", 257), PayloadTooLarge, "1 to 256"),
     ("v2", "A3", "hierarchy", NO_PCIE, dict(tokens=256, hidden=4096), ("tokens", 257), PayloadTooLarge, "1 to 256"),
     # top-k
     ("v1", "A3", "", NO_PCIE, dict(topk=8), ("topk", 9), ConfigError, r"top-k in \[1, 8\]"),
@@ -78,66 +100,134 @@ EDGES = [
     ("v2", "A3", "fullmesh_v2", NO_PCIE, dict(topk=12, hidden=4096), ("topk", 13), ConfigError, r"\[1, 12\]"),
     # hidden: v1 A3 only 7168; v2 A3 [1024, 8192]; A2 a multiple of 32 up to 7168 (fullmesh) or 10240 (hierarchy)
     ("v1", "A3", "", NO_PCIE, dict(hidden=7168), ("hidden", 4096), ConfigError, "hidden == 7168"),
-    ("v1", "A2", "", NO_PCIE, dict(hidden=7168, world=16, experts=256), ("hidden", 7200), ConfigError,
-     r"\[1, 7168\], a multiple of 32"),
+    (
+        "v1",
+        "A2",
+        "",
+        NO_PCIE,
+        dict(hidden=7168, world=16, experts=256),
+        ("hidden", 7200),
+        ConfigError,
+        r"\[1, 7168\], a multiple of 32",
+    ),
     ("v2", "A3", "", NO_PCIE, dict(hidden=8192), ("hidden", 8224), ConfigError, r"\[1024, 8192\]"),
     ("v2", "A3", "", NO_PCIE, dict(hidden=1024), ("hidden", 992), ConfigError, r"\[1024, 8192\]"),
-    ("v2", "A2", "fullmesh", NO_PCIE, dict(hidden=512, world=16, experts=256), ("hidden", 7200), ConfigError,
-     r"\[1, 7168\]"),
-    ("v2", "A2", "fullmesh", NO_PCIE, dict(hidden=512, world=16, experts=256), ("hidden", 528), ConfigError,
-     "multiple of 32"),
-    ("v2", "A2", "hierarchy", NO_PCIE, dict(hidden=10240, world=16, experts=256), ("hidden", 10272), ConfigError,
-     r"\[1, 10240\]"),
+    (
+        "v2",
+        "A2",
+        "fullmesh",
+        NO_PCIE,
+        dict(hidden=512, world=16, experts=256),
+        ("hidden", 7200),
+        ConfigError,
+        r"\[1, 7168\]",
+    ),
+    (
+        "v2",
+        "A2",
+        "fullmesh",
+        NO_PCIE,
+        dict(hidden=512, world=16, experts=256),
+        ("hidden", 528),
+        ConfigError,
+        "multiple of 32",
+    ),
+    (
+        "v2",
+        "A2",
+        "hierarchy",
+        NO_PCIE,
+        dict(hidden=10240, world=16, experts=256),
+        ("hidden", 10272),
+        ConfigError,
+        r"\[1, 10240\]",
+    ),
     # ep_world_size sets
     ("v1", "A2", "", NO_PCIE, dict(world=64, experts=256), ("world", 8), ConfigError, "16, 32, 64"),
-    ("v1", "A3", "", NO_PCIE, dict(world=288, experts=288), ("world", 96), ConfigError,
-     "8, 16, 32, 64, 128, 144, 256, 288"),
+    (
+        "v1",
+        "A3",
+        "",
+        NO_PCIE,
+        dict(world=288, experts=288),
+        ("world", 96),
+        ConfigError,
+        "8, 16, 32, 64, 128, 144, 256, 288",
+    ),
     ("v2", "A2", "fullmesh", NO_PCIE, dict(world=8, experts=64), ("world", 12), ConfigError, "2, 3, 4, 5, 6, 7, 8"),
     ("v2", "A2", "hierarchy", NO_PCIE, dict(world=16, experts=256), ("world", 8), ConfigError, "16, 32, 64"),
     ("v2", "A3", "", NO_PCIE, dict(world=768, experts=768, hidden=4096), ("world", 769), ConfigError, "2..768"),
-    ("v2", "A3", "hierarchy", NO_PCIE, dict(world=32, experts=256, hidden=4096), ("world", 24), ConfigError,
-     "16..256"),
+    ("v2", "A3", "hierarchy", NO_PCIE, dict(world=32, experts=256, hidden=4096), ("world", 24), ConfigError, "16..256"),
     # experts: 512 (v1, A3 hierarchy) or 1024 (v2); a multiple of the expert ranks
     ("v1", "A3", "", NO_PCIE, dict(experts=512, world=16), ("experts", 528), ConfigError, r"\[1, 512\]"),
-    ("v2", "A3", "", NO_PCIE, dict(experts=1024, world=16, hidden=4096), ("experts", 1040), ConfigError,
-     r"\[1, 1024\]"),
-    ("v2", "A3", "hierarchy", NO_PCIE, dict(experts=512, world=16, hidden=4096), ("experts", 528), ConfigError,
-     r"\[1, 512\]"),
-    ("v2", "A3", "", NO_PCIE, dict(experts=256, world=16, hidden=4096), ("experts", 250), ConfigError,
-     "a multiple of"),
+    (
+        "v2",
+        "A3",
+        "",
+        NO_PCIE,
+        dict(experts=1024, world=16, hidden=4096),
+        ("experts", 1040),
+        ConfigError,
+        r"\[1, 1024\]",
+    ),
+    (
+        "v2",
+        "A3",
+        "hierarchy",
+        NO_PCIE,
+        dict(experts=512, world=16, hidden=4096),
+        ("experts", 528),
+        ConfigError,
+        r"\[1, 512\]",
+    ),
+    ("v2", "A3", "", NO_PCIE, dict(experts=256, world=16, hidden=4096), ("experts", 250), ConfigError, "a multiple of"),
     # the A2 local-expert rule: v1 fullmesh only (not v1 under HCCL_INTRA_PCIE, not v2)
     ("v1", "A2", "", NO_PCIE, dict(experts=384, world=16), ("experts", 400), ConfigError, "<= 24 local experts"),
     ("v1", "A2", "", INTRA_PCIE, dict(experts=512, world=16), ("experts", 528), ConfigError, r"\[1, 512\]"),
-    ("v2", "A2", "fullmesh", NO_PCIE, dict(experts=1024, world=16), ("experts", 1040), ConfigError,
-     r"\[1, 1024\]"),
+    ("v2", "A2", "fullmesh", NO_PCIE, dict(experts=1024, world=16), ("experts", 1040), ConfigError, r"\[1, 1024\]"),
     # A3 v2: local experts x ep_world_size <= 2048 (only shared-expert ranks can make it exceed E)
-    ("v2", "A3", "", NO_PCIE, dict(experts=1024, world=48, hidden=4096, shared_expert_rank_num=16),
-     ("shared_expert_rank_num", 32), ConfigError, "<= 2048, got 64 x 48"),
+    (
+        "v2",
+        "A3",
+        "",
+        NO_PCIE,
+        dict(experts=1024, world=48, hidden=4096, shared_expert_rank_num=16),
+        ("shared_expert_rank_num", 32),
+        ConfigError,
+        "<= 2048, got 64 x 48",
+    ),
 ]
 
 
 def _dispatch(version, product, comm_alg, env, tokens=8, hidden=7168, topk=8, experts=256, world=16, **options):
     x, ids = _inputs(tokens, hidden, topk, experts)
-    return mc2.validate_dispatch(x, ids, world, 0, experts, product=product, version=version, comm_alg=comm_alg,
-                                 env=env, **options)
+    return mc2.validate_dispatch(
+        x, ids, world, 0, experts, product=product, version=version, comm_alg=comm_alg, env=env, **options
+    )
 
 
-@pytest.mark.parametrize("version, product, comm_alg, env, shape, past, error, words", EDGES,
-                         ids=[f"{e[0]}-{e[1]}-{e[2] or 'default'}-{e[5][0]}={e[5][1]}" for e in EDGES])
+@pytest.mark.parametrize(
+    "version, product, comm_alg, env, shape, past, error, words",
+    EDGES,
+    ids=[f"{e[0]}-{e[1]}-{e[2] or 'default'}-{e[5][0]}={e[5][1]}" for e in EDGES],
+)
 def test_dispatch_limits_by_product_and_comm_alg(version, product, comm_alg, env, shape, past, error, words):
     _dispatch(version, product, comm_alg, env, **shape)
     with pytest.raises(error, match=words):
         _dispatch(version, product, comm_alg, env, **{**shape, past[0]: past[1]})
 
 
-@pytest.mark.parametrize("version, product, comm_alg, hidden, ok", [
-    ("v2", "A3", "", 8192, True),  # combine_v2 on A3 takes [1024, 8192] now (7168 was the old limit)
-    ("v2", "A3", "", 992, False),
-    ("v2", "A2", "fullmesh", 7168, True),
-    ("v2", "A2", "fullmesh", 7200, False),
-    ("v2", "A2", "hierarchy", 10240, True),
-    ("v1", "A3", "", 4096, False),
-])
+@pytest.mark.parametrize(
+    "version, product, comm_alg, hidden, ok",
+    [
+        ("v2", "A3", "", 8192, True),  # combine_v2 on A3 takes [1024, 8192] now (7168 was the old limit)
+        ("v2", "A3", "", 992, False),
+        ("v2", "A2", "fullmesh", 7168, True),
+        ("v2", "A2", "fullmesh", 7200, False),
+        ("v2", "A2", "hierarchy", 10240, True),
+        ("v1", "A3", "", 4096, False),
+    ],
+)
 def test_combine_hidden_ranges_per_product(version, product, comm_alg, hidden, ok):
     _, ids = _inputs(8, hidden, 8, 256)
     args = (torch.zeros(64, hidden, dtype=torch.bfloat16), ids, torch.ones(ids.shape), 16, 0, 256)
@@ -151,14 +241,18 @@ def test_combine_hidden_ranges_per_product(version, product, comm_alg, hidden, o
 
 # ---- x_active_mask, ids, dtypes -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("version, product, comm_alg, dims", [
-    ("v1", "A3", "", ()),
-    ("v1", "A2", "", ()),
-    ("v2", "A2", "fullmesh", (1, 2)),
-    ("v2", "A2", "hierarchy", ()),
-    ("v2", "A3", "", (1, 2)),
-    ("v2", "A3", "hierarchy", (1,)),
-])
+
+@pytest.mark.parametrize(
+    "version, product, comm_alg, dims",
+    [
+        ("v1", "A3", "", ()),
+        ("v1", "A2", "", ()),
+        ("v2", "A2", "fullmesh", (1, 2)),
+        ("v2", "A2", "hierarchy", ()),
+        ("v2", "A3", "", (1, 2)),
+        ("v2", "A3", "hierarchy", (1,)),
+    ],
+)
 def test_active_mask_ranks_per_product_and_comm_alg(version, product, comm_alg, dims):
     shape = dict(world=16, experts=256, hidden=4096 if product == "A3" and version == "v2" else 7168)
     masks = {1: torch.ones(8, dtype=torch.bool), 2: torch.ones(8, 8, dtype=torch.bool)}
@@ -218,11 +312,15 @@ BUFFSIZE = [
 ]
 
 
-@pytest.mark.parametrize("version, product, comm_alg, bs, hidden, topk, experts, world, expected", BUFFSIZE,
-                         ids=[f"{b[0]}-{b[1]}-{b[2]}" for b in BUFFSIZE])
+@pytest.mark.parametrize(
+    "version, product, comm_alg, bs, hidden, topk, experts, world, expected",
+    BUFFSIZE,
+    ids=[f"{b[0]}-{b[1]}-{b[2]}" for b in BUFFSIZE],
+)
 def test_hccl_buffsize_formulas(version, product, comm_alg, bs, hidden, topk, experts, world, expected):
-    got = mc2.required_hccl_buffsize_mb(version, product, comm_alg, max_tokens=bs, hidden=hidden, topk=topk,
-                                        moe_expert_num=experts, ep_world_size=world)
+    got = mc2.required_hccl_buffsize_mb(
+        version, product, comm_alg, max_tokens=bs, hidden=hidden, topk=topk, moe_expert_num=experts, ep_world_size=world
+    )
     assert got == expected
 
 
@@ -237,6 +335,7 @@ def test_hccl_buffsize_env_and_check():
 
 
 # ---- the strategy over a fake torch_npu -----------------------------------------------------------------------
+
 
 class _FakeNpu(types.ModuleType):
     """Records every MC2 call; ``versions`` says which op pairs exist."""
@@ -255,6 +354,7 @@ class _FakeNpu(types.ModuleType):
         def op(*args, **kwargs):
             self.calls.append((name, args, kwargs))
             return (name,)
+
         return op
 
 
@@ -319,12 +419,15 @@ def test_the_mc2_group_is_refused_as_fallback(monkeypatch, fake_dist):
         mc2.Mc2Strategy(group, 5.0, fallback_group=group)
 
 
-@pytest.mark.parametrize("versions, requested, used", [
-    (("v1", "v2"), "auto", "v2"),
-    (("v1",), "auto", "v1"),
-    (("v2",), "auto", "v2"),
-    (("v1", "v2"), "v1", "v1"),
-])
+@pytest.mark.parametrize(
+    "versions, requested, used",
+    [
+        (("v1", "v2"), "auto", "v2"),
+        (("v1",), "auto", "v1"),
+        (("v2",), "auto", "v2"),
+        (("v1", "v2"), "v1", "v1"),
+    ],
+)
 def test_v2_where_present_else_v1(monkeypatch, fake_dist, versions, requested, used):
     fake, strategy = _strategy(monkeypatch, versions, version=requested, product="A3")
     assert strategy.version == used
@@ -339,11 +442,14 @@ def test_v2_where_present_else_v1(monkeypatch, fake_dist, versions, requested, u
     assert fake.calls[0][1][2:6] == ("ep-comm-0", 16, 0, 256)
 
 
-@pytest.mark.parametrize("versions, requested, words", [
-    ((), "auto", "neither"),
-    (("v1",), "v2", "lacks npu_moe_distribute_dispatch_v2"),
-    (("v2",), "v1", "lacks npu_moe_distribute_dispatch or"),
-])
+@pytest.mark.parametrize(
+    "versions, requested, words",
+    [
+        ((), "auto", "neither"),
+        (("v1",), "v2", "lacks npu_moe_distribute_dispatch_v2"),
+        (("v2",), "v1", "lacks npu_moe_distribute_dispatch or"),
+    ],
+)
 def test_missing_ops_are_unavailable_with_the_name(monkeypatch, fake_dist, versions, requested, words):
     with pytest.raises(BackendUnavailable, match=words):
         _strategy(monkeypatch, versions, version=requested)

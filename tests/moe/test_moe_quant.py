@@ -11,10 +11,10 @@ from ascend_dualpath.errors import AlignmentError, ConfigError
 from ascend_dualpath.moe import quant
 
 # e4m3 keeps 3 mantissa bits: rounding error <= 2^-4 relative to the value, plus the block's subnormal step.
-FP8_REL_ERROR = 2 ** -4
+FP8_REL_ERROR = 2**-4
 INT8_ABS_ERROR_IN_SCALES = 0.5
 # float32 rounding of x / scale and of q * scale: one float32 ulp (2^-24 relative) each.
-FLOAT32_ROUNDINGS = 2 * 2 ** -24
+FLOAT32_ROUNDINGS = 2 * 2**-24
 
 
 def _rows(seed: int, tokens: int, blocks: int, spread: float) -> torch.Tensor:
@@ -23,14 +23,19 @@ def _rows(seed: int, tokens: int, blocks: int, spread: float) -> torch.Tensor:
 
 
 @settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 2**31), tokens=st.integers(0, 6), blocks=st.integers(1, 8),
-       spread=st.sampled_from([1e-3, 1.0, 300.0]), round_scale=st.booleans())
+@given(
+    seed=st.integers(0, 2**31),
+    tokens=st.integers(0, 6),
+    blocks=st.integers(1, 8),
+    spread=st.sampled_from([1e-3, 1.0, 300.0]),
+    round_scale=st.booleans(),
+)
 def test_fp8_round_trip_within_e4m3_precision(seed, tokens, blocks, spread, round_scale):
     x = _rows(seed, tokens, blocks, spread)
     q, scales = quant.per_token_cast_to_fp8(x, round_scale=round_scale)
     assert q.dtype == torch.float8_e4m3fn and scales.shape == (tokens, blocks)
     back = quant.per_token_cast_back(q, scales).double()
-    step = scales.double().repeat_interleave(128, dim=1) * 2 ** -9  # smallest e4m3 subnormal, scaled
+    step = scales.double().repeat_interleave(128, dim=1) * 2**-9  # smallest e4m3 subnormal, scaled
     assert bool(((back - x.double()).abs() <= FP8_REL_ERROR * x.double().abs() + step).all())
     if round_scale:
         assert bool((torch.log2(scales) == torch.log2(scales).round()).all())
@@ -76,8 +81,12 @@ def test_bad_quantisation_input_names_the_value():
 
 
 @settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 2**31), tokens=st.integers(1, 5), blocks=st.integers(1, 4),
-       spread=st.sampled_from([1e-3, 1.0, 300.0]))
+@given(
+    seed=st.integers(0, 2**31),
+    tokens=st.integers(1, 5),
+    blocks=st.integers(1, 4),
+    spread=st.sampled_from([1e-3, 1.0, 300.0]),
+)
 def test_scales_follow_the_documented_rounding_rule(seed, tokens, blocks, spread):
     """Scales equal the float64 quotient rounded once to float32 (exact for one division), and round_scale
     equals the float64 power of two at or above it: the rule a GPU kernel reproduces bit for bit."""
@@ -93,6 +102,6 @@ def test_scales_follow_the_documented_rounding_rule(seed, tokens, blocks, spread
 
 
 def test_power_of_two_rounding_at_the_boundaries():
-    exact = torch.tensor([1.0, 2.0 ** -20, 3.0, 2.0 ** 10 * (1 + 2 ** -23), 0.75], dtype=torch.float32)
-    want = torch.tensor([1.0, 2.0 ** -20, 4.0, 2.0 ** 11, 1.0], dtype=torch.float32)
+    exact = torch.tensor([1.0, 2.0**-20, 3.0, 2.0**10 * (1 + 2**-23), 0.75], dtype=torch.float32)
+    want = torch.tensor([1.0, 2.0**-20, 4.0, 2.0**11, 1.0], dtype=torch.float32)
     assert torch.equal(quant.round_up_to_power_of_two(exact), want)

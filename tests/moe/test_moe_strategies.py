@@ -50,12 +50,18 @@ def _silent_peer(rank: int, world: int) -> dict:
     layout = buffer.get_dispatch_layout(idx, 4)
     start = time.monotonic()
     try:
-        buffer.dispatch(torch.ones(1, 8, dtype=torch.bfloat16), num_tokens_per_rank=layout[0],
-                        is_token_in_rank=layout[3], num_tokens_per_expert=layout[2])
+        buffer.dispatch(
+            torch.ones(1, 8, dtype=torch.bfloat16),
+            num_tokens_per_rank=layout[0],
+            is_token_in_rank=layout[3],
+            num_tokens_per_expert=layout[2],
+        )
     except WaitTimeout as exc:
         # the first exchange of a fresh dispatch: the ranks' shapes and options, before the token counts
-        return {"timeout": "ok" if "dispatch shapes" in str(exc) else str(exc),
-                "elapsed": "ok" if time.monotonic() - start < 5 else f"took {time.monotonic() - start:.1f} s"}
+        return {
+            "timeout": "ok" if "dispatch shapes" in str(exc) else str(exc),
+            "elapsed": "ok" if time.monotonic() - start < 5 else f"took {time.monotonic() - start:.1f} s",
+        }
     return {"timeout": "dispatch returned although the peer never joined"}
 
 

@@ -24,8 +24,14 @@ def _check(extra_env=None):
     env = {"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"}
     env.update({k: os.environ[k] for k in FORWARDED if k in os.environ})
     env.update(extra_env or {})
-    out = subprocess.run(["bash", str(ROOT / "tools/check_npu_host_compile.sh")], capture_output=True, text=True,
-                         timeout=600, env=env, cwd=ROOT)
+    out = subprocess.run(
+        ["bash", str(ROOT / "tools/check_npu_host_compile.sh")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=ROOT,
+    )
     if out.returncode == 2 and "fetch_torch_npu_headers.sh" in out.stderr:
         pytest.skip(out.stderr.strip()[-200:])
     return out

@@ -40,8 +40,7 @@ INTERPRETER_SPINS = tl.constexpr(1 << 10)
 @triton.jit
 def _now(TIMED: tl.constexpr):
     if TIMED:
-        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
-                                         pack=1)
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
     else:
         return tl.full((), 0, tl.int64)
 
@@ -71,8 +70,9 @@ def _peer_words(peers, rank):
 
 
 @triton.jit
-def _signal_peers(peers, signals, me, epoch, SIGNAL: tl.constexpr, NUM_RANKS: tl.constexpr,
-                  INCLUDE_SELF: tl.constexpr = False):
+def _signal_peers(
+    peers, signals, me, epoch, SIGNAL: tl.constexpr, NUM_RANKS: tl.constexpr, INCLUDE_SELF: tl.constexpr = False
+):
     """Called by every CTA after its stores: the last CTA to finish publishes ``epoch`` to every peer (and to
     its own signal word if INCLUDE_SELF: ops whose own rows also go through the buffer) and records it as this
     rank's current epoch."""
@@ -89,8 +89,16 @@ def _signal_peers(peers, signals, me, epoch, SIGNAL: tl.constexpr, NUM_RANKS: tl
 
 
 @triton.jit
-def _wait_all_peers(signals, me, epoch, timeout_ns, SIGNAL: tl.constexpr, NUM_RANKS: tl.constexpr,
-                    TIMED: tl.constexpr, INCLUDE_SELF: tl.constexpr = False):
+def _wait_all_peers(
+    signals,
+    me,
+    epoch,
+    timeout_ns,
+    SIGNAL: tl.constexpr,
+    NUM_RANKS: tl.constexpr,
+    TIMED: tl.constexpr,
+    INCLUDE_SELF: tl.constexpr = False,
+):
     for rank in tl.static_range(NUM_RANKS):
         if INCLUDE_SELF:
             _wait_at_least(signals + SIGNAL + rank, epoch, signals + ERROR, timeout_ns, TIMED)
@@ -100,8 +108,19 @@ def _wait_all_peers(signals, me, epoch, timeout_ns, SIGNAL: tl.constexpr, NUM_RA
 
 # ---------------------------------------------------------------------------------------------- counts
 @triton.jit(do_not_specialize=["epoch"])
-def exchange_counts(peers, signals, row, me, epoch, width, area, timeout_ns, NUM_RANKS: tl.constexpr,
-                    BLOCK: tl.constexpr, TIMED: tl.constexpr):
+def exchange_counts(
+    peers,
+    signals,
+    row,
+    me,
+    epoch,
+    width,
+    area,
+    timeout_ns,
+    NUM_RANKS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TIMED: tl.constexpr,
+):
     """One CTA: store ``row`` [width] into row ``me`` of every rank's count area (word offset ``area``),
     signal, then wait until every peer's row is here."""
     for start in range(0, width, BLOCK):
@@ -136,11 +155,50 @@ def _push_part(t, live, slots, src, out, words, region, peers, me, NUM_RANKS: tl
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
-def push_rows(peers, signals, slots, num_tokens, me, recv_prefix, timeout_ns,
-              s0, o0, w0, r0, m0, s1, o1, w1, r1, m1, s2, o2, w2, r2, m2, s3, o3, w3, r3, m3, s4, o4, w4, r4, m4,
-              NUM_RANKS: tl.constexpr, NUM_PARTS: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
-              B2: tl.constexpr, B3: tl.constexpr, B4: tl.constexpr, TILE: tl.constexpr, FUSED: tl.constexpr,
-              TIMED: tl.constexpr):
+def push_rows(
+    peers,
+    signals,
+    slots,
+    num_tokens,
+    me,
+    recv_prefix,
+    timeout_ns,
+    s0,
+    o0,
+    w0,
+    r0,
+    m0,
+    s1,
+    o1,
+    w1,
+    r1,
+    m1,
+    s2,
+    o2,
+    w2,
+    r2,
+    m2,
+    s3,
+    o3,
+    w3,
+    r3,
+    m3,
+    s4,
+    o4,
+    w4,
+    r4,
+    m4,
+    NUM_RANKS: tl.constexpr,
+    NUM_PARTS: tl.constexpr,
+    B0: tl.constexpr,
+    B1: tl.constexpr,
+    B2: tl.constexpr,
+    B3: tl.constexpr,
+    B4: tl.constexpr,
+    TILE: tl.constexpr,
+    FUSED: tl.constexpr,
+    TIMED: tl.constexpr,
+):
     """Dispatch. Token t's row of part p (int32 words ``s_p`` [T, w_p]) goes to row ``slots[t, r]`` of rank
     r (skipped when < 0): this rank's own output ``o_p`` for r = me, word offset ``r_p`` of peer r's buffer
     otherwise; the last CTA signals the op's epoch (``EPOCH`` + 1) to every peer. If FUSED, every CTA then
@@ -161,8 +219,37 @@ def push_rows(peers, signals, slots, num_tokens, me, recv_prefix, timeout_ns,
             _push_part(t, live, slots, s4, o4, w4, r4, peers, me, NUM_RANKS, B4)
     _signal_peers(peers, signals, me, epoch, SIG_DATA, NUM_RANKS)
     if FUSED:
-        _receive(signals, me, epoch, recv_prefix, timeout_ns, m0, o0, w0, m1, o1, w1, m2, o2, w2,
-                 m3, o3, w3, m4, o4, w4, NUM_RANKS, NUM_PARTS, B0, B1, B2, B3, B4, TILE, TIMED)
+        _receive(
+            signals,
+            me,
+            epoch,
+            recv_prefix,
+            timeout_ns,
+            m0,
+            o0,
+            w0,
+            m1,
+            o1,
+            w1,
+            m2,
+            o2,
+            w2,
+            m3,
+            o3,
+            w3,
+            m4,
+            o4,
+            w4,
+            NUM_RANKS,
+            NUM_PARTS,
+            B0,
+            B1,
+            B2,
+            B3,
+            B4,
+            TILE,
+            TIMED,
+        )
 
 
 @triton.jit
@@ -175,10 +262,37 @@ def _copy_part(row, live, src, out, words, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _receive(signals, me, epoch, recv_prefix, timeout_ns,
-             m0, o0, w0, m1, o1, w1, m2, o2, w2, m3, o3, w3, m4, o4, w4,
-             NUM_RANKS: tl.constexpr, NUM_PARTS: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
-             B2: tl.constexpr, B3: tl.constexpr, B4: tl.constexpr, TILE: tl.constexpr, TIMED: tl.constexpr):
+def _receive(
+    signals,
+    me,
+    epoch,
+    recv_prefix,
+    timeout_ns,
+    m0,
+    o0,
+    w0,
+    m1,
+    o1,
+    w1,
+    m2,
+    o2,
+    w2,
+    m3,
+    o3,
+    w3,
+    m4,
+    o4,
+    w4,
+    NUM_RANKS: tl.constexpr,
+    NUM_PARTS: tl.constexpr,
+    B0: tl.constexpr,
+    B1: tl.constexpr,
+    B2: tl.constexpr,
+    B3: tl.constexpr,
+    B4: tl.constexpr,
+    TILE: tl.constexpr,
+    TIMED: tl.constexpr,
+):
     _wait_all_peers(signals, me, epoch, timeout_ns, SIG_DATA, NUM_RANKS, TIMED)
     own_begin = tl.load(recv_prefix + me).to(tl.int64)
     own = tl.load(recv_prefix + me + 1).to(tl.int64) - own_begin
@@ -199,17 +313,72 @@ def _receive(signals, me, epoch, recv_prefix, timeout_ns,
 
 
 @triton.jit
-def receive_rows(signals, me, recv_prefix, timeout_ns,
-                 m0, o0, w0, m1, o1, w1, m2, o2, w2, m3, o3, w3, m4, o4, w4,
-                 NUM_RANKS: tl.constexpr, NUM_PARTS: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
-                 B2: tl.constexpr, B3: tl.constexpr, B4: tl.constexpr, TILE: tl.constexpr, TIMED: tl.constexpr):
+def receive_rows(
+    signals,
+    me,
+    recv_prefix,
+    timeout_ns,
+    m0,
+    o0,
+    w0,
+    m1,
+    o1,
+    w1,
+    m2,
+    o2,
+    w2,
+    m3,
+    o3,
+    w3,
+    m4,
+    o4,
+    w4,
+    NUM_RANKS: tl.constexpr,
+    NUM_PARTS: tl.constexpr,
+    B0: tl.constexpr,
+    B1: tl.constexpr,
+    B2: tl.constexpr,
+    B3: tl.constexpr,
+    B4: tl.constexpr,
+    TILE: tl.constexpr,
+    TIMED: tl.constexpr,
+):
     """Dispatch receive half: wait for every peer's signal, then copy the peers' rows (all rows but this
     rank's own, ``recv_prefix[me]:recv_prefix[me + 1]`` of the ``recv_prefix[R]`` received) of each part from
     this rank's buffer region ``m_p`` to the output ``o_p``. Runs after the push kernel on the stream, so
     ``EPOCH`` is that push's epoch."""
     epoch = tl.load(signals + EPOCH, volatile=True)
-    _receive(signals, me, epoch, recv_prefix, timeout_ns, m0, o0, w0, m1, o1, w1, m2, o2, w2,
-             m3, o3, w3, m4, o4, w4, NUM_RANKS, NUM_PARTS, B0, B1, B2, B3, B4, TILE, TIMED)
+    _receive(
+        signals,
+        me,
+        epoch,
+        recv_prefix,
+        timeout_ns,
+        m0,
+        o0,
+        w0,
+        m1,
+        o1,
+        w1,
+        m2,
+        o2,
+        w2,
+        m3,
+        o3,
+        w3,
+        m4,
+        o4,
+        w4,
+        NUM_RANKS,
+        NUM_PARTS,
+        B0,
+        B1,
+        B2,
+        B3,
+        B4,
+        TILE,
+        TIMED,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- combine
@@ -225,11 +394,39 @@ def _return_part(row, live, source, slot, src, words, region, peers, NUM_RANKS: 
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
-def push_back(peers, signals, recv_prefix, slot_base, me, s0, w0, r0, s1, w1, r1,
-              timeout_ns, out, gather, local, mine, bias0, bias1, num_tokens, row_elems,
-              NUM_RANKS: tl.constexpr, NUM_PARTS: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
-              TILE: tl.constexpr, FUSED: tl.constexpr, HAS_BIAS0: tl.constexpr, HAS_BIAS1: tl.constexpr,
-              RBLOCK: tl.constexpr, RTILE: tl.constexpr, TIMED: tl.constexpr):
+def push_back(
+    peers,
+    signals,
+    recv_prefix,
+    slot_base,
+    me,
+    s0,
+    w0,
+    r0,
+    s1,
+    w1,
+    r1,
+    timeout_ns,
+    out,
+    gather,
+    local,
+    mine,
+    bias0,
+    bias1,
+    num_tokens,
+    row_elems,
+    NUM_RANKS: tl.constexpr,
+    NUM_PARTS: tl.constexpr,
+    B0: tl.constexpr,
+    B1: tl.constexpr,
+    TILE: tl.constexpr,
+    FUSED: tl.constexpr,
+    HAS_BIAS0: tl.constexpr,
+    HAS_BIAS1: tl.constexpr,
+    RBLOCK: tl.constexpr,
+    RTILE: tl.constexpr,
+    TIMED: tl.constexpr,
+):
     """Combine send half: received row ``row`` (from source rank s, rows grouped by source as in
     ``recv_prefix`` [R + 1]) goes back to row ``slot_base[s] + row - recv_prefix[s]`` of rank s's buffer.
     Own rows stay (the reduction reads them in place). The last CTA signals the op's epoch (``EPOCH`` + 1).
@@ -246,15 +443,37 @@ def push_back(peers, signals, recv_prefix, slot_base, me, s0, w0, r0, s1, w1, r1
         source = tl.zeros([TILE], dtype=tl.int32)
         for rank in tl.static_range(1, NUM_RANKS):
             source += (row >= tl.load(recv_prefix + rank)).to(tl.int32)
-        slot = tl.load(slot_base + source, mask=live, other=0).to(tl.int64) + row - tl.load(
-            recv_prefix + source, mask=live, other=0)
+        slot = (
+            tl.load(slot_base + source, mask=live, other=0).to(tl.int64)
+            + row
+            - tl.load(recv_prefix + source, mask=live, other=0)
+        )
         _return_part(row, live, source, slot, s0, w0, r0, peers, NUM_RANKS, B0)
         if NUM_PARTS > 1:
             _return_part(row, live, source, slot, s1, w1, r1, peers, NUM_RANKS, B1)
     _signal_peers(peers, signals, me, epoch, SIG_DATA, NUM_RANKS)
     if FUSED:
-        _reduce(signals, me, epoch, timeout_ns, out, gather, local, mine, bias0, bias1, num_tokens, row_elems,
-                NUM_RANKS, HAS_BIAS0, HAS_BIAS1, True, RBLOCK, RTILE, TIMED)
+        _reduce(
+            signals,
+            me,
+            epoch,
+            timeout_ns,
+            out,
+            gather,
+            local,
+            mine,
+            bias0,
+            bias1,
+            num_tokens,
+            row_elems,
+            NUM_RANKS,
+            HAS_BIAS0,
+            HAS_BIAS1,
+            True,
+            RBLOCK,
+            RTILE,
+            TIMED,
+        )
 
 
 @triton.jit
@@ -275,21 +494,75 @@ def _add_rows(acc, src, row, live, cols, col_mask, row_elems):
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
-def reduce_rows(signals, me, timeout_ns, out, rows, local, mine, bias0, bias1, num_tokens, row_elems,
-                NUM_RANKS: tl.constexpr, HAS_BIAS0: tl.constexpr, HAS_BIAS1: tl.constexpr, WAIT: tl.constexpr,
-                BLOCK: tl.constexpr, TILE: tl.constexpr, TIMED: tl.constexpr):
+def reduce_rows(
+    signals,
+    me,
+    timeout_ns,
+    out,
+    rows,
+    local,
+    mine,
+    bias0,
+    bias1,
+    num_tokens,
+    row_elems,
+    NUM_RANKS: tl.constexpr,
+    HAS_BIAS0: tl.constexpr,
+    HAS_BIAS1: tl.constexpr,
+    WAIT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TILE: tl.constexpr,
+    TIMED: tl.constexpr,
+):
     """Combine receive half: ``out[t] = Σ_{r ascending} row rows[t, r] of (local if r == me else mine)``
     (rows < 0 skipped), then + bias0[t] + bias1[t], all in float32; waits for the peers first if WAIT (for the
     epoch of the push kernel before it on the stream)."""
     epoch = tl.load(signals + EPOCH, volatile=True)
-    _reduce(signals, me, epoch, timeout_ns, out, rows, local, mine, bias0, bias1, num_tokens, row_elems,
-            NUM_RANKS, HAS_BIAS0, HAS_BIAS1, WAIT, BLOCK, TILE, TIMED)
+    _reduce(
+        signals,
+        me,
+        epoch,
+        timeout_ns,
+        out,
+        rows,
+        local,
+        mine,
+        bias0,
+        bias1,
+        num_tokens,
+        row_elems,
+        NUM_RANKS,
+        HAS_BIAS0,
+        HAS_BIAS1,
+        WAIT,
+        BLOCK,
+        TILE,
+        TIMED,
+    )
 
 
 @triton.jit
-def _reduce(signals, me, epoch, timeout_ns, out, rows, local, mine, bias0, bias1, num_tokens, row_elems,
-            NUM_RANKS: tl.constexpr, HAS_BIAS0: tl.constexpr, HAS_BIAS1: tl.constexpr, WAIT: tl.constexpr,
-            BLOCK: tl.constexpr, TILE: tl.constexpr, TIMED: tl.constexpr):
+def _reduce(
+    signals,
+    me,
+    epoch,
+    timeout_ns,
+    out,
+    rows,
+    local,
+    mine,
+    bias0,
+    bias1,
+    num_tokens,
+    row_elems,
+    NUM_RANKS: tl.constexpr,
+    HAS_BIAS0: tl.constexpr,
+    HAS_BIAS1: tl.constexpr,
+    WAIT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TILE: tl.constexpr,
+    TIMED: tl.constexpr,
+):
     if WAIT:
         _wait_all_peers(signals, me, epoch, timeout_ns, SIG_DATA, NUM_RANKS, TIMED)
     for first in range(tl.program_id(0).to(tl.int64) * TILE, num_tokens, tl.num_programs(0) * TILE):
@@ -319,10 +592,28 @@ def _reduce(signals, me, epoch, timeout_ns, out, rows, local, mine, bias0, bias1
 
 # ---------------------------------------------------------------------------------------------- fresh dispatch
 @triton.jit(do_not_specialize=["epoch", "area", "num_topk_entries", "num_in_rank"])
-def exchange_dispatch_counts(peers, signals, per_rank, per_expert, topk, num_topk_entries, in_rank, num_in_rank,
-                             layout_range, me, epoch, num_experts, area, timeout_ns, NUM_RANKS: tl.constexpr,
-                             RANKS_PAD: tl.constexpr, BLOCK: tl.constexpr, HAS_TOPK: tl.constexpr,
-                             HAS_LAYOUT_RANGE: tl.constexpr, TIMED: tl.constexpr):
+def exchange_dispatch_counts(
+    peers,
+    signals,
+    per_rank,
+    per_expert,
+    topk,
+    num_topk_entries,
+    in_rank,
+    num_in_rank,
+    layout_range,
+    me,
+    epoch,
+    num_experts,
+    area,
+    timeout_ns,
+    NUM_RANKS: tl.constexpr,
+    RANKS_PAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_TOPK: tl.constexpr,
+    HAS_LAYOUT_RANGE: tl.constexpr,
+    TIMED: tl.constexpr,
+):
     """One CTA: the count exchange of a fresh dispatch with its checks computed here, not on the host.
 
     Row ``me`` of every rank's count area (word offset ``area``, rows of ``R + E + 4`` int32) receives
@@ -356,15 +647,19 @@ def exchange_dispatch_counts(peers, signals, per_rank, per_expert, topk, num_top
     ranks = tl.arange(0, RANKS_PAD)
     rank_counts = tl.load(per_rank + ranks, mask=ranks < NUM_RANKS, other=0)
     stats = tl.arange(0, 4)
-    stat_values = tl.where(stats == 0, low.to(tl.int32), tl.where(stats == 1, high.to(tl.int32), tl.where(
-        stats == 2, tl.sum(rank_counts), tl.sum(marked))))
+    stat_values = tl.where(
+        stats == 0,
+        low.to(tl.int32),
+        tl.where(stats == 1, high.to(tl.int32), tl.where(stats == 2, tl.sum(rank_counts), tl.sum(marked))),
+    )
     for rank in tl.static_range(NUM_RANKS):
         row = _peer_words(peers, rank) + area + me * width
         tl.store(row + ranks, rank_counts, mask=ranks < NUM_RANKS)
         for start in range(0, num_experts, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            tl.store(row + NUM_RANKS + cols, tl.load(per_expert + cols, mask=cols < num_experts),
-                     mask=cols < num_experts)
+            tl.store(
+                row + NUM_RANKS + cols, tl.load(per_expert + cols, mask=cols < num_experts), mask=cols < num_experts
+            )
         tl.store(row + NUM_RANKS + num_experts + stats, stat_values)
     tl.debug_barrier()
     for rank in tl.static_range(NUM_RANKS):
@@ -374,8 +669,21 @@ def exchange_dispatch_counts(peers, signals, per_rank, per_expert, topk, num_top
 
 
 @triton.jit(do_not_specialize=["num_tokens", "width"])
-def plan_tables(in_rank, matrix, width, me, num_tokens, slots, gather, recv_prefix, slot_base, rank_prefix,
-                NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr, BLOCK: tl.constexpr):
+def plan_tables(
+    in_rank,
+    matrix,
+    width,
+    me,
+    num_tokens,
+    slots,
+    gather,
+    recv_prefix,
+    slot_base,
+    rank_prefix,
+    NUM_RANKS: tl.constexpr,
+    RANKS_PAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """One CTA: a normal dispatch plan from ``in_rank`` (uint8 [T, R]) and the count matrix (int32, row s =
     sender s, its first R words = tokens s sends to each rank; rows ``width`` words apart).
 
@@ -395,8 +703,7 @@ def plan_tables(in_rank, matrix, width, me, num_tokens, slots, gather, recv_pref
     received = tl.sum(tl.where((ranks == me)[None, :], counts, 0), axis=1)
     tl.store(recv_prefix + senders, tl.cumsum(received, axis=0) - received, mask=senders < NUM_RANKS)
     tl.store(recv_prefix + NUM_RANKS, tl.sum(received))
-    tl.store(slot_base + senders, tl.sum(tl.where((ranks < me)[None, :], counts, 0), axis=1),
-             mask=senders < NUM_RANKS)
+    tl.store(slot_base + senders, tl.sum(tl.where((ranks < me)[None, :], counts, 0), axis=1), mask=senders < NUM_RANKS)
     tl.store(rank_prefix + senders[:, None] * NUM_RANKS + ranks[None, :], tl.cumsum(counts, axis=0), mask=present)
     carry = tl.zeros([RANKS_PAD], tl.int32)
     for start in range(0, num_tokens, BLOCK):
@@ -439,8 +746,11 @@ def _message_index(topk, t, slots, ids, TOPK: tl.constexpr, CHUNK: tl.constexpr)
     index = tl.zeros(ids.shape, tl.int32)
     for start in range(0, t, CHUNK):
         earlier = start + tl.arange(0, CHUNK)
-        block = tl.load(topk + earlier[:, None] * TOPK + slots[None, :],
-                        mask=(earlier < t)[:, None] & (slots < TOPK)[None, :], other=-1)
+        block = tl.load(
+            topk + earlier[:, None] * TOPK + slots[None, :],
+            mask=(earlier < t)[:, None] & (slots < TOPK)[None, :],
+            other=-1,
+        )
         same = (block[:, :, None] == ids[None, None, :]).to(tl.int32)
         index += tl.sum(tl.sum(same, axis=0), axis=0)
     before = (ids[:, None] == ids[None, :]) & (slots[:, None] < slots[None, :])
@@ -464,12 +774,33 @@ def _e4m3_bits(values):
 
 
 @triton.jit
-def _ll_dispatch_receive(signals, me, epoch, timeout_ns, values_region, scales_region, source_region, counts_region,
-                         out_values, out_scales, out_source, recv_count, layout_range, stats,
-                         NUM_RANKS: tl.constexpr, MAX_TOKENS: tl.constexpr, LOCAL_EXPERTS: tl.constexpr,
-                         VALUE_WORDS: tl.constexpr, SCALE_WORDS: tl.constexpr, SCALE_PAD: tl.constexpr,
-                         USE_FP8: tl.constexpr, TILE: tl.constexpr, WORD_BLOCK: tl.constexpr,
-                         HAS_STATS: tl.constexpr, TIMED: tl.constexpr):
+def _ll_dispatch_receive(
+    signals,
+    me,
+    epoch,
+    timeout_ns,
+    values_region,
+    scales_region,
+    source_region,
+    counts_region,
+    out_values,
+    out_scales,
+    out_source,
+    recv_count,
+    layout_range,
+    stats,
+    NUM_RANKS: tl.constexpr,
+    MAX_TOKENS: tl.constexpr,
+    LOCAL_EXPERTS: tl.constexpr,
+    VALUE_WORDS: tl.constexpr,
+    SCALE_WORDS: tl.constexpr,
+    SCALE_PAD: tl.constexpr,
+    USE_FP8: tl.constexpr,
+    TILE: tl.constexpr,
+    WORD_BLOCK: tl.constexpr,
+    HAS_STATS: tl.constexpr,
+    TIMED: tl.constexpr,
+):
     """The receive half of :func:`ll_dispatch` (its docstring describes it), inlined into that kernel."""
     program, programs = tl.program_id(0), tl.num_programs(0)
     _wait_all_peers(signals, me, epoch, timeout_ns, SIG_DATA, NUM_RANKS, TIMED, True)
@@ -495,34 +826,70 @@ def _ll_dispatch_receive(signals, me, epoch, timeout_ns, values_region, scales_r
             live = index < count
             src_row = (pair * MAX_TOKENS + index).to(tl.int64)
             dst_row = (begin + index).to(tl.int64)
-            tl.store(out_source + expert * slab + dst_row,
-                     tl.load(signals + source_region + src_row, mask=live), mask=live)
+            tl.store(
+                out_source + expert * slab + dst_row, tl.load(signals + source_region + src_row, mask=live), mask=live
+            )
             for start in range(0, VALUE_WORDS, WORD_BLOCK):
                 cols = start + tl.arange(0, WORD_BLOCK)
                 mask = live[:, None] & (cols < VALUE_WORDS)[None, :]
-                values = tl.load(signals + values_region + src_row[:, None] * VALUE_WORDS + cols[None, :],
-                                 mask=mask)
-                tl.store(out_values + (expert * slab + dst_row)[:, None] * VALUE_WORDS + cols[None, :], values,
-                         mask=mask)
+                values = tl.load(signals + values_region + src_row[:, None] * VALUE_WORDS + cols[None, :], mask=mask)
+                tl.store(
+                    out_values + (expert * slab + dst_row)[:, None] * VALUE_WORDS + cols[None, :], values, mask=mask
+                )
             if USE_FP8:
                 cols = tl.arange(0, SCALE_PAD)
                 mask = live[:, None] & (cols < SCALE_WORDS)[None, :]
-                values = tl.load(signals + scales_region + src_row[:, None] * SCALE_WORDS + cols[None, :],
-                                 mask=mask)
-                tl.store(out_scales + expert * SCALE_WORDS * slab + cols[None, :] * slab + dst_row[:, None],
-                         values, mask=mask)
+                values = tl.load(signals + scales_region + src_row[:, None] * SCALE_WORDS + cols[None, :], mask=mask)
+                tl.store(
+                    out_scales + expert * SCALE_WORDS * slab + cols[None, :] * slab + dst_row[:, None],
+                    values,
+                    mask=mask,
+                )
 
 
 @triton.jit(do_not_specialize=["num_tokens", "epoch_arg"])
-def ll_dispatch(peers, signals, x_words, x_values, topk, num_tokens, me, timeout_ns, epoch_arg,
-                values_region, scales_region, source_region, counts_region,
-                out_values, out_scales, out_source, recv_count, layout_range, stats,
-                NUM_RANKS: tl.constexpr, MAX_TOKENS: tl.constexpr, LOCAL_EXPERTS: tl.constexpr,
-                TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, HIDDEN: tl.constexpr, VALUE_WORDS: tl.constexpr,
-                SCALE_WORDS: tl.constexpr, SCALE_PAD: tl.constexpr, BLOCKS_PER_CHUNK: tl.constexpr,
-                USE_FP8: tl.constexpr, ROUND_SCALE: tl.constexpr, UE8M0: tl.constexpr, EXPERT_BLOCK: tl.constexpr,
-                CHUNK: tl.constexpr, TILE: tl.constexpr, WORD_BLOCK: tl.constexpr, SEND: tl.constexpr,
-                RECEIVE: tl.constexpr, HAS_STATS: tl.constexpr, TIMED: tl.constexpr):
+def ll_dispatch(
+    peers,
+    signals,
+    x_words,
+    x_values,
+    topk,
+    num_tokens,
+    me,
+    timeout_ns,
+    epoch_arg,
+    values_region,
+    scales_region,
+    source_region,
+    counts_region,
+    out_values,
+    out_scales,
+    out_source,
+    recv_count,
+    layout_range,
+    stats,
+    NUM_RANKS: tl.constexpr,
+    MAX_TOKENS: tl.constexpr,
+    LOCAL_EXPERTS: tl.constexpr,
+    TOPK: tl.constexpr,
+    TOPK_PAD: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    VALUE_WORDS: tl.constexpr,
+    SCALE_WORDS: tl.constexpr,
+    SCALE_PAD: tl.constexpr,
+    BLOCKS_PER_CHUNK: tl.constexpr,
+    USE_FP8: tl.constexpr,
+    ROUND_SCALE: tl.constexpr,
+    UE8M0: tl.constexpr,
+    EXPERT_BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
+    TILE: tl.constexpr,
+    WORD_BLOCK: tl.constexpr,
+    SEND: tl.constexpr,
+    RECEIVE: tl.constexpr,
+    HAS_STATS: tl.constexpr,
+    TIMED: tl.constexpr,
+):
     """Low-latency dispatch into the packed layout ``[L, R·M, H]``.
 
     Send half (SEND): every CTA stores this rank's message counts for a share of the experts into their
@@ -549,8 +916,11 @@ def ll_dispatch(peers, signals, x_words, x_values, topk, num_tokens, me, timeout
             counted = tl.zeros([EXPERT_BLOCK], tl.int32)
             for start in range(0, num_tokens, CHUNK):
                 tokens = start + tl.arange(0, CHUNK)
-                block = tl.load(topk + tokens[:, None] * TOPK + slots[None, :],
-                                mask=(tokens < num_tokens)[:, None] & (slots < TOPK)[None, :], other=-1)
+                block = tl.load(
+                    topk + tokens[:, None] * TOPK + slots[None, :],
+                    mask=(tokens < num_tokens)[:, None] & (slots < TOPK)[None, :],
+                    other=-1,
+                )
                 same = (block[None, :, :] == experts[:, None, None]).to(tl.int32)
                 counted += tl.sum(tl.sum(same, axis=2), axis=1)
             live = experts < num_experts
@@ -580,51 +950,112 @@ def ll_dispatch(peers, signals, x_words, x_values, topk, num_tokens, me, timeout
                         scale = (exponent << 23).to(tl.float32, bitcast=True)
                     quantised = tl.math.div_rn(values, scale[:, None, None])
                     codes = _e4m3_bits(tl.minimum(tl.maximum(quantised, -448.0), 448.0))
-                    packed = (tl.sum(tl.where(nibbles[None, None, :] == 0, codes, 0), axis=2)
-                              | (tl.sum(tl.where(nibbles[None, None, :] == 1, codes, 0), axis=2) << 8)
-                              | (tl.sum(tl.where(nibbles[None, None, :] == 2, codes, 0), axis=2) << 16)
-                              | (tl.sum(tl.where(nibbles[None, None, :] == 3, codes, 0), axis=2) << 24))
+                    packed = (
+                        tl.sum(tl.where(nibbles[None, None, :] == 0, codes, 0), axis=2)
+                        | (tl.sum(tl.where(nibbles[None, None, :] == 1, codes, 0), axis=2) << 8)
+                        | (tl.sum(tl.where(nibbles[None, None, :] == 2, codes, 0), axis=2) << 16)
+                        | (tl.sum(tl.where(nibbles[None, None, :] == 3, codes, 0), axis=2) << 24)
+                    )
                     word_cols = start // 4 + groups[:, None] * 32 + words[None, :]
-                    tl.store(base[:, None, None] + values_region + row[:, None, None] * VALUE_WORDS
-                             + word_cols[None, :, :], packed.to(tl.int32, bitcast=True)[None, :, :],
-                             mask=valid[:, None, None])
+                    tl.store(
+                        base[:, None, None] + values_region + row[:, None, None] * VALUE_WORDS + word_cols[None, :, :],
+                        packed.to(tl.int32, bitcast=True)[None, :, :],
+                        mask=valid[:, None, None],
+                    )
                     if UE8M0:
-                        exponents = tl.reshape((scale.to(tl.uint32, bitcast=True) >> 23) & 0xFF,
-                                               [BLOCKS_PER_CHUNK // 4, 4])
-                        scale_words = (tl.sum(tl.where(nibbles[None, :] == 0, exponents, 0), axis=1)
-                                       | (tl.sum(tl.where(nibbles[None, :] == 1, exponents, 0), axis=1) << 8)
-                                       | (tl.sum(tl.where(nibbles[None, :] == 2, exponents, 0), axis=1) << 16)
-                                       | (tl.sum(tl.where(nibbles[None, :] == 3, exponents, 0), axis=1) << 24))
+                        exponents = tl.reshape(
+                            (scale.to(tl.uint32, bitcast=True) >> 23) & 0xFF, [BLOCKS_PER_CHUNK // 4, 4]
+                        )
+                        scale_words = (
+                            tl.sum(tl.where(nibbles[None, :] == 0, exponents, 0), axis=1)
+                            | (tl.sum(tl.where(nibbles[None, :] == 1, exponents, 0), axis=1) << 8)
+                            | (tl.sum(tl.where(nibbles[None, :] == 2, exponents, 0), axis=1) << 16)
+                            | (tl.sum(tl.where(nibbles[None, :] == 3, exponents, 0), axis=1) << 24)
+                        )
                         scale_cols = start // 512 + tl.arange(0, BLOCKS_PER_CHUNK // 4)
-                        tl.store(base[:, None] + scales_region + row[:, None] * SCALE_WORDS + scale_cols[None, :],
-                                 scale_words.to(tl.int32, bitcast=True)[None, :], mask=valid[:, None])
+                        tl.store(
+                            base[:, None] + scales_region + row[:, None] * SCALE_WORDS + scale_cols[None, :],
+                            scale_words.to(tl.int32, bitcast=True)[None, :],
+                            mask=valid[:, None],
+                        )
                     else:
                         scale_cols = start // 128 + groups
-                        tl.store(base[:, None] + scales_region + row[:, None] * SCALE_WORDS + scale_cols[None, :],
-                                 scale.to(tl.int32, bitcast=True)[None, :], mask=valid[:, None])
+                        tl.store(
+                            base[:, None] + scales_region + row[:, None] * SCALE_WORDS + scale_cols[None, :],
+                            scale.to(tl.int32, bitcast=True)[None, :],
+                            mask=valid[:, None],
+                        )
             else:
                 for start in range(0, VALUE_WORDS, WORD_BLOCK):
                     cols = start + tl.arange(0, WORD_BLOCK)
                     inside = cols < VALUE_WORDS
                     values = tl.load(x_words + t * VALUE_WORDS + cols, mask=inside)
-                    tl.store(base[:, None] + values_region + row[:, None] * VALUE_WORDS + cols[None, :],
-                             values[None, :], mask=valid[:, None] & inside[None, :])
+                    tl.store(
+                        base[:, None] + values_region + row[:, None] * VALUE_WORDS + cols[None, :],
+                        values[None, :],
+                        mask=valid[:, None] & inside[None, :],
+                    )
         _signal_peers(peers, signals, me, epoch, SIG_DATA, NUM_RANKS, True)
     else:
         epoch = epoch_arg
     if RECEIVE:
-        _ll_dispatch_receive(signals, me, epoch, timeout_ns, values_region, scales_region, source_region,
-                             counts_region, out_values, out_scales, out_source, recv_count, layout_range, stats,
-                             NUM_RANKS, MAX_TOKENS, LOCAL_EXPERTS, VALUE_WORDS, SCALE_WORDS, SCALE_PAD, USE_FP8,
-                             TILE, WORD_BLOCK, HAS_STATS, TIMED)
+        _ll_dispatch_receive(
+            signals,
+            me,
+            epoch,
+            timeout_ns,
+            values_region,
+            scales_region,
+            source_region,
+            counts_region,
+            out_values,
+            out_scales,
+            out_source,
+            recv_count,
+            layout_range,
+            stats,
+            NUM_RANKS,
+            MAX_TOKENS,
+            LOCAL_EXPERTS,
+            VALUE_WORDS,
+            SCALE_WORDS,
+            SCALE_PAD,
+            USE_FP8,
+            TILE,
+            WORD_BLOCK,
+            HAS_STATS,
+            TIMED,
+        )
 
 
 @triton.jit(do_not_specialize=["num_tokens", "epoch_arg"])
-def ll_combine(peers, signals, x_words, layout_range, topk, weights, out, mine, num_tokens, me, timeout_ns,
-               epoch_arg, region, NUM_RANKS: tl.constexpr, MAX_TOKENS: tl.constexpr, LOCAL_EXPERTS: tl.constexpr,
-               TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, HIDDEN: tl.constexpr, BLOCK: tl.constexpr,
-               CHUNK: tl.constexpr, TILE: tl.constexpr, SEND: tl.constexpr, RECEIVE: tl.constexpr,
-               TIMED: tl.constexpr):
+def ll_combine(
+    peers,
+    signals,
+    x_words,
+    layout_range,
+    topk,
+    weights,
+    out,
+    mine,
+    num_tokens,
+    me,
+    timeout_ns,
+    epoch_arg,
+    region,
+    NUM_RANKS: tl.constexpr,
+    MAX_TOKENS: tl.constexpr,
+    LOCAL_EXPERTS: tl.constexpr,
+    TOPK: tl.constexpr,
+    TOPK_PAD: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
+    TILE: tl.constexpr,
+    SEND: tl.constexpr,
+    RECEIVE: tl.constexpr,
+    TIMED: tl.constexpr,
+):
     """Weighted low-latency combine.
 
     Send half (SEND): for each (local expert l, source s) with ``layout_range[l, s] = begin << 32 | count``,

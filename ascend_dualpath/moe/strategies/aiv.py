@@ -115,8 +115,14 @@ class AivStrategy(AllToAllStrategy):
 
     name = "aiv"
 
-    def __init__(self, group: Any, timeout_s: float, block_dim: int | None = None,
-                 max_payload: int = MAX_SINGLE_PAYLOAD, ranks_per_node: int | None = None) -> None:
+    def __init__(
+        self,
+        group: Any,
+        timeout_s: float,
+        block_dim: int | None = None,
+        max_payload: int = MAX_SINGLE_PAYLOAD,
+        ranks_per_node: int | None = None,
+    ) -> None:
         super().__init__(group, timeout_s)
         import torch.distributed as dist
 
@@ -126,13 +132,17 @@ class AivStrategy(AllToAllStrategy):
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.ranks_per_node = ranks_per_node or self.world
         if self.ranks_per_node < 1 or self.world % self.ranks_per_node:
-            raise ConfigError(f"ranks_per_node={self.ranks_per_node} must be >= 1 and divide the group size "
-                              f"{self.world}")
+            raise ConfigError(
+                f"ranks_per_node={self.ranks_per_node} must be >= 1 and divide the group size {self.world}"
+            )
         ranks = np.arange(self.world)
         local, node = ranks % self.ranks_per_node, ranks // self.ranks_per_node
         # pairs each route links: every pair; the same-index ranks of all nodes; the ranks of one node
-        self._links = {"all": np.ones((self.world, self.world), dtype=bool), "hop1": local[:, None] == local,
-                       "hop2": node[:, None] == node}
+        self._links = {
+            "all": np.ones((self.world, self.world), dtype=bool),
+            "hop1": local[:, None] == local,
+            "hop2": node[:, None] == node,
+        }
         self._route_ops = dict.fromkeys(ROUTES, 0)  # ops run per route: the parity picks the region's half
         self._regions = len(ROUTES) if self.hierarchy else 1
         self.block_dim = block_dim or min(self.world, MAX_BLOCK_DIM)
@@ -149,8 +159,9 @@ class AivStrategy(AllToAllStrategy):
             overrides["capability_bitmap"] = bitmap
         self.device = emulator.open_device(self.fabric, device_id=self.rank, **overrides)
         if not 1 <= self.block_dim <= self.device.profile.vector_cores:
-            raise ConfigError(f"block_dim {self.block_dim} is outside [1, {self.device.profile.vector_cores}] "
-                              f"vector cores")
+            raise ConfigError(
+                f"block_dim {self.block_dim} is outside [1, {self.device.profile.vector_cores}] vector cores"
+            )
         self.comm: Any = None
         self._items: Any = None
         self._epoch = 0
@@ -255,8 +266,14 @@ class AivStrategy(AllToAllStrategy):
         send1 = torch.cat([to_node[:, n].nonzero()[:, 0] for n in range(nodes)]).to(torch.int32)
         # combine sends every (token, destination) row back over hop 1: back1[r, s] = Σ_{d in node(r)} C[s, d]
         back1 = np.where(same_local, (counts @ same_node.astype(np.int64)).T, 0)
-        routes = {"hop1": hop1, "hop2": hop2, "back1": back1, "send1": send1,
-                  "src1": np.repeat(ranks, hop1[:, me]), "mine": ranks[node == node[me]]}
+        routes = {
+            "hop1": hop1,
+            "hop2": hop2,
+            "back1": back1,
+            "send1": send1,
+            "src1": np.repeat(ranks, hop1[:, me]),
+            "mine": ranks[node == node[me]],
+        }
         # where hop-2 rows land in the receive order (source rank, ascending token): relays in rank order, each
         # relaying its sources in rank order, each source's rows in token order
         recv_begin = _prefix(counts[:, me])
@@ -267,26 +284,30 @@ class AivStrategy(AllToAllStrategy):
             plan.private = private
         return routes
 
-    def _dispatch_hierarchy(self, plan: NormalPlan, parts: list[torch.Tensor], received: int,
-                            what: str) -> list[torch.Tensor]:
+    def _dispatch_hierarchy(
+        self, plan: NormalPlan, parts: list[torch.Tensor], received: int, what: str
+    ) -> list[torch.Tensor]:
         routes, me = self._routes(plan), self.rank
         # hop 1 carries each token's destination mask, so that the relay knows where to forward it
         hop1_parts = parts + [plan.is_token_in_rank.to(torch.uint8).contiguous()]
         relayed = int(routes["hop1"][:, me].sum())
         hop1_out = [torch.empty((relayed, *p.shape[1:]), dtype=p.dtype) for p in hop1_parts]
-        self._exchange("moe_dispatch", routes["hop1"], hop1_parts, routes["send1"], hop1_out, None, f"{what} (hop 1)",
-                       "hop1")
+        self._exchange(
+            "moe_dispatch", routes["hop1"], hop1_parts, routes["send1"], hop1_out, None, f"{what} (hop 1)", "hop1"
+        )
         mask = hop1_out.pop().bool()
         if "send2" not in routes:
             routes["send2"] = torch.cat([mask[:, d].nonzero()[:, 0] for d in routes["mine"]]).to(torch.int32)
         hop2_out = [torch.empty((received, *p.shape[1:]), dtype=p.dtype) for p in parts]
-        self._exchange("moe_dispatch", routes["hop2"], hop1_out, routes["send2"], hop2_out, None, f"{what} (hop 2)",
-                       "hop2")
+        self._exchange(
+            "moe_dispatch", routes["hop2"], hop1_out, routes["send2"], hop2_out, None, f"{what} (hop 2)", "hop2"
+        )
         outs = [torch.empty_like(p) for p in hop2_out]
         for out, rows in zip(outs, hop2_out, strict=True):  # as bytes: index_copy_ has no FP8 kernel
             width = math.prod(out.shape[1:])  # explicit: reshape(0, -1) is ambiguous for a rank receiving nothing
             out.reshape(out.shape[0], width).view(torch.uint8).index_copy_(
-                0, routes["final"], rows.reshape(rows.shape[0], width).view(torch.uint8))
+                0, routes["final"], rows.reshape(rows.shape[0], width).view(torch.uint8)
+            )
         return outs
 
     def _combine_hierarchy(self, plan: NormalPlan, parts: list[torch.Tensor], reduce: dict) -> None:
@@ -299,16 +320,24 @@ class AivStrategy(AllToAllStrategy):
         routes, me = self._routes(plan), self.rank
         back2 = int(routes["hop2"][me].sum())
         hop2_out = [torch.empty((back2, *p.shape[1:]), dtype=p.dtype) for p in parts]
-        self._exchange("moe_dispatch", routes["hop2"].T.copy(), parts, routes["final"].to(torch.int32), hop2_out,
-                       None, "combine rows (hop 2)", "hop2")
+        self._exchange(
+            "moe_dispatch",
+            routes["hop2"].T.copy(),
+            parts,
+            routes["final"].to(torch.int32),
+            hop2_out,
+            None,
+            "combine rows (hop 2)",
+            "hop2",
+        )
         # relay's rows come back per destination (rank order), each in its forward order; return them per source
         source_of_row = routes["src1"][routes["send2"].numpy()]
         order = torch.from_numpy(np.argsort(source_of_row, kind="stable").astype(np.int32))
-        self._exchange("moe_combine", routes["back1"], hop2_out, order, [], reduce, "combine rows (hop 1)",
-                       "hop1")
+        self._exchange("moe_combine", routes["back1"], hop2_out, order, [], reduce, "combine rows (hop 1)", "hop1")
 
-    def exchange_rows(self, parts: list[torch.Tensor], send_counts: list[int], recv_counts: list[int],
-                      what: str) -> PendingRows:
+    def exchange_rows(
+        self, parts: list[torch.Tensor], send_counts: list[int], recv_counts: list[int], what: str
+    ) -> PendingRows:
         """The low-latency ops' row exchange through ``moe_dispatch`` (rows already grouped by destination).
 
         The kernel needs every rank's counts (where its block lands at each peer, the window size), so the
@@ -316,16 +345,19 @@ class AivStrategy(AllToAllStrategy):
         """
         sends = self.exchange_counts(torch.tensor(send_counts, dtype=torch.int64), f"{what} (counts)").numpy()
         if sends[:, self.rank].tolist() != list(recv_counts):
-            raise ProtocolError(f"{what}: this rank expects {list(recv_counts)} rows from ranks 0..{self.world - 1}, "
-                                f"but they send {sends[:, self.rank].tolist()}")
+            raise ProtocolError(
+                f"{what}: this rank expects {list(recv_counts)} rows from ranks 0..{self.world - 1}, "
+                f"but they send {sends[:, self.rank].tolist()}"
+            )
         parts = [p.contiguous() for p in parts]
         outs = [torch.empty((sum(recv_counts), *p.shape[1:]), dtype=p.dtype, device=p.device) for p in parts]
         send_index = torch.arange(sum(send_counts), dtype=torch.int32)
         self._exchange("moe_dispatch", sends, parts, send_index, outs, None, what)
         return PendingRows(lambda: outs)
 
-    def combine_rows(self, plan: NormalPlan, x: torch.Tensor, weights: torch.Tensor | None,
-                     biases: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def combine_rows(
+        self, plan: NormalPlan, x: torch.Tensor, weights: torch.Tensor | None, biases: tuple
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if x.dtype not in DTYPE_CODES:
             raise ConfigError(f"aiv combine reduces bf16, fp16 or fp32 rows, got {x.dtype}")
         x = x.contiguous()
@@ -341,11 +373,17 @@ class AivStrategy(AllToAllStrategy):
         out_x = torch.empty(tokens, hidden, dtype=x.dtype)
         out_w = None if weights is None else torch.empty(tokens, weights.shape[1], dtype=torch.float32)
         bias = [b.contiguous() if b is not None else None for b in biases] + [None, None]
-        reduce = dict(tokens=tokens, hidden=hidden, topk=0 if weights is None else weights.shape[1],
-                      dtype=DTYPE_CODES[x.dtype], slots=slots.data_ptr(), out_x=out_x.data_ptr(),
-                      out_w=0 if out_w is None else out_w.data_ptr(),
-                      bias0=bias[0].data_ptr() if bias[0] is not None else 0,
-                      bias1=bias[1].data_ptr() if bias[1] is not None else 0)
+        reduce = dict(
+            tokens=tokens,
+            hidden=hidden,
+            topk=0 if weights is None else weights.shape[1],
+            dtype=DTYPE_CODES[x.dtype],
+            slots=slots.data_ptr(),
+            out_x=out_x.data_ptr(),
+            out_w=0 if out_w is None else out_w.data_ptr(),
+            bias0=bias[0].data_ptr() if bias[0] is not None else 0,
+            bias1=bias[1].data_ptr() if bias[1] is not None else 0,
+        )
         if self.hierarchy:
             self._combine_hierarchy(plan, parts, reduce)
         else:
@@ -353,8 +391,17 @@ class AivStrategy(AllToAllStrategy):
             self._exchange("moe_combine", counts.T.copy(), parts, send_index, [], reduce, "combine rows")
         return out_x, out_w
 
-    def _exchange(self, kernel: str, sends: np.ndarray, in_parts: list[torch.Tensor], send_index: torch.Tensor,
-                  out_parts: list[torch.Tensor], reduce: dict | None, what: str, route: str = "all") -> None:
+    def _exchange(
+        self,
+        kernel: str,
+        sends: np.ndarray,
+        in_parts: list[torch.Tensor],
+        send_index: torch.Tensor,
+        out_parts: list[torch.Tensor],
+        reduce: dict | None,
+        what: str,
+        route: str = "all",
+    ) -> None:
         """Run ``kernel``, which moves ``sends[i, j]`` rows from rank i to rank j through the emulated NICs.
 
         ``route`` (one of :data:`ROUTES`) names the pairs that exchange in this op (data and notify): every pair,
@@ -372,15 +419,31 @@ class AivStrategy(AllToAllStrategy):
         linked = self._linked_peers(sends, route, what)
         table, pieces = self._peer_table(sends, linked, row, half, epoch)
         aicpu = not comm.aiv_dataplane
-        params = dict(row_bytes=row, max_payload=self.max_payload, total_items=int(pieces.sum()) if aicpu else 0,
-                      send_window=comm.windows_out.addr + STAGING_BYTES, recv_window=comm.windows_in.addr + half,
-                      magic_staging=comm.windows_out.addr, magic=self.magic(self.rank, epoch),
-                      items=self._item_array(int(pieces.sum())) if aicpu and pieces.sum() else 0,
-                      start_vtime_ns=self.device.nic.virtual_time_ns, submit_ns=self.device.nic.cost.aiv_submit_ns)
+        params = dict(
+            row_bytes=row,
+            max_payload=self.max_payload,
+            total_items=int(pieces.sum()) if aicpu else 0,
+            send_window=comm.windows_out.addr + STAGING_BYTES,
+            recv_window=comm.windows_in.addr + half,
+            magic_staging=comm.windows_out.addr,
+            magic=self.magic(self.rank, epoch),
+            items=self._item_array(int(pieces.sum())) if aicpu and pieces.sum() else 0,
+            start_vtime_ns=self.device.nic.virtual_time_ns,
+            submit_ns=self.device.nic.cost.aiv_submit_ns,
+        )
         run = self._C.launch_moe_exchange(
-            kernel, comm, params, table, [(p.data_ptr(), _row_bytes(p)) for p in in_parts],
-            [(p.data_ptr(), _row_bytes(p)) for p in out_parts], send_index.numpy(), reduce, self.block_dim,
-            self.device.profile.ub_bytes, self.timeout_s)
+            kernel,
+            comm,
+            params,
+            table,
+            [(p.data_ptr(), _row_bytes(p)) for p in in_parts],
+            [(p.data_ptr(), _row_bytes(p)) for p in out_parts],
+            send_index.numpy(),
+            reduce,
+            self.block_dim,
+            self.device.profile.ub_bytes,
+            self.timeout_s,
+        )
         self._finish_launch(run, kernel, what, int(linked.sum()), aicpu, epoch)
 
     def _linked_peers(self, sends: np.ndarray, route: str, what: str) -> np.ndarray:
@@ -392,12 +455,15 @@ class AivStrategy(AllToAllStrategy):
         unlinked = ~linked
         unlinked[rank] = False
         if sends[rank][unlinked].any() or sends[unlinked, rank].any():
-            raise ProtocolError(f"{what}: rows routed between rank {rank} and ranks "
-                                f"{np.flatnonzero(unlinked).tolist()}, which this op does not link")
+            raise ProtocolError(
+                f"{what}: rows routed between rank {rank} and ranks "
+                f"{np.flatnonzero(unlinked).tolist()}, which this op does not link"
+            )
         return linked
 
-    def _peer_table(self, sends: np.ndarray, linked: np.ndarray, row: int, half: int,
-                    epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    def _peer_table(
+        self, sends: np.ndarray, linked: np.ndarray, row: int, half: int, epoch: int
+    ) -> tuple[np.ndarray, np.ndarray]:
         """The kernel's int64 [R, 10] peer table (remote data address, remote notify address, their rkeys, send
         begin and count, receive begin and count, first BatchWrite item, the peer's magic) and the pieces
         (WQEs / items) per peer."""
@@ -410,10 +476,18 @@ class AivStrategy(AllToAllStrategy):
         item_begin = _prefix(pieces)
         table = np.zeros((self.world, 10), dtype=np.int64)
         for peer in range(self.world):
-            table[peer] = [self._peer_in[peer].addr + half + int(remote_offset[peer]) * row,
-                           self._peer_notify[peer].addr + rank * NOTIFY_SLOT_BYTES, self._peer_in[peer].rkey,
-                           self._peer_notify[peer].rkey, send_begin[peer], mine[peer], recv_begin[peer],
-                           sends[peer, rank], item_begin[peer], self.magic(peer, epoch)]
+            table[peer] = [
+                self._peer_in[peer].addr + half + int(remote_offset[peer]) * row,
+                self._peer_notify[peer].addr + rank * NOTIFY_SLOT_BYTES,
+                self._peer_in[peer].rkey,
+                self._peer_notify[peer].rkey,
+                send_begin[peer],
+                mine[peer],
+                recv_begin[peer],
+                sends[peer, rank],
+                item_begin[peer],
+                self.magic(peer, epoch),
+            ]
             if not linked[peer] and peer != rank:
                 table[peer, 1] = table[peer, 9] = 0  # no notify either way
         return table, pieces
@@ -428,16 +502,19 @@ class AivStrategy(AllToAllStrategy):
         stuck = [s["detail"] for s in status if s["code"] == self._C.CORE_SQ_TIMEOUT]
         if stuck:
             self._broken = f"{kernel}: SQs towards ranks {stuck} stayed full"
-            raise QueueError(f"{what} ({self.name} strategy): the SQs towards ranks {stuck} stayed full for "
-                             f"{self.timeout_s:g} s")
+            raise QueueError(
+                f"{what} ({self.name} strategy): the SQs towards ranks {stuck} stayed full for {self.timeout_s:g} s"
+            )
         if not aicpu:
             self.last_vtime_ns = self._collect(num_linked, what)
         else:
             self.last_vtime_ns = run.hccl_done_vtime_ns
         silent = sorted(s["detail"] for s in status if s["code"] == self._C.CORE_NOTIFY_TIMEOUT)
         if silent:
-            raise WaitTimeout(f"waited {self.timeout_s:g} s for {what} ({self.name} strategy): no notify of op "
-                              f"{epoch} from rank(s) {silent}")
+            raise WaitTimeout(
+                f"waited {self.timeout_s:g} s for {what} ({self.name} strategy): no notify of op "
+                f"{epoch} from rank(s) {silent}"
+            )
 
     def _collect(self, expected: int, what: str) -> float:
         """Exactly ``expected`` completions (one signaled notify WQE per peer); raises the first real error."""
@@ -449,8 +526,10 @@ class AivStrategy(AllToAllStrategy):
             got = cq.poll(expected - len(completions), self.timeout_s)
             if not got:
                 self._broken = f"{what} lost completions"
-                raise WaitTimeout(f"waited {self.timeout_s:g} s for the completions of {what} ({self.name} "
-                                  f"strategy): {len(completions)} of {expected} notify WQEs completed")
+                raise WaitTimeout(
+                    f"waited {self.timeout_s:g} s for the completions of {what} ({self.name} "
+                    f"strategy): {len(completions)} of {expected} notify WQEs completed"
+                )
             completions += got
         errors = [c for c in completions if c.status != 0]
         if errors:

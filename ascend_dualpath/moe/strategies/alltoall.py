@@ -44,8 +44,9 @@ class AllToAllStrategy(Strategy):
         try:
             while not work.is_completed():
                 if time.monotonic() > deadline:
-                    raise WaitTimeout(f"waited {self.timeout_s:g} s for {what} ({self.name} strategy); it did not "
-                                      f"finish")
+                    raise WaitTimeout(
+                        f"waited {self.timeout_s:g} s for {what} ({self.name} strategy); it did not finish"
+                    )
                 time.sleep(POLL_S)
             work.wait()
         except WaitTimeout:
@@ -72,14 +73,20 @@ class AllToAllStrategy(Strategy):
         widths = [p.shape[1] for p in byte_parts]
         send = torch.cat(byte_parts, dim=1) if len(byte_parts) > 1 else byte_parts[0]
         recv = torch.empty(sum(recv_counts), sum(widths), dtype=torch.uint8, device=device)
-        work = dist.all_to_all_single(recv, send, output_split_sizes=list(recv_counts),
-                                      input_split_sizes=list(send_counts), group=self.group, async_op=True)
+        work = dist.all_to_all_single(
+            recv,
+            send,
+            output_split_sizes=list(recv_counts),
+            input_split_sizes=list(send_counts),
+            group=self.group,
+            async_op=True,
+        )
 
         def finish() -> list[torch.Tensor]:
             self._wait(work, what)
             out, start = [], 0
             for like, width in zip(parts, widths, strict=True):
-                out.append(_from_byte_rows(recv[:, start:start + width], like))
+                out.append(_from_byte_rows(recv[:, start : start + width], like))
                 start += width
             return out
 

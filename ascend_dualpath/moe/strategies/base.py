@@ -126,13 +126,15 @@ class Strategy(ABC):
         """All-gather one int64 ``[W]`` vector per rank into a CPU int64 ``[R, W]`` matrix (row = sender)."""
 
     @abstractmethod
-    def exchange_rows(self, parts: list[torch.Tensor], send_counts: list[int], recv_counts: list[int],
-                      what: str) -> PendingRows:
+    def exchange_rows(
+        self, parts: list[torch.Tensor], send_counts: list[int], recv_counts: list[int], what: str
+    ) -> PendingRows:
         """Send ``parts`` (each ``[S, ...]``, rows grouped by destination rank) and receive ``[N, ...]`` rows."""
 
     # ------------------------------------------------------------------ layout and counts
-    def dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, num_ranks: int,
-                        ranks_per_node: int) -> tuple[tuple, tuple[int, int] | None]:
+    def dispatch_layout(
+        self, topk_idx: torch.Tensor, num_experts: int, num_ranks: int, ranks_per_node: int
+    ) -> tuple[tuple, tuple[int, int] | None]:
         """``(layout, id_range)``: the layout 4-tuple of :meth:`Buffer.get_dispatch_layout` and a host-side
         ``(min id, max id)`` for the caller to check, or None when there is none to check now (the default
         checks the ids itself, before the layout indexes with them; the cuda strategy defers the check to the
@@ -141,9 +143,14 @@ class Strategy(ABC):
             check_id_range(*torch.aminmax(topk_idx), num_experts)
         return compute_dispatch_layout(topk_idx, num_experts, num_ranks, ranks_per_node), None
 
-    def exchange_dispatch_counts(self, num_tokens_per_rank: torch.Tensor, num_tokens_per_expert: torch.Tensor,
-                                 topk_idx: torch.Tensor | None, is_token_in_rank: torch.Tensor,
-                                 what: str) -> torch.Tensor:
+    def exchange_dispatch_counts(
+        self,
+        num_tokens_per_rank: torch.Tensor,
+        num_tokens_per_expert: torch.Tensor,
+        topk_idx: torch.Tensor | None,
+        is_token_in_rank: torch.Tensor,
+        what: str,
+    ) -> torch.Tensor:
         """A fresh dispatch's count exchange: every rank's row of per-rank counts [R], per-expert counts [E] and
         the statistics its inputs are checked with (min id, max id of ``topk_idx`` ((-1, -1) when absent or
         empty), the sum of ``num_tokens_per_rank``, the set entries of ``is_token_in_rank``), as a CPU int64
@@ -155,8 +162,9 @@ class Strategy(ABC):
             low_high = torch.full((2,), -1, dtype=torch.int64, device=device)
         sums = torch.stack([num_tokens_per_rank.sum(dtype=torch.int64), is_token_in_rank.sum(dtype=torch.int64)])
         stats = torch.cat([low_high.to(device), sums])
-        return self.exchange_counts(torch.cat([num_tokens_per_rank.to(torch.int64),
-                                               num_tokens_per_expert.to(torch.int64), stats]), what)
+        return self.exchange_counts(
+            torch.cat([num_tokens_per_rank.to(torch.int64), num_tokens_per_expert.to(torch.int64), stats]), what
+        )
 
     # ------------------------------------------------------------------ normal dispatch and combine
     def prepare_plan(self, plan: NormalPlan) -> None:
@@ -172,18 +180,21 @@ class Strategy(ABC):
         send = [part.index_select(0, plan.send_order) for part in parts]
         return self.exchange_rows(send, plan.send_counts, plan.recv_counts, what).wait()
 
-    def localize_topk(self, topk_idx: torch.Tensor, topk_weights: torch.Tensor, rank: int,
-                      local_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def localize_topk(
+        self, topk_idx: torch.Tensor, topk_weights: torch.Tensor, rank: int, local_experts: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Received global top-k (int64 [N, K], float32 [N, K]) as local expert ids of ``rank`` (-1 for other
         ranks' experts and unused slots) and weights zeroed where the id is -1. The default returns new
         tensors; an override may work in place on these (fresh) received tensors and return them."""
         local = topk_idx - rank * local_experts
         here = (topk_idx >= 0) & (local >= 0) & (local < local_experts)
-        return torch.where(here, local, torch.full_like(local, -1)), torch.where(here, topk_weights,
-                                                                                 torch.zeros_like(topk_weights))
+        return torch.where(here, local, torch.full_like(local, -1)), torch.where(
+            here, topk_weights, torch.zeros_like(topk_weights)
+        )
 
-    def combine_rows(self, plan: NormalPlan, x: torch.Tensor, weights: torch.Tensor | None,
-                     biases: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def combine_rows(
+        self, plan: NormalPlan, x: torch.Tensor, weights: torch.Tensor | None, biases: tuple
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Unweighted combine: send rows back, then sum per token in float32 over destination ranks in order.
 
         Returns ``(combined [T, H] in x.dtype, combined_weights float32 [T, K] or None)``.
@@ -195,24 +206,32 @@ class Strategy(ABC):
         for count in plan.send_counts:
             offsets.append(offsets[-1] + count)
         acc = torch.zeros(tokens, x.shape[1], dtype=torch.float32, device=x.device)
-        acc_w = None if weights is None else torch.zeros(tokens, weights.shape[1], dtype=torch.float32,
-                                                          device=x.device)
+        acc_w = None if weights is None else torch.zeros(tokens, weights.shape[1], dtype=torch.float32, device=x.device)
         for dst in range(len(offsets) - 1):
             # Each token appears at most once per destination, so this indexed add has no collisions and the
             # per-token order of additions is exactly destination rank 0, 1, ...
-            rows = plan.send_order[offsets[dst]:offsets[dst + 1]]
-            acc[rows] += back[0][offsets[dst]:offsets[dst + 1]].float()
+            rows = plan.send_order[offsets[dst] : offsets[dst + 1]]
+            acc[rows] += back[0][offsets[dst] : offsets[dst + 1]].float()
             if acc_w is not None:
-                acc_w[rows] += back[1][offsets[dst]:offsets[dst + 1]].float()
+                acc_w[rows] += back[1][offsets[dst] : offsets[dst + 1]].float()
         for bias in biases:
             if bias is not None:
                 acc += bias.float()
         return acc.to(x.dtype), acc_w
 
     # ------------------------------------------------------------------ low latency
-    def ll_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, max_tokens: int, num_experts: int, use_fp8: bool,
-                    round_scale: bool, use_ue8m0: bool, stats: torch.Tensor | None,
-                    deferred: bool) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, Callable[[], None] | None]:
+    def ll_dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        max_tokens: int,
+        num_experts: int,
+        use_fp8: bool,
+        round_scale: bool,
+        use_ue8m0: bool,
+        stats: torch.Tensor | None,
+        deferred: bool,
+    ) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, Callable[[], None] | None]:
         """Low-latency dispatch: ``(recv_x, recv_count, src_info, layout_range, receive)`` as
         :meth:`Buffer.low_latency_dispatch` documents; ``receive`` (or None) completes the op and is called by
         the buffer at once unless ``deferred`` (``return_recv_hook``).
@@ -221,12 +240,19 @@ class Strategy(ABC):
         shapes and options must match), one :meth:`exchange_rows` of the (token, expert) messages, and a receive
         that places the rows in (expert, source rank, token) order.
         """
-        return _host_ll.dispatch(self, x, topk_idx, max_tokens, num_experts, use_fp8, round_scale, use_ue8m0,
-                                 stats)
+        return _host_ll.dispatch(self, x, topk_idx, max_tokens, num_experts, use_fp8, round_scale, use_ue8m0, stats)
 
-    def ll_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                   layout_range: torch.Tensor, max_tokens: int, num_experts: int, out: torch.Tensor,
-                   deferred: bool) -> Callable[[], None] | None:
+    def ll_combine(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        layout_range: torch.Tensor,
+        max_tokens: int,
+        num_experts: int,
+        out: torch.Tensor,
+        deferred: bool,
+    ) -> Callable[[], None] | None:
         """Weighted low-latency combine into ``out`` (bf16 [T, H], contiguous); returns the function that
         completes it (or None when done), called by the buffer at once unless ``deferred``.
 

@@ -86,8 +86,15 @@ def expected_ranks_per_token(num_experts: int, num_topk: int, num_ranks: int) ->
     return num_ranks * (1 - miss)
 
 
-def choose_num_sms(num_experts: int, num_topk: int, num_ranks: int, device_sms: int, nvlink_gbs: float = NVLINK_GBS,
-                   sm_read_gbs: float = SM_READ_GBS, sm_write_gbs: float = SM_WRITE_GBS) -> int:
+def choose_num_sms(
+    num_experts: int,
+    num_topk: int,
+    num_ranks: int,
+    device_sms: int,
+    nvlink_gbs: float = NVLINK_GBS,
+    sm_read_gbs: float = SM_READ_GBS,
+    sm_write_gbs: float = SM_WRITE_GBS,
+) -> int:
     """SMs for the copy kernels so that SM throughput is not what bounds the NVLink transfer.
 
     Per token the kernel reads one row and writes ``g`` rows (``g`` = expected destination ranks), of which
@@ -232,8 +239,10 @@ class CudaStrategy(AllToAllStrategy):
                     warnings.simplefilter("ignore", FutureWarning)
                     symm_mem.enable_symm_mem_for_group(self.group.group_name)
             handle = symm_mem.rendezvous(local, self.group.group_name)
-            bases = [local.data_ptr() if r == self.rank
-                     else handle.get_buffer(r, (capacity,), torch.uint8, 0).data_ptr() for r in range(self.world)]
+            bases = [
+                local.data_ptr() if r == self.rank else handle.get_buffer(r, (capacity,), torch.uint8, 0).data_ptr()
+                for r in range(self.world)
+            ]
             peers = torch.tensor(bases, dtype=torch.int64, device=self.device)
             self._symm = (local, handle, peers, local[:HEADER_BYTES].view(torch.int32))
             self._generation += 1
@@ -244,8 +253,9 @@ class CudaStrategy(AllToAllStrategy):
     def _half(self, epoch: int) -> int:
         """Byte offset of the data half used by the op of this epoch."""
         local = self._symm[0]
-        return DATA_OFFSET + (epoch % 2) * ((local.numel() - DATA_OFFSET) // 2 // REGION_ALIGN_BYTES
-                                            * REGION_ALIGN_BYTES)
+        return DATA_OFFSET + (epoch % 2) * (
+            (local.numel() - DATA_OFFSET) // 2 // REGION_ALIGN_BYTES * REGION_ALIGN_BYTES
+        )
 
     @staticmethod
     def _regions(widths_bytes: list[int], rows: int) -> tuple[list[int], int]:
@@ -257,12 +267,14 @@ class CudaStrategy(AllToAllStrategy):
 
     def _local_view(self, byte_offset: int, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
         size = rows * cols * torch.empty((), dtype=dtype).element_size()
-        return self._symm[0][byte_offset:byte_offset + size].view(dtype).view(rows, cols)
+        return self._symm[0][byte_offset : byte_offset + size].view(dtype).view(rows, cols)
 
     def _check_device_error(self, error_word: int) -> None:
         if error_word:
-            raise WaitTimeout(f"a device-side wait of the cuda MoE strategy exceeded {self.timeout_s:g} s (a peer "
-                              f"did not signal its rows); this buffer cannot be used further")
+            raise WaitTimeout(
+                f"a device-side wait of the cuda MoE strategy exceeded {self.timeout_s:g} s (a peer "
+                f"did not signal its rows); this buffer cannot be used further"
+            )
 
     @staticmethod
     def config_of(plan: NormalPlan) -> Config:
@@ -293,21 +305,36 @@ class CudaStrategy(AllToAllStrategy):
             key = (tokens, topk, num_experts, num_ranks, ranks_per_node)
             launch = self._layout_sites.get(key)
             if launch is None:
-                launch = self._layout_sites[key] = _site(self.kernels.dispatch_layout,
-                                                           _cdiv(tokens, LAYOUT_BLOCK_TOKENS), dict(
-                    NUM_RANKS=num_ranks, RANKS_PAD=_next_power_of_2(num_ranks), RANKS_PER_NODE=ranks_per_node,
-                    NUM_NODES=num_nodes, NODES_PAD=_next_power_of_2(num_nodes), TOPK_PAD=_next_power_of_2(topk),
-                    BLOCK_T=LAYOUT_BLOCK_TOKENS))
+                launch = self._layout_sites[key] = _site(
+                    self.kernels.dispatch_layout,
+                    _cdiv(tokens, LAYOUT_BLOCK_TOKENS),
+                    dict(
+                        NUM_RANKS=num_ranks,
+                        RANKS_PAD=_next_power_of_2(num_ranks),
+                        RANKS_PER_NODE=ranks_per_node,
+                        NUM_NODES=num_nodes,
+                        NODES_PAD=_next_power_of_2(num_nodes),
+                        TOPK_PAD=_next_power_of_2(topk),
+                        BLOCK_T=LAYOUT_BLOCK_TOKENS,
+                    ),
+                )
             topk_idx = topk_idx.contiguous()
-            launch(topk_idx, counts, in_rank.view(torch.uint8), tokens, topk,
-                   num_experts // num_ranks, num_experts, key=_aligned(topk_idx))
+            launch(
+                topk_idx,
+                counts,
+                in_rank.view(torch.uint8),
+                tokens,
+                topk,
+                num_experts // num_ranks,
+                num_experts,
+                key=_aligned(topk_idx),
+            )
         key = id(in_rank)
         # Dropped with the tensor (ids are reused only after the object is gone).
-        self._layout_ranges[key] = (weakref.ref(in_rank, lambda _: self._layout_ranges.pop(key, None)),
-                                    counts[-2:])
+        self._layout_ranges[key] = (weakref.ref(in_rank, lambda _: self._layout_ranges.pop(key, None)), counts[-2:])
         per_rank = counts[:num_ranks]
-        per_node = counts[num_ranks:num_ranks + extra] if num_nodes > 1 else None
-        per_expert = counts[num_ranks + extra:num_ranks + extra + num_experts]
+        per_node = counts[num_ranks : num_ranks + extra] if num_nodes > 1 else None
+        per_expert = counts[num_ranks + extra : num_ranks + extra + num_experts]
         return (per_rank, per_node, per_expert, in_rank), None
 
     def layout_range(self, is_token_in_rank: torch.Tensor) -> torch.Tensor | None:
@@ -326,18 +353,33 @@ class CudaStrategy(AllToAllStrategy):
         _, _, peers, signals = self._buffer(0)
         self._count_epoch += 1
         area = HEADER_BYTES + (self._count_epoch % 2) * COUNT_SLOT_BYTES
-        row = counts.to(torch.int64).clamp(-(2 ** 31), 2 ** 31 - 1).to(torch.int32).contiguous()
-        self.kernels.exchange_counts[(1,)](peers, signals, row, self.rank, self._count_epoch, width, area // 4,
-                                           self.timeout_ns, NUM_RANKS=self.world,
-                                           BLOCK=_pow2_block(width, 1024), TIMED=_timed())
+        row = counts.to(torch.int64).clamp(-(2**31), 2**31 - 1).to(torch.int32).contiguous()
+        self.kernels.exchange_counts[(1,)](
+            peers,
+            signals,
+            row,
+            self.rank,
+            self._count_epoch,
+            width,
+            area // 4,
+            self.timeout_ns,
+            NUM_RANKS=self.world,
+            BLOCK=_pow2_block(width, 1024),
+            TIMED=_timed(),
+        )
         matrix = self._local_view(area, self.world, width, torch.int32)
-        host = torch.cat([signals[self.kernels.ERROR_WORD:self.kernels.ERROR_WORD + 1], matrix.reshape(-1)]).cpu()
+        host = torch.cat([signals[self.kernels.ERROR_WORD : self.kernels.ERROR_WORD + 1], matrix.reshape(-1)]).cpu()
         self._check_device_error(int(host[0]))
         return host[1:].view(self.world, width).to(torch.int64)
 
-    def exchange_dispatch_counts(self, num_tokens_per_rank: torch.Tensor, num_tokens_per_expert: torch.Tensor,
-                                 topk_idx: torch.Tensor | None, is_token_in_rank: torch.Tensor,
-                                 what: str) -> torch.Tensor:
+    def exchange_dispatch_counts(
+        self,
+        num_tokens_per_rank: torch.Tensor,
+        num_tokens_per_expert: torch.Tensor,
+        topk_idx: torch.Tensor | None,
+        is_token_in_rank: torch.Tensor,
+        what: str,
+    ) -> torch.Tensor:
         """A fresh dispatch's count exchange, its statistics computed in the exchange kernel (one launch, one
         host copy): returns the CPU int64 ``[R, R + E + 4]`` table of ``Buffer.dispatch`` (per-rank counts,
         per-expert counts, min id, max id, sum of the per-rank counts, set entries of ``is_token_in_rank``).
@@ -346,8 +388,9 @@ class CudaStrategy(AllToAllStrategy):
         num_experts = num_tokens_per_expert.numel()
         width = self.world + num_experts + 4
         if self.world * width * 4 > COUNT_SLOT_BYTES:
-            return super().exchange_dispatch_counts(num_tokens_per_rank, num_tokens_per_expert, topk_idx,
-                                                    is_token_in_rank, what)
+            return super().exchange_dispatch_counts(
+                num_tokens_per_rank, num_tokens_per_expert, topk_idx, is_token_in_rank, what
+            )
         _, _, peers, signals = self._buffer(0)
         self._count_epoch += 1
         area = HEADER_BYTES + (self._count_epoch % 2) * COUNT_SLOT_BYTES
@@ -355,18 +398,39 @@ class CudaStrategy(AllToAllStrategy):
         key = (num_experts, topk_idx is not None, layout_range is not None, self._generation)
         launch = self._count_sites.get(key)
         if launch is None:
-            launch = self._count_sites[key] = _site(self.kernels.exchange_dispatch_counts, 1, dict(
-                NUM_RANKS=self.world, RANKS_PAD=_next_power_of_2(self.world), BLOCK=1024,
-                HAS_TOPK=topk_idx is not None, HAS_LAYOUT_RANGE=layout_range is not None, TIMED=_timed()))
+            launch = self._count_sites[key] = _site(
+                self.kernels.exchange_dispatch_counts,
+                1,
+                dict(
+                    NUM_RANKS=self.world,
+                    RANKS_PAD=_next_power_of_2(self.world),
+                    BLOCK=1024,
+                    HAS_TOPK=topk_idx is not None,
+                    HAS_LAYOUT_RANGE=layout_range is not None,
+                    TIMED=_timed(),
+                ),
+            )
         in_rank = is_token_in_rank.view(torch.uint8)
         topk = topk_idx if topk_idx is not None else in_rank
-        launch(peers, signals, num_tokens_per_rank, num_tokens_per_expert, topk,
-               0 if topk_idx is None else topk_idx.numel(), in_rank, in_rank.numel(),
-               layout_range if layout_range is not None else num_tokens_per_rank, self.rank, self._count_epoch,
-               num_experts, area // 4, self.timeout_ns,
-               key=_aligned(num_tokens_per_rank, num_tokens_per_expert, topk, in_rank, layout_range))
+        launch(
+            peers,
+            signals,
+            num_tokens_per_rank,
+            num_tokens_per_expert,
+            topk,
+            0 if topk_idx is None else topk_idx.numel(),
+            in_rank,
+            in_rank.numel(),
+            layout_range if layout_range is not None else num_tokens_per_rank,
+            self.rank,
+            self._count_epoch,
+            num_experts,
+            area // 4,
+            self.timeout_ns,
+            key=_aligned(num_tokens_per_rank, num_tokens_per_expert, topk, in_rank, layout_range),
+        )
         matrix = self._local_view(area, self.world, width, torch.int32)
-        host = torch.cat([signals[self.kernels.ERROR_WORD:self.kernels.ERROR_WORD + 1], matrix.reshape(-1)]).cpu()
+        host = torch.cat([signals[self.kernels.ERROR_WORD : self.kernels.ERROR_WORD + 1], matrix.reshape(-1)]).cpu()
         self._check_device_error(int(host[0]))
         self._fresh_matrix = (self._count_epoch, matrix, width)
         return host[1:].view(self.world, width).to(torch.int64)
@@ -391,20 +455,40 @@ class CudaStrategy(AllToAllStrategy):
         tables = torch.empty(2 * world + 1 + world * world, dtype=torch.int32, device=device)
         launch = self._plan_sites.get(self._generation)
         if launch is None:
-            launch = self._plan_sites[self._generation] = _site(self.kernels.plan_tables, 1, dict(
-                NUM_RANKS=world, RANKS_PAD=_next_power_of_2(world), BLOCK=PLAN_BLOCK_TOKENS))
-        launch(in_rank.view(torch.uint8), matrix, width, self.rank, tokens, slots, gather,
-               tables, tables[world + 1:], tables[2 * world + 1:], key=_aligned(in_rank, matrix))
+            launch = self._plan_sites[self._generation] = _site(
+                self.kernels.plan_tables,
+                1,
+                dict(NUM_RANKS=world, RANKS_PAD=_next_power_of_2(world), BLOCK=PLAN_BLOCK_TOKENS),
+            )
+        launch(
+            in_rank.view(torch.uint8),
+            matrix,
+            width,
+            self.rank,
+            tokens,
+            slots,
+            gather,
+            tables,
+            tables[world + 1 :],
+            tables[2 * world + 1 :],
+            key=_aligned(in_rank, matrix),
+        )
         private = dict(plan.private or {})
-        private.update(dispatch_slots=slots, gather_rows=gather, recv_prefix_dev=tables[:world + 1],
-                       slot_base_dev=tables[world + 1:2 * world + 1], rank_prefix_matrix=tables[2 * world + 1:]
-                       .view(world, world), max_recv=int(counts.sum(dim=0).max()),
-                       max_send=int(counts.sum(dim=1).max()))
+        private.update(
+            dispatch_slots=slots,
+            gather_rows=gather,
+            recv_prefix_dev=tables[: world + 1],
+            slot_base_dev=tables[world + 1 : 2 * world + 1],
+            rank_prefix_matrix=tables[2 * world + 1 :].view(world, world),
+            max_recv=int(counts.sum(dim=0).max()),
+            max_send=int(counts.sum(dim=1).max()),
+        )
         private["model_sms"] = choose_num_sms(private["num_experts"], private["num_topk"], world, self.device_sms)
         plan.private = private
 
-    def localize_topk(self, topk_idx: torch.Tensor, topk_weights: torch.Tensor, rank: int,
-                      local_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def localize_topk(
+        self, topk_idx: torch.Tensor, topk_weights: torch.Tensor, rank: int, local_experts: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """In place on a fresh dispatch's received top-k: local expert ids of ``rank`` (-1 for other ranks'
         experts), weights of -1 slots zeroed (one kernel instead of a chain of torch ops); returns the two."""
         if not topk_idx.numel():
@@ -412,8 +496,9 @@ class CudaStrategy(AllToAllStrategy):
         key = ("localize", local_experts, self._generation)
         launch = self._plan_sites.get(key)
         if launch is None:
-            launch = self._plan_sites[key] = _site(self.kernels.localize_topk, LOCALIZE_GRID, dict(
-                LOCAL_EXPERTS=local_experts, BLOCK=1024))
+            launch = self._plan_sites[key] = _site(
+                self.kernels.localize_topk, LOCALIZE_GRID, dict(LOCAL_EXPERTS=local_experts, BLOCK=1024)
+            )
         launch(topk_idx, topk_weights, topk_idx.numel(), rank * local_experts, key=_aligned(topk_idx, topk_weights))
         return topk_idx, topk_weights
 
@@ -446,16 +531,30 @@ class CudaStrategy(AllToAllStrategy):
             return site
         half = self._half(parity)
         blocks = [_pow2_block(w, config.copy_block_words) for w in widths] + [1] * (MAX_PARTS - len(wire))
-        constants = dict(NUM_RANKS=self.world, NUM_PARTS=len(wire), B0=blocks[0], B1=blocks[1], B2=blocks[2],
-                         B3=blocks[3], B4=blocks[4], TILE=config.copy_tile, TIMED=_timed(),
-                         num_warps=config.copy_warps)
+        constants = dict(
+            NUM_RANKS=self.world,
+            NUM_PARTS=len(wire),
+            B0=blocks[0],
+            B1=blocks[1],
+            B2=blocks[2],
+            B3=blocks[3],
+            B4=blocks[4],
+            TILE=config.copy_tile,
+            TIMED=_timed(),
+            num_warps=config.copy_warps,
+        )
         site = self._sites[key] = dict(
-            widths=widths, regions=[(half + offset) // 4 for offset in offsets],
-            mines=[self._local_view(half + offset, rows, width, torch.int32)
-                   for width, offset in zip(widths, offsets, strict=True)],
+            widths=widths,
+            regions=[(half + offset) // 4 for offset in offsets],
+            mines=[
+                self._local_view(half + offset, rows, width, torch.int32)
+                for width, offset in zip(widths, offsets, strict=True)
+            ],
             push=_site(self.kernels.push_rows, sms, dict(constants, FUSED=self.fused)),
             receive=None if self.fused else _site(self.kernels.receive_rows, sms, constants),
-            peers=peers, signals=signals)
+            peers=peers,
+            signals=signals,
+        )
         return site
 
     def dispatch_rows(self, plan: NormalPlan, parts: list[torch.Tensor], what: str) -> list[torch.Tensor]:
@@ -483,8 +582,14 @@ class CudaStrategy(AllToAllStrategy):
         return [_typed(out, part) for out, part in zip(outs, parts, strict=True)]
 
     # ------------------------------------------------------------------ normal combine
-    def _combine_site(self, plan: NormalPlan, parts: list[torch.Tensor], wire: list[torch.Tensor],
-                      has_bias: tuple[bool, bool], parity: int) -> dict:
+    def _combine_site(
+        self,
+        plan: NormalPlan,
+        parts: list[torch.Tensor],
+        wire: list[torch.Tensor],
+        has_bias: tuple[bool, bool],
+        parity: int,
+    ) -> dict:
         """Everything of a combine launch that is fixed for a part layout, biases, region size, grid and data
         half (the plan's tables are per-call arguments)."""
         private = plan.private
@@ -503,26 +608,58 @@ class CudaStrategy(AllToAllStrategy):
         x_block = _pow2_block(parts[0].shape[1], config.reduce_block)
         reduce = reduce_weights = None
         if not self.fused:
-            reduce = _site(self.kernels.reduce_rows, sms, dict(
-                reduce_x, NUM_RANKS=self.world, WAIT=True, BLOCK=x_block, TILE=config.reduce_tile))
+            reduce = _site(
+                self.kernels.reduce_rows,
+                sms,
+                dict(reduce_x, NUM_RANKS=self.world, WAIT=True, BLOCK=x_block, TILE=config.reduce_tile),
+            )
         if len(parts) > 1:
-            reduce_weights = _site(self.kernels.reduce_rows, sms, dict(
-                NUM_RANKS=self.world, HAS_BIAS0=False, HAS_BIAS1=False, WAIT=False,
-                BLOCK=_pow2_block(parts[1].shape[1], config.reduce_block), TILE=config.reduce_tile, TIMED=_timed(),
-                num_warps=config.reduce_warps))
+            reduce_weights = _site(
+                self.kernels.reduce_rows,
+                sms,
+                dict(
+                    NUM_RANKS=self.world,
+                    HAS_BIAS0=False,
+                    HAS_BIAS1=False,
+                    WAIT=False,
+                    BLOCK=_pow2_block(parts[1].shape[1], config.reduce_block),
+                    TILE=config.reduce_tile,
+                    TIMED=_timed(),
+                    num_warps=config.reduce_warps,
+                ),
+            )
         site = self._sites[key] = dict(
-            widths=widths, regions=[(half + offset) // 4 for offset in offsets],
-            mines=[self._local_view(half + offset, rows, part.shape[1], part.dtype)
-                   for part, offset in zip(parts, offsets, strict=True)],
-            peers=peers, signals=signals,
-            push=_site(self.kernels.push_back, sms, dict(
-                reduce_x, NUM_RANKS=self.world, NUM_PARTS=len(wire), B0=blocks[0], B1=blocks[1],
-                TILE=config.copy_tile, FUSED=self.fused, RBLOCK=x_block, RTILE=config.reduce_tile)),
-            reduce=reduce, reduce_weights=reduce_weights)
+            widths=widths,
+            regions=[(half + offset) // 4 for offset in offsets],
+            mines=[
+                self._local_view(half + offset, rows, part.shape[1], part.dtype)
+                for part, offset in zip(parts, offsets, strict=True)
+            ],
+            peers=peers,
+            signals=signals,
+            push=_site(
+                self.kernels.push_back,
+                sms,
+                dict(
+                    reduce_x,
+                    NUM_RANKS=self.world,
+                    NUM_PARTS=len(wire),
+                    B0=blocks[0],
+                    B1=blocks[1],
+                    TILE=config.copy_tile,
+                    FUSED=self.fused,
+                    RBLOCK=x_block,
+                    RTILE=config.reduce_tile,
+                ),
+            ),
+            reduce=reduce,
+            reduce_weights=reduce_weights,
+        )
         return site
 
-    def combine_rows(self, plan: NormalPlan, x: torch.Tensor, weights: torch.Tensor | None,
-                     biases: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def combine_rows(
+        self, plan: NormalPlan, x: torch.Tensor, weights: torch.Tensor | None, biases: tuple
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         parts = [x.contiguous()] if weights is None else [x.contiguous(), weights.contiguous()]
         wire = [_words(p) for p in parts]
         bias0, bias1 = (tuple(biases) + (None, None))[:2]
@@ -538,25 +675,62 @@ class CudaStrategy(AllToAllStrategy):
         if len(wire) == 1:
             back_args += (wire[0], 0, 0)
         out = outs[0]
-        x_args = (out, gather_rows, parts[0], site["mines"][0], out if bias0 is None else bias0,
-                  out if bias1 is None else bias1, tokens, parts[0].shape[1])
+        x_args = (
+            out,
+            gather_rows,
+            parts[0],
+            site["mines"][0],
+            out if bias0 is None else bias0,
+            out if bias1 is None else bias1,
+            tokens,
+            parts[0].shape[1],
+        )
         alignment = _aligned(*parts, bias0, bias1, gather_rows, prefix, slot_base)
-        site["push"](site["peers"], site["signals"], prefix, slot_base, self.rank, *back_args,
-                     self.timeout_ns, *x_args, key=alignment)
+        site["push"](
+            site["peers"],
+            site["signals"],
+            prefix,
+            slot_base,
+            self.rank,
+            *back_args,
+            self.timeout_ns,
+            *x_args,
+            key=alignment,
+        )
         reduce_head = (site["signals"], self.rank, self.timeout_ns)
         if site["reduce"] is not None:
             site["reduce"](*reduce_head, *x_args, key=alignment)
         if weights is not None:  # after the x reduction on the stream, so the peers' rows are known to be here
-            site["reduce_weights"](*reduce_head, outs[1], gather_rows, parts[1], site["mines"][1], outs[1],
-                                   outs[1], tokens, parts[1].shape[1], key=alignment)
+            site["reduce_weights"](
+                *reduce_head,
+                outs[1],
+                gather_rows,
+                parts[1],
+                site["mines"][1],
+                outs[1],
+                outs[1],
+                tokens,
+                parts[1].shape[1],
+                key=alignment,
+            )
         return out, (outs[1].float() if weights is not None else None)
 
     # ------------------------------------------------------------------ low latency
     def _ll_grid(self) -> int:
         return max(1, min(self.device_sms, LL_MAX_CTAS))
 
-    def ll_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, max_tokens: int, num_experts: int, use_fp8: bool,
-                    round_scale: bool, use_ue8m0: bool, stats: torch.Tensor | None, deferred: bool):
+    def ll_dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        max_tokens: int,
+        num_experts: int,
+        use_fp8: bool,
+        round_scale: bool,
+        use_ue8m0: bool,
+        stats: torch.Tensor | None,
+        deferred: bool,
+    ):
         """Low-latency dispatch in one launch (:func:`_cuda_kernels.ll_dispatch`), or its send half now and the
         receive half when the returned function runs (``deferred``: ``return_recv_hook``).
 
@@ -570,32 +744,60 @@ class CudaStrategy(AllToAllStrategy):
         messages = num_experts * max_tokens
         value_words = hidden // 4 if use_fp8 else hidden // 2
         scale_words = (hidden // 512 if use_ue8m0 else hidden // 128) if use_fp8 else 0
-        offsets, total = self._packed_regions([messages * value_words * 4, messages * scale_words * 4, messages * 4,
-                                               world * local_experts * 4])
+        offsets, total = self._packed_regions(
+            [messages * value_words * 4, messages * scale_words * 4, messages * 4, world * local_experts * 4]
+        )
         _, _, peers, signals = self._buffer(total)
         parity = (self._epoch + 1) % 2
         self._epoch += 1
         epoch = self._epoch
         half = self._half(parity)
         fused = self.fused and not deferred
-        key = ("ll_dispatch", hidden, topk, max_tokens, num_experts, use_fp8, round_scale, use_ue8m0,
-               stats is not None, parity, self._generation, fused)
+        key = (
+            "ll_dispatch",
+            hidden,
+            topk,
+            max_tokens,
+            num_experts,
+            use_fp8,
+            round_scale,
+            use_ue8m0,
+            stats is not None,
+            parity,
+            self._generation,
+            fused,
+        )
         sites = self._sites.get(key)
         if sites is None:
             blocks_per_chunk = (hidden // 128) & -(hidden // 128)  # largest power of two dividing H / 128 ...
             blocks_per_chunk = min(blocks_per_chunk, 8)  # ... at most 1024 columns a step
             constants = dict(
-                NUM_RANKS=world, MAX_TOKENS=max_tokens, LOCAL_EXPERTS=local_experts, TOPK=topk,
-                TOPK_PAD=_next_power_of_2(topk), HIDDEN=hidden, VALUE_WORDS=value_words,
-                SCALE_WORDS=max(1, scale_words), SCALE_PAD=_next_power_of_2(max(1, scale_words)),
-                BLOCKS_PER_CHUNK=blocks_per_chunk, USE_FP8=use_fp8, ROUND_SCALE=round_scale, UE8M0=use_ue8m0,
-                EXPERT_BLOCK=LL_EXPERT_BLOCK, CHUNK=LL_TOKEN_CHUNK, TILE=LL_TILE, WORD_BLOCK=LL_WORD_BLOCK,
-                HAS_STATS=stats is not None, TIMED=_timed(), num_warps=LL_WARPS)
+                NUM_RANKS=world,
+                MAX_TOKENS=max_tokens,
+                LOCAL_EXPERTS=local_experts,
+                TOPK=topk,
+                TOPK_PAD=_next_power_of_2(topk),
+                HIDDEN=hidden,
+                VALUE_WORDS=value_words,
+                SCALE_WORDS=max(1, scale_words),
+                SCALE_PAD=_next_power_of_2(max(1, scale_words)),
+                BLOCKS_PER_CHUNK=blocks_per_chunk,
+                USE_FP8=use_fp8,
+                ROUND_SCALE=round_scale,
+                UE8M0=use_ue8m0,
+                EXPERT_BLOCK=LL_EXPERT_BLOCK,
+                CHUNK=LL_TOKEN_CHUNK,
+                TILE=LL_TILE,
+                WORD_BLOCK=LL_WORD_BLOCK,
+                HAS_STATS=stats is not None,
+                TIMED=_timed(),
+                num_warps=LL_WARPS,
+            )
             grid = self._ll_grid()
             sites = self._sites[key] = (
                 _site(self.kernels.ll_dispatch, grid, dict(constants, SEND=True, RECEIVE=fused)),
-                None if fused else _site(self.kernels.ll_dispatch, grid, dict(constants, SEND=False,
-                                                                                   RECEIVE=True)))
+                None if fused else _site(self.kernels.ll_dispatch, grid, dict(constants, SEND=False, RECEIVE=True)),
+            )
         device = x.device
         values_dtype = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
         recv_values = torch.zeros(local_experts, slab, hidden, dtype=values_dtype, device=device)
@@ -605,15 +807,32 @@ class CudaStrategy(AllToAllStrategy):
         layout_range = torch.zeros(local_experts, world, dtype=torch.int64, device=device)
         x_words = x.view(torch.int32)  # hidden is a multiple of 128
         regions = [(half + offset) // 4 for offset in offsets]
-        args = [peers, signals, x_words, x, topk_idx, tokens, self.rank, self.timeout_ns, epoch, *regions,
-                recv_values.view(torch.int32), scales_store, src_info, recv_count, layout_range,
-                stats if stats is not None else recv_count]
+        args = [
+            peers,
+            signals,
+            x_words,
+            x,
+            topk_idx,
+            tokens,
+            self.rank,
+            self.timeout_ns,
+            epoch,
+            *regions,
+            recv_values.view(torch.int32),
+            scales_store,
+            src_info,
+            recv_count,
+            layout_range,
+            stats if stats is not None else recv_count,
+        ]
         alignment = _aligned(x, topk_idx, stats)
         sites[0](*args, key=alignment)
         receive = None
         if sites[1] is not None:
+
             def receive() -> None:
                 sites[1](*args, key=alignment)
+
         recv_x = recv_values
         if use_fp8:
             scales = scales_store.transpose(1, 2)
@@ -629,9 +848,17 @@ class CudaStrategy(AllToAllStrategy):
             total += -(-size // REGION_ALIGN_BYTES) * REGION_ALIGN_BYTES
         return offsets, total
 
-    def ll_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                   layout_range: torch.Tensor, max_tokens: int, num_experts: int, out: torch.Tensor,
-                   deferred: bool):
+    def ll_combine(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        layout_range: torch.Tensor,
+        max_tokens: int,
+        num_experts: int,
+        out: torch.Tensor,
+        deferred: bool,
+    ):
         """Weighted low-latency combine in one launch (:func:`_cuda_kernels.ll_combine`) into ``out``, or its
         send half now and the reduction when the returned function runs (``deferred``). Returns that function
         or None."""
@@ -648,19 +875,41 @@ class CudaStrategy(AllToAllStrategy):
         key = ("ll_combine", hidden, topk, max_tokens, num_experts, parity, self._generation, fused)
         sites = self._sites.get(key)
         if sites is None:
-            constants = dict(NUM_RANKS=world, MAX_TOKENS=max_tokens, LOCAL_EXPERTS=local_experts, TOPK=topk,
-                             TOPK_PAD=_next_power_of_2(topk), HIDDEN=hidden,
-                             BLOCK=_pow2_block(hidden, LL_COMBINE_BLOCK), CHUNK=LL_TOKEN_CHUNK, TILE=LL_TILE,
-                             TIMED=_timed(), num_warps=LL_WARPS)
+            constants = dict(
+                NUM_RANKS=world,
+                MAX_TOKENS=max_tokens,
+                LOCAL_EXPERTS=local_experts,
+                TOPK=topk,
+                TOPK_PAD=_next_power_of_2(topk),
+                HIDDEN=hidden,
+                BLOCK=_pow2_block(hidden, LL_COMBINE_BLOCK),
+                CHUNK=LL_TOKEN_CHUNK,
+                TILE=LL_TILE,
+                TIMED=_timed(),
+                num_warps=LL_WARPS,
+            )
             grid = self._ll_grid()
             sites = self._sites[key] = (
                 _site(self.kernels.ll_combine, grid, dict(constants, SEND=True, RECEIVE=fused)),
-                None if fused else _site(self.kernels.ll_combine, grid, dict(constants, SEND=False,
-                                                                                  RECEIVE=True)),
-                self._local_view(half, rows, hidden, torch.bfloat16))
+                None if fused else _site(self.kernels.ll_combine, grid, dict(constants, SEND=False, RECEIVE=True)),
+                self._local_view(half, rows, hidden, torch.bfloat16),
+            )
         x = x.contiguous()
-        args = [peers, signals, x.view(torch.int32), layout_range, topk_idx, topk_weights, out, sites[2],
-                topk_idx.shape[0], self.rank, self.timeout_ns, epoch, half // 4]
+        args = [
+            peers,
+            signals,
+            x.view(torch.int32),
+            layout_range,
+            topk_idx,
+            topk_weights,
+            out,
+            sites[2],
+            topk_idx.shape[0],
+            self.rank,
+            self.timeout_ns,
+            epoch,
+            half // 4,
+        ]
         alignment = _aligned(x, layout_range, topk_idx, topk_weights, out)
         sites[0](*args, key=alignment)
         if sites[1] is None:
@@ -668,6 +917,7 @@ class CudaStrategy(AllToAllStrategy):
 
         def receive() -> None:
             sites[1](*args, key=alignment)
+
         return receive
 
     # ------------------------------------------------------------------ CUDA graphs

@@ -92,8 +92,9 @@ LIMITS: dict[tuple[str, str, str], Limits] = {
 }
 
 
-def resolve_comm_alg(version: str, product: str, comm_alg: str = "", env: Mapping[str, str] | None = None,
-                     op: str = "dispatch") -> str:
+def resolve_comm_alg(
+    version: str, product: str, comm_alg: str = "", env: Mapping[str, str] | None = None, op: str = "dispatch"
+) -> str:
     """The algorithm a call runs, as a key of :data:`LIMITS`.
 
     ``""`` means "fullmesh_v1" on A3; on A2 it means "hierarchy" where ``HCCL_INTRA_PCIE_ENABLE=1`` and
@@ -131,8 +132,15 @@ def _check_shape(lim: Limits, key: tuple[str, str, str], tokens: int, hidden: in
         raise ConfigError(f"{where} needs hidden {rule}{multiple}, got {hidden}")
 
 
-def _check_experts(lim: Limits, key: tuple[str, str, str], topk: int, num_experts: int, ep_world_size: int,
-                   ep_rank_id: int, shared_expert_rank_num: int) -> None:
+def _check_experts(
+    lim: Limits,
+    key: tuple[str, str, str],
+    topk: int,
+    num_experts: int,
+    ep_world_size: int,
+    ep_rank_id: int,
+    shared_expert_rank_num: int,
+) -> None:
     where = "MC2 {} on {} with comm_alg {!r}".format(*key)
     if ep_world_size not in lim.ep_world_sizes:
         allowed = sorted(lim.ep_world_sizes)
@@ -144,21 +152,28 @@ def _check_experts(lim: Limits, key: tuple[str, str, str], topk: int, num_expert
         raise ConfigError(f"shared_expert_rank_num={shared_expert_rank_num} must be in [0, {ep_world_size})")
     expert_ranks = ep_world_size - shared_expert_rank_num
     if not 1 <= num_experts <= lim.max_experts or num_experts % expert_ranks:
-        raise ConfigError(f"{where} takes moe_expert_num in [1, {lim.max_experts}], a multiple of ep_world_size - "
-                          f"shared_expert_rank_num = {expert_ranks}; got {num_experts}")
+        raise ConfigError(
+            f"{where} takes moe_expert_num in [1, {lim.max_experts}], a multiple of ep_world_size - "
+            f"shared_expert_rank_num = {expert_ranks}; got {num_experts}"
+        )
     if topk > num_experts:
         raise ConfigError(f"top-k {topk} exceeds moe_expert_num={num_experts}")
     local = num_experts // expert_ranks
     if lim.max_local_experts is not None and local > lim.max_local_experts:
-        raise ConfigError(f"{where} takes <= {lim.max_local_experts} local experts, got {local} "
-                          f"({num_experts} experts over {expert_ranks} ranks)")
+        raise ConfigError(
+            f"{where} takes <= {lim.max_local_experts} local experts, got {local} "
+            f"({num_experts} experts over {expert_ranks} ranks)"
+        )
     if lim.max_local_times_world is not None and local * ep_world_size > lim.max_local_times_world:
-        raise ConfigError(f"{where} needs local experts x ep_world_size <= {lim.max_local_times_world}, got "
-                          f"{local} x {ep_world_size} = {local * ep_world_size}")
+        raise ConfigError(
+            f"{where} needs local experts x ep_world_size <= {lim.max_local_times_world}, got "
+            f"{local} x {ep_world_size} = {local * ep_world_size}"
+        )
 
 
-def limits_for(version: str, product: str, comm_alg: str = "", env: Mapping[str, str] | None = None,
-               op: str = "dispatch") -> tuple[tuple[str, str, str], Limits]:
+def limits_for(
+    version: str, product: str, comm_alg: str = "", env: Mapping[str, str] | None = None, op: str = "dispatch"
+) -> tuple[tuple[str, str, str], Limits]:
     """``((version, product, resolved comm_alg), Limits)`` of a call; ConfigError for a combination not offered."""
     key = (version, product, resolve_comm_alg(version, product, comm_alg, env, op))
     if key not in LIMITS:
@@ -166,8 +181,9 @@ def limits_for(version: str, product: str, comm_alg: str = "", env: Mapping[str,
     return key, LIMITS[key]
 
 
-def _active_slots(expert_ids: torch.Tensor, x_active_mask: torch.Tensor | None, lim: Limits,
-                  key: tuple[str, str, str]) -> torch.Tensor:
+def _active_slots(
+    expert_ids: torch.Tensor, x_active_mask: torch.Tensor | None, lim: Limits, key: tuple[str, str, str]
+) -> torch.Tensor:
     """bool ``[BS, K]``: the slots that take part (all of them without a mask)."""
     if x_active_mask is None:
         return torch.ones_like(expert_ids, dtype=torch.bool)
@@ -177,8 +193,10 @@ def _active_slots(expert_ids: torch.Tensor, x_active_mask: torch.Tensor | None, 
     shapes = {1: (expert_ids.shape[0],), 2: tuple(expert_ids.shape)}
     accepted = [list(shapes[d]) for d in lim.mask_dims]
     if x_active_mask.dtype != torch.bool or tuple(x_active_mask.shape) not in [tuple(a) for a in accepted]:
-        raise ConfigError(f"{where} takes x_active_mask as bool of shape {' or '.join(map(str, accepted))}, got "
-                          f"{x_active_mask.dtype} {list(x_active_mask.shape)}")
+        raise ConfigError(
+            f"{where} takes x_active_mask as bool of shape {' or '.join(map(str, accepted))}, got "
+            f"{x_active_mask.dtype} {list(x_active_mask.shape)}"
+        )
     if x_active_mask.dim() == 2:
         return x_active_mask
     if bool((x_active_mask[1:] & ~x_active_mask[:-1]).any()):
@@ -191,19 +209,33 @@ def _check_ids(expert_ids: torch.Tensor, active: torch.Tensor, moe_expert_num: i
     bad = active & ((ids < 0) | (ids >= moe_expert_num))
     if bool(bad.any()):
         value = int(ids[bad][0])
-        raise BoundsError(f"MC2 expert id {value} is outside [0, moe_expert_num={moe_expert_num}) "
-                          f"(-1 is allowed only in slots masked off by x_active_mask)")
+        raise BoundsError(
+            f"MC2 expert id {value} is outside [0, moe_expert_num={moe_expert_num}) "
+            f"(-1 is allowed only in slots masked off by x_active_mask)"
+        )
     masked = torch.where(active, ids, -1 - torch.arange(ids.shape[1]).expand_as(ids))  # unique fillers
     sorted_ids = masked.sort(dim=1).values
     if bool((sorted_ids[:, 1:] == sorted_ids[:, :-1]).any()):
         raise ConfigError("MC2 expert_ids must not repeat an expert within a token's row")
 
 
-def validate_dispatch(x: torch.Tensor, expert_ids: torch.Tensor, ep_world_size: int, ep_rank_id: int,
-                      moe_expert_num: int, *, product: str = "A3", version: str = "v2", comm_alg: str = "",
-                      quant_mode: int = 0, x_active_mask: torch.Tensor | None = None, global_bs: int = 0,
-                      expert_token_nums_type: int = 1, shared_expert_rank_num: int = 0,
-                      env: Mapping[str, str] | None = None) -> Limits:
+def validate_dispatch(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    ep_world_size: int,
+    ep_rank_id: int,
+    moe_expert_num: int,
+    *,
+    product: str = "A3",
+    version: str = "v2",
+    comm_alg: str = "",
+    quant_mode: int = 0,
+    x_active_mask: torch.Tensor | None = None,
+    global_bs: int = 0,
+    expert_token_nums_type: int = 1,
+    shared_expert_rank_num: int = 0,
+    env: Mapping[str, str] | None = None,
+) -> Limits:
     """Check the documented MC2 dispatch constraints; raise a specific error naming value and limit.
 
     Parameters
@@ -218,8 +250,9 @@ def validate_dispatch(x: torch.Tensor, expert_ids: torch.Tensor, ep_world_size: 
     if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16):
         raise ConfigError(f"MC2 x must be bf16/fp16 [BS, H], got {x.dtype} {list(x.shape)}")
     if expert_ids.dtype != torch.int32 or expert_ids.dim() != 2 or expert_ids.shape[0] != x.shape[0]:
-        raise ConfigError(f"MC2 expert_ids must be int32 [BS={x.shape[0]}, K], got {expert_ids.dtype} "
-                          f"{list(expert_ids.shape)}")
+        raise ConfigError(
+            f"MC2 expert_ids must be int32 [BS={x.shape[0]}, K], got {expert_ids.dtype} {list(expert_ids.shape)}"
+        )
     key, lim = limits_for(version, product, comm_alg, env, "dispatch")
     tokens, hidden = x.shape
     _check_shape(lim, key, tokens, hidden, expert_ids.shape[1])
@@ -234,10 +267,20 @@ def validate_dispatch(x: torch.Tensor, expert_ids: torch.Tensor, ep_world_size: 
     return lim
 
 
-def validate_combine(expand_x: torch.Tensor, expert_ids: torch.Tensor, expert_scales: torch.Tensor,
-                     ep_world_size: int, ep_rank_id: int, moe_expert_num: int, *, product: str = "A3",
-                     version: str = "v2", comm_alg: str = "", shared_expert_rank_num: int = 0,
-                     env: Mapping[str, str] | None = None) -> Limits:
+def validate_combine(
+    expand_x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    expert_scales: torch.Tensor,
+    ep_world_size: int,
+    ep_rank_id: int,
+    moe_expert_num: int,
+    *,
+    product: str = "A3",
+    version: str = "v2",
+    comm_alg: str = "",
+    shared_expert_rank_num: int = 0,
+    env: Mapping[str, str] | None = None,
+) -> Limits:
     """Check the documented MC2 combine constraints (shapes, dtypes, hidden range, scale shape).
 
     Parameters
@@ -251,8 +294,10 @@ def validate_combine(expand_x: torch.Tensor, expert_ids: torch.Tensor, expert_sc
     if expert_ids.dtype != torch.int32 or expert_ids.dim() != 2:
         raise ConfigError(f"MC2 expert_ids must be int32 [BS, K], got {expert_ids.dtype} {list(expert_ids.shape)}")
     if expert_scales.dtype != torch.float32 or tuple(expert_scales.shape) != tuple(expert_ids.shape):
-        raise ConfigError(f"MC2 expert_scales must be float32 {list(expert_ids.shape)}, got {expert_scales.dtype} "
-                          f"{list(expert_scales.shape)}")
+        raise ConfigError(
+            f"MC2 expert_scales must be float32 {list(expert_ids.shape)}, got {expert_scales.dtype} "
+            f"{list(expert_scales.shape)}"
+        )
     key, lim = limits_for(version, product, comm_alg, env, "combine")
     _check_shape(lim, key, expert_ids.shape[0], expand_x.shape[1], expert_ids.shape[1])
     _check_experts(lim, key, expert_ids.shape[1], moe_expert_num, ep_world_size, ep_rank_id, shared_expert_rank_num)
@@ -268,9 +313,20 @@ def _align480_512(x: int) -> int:
     return -(-x // 480) * 512
 
 
-def required_hccl_buffsize_mb(version: str, product: str, comm_alg: str, *, max_tokens: int, hidden: int, topk: int,
-                              moe_expert_num: int, ep_world_size: int, shared_expert_rank_num: int = 0,
-                              shared_expert_num: int = 1, x_itemsize: int = 2) -> int:
+def required_hccl_buffsize_mb(
+    version: str,
+    product: str,
+    comm_alg: str,
+    *,
+    max_tokens: int,
+    hidden: int,
+    topk: int,
+    moe_expert_num: int,
+    ep_world_size: int,
+    shared_expert_rank_num: int = 0,
+    shared_expert_num: int = 1,
+    x_itemsize: int = 2,
+) -> int:
     """The smallest ``HCCL_BUFFSIZE`` (MB) the op docs require on the EP domain, for a resolved ``comm_alg``.
 
     ``max_tokens`` is the largest BS of any rank (``global_bs / ep_world_size``). ``shared_expert_num`` enters the
@@ -292,8 +348,10 @@ def required_hccl_buffsize_mb(version: str, product: str, comm_alg: str, *, max_
         need = moe_expert_num * bs * (h * x_itemsize + row_words) + 4 * MB + 400 * MB
     else:  # A3 fullmesh_v1 / fullmesh_v2
         block = _align480_512 if comm_alg == "fullmesh_v2" else (lambda n: _align(n, 512))
-        need = 2 * (local * bs * ep_world_size * block(_align(2 * h, 32) + 64)
-                    + (k + shared_expert_num) * bs * _align(2 * h, 512))
+        need = 2 * (
+            local * bs * ep_world_size * block(_align(2 * h, 32) + 64)
+            + (k + shared_expert_num) * bs * _align(2 * h, 512)
+        )
         return max(2, -(-need // MB))
     return -(-need // MB)
 
@@ -312,14 +370,18 @@ def hccl_buffsize_mb(env: Mapping[str, str] | None = None) -> int:
 def check_hccl_buffsize(required_mb: int, configured_mb: int, what: str) -> None:
     """CapacityError when the communication buffer is smaller than the op docs require."""
     if configured_mb < required_mb:
-        raise CapacityError(f"{what} needs HCCL_BUFFSIZE >= {required_mb} MB on its EP group, the group has "
-                            f"{configured_mb} MB (set HCCL_BUFFSIZE, or hccl_buffer_size in the group's options)")
+        raise CapacityError(
+            f"{what} needs HCCL_BUFFSIZE >= {required_mb} MB on its EP group, the group has "
+            f"{configured_mb} MB (set HCCL_BUFFSIZE, or hccl_buffer_size in the group's options)"
+        )
 
 
 def op_version(torch_npu: Any, requested: str = "auto") -> str:
     """``"v2"`` or ``"v1"``: the requested one if this torch_npu has both its ops, ``auto`` = v2 where present."""
-    have = {v: all(hasattr(torch_npu, f"npu_moe_distribute_{op}{suffix}") for op in ("dispatch", "combine"))
-            for v, suffix in (("v1", ""), ("v2", "_v2"))}
+    have = {
+        v: all(hasattr(torch_npu, f"npu_moe_distribute_{op}{suffix}") for op in ("dispatch", "combine"))
+        for v, suffix in (("v1", ""), ("v2", "_v2"))
+    }
     if requested == "auto":
         for version in ("v2", "v1"):
             if have[version]:
@@ -334,13 +396,15 @@ def op_version(torch_npu: Any, requested: str = "auto") -> str:
 
 
 def product_of(soc_version: int) -> str:
-    """"A2" or "A3" for a ``torch_npu.npu.get_soc_version()`` code; ConfigError for another chip."""
+    """ "A2" or "A3" for a ``torch_npu.npu.get_soc_version()`` code; ConfigError for another chip."""
     for product, codes in SOC_VERSIONS.items():
         if soc_version in codes:
             return product
-    raise ConfigError(f"SoC version {soc_version} is neither Atlas A2 ({SOC_VERSIONS['A2'].start}-"
-                      f"{SOC_VERSIONS['A2'].stop - 1}) nor A3 ({SOC_VERSIONS['A3'].start}-{SOC_VERSIONS['A3'].stop - 1}):"
-                      f" MC2 is documented for those two; pass product= explicitly to override")
+    raise ConfigError(
+        f"SoC version {soc_version} is neither Atlas A2 ({SOC_VERSIONS['A2'].start}-"
+        f"{SOC_VERSIONS['A2'].stop - 1}) nor A3 ({SOC_VERSIONS['A3'].start}-{SOC_VERSIONS['A3'].stop - 1}):"
+        f" MC2 is documented for those two; pass product= explicitly to override"
+    )
 
 
 def availability(group: Any) -> tuple[bool, str]:
@@ -375,17 +439,27 @@ class Mc2Strategy(AllToAllStrategy):
 
     name = "mc2"
 
-    def __init__(self, group: Any, timeout_s: float, product: str = "auto", version: str = "auto", comm_alg: str = "",
-                 fallback_group: Any = None, hccl_buffsize_mb: int | None = None) -> None:
+    def __init__(
+        self,
+        group: Any,
+        timeout_s: float,
+        product: str = "auto",
+        version: str = "auto",
+        comm_alg: str = "",
+        fallback_group: Any = None,
+        hccl_buffsize_mb: int | None = None,
+    ) -> None:
         import torch.distributed as dist
         import torch_npu
 
         if fallback_group is None:
-            fallback_group = dist.new_group(dist.get_process_group_ranks(group), backend="hccl",
-                                            use_local_synchronization=True)
+            fallback_group = dist.new_group(
+                dist.get_process_group_ranks(group), backend="hccl", use_local_synchronization=True
+            )
         if fallback_group is group:
-            raise ConfigError("the all_to_all fallback needs its own process group: MC2's EP domain allows no "
-                              "other operator")
+            raise ConfigError(
+                "the all_to_all fallback needs its own process group: MC2's EP domain allows no other operator"
+            )
         super().__init__(fallback_group, timeout_s)
         self.torch_npu = torch_npu
         self.product = product_of(torch_npu.npu.get_soc_version()) if product == "auto" else product
@@ -400,13 +474,28 @@ class Mc2Strategy(AllToAllStrategy):
         self.group_name = group._get_backend(npu).get_hccl_comm_name(self.rank)
         self.hccl_buffsize_mb = hccl_buffsize_mb
 
-    def _checked_buffer(self, key: tuple[str, str, str], tokens: int, hidden: int, topk: int, moe_expert_num: int,
-                        kwargs: dict, itemsize: int) -> None:
+    def _checked_buffer(
+        self,
+        key: tuple[str, str, str],
+        tokens: int,
+        hidden: int,
+        topk: int,
+        moe_expert_num: int,
+        kwargs: dict,
+        itemsize: int,
+    ) -> None:
         max_tokens = kwargs.get("global_bs", 0) // self.world or tokens
-        need = required_hccl_buffsize_mb(*key, max_tokens=max_tokens, hidden=hidden, topk=topk,
-                                         moe_expert_num=moe_expert_num, ep_world_size=self.world,
-                                         shared_expert_rank_num=kwargs.get("shared_expert_rank_num", 0),
-                                         shared_expert_num=kwargs.get("shared_expert_num", 1), x_itemsize=itemsize)
+        need = required_hccl_buffsize_mb(
+            *key,
+            max_tokens=max_tokens,
+            hidden=hidden,
+            topk=topk,
+            moe_expert_num=moe_expert_num,
+            ep_world_size=self.world,
+            shared_expert_rank_num=kwargs.get("shared_expert_rank_num", 0),
+            shared_expert_num=kwargs.get("shared_expert_num", 1),
+            x_itemsize=itemsize,
+        )
         have = hccl_buffsize_mb() if self.hccl_buffsize_mb is None else self.hccl_buffsize_mb
         check_hccl_buffsize(need, have, "MC2 {} on {} with comm_alg {!r}".format(*key))
 
@@ -416,36 +505,77 @@ class Mc2Strategy(AllToAllStrategy):
         Returns MC2's 7-tuple (``expand_x``, ``dynamic_scales``, ``expand_idx`` (v1) / ``assist_info_for_combine``
         (v2), ``expert_token_nums``, ``ep_recv_counts``, ``tp_recv_counts``, ``expand_scales``).
         """
-        validate_dispatch(x, expert_ids, self.world, self.rank, moe_expert_num, product=self.product,
-                          version=self.version, comm_alg=self.comm_alg, quant_mode=kwargs.get("quant_mode", 0),
-                          x_active_mask=kwargs.get("x_active_mask"), global_bs=kwargs.get("global_bs", 0),
-                          expert_token_nums_type=kwargs.get("expert_token_nums_type", 1),
-                          shared_expert_rank_num=kwargs.get("shared_expert_rank_num", 0))
+        validate_dispatch(
+            x,
+            expert_ids,
+            self.world,
+            self.rank,
+            moe_expert_num,
+            product=self.product,
+            version=self.version,
+            comm_alg=self.comm_alg,
+            quant_mode=kwargs.get("quant_mode", 0),
+            x_active_mask=kwargs.get("x_active_mask"),
+            global_bs=kwargs.get("global_bs", 0),
+            expert_token_nums_type=kwargs.get("expert_token_nums_type", 1),
+            shared_expert_rank_num=kwargs.get("shared_expert_rank_num", 0),
+        )
         key = (self.version, self.product, resolve_comm_alg(self.version, self.product, self.comm_alg))
-        self._checked_buffer(key, x.shape[0], x.shape[1], expert_ids.shape[1], moe_expert_num, kwargs,
-                             x.element_size())
-        op = self.torch_npu.npu_moe_distribute_dispatch_v2 if self.version == "v2" else \
-            self.torch_npu.npu_moe_distribute_dispatch
+        self._checked_buffer(key, x.shape[0], x.shape[1], expert_ids.shape[1], moe_expert_num, kwargs, x.element_size())
+        op = (
+            self.torch_npu.npu_moe_distribute_dispatch_v2
+            if self.version == "v2"
+            else self.torch_npu.npu_moe_distribute_dispatch
+        )
         options = {**kwargs, "comm_alg": self.comm_alg} if self.version == "v2" else dict(kwargs)
         return op(x, expert_ids, self.group_name, self.world, self.rank, moe_expert_num, **options)
 
-    def combine_expanded(self, expand_x: torch.Tensor, expert_ids: torch.Tensor, assist_info: torch.Tensor,
-                         ep_send_counts: torch.Tensor, expert_scales: torch.Tensor, moe_expert_num: int,
-                         **kwargs: Any) -> torch.Tensor:
+    def combine_expanded(
+        self,
+        expand_x: torch.Tensor,
+        expert_ids: torch.Tensor,
+        assist_info: torch.Tensor,
+        ep_send_counts: torch.Tensor,
+        expert_scales: torch.Tensor,
+        moe_expert_num: int,
+        **kwargs: Any,
+    ) -> torch.Tensor:
         """``npu_moe_distribute_combine(_v2)`` (weighted sum) after :func:`validate_combine`.
 
         ``assist_info`` is dispatch's third output (``expand_idx`` for v1, ``assist_info_for_combine`` for v2).
         Returns bf16/fp16 ``[BS, H]``.
         """
         combine_alg = "" if self.comm_alg in ("fullmesh_v1", "fullmesh_v2") else self.comm_alg  # A3 combine_v2
-        validate_combine(expand_x, expert_ids, expert_scales, self.world, self.rank, moe_expert_num,
-                         product=self.product, version=self.version, comm_alg=combine_alg,
-                         shared_expert_rank_num=kwargs.get("shared_expert_rank_num", 0))
-        op = self.torch_npu.npu_moe_distribute_combine_v2 if self.version == "v2" else \
-            self.torch_npu.npu_moe_distribute_combine
+        validate_combine(
+            expand_x,
+            expert_ids,
+            expert_scales,
+            self.world,
+            self.rank,
+            moe_expert_num,
+            product=self.product,
+            version=self.version,
+            comm_alg=combine_alg,
+            shared_expert_rank_num=kwargs.get("shared_expert_rank_num", 0),
+        )
+        op = (
+            self.torch_npu.npu_moe_distribute_combine_v2
+            if self.version == "v2"
+            else self.torch_npu.npu_moe_distribute_combine
+        )
         options = {**kwargs, "comm_alg": combine_alg} if self.version == "v2" else dict(kwargs)
-        return op(expand_x, expert_ids, assist_info, ep_send_counts, expert_scales, self.group_name, self.world,
-                  self.rank, moe_expert_num, **options)
+        return op(
+            expand_x,
+            expert_ids,
+            assist_info,
+            ep_send_counts,
+            expert_scales,
+            self.group_name,
+            self.world,
+            self.rank,
+            moe_expert_num,
+            **options,
+        )
 
 
 def create(group: Any, timeout_s: float, **options: Any) -> Mc2Strategy:
