@@ -17,6 +17,12 @@ def _run(obj) -> None:
     assert runner.failures == 0, f"{runner.failures} example(s) of {obj.__qualname__} failed (see the output above)"
 
 
+def test_transfer_engine_example():
+    from ascend_dualpath.transport import TransferEngine
+
+    _run(TransferEngine)
+
+
 def test_moe_buffer_example():
     from ascend_dualpath.moe import Buffer
 

@@ -170,7 +170,37 @@ class StagingPool:
 
 
 class TransferEngine(abc.ABC):
-    """One channel's transfer engine. Backends implement ``_select``, ``_start`` and ``_finish``."""
+    """One channel's transfer engine: layer blocks from this rank into a slot of a peer's memory, by the kind its
+    gates choose (``aiv``, ``aicpu``, ``staging``, ``host``); :func:`~ascend_dualpath.transport.create_engine`
+    builds the one of a backend. Backends implement ``select``, ``_start``, ``_finish`` and ``_publish_ready``.
+
+    Example, on the emulator (two ranks of one process; rank 0 writes three blocks into rank 1's window):
+
+    >>> import numpy as np
+    >>> from ascend_dualpath import _ext
+    >>> from ascend_dualpath.backends import emulator as emu
+    >>> from ascend_dualpath.transport import MemorySegment, RemoteSlot, create_engine
+    >>> C = _ext.load()
+    >>> with emu.emulated_devices(2) as devices:
+    ...     comms = [C.HcclComm(d, r, 2, emu.comm_config(hcclBufferSize=4)) for r, d in enumerate(devices)]
+    ...     for comm in comms:
+    ...         comm.connect([c.local_info() for c in comms])
+    ...     region = devices[0].alloc_region(1 << 16, C.MemKind.DEVICE_GM, 7)
+    ...     comms[0].register_local(region)
+    ...     np.frombuffer(region, np.uint8)[:] = np.arange(1 << 16) % 251
+    ...     engine = create_engine("emulator", comms[0], 1, timeout_s=10.0)
+    ...     blocks = [MemorySegment.of_region(region, offset, 4096) for offset in (0, 8192, 16384)]
+    ...     window = comms[1].windows_in
+    ...     prepared = engine.prepare(blocks, RemoteSlot(1, window.addr, 3 * 4096, window.rkey))
+    ...     result = prepared.transfer()  # submit, then a bounded wait
+    ...     landed = np.frombuffer(window, np.uint8)[4096:8192]  # the second block
+    ...     same = bool((landed == np.frombuffer(region, np.uint8)[8192:12288]).all())
+    ...     engine.close()
+    ...     for comm in comms:
+    ...         comm.close()
+    >>> result.kind.value, result.nbytes, same
+    ('aiv', 12288, True)
+    """
 
     _ticket_ids = itertools.count(1)
 
