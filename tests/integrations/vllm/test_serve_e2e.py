@@ -24,6 +24,9 @@ import pytest
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
 
+# preexec_fn of the servers a test starts: SIGTERM (serve and vLLM clean up on it) when pytest dies
+from ascend_dualpath.integrations.vllm.serve import _watcher_preexec as _term_with_pytest  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[3]
 STARTUP_S = 420
 TURNS = 3
@@ -99,7 +102,12 @@ def plain(model, tmp_path_factory):
         "--no-enable-prefix-caching",
     ]
     proc = subprocess.Popen(
-        argv, env={**os.environ, **ENV}, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+        argv,
+        env={**os.environ, **ENV},
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=_term_with_pytest,  # SIGTERM when pytest dies: a killed run leaves nothing
     )
     try:
         _wait_http(f"http://127.0.0.1:{port}/health", proc, log)
@@ -132,6 +140,7 @@ def _serve(model: str, tmp: Path, *args: str, env: dict | None = None) -> tuple[
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        preexec_fn=_term_with_pytest,  # SIGTERM when pytest dies: a killed run leaves nothing
         cwd=ROOT,
     )
     _wait_http(f"http://127.0.0.1:{port}/health", proc, log)
