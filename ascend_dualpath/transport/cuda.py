@@ -365,12 +365,31 @@ class GraphedCopy:
         self.plan = plan
         self.next_value = first_flag_value
         self.fast_launch = fast_launch  # captured through Triton's compiled launcher (else through the JIT)
+        self._exec = _graph_exec(graph)
 
-    def replay(self) -> int:
-        """Enqueue the copy on the current stream; returns the flag value it publishes."""
-        self.graph.replay()
+    def replay(self, stream: int | None = None) -> int:
+        """Enqueue the copy on ``stream`` (a raw handle; None: the current stream); returns the flag value it
+        publishes. With a stream, the instantiated graph is launched through the runtime (``cudaGraphLaunch``,
+        ~1 µs of host time against ~4 µs for ``torch.cuda.CUDAGraph.replay``)."""
+        if stream is None or self._exec is None:
+            self.graph.replay()
+        else:
+            from ascend_dualpath.transport.cudart import graph_launch
+
+            graph_launch(self._exec, stream)
         self.next_value += 1
         return self.next_value - 1
+
+
+def _graph_exec(graph) -> int | None:
+    """The ``cudaGraphExec_t`` of a captured torch graph, None where this torch does not expose it."""
+    raw = getattr(graph, "raw_cuda_graph_exec", None)
+    if raw is None:
+        return None
+    try:
+        return int(raw())
+    except RuntimeError:  # a torch that keeps the graph un-instantiated until the first replay
+        return None
 
 
 STAGED_CHUNK_BYTES = 4 << 20  # bytes per staged chunk: 16 chunks for 64 MiB; a 61 x 42 KiB request is one chunk

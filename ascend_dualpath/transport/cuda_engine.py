@@ -354,9 +354,10 @@ class CudaTransferEngine(TransferEngine):
 
     def _replay(self, ticket: Ticket, work: _Work, graph) -> None:
         """Replay a prepared request's graph on the current stream (the engine's GPU is current)."""
+        stream = self._raw_stream(self.device.index)
         ticket.state["work"] = work
-        ticket.notify_magic = ticket.state["published"] = graph.replay()
-        ticket.state["event"] = self._events_of().record(self._raw_stream(self.device.index))
+        ticket.notify_magic = ticket.state["published"] = graph.replay(stream)
+        ticket.state["event"] = self._events_of().record(stream)
 
     def _events_of(self):
         if self._events is None:
