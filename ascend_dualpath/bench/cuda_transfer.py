@@ -17,7 +17,7 @@ An engine kind is routed once (``engine.prepare`` with the kind forced), then ev
     device[:TILE_KIB:PER_SM:WARPS[:stream|nostream]]   DeviceCopier.run of a cached plan
     graph[:...]                                        the same launch replayed from a CUDA graph
     host-batch                                         one cudaMemcpyBatchAsync
-    staged[:CHUNK_KIB]                                 StagedCopy
+    staging[:CHUNK_KIB]                                StagingCopy
     floor                                              an empty Triton kernel (the launch floor)
 
 Four clocks per request: host submit time (``perf_counter`` around the enqueue), wall time (submit until the
@@ -40,7 +40,7 @@ from ascend_dualpath.bench.transfer import Row, percentile
 ENGINE_KINDS = ("aiv", "aicpu", "staging", "host")
 BASELINES = ("foreach", "copy")
 DEFAULT_KINDS = ENGINE_KINDS + BASELINES
-PRIMITIVES = ("device", "graph", "host-batch", "staged", "floor")
+PRIMITIVES = ("device", "graph", "host-batch", "staging", "floor")
 STREAMING = {"stream": True, "nostream": False}
 GRAPH_BASE = 1 << 40  # graph replays of a primitive count up from here (eager requests stay far below)
 
@@ -49,7 +49,7 @@ def parse_kind(kind: str, primitives: bool) -> tuple[str, dict]:
     """``(base, options)`` of a bench kind; ConfigError naming the kind and the known ones.
 
     Options: for ``device`` / ``graph`` the :class:`~ascend_dualpath.transport.cuda.KernelConfig` fields given as
-    ``TILE_KIB:PER_SM:WARPS[:stream|nostream]`` (``-`` keeps the field's default), for ``staged`` ``chunk_bytes``.
+    ``TILE_KIB:PER_SM:WARPS[:stream|nostream]`` (``-`` keeps the field's default), for ``staging`` ``chunk_bytes``.
     """
     base, *params = kind.split(":")
     known = PRIMITIVES if primitives else DEFAULT_KINDS
@@ -58,7 +58,7 @@ def parse_kind(kind: str, primitives: bool) -> tuple[str, dict]:
         raise E.ConfigError(f"unknown cuda kind {kind!r}; {where}: {', '.join(known)}")
     if not params:
         return base, {}
-    if base == "staged" and len(params) == 1 and params[0].isdigit() and int(params[0]) > 0:
+    if base == "staging" and len(params) == 1 and params[0].isdigit() and int(params[0]) > 0:
         return base, {"chunk_bytes": int(params[0]) * 1024}
     if (
         base not in ("device", "graph")
@@ -66,7 +66,7 @@ def parse_kind(kind: str, primitives: bool) -> tuple[str, dict]:
         or (len(params) == 4 and params[3] not in STREAMING)
     ):
         raise E.ConfigError(
-            f"bad cuda kind {kind!r}: device/graph:TILE_KIB:PER_SM:WARPS[:stream|nostream] or staged:CHUNK_KIB"
+            f"bad cuda kind {kind!r}: device/graph:TILE_KIB:PER_SM:WARPS[:stream|nostream] or staging:CHUNK_KIB"
         )
     return base, {"config": _kernel_config_fields(params)}
 
@@ -244,16 +244,18 @@ def primitive_submitter(torch, kind: str, case, copier, buffers: Buffers) -> Sub
         site.prepare(flag)
         flag_ptr = flag.data_ptr()
         return submitter(lambda: site(flag_ptr), lambda: {"note": "empty Triton kernel: moves nothing"}, None)
-    staged = cuda.StagedCopy(
+    staging = cuda.StagingCopy(
         copier, buffers.host, [i * case.size for i in range(case.count)], d_addrs, sizes, **options
     )
 
-    def run_staged():
+    def run_staging():
         value = next(values)
-        staged.run(value)
+        staging.run(value)
         return value
 
-    return submitter(run_staged, lambda: {"chunks": staged.chunks, "staging_bytes": staged.staging_bytes}, buffers.host)
+    return submitter(
+        run_staging, lambda: {"chunks": staging.chunks, "staging_bytes": staging.staging_bytes}, buffers.host
+    )
 
 
 def measure(

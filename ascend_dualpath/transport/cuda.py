@@ -7,7 +7,7 @@
   builds and uploads the tile table once per pattern, :meth:`DeviceCopier.run` is one kernel launch per
   request with no other host work, and :meth:`DeviceCopier.capture` records that launch in a CUDA graph
   whose replays publish successive flag values.
-- :class:`StagedCopy` (the ``staging`` analogue): pinned host buffer -> device staging slot -> destination in
+- :class:`StagingCopy` (the ``staging`` analogue): pinned host buffer -> device staging slot -> destination in
   chunks, double-buffered so that the H2D copy of one chunk overlaps the device-initiated scatter of the previous
   one.
 
@@ -392,10 +392,10 @@ def _graph_exec(graph) -> int | None:
         return None
 
 
-STAGED_CHUNK_BYTES = 4 << 20  # bytes per staged chunk: 16 chunks for 64 MiB; a 61 x 42 KiB request is one chunk
+STAGING_CHUNK_BYTES = 4 << 20  # bytes per staging chunk: 16 chunks for 64 MiB; a 61 x 42 KiB request is one chunk
 
 
-def staged_pieces(offsets, dst_addrs, nbytes, chunk_bytes: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+def staging_pieces(offsets, dst_addrs, nbytes, chunk_bytes: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Per chunk of the host buffer (``[k * chunk_bytes, (k + 1) * chunk_bytes)``, up to the last segment's end), the
     pieces of segments inside it: (offset in the chunk, destination address, bytes), int64 arrays.
 
@@ -415,19 +415,19 @@ def staged_pieces(offsets, dst_addrs, nbytes, chunk_bytes: int) -> list[tuple[np
     return pieces
 
 
-def staged_chunk_lengths(end: int, chunk_bytes: int) -> list[int]:
+def staging_chunk_lengths(end: int, chunk_bytes: int) -> list[int]:
     """Bytes of each chunk's host-to-device copy when the furthest segment ends at byte ``end`` of the host buffer:
     whole chunks, the last one cut at ``end`` (nothing past the last segment is copied or staged)."""
     return [min(chunk_bytes, end - start) for start in range(0, end, chunk_bytes)]
 
 
-def _check_staged_request(torch, host, offsets, nbytes, chunk_bytes: int) -> tuple[np.ndarray, np.ndarray]:
-    """The segments' offsets and lengths (int64 ``[segments]`` each) of a :class:`StagedCopy` request, after checking
+def _check_staging_request(torch, host, offsets, nbytes, chunk_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """The segments' offsets and lengths (int64 ``[segments]`` each) of a :class:`StagingCopy` request, after checking
     the host buffer (pinned 1-D uint8 CPU), ``chunk_bytes`` and that every segment is non-empty and inside ``host``.
     """
     if host.device.type != "cpu" or host.dtype != torch.uint8 or host.dim() != 1 or not host.is_pinned():
         raise E.ConfigError(
-            f"the staged source must be a pinned 1-D uint8 CPU tensor, got {host.dtype} "
+            f"the staging source must be a pinned 1-D uint8 CPU tensor, got {host.dtype} "
             f"{tuple(host.shape)} on {host.device} (pinned: {host.is_pinned()})"
         )
     if chunk_bytes < 4096 or chunk_bytes % 16:
@@ -447,8 +447,8 @@ def _check_staged_request(torch, host, offsets, nbytes, chunk_bytes: int) -> tup
     return off, size
 
 
-class StagedCopy:
-    """The ``staged`` kind, pipelined: pinned host buffer -> device staging slot -> destination, chunk by chunk.
+class StagingCopy:
+    """The ``staging`` kind, pipelined: pinned host buffer -> device staging slot -> destination, chunk by chunk.
 
     The host buffer is cut into chunks of ``chunk_bytes``; chunk ``k`` goes host -> slot ``k % 2`` with one
     ``cudaMemcpyAsync`` on a side stream, then the device-initiated kernel scatters its segment pieces from the slot
@@ -467,16 +467,16 @@ class StagedCopy:
     offsets, dst_addrs, nbytes : sequence of int
         Each segment's offset in ``host``, destination address (on the copier's GPU or a peer) and length (>= 1).
     chunk_bytes : int
-        Bytes per chunk, a multiple of 16 from 4 KiB (default ``STAGED_CHUNK_BYTES``).
+        Bytes per chunk, a multiple of 16 from 4 KiB (default ``STAGING_CHUNK_BYTES``).
     """
 
-    def __init__(self, copier: DeviceCopier, host, offsets, dst_addrs, nbytes, chunk_bytes: int = STAGED_CHUNK_BYTES):
+    def __init__(self, copier: DeviceCopier, host, offsets, dst_addrs, nbytes, chunk_bytes: int = STAGING_CHUNK_BYTES):
         torch = copier.torch
-        off, size = _check_staged_request(torch, host, offsets, nbytes, chunk_bytes)
+        off, size = _check_staging_request(torch, host, offsets, nbytes, chunk_bytes)
         self.copier, self.host, self.torch = copier, host, torch
-        pieces = staged_pieces(off, dst_addrs, size, chunk_bytes)
+        pieces = staging_pieces(off, dst_addrs, size, chunk_bytes)
         self.chunk_bytes = chunk_bytes
-        self.lengths = staged_chunk_lengths(int((off + size).max()), chunk_bytes)
+        self.lengths = staging_chunk_lengths(int((off + size).max()), chunk_bytes)
         slot_bytes = self.lengths[0]  # the first chunk is the longest
         self.slots = [
             torch.empty(slot_bytes, dtype=torch.uint8, device=copier.device) for _ in range(min(2, len(pieces)))

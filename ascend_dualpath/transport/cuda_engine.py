@@ -4,7 +4,7 @@
 kind          CUDA analogue                                                                issued by
 ============  ===========================================================================  ======================
 ``aiv``       :class:`~.cuda.DeviceCopier`: one Triton launch copies every piece             the GPU's own programs
-``staging``   :class:`~.cuda.StagedCopy`: registered pinned host buffer -> device staging     copy engine, then GPU
+``staging``   :class:`~.cuda.StagingCopy`: registered pinned host buffer -> device staging    copy engine, then GPU
               slots -> destination, chunk by chunk
 ``aicpu``     one ``cudaMemcpyBatchAsync`` for all pieces (a proxy, the CUDA runtime, issues   the runtime
               the copies; one ``cudaMemcpyAsync`` each where the runtime lacks the batch call)
@@ -159,7 +159,7 @@ class CudaTransferEngine(TransferEngine):
     # ---- memory ------------------------------------------------------------------------------------
 
     def register(self, buffer) -> None:
-        """Let ``buffer`` (a pinned, 1-D uint8 CPU tensor) be a source of host-DRAM segments (staged or host path).
+        """Let ``buffer`` (a pinned, 1-D uint8 CPU tensor) be a source of host-DRAM segments (``staging``, ``host``).
 
         Memory of the engine's GPU needs no registration (every device kind addresses it): such a tensor is accepted
         and nothing is recorded."""
@@ -298,7 +298,7 @@ class CudaTransferEngine(TransferEngine):
         """The request captured in a CUDA graph, for a one-plan ``aiv`` request whose kernel publishes the notify
         (the other kinds have host work a graph cannot replay); None otherwise."""
         work = prepared.state["work"]
-        if not (work.publishes_notify and len(work.plans) == 1 and not work.staged):
+        if not (work.publishes_notify and len(work.plans) == 1 and not work.staging_copies):
             return None
         first, self._graph_magic = self._graph_magic, self._graph_magic + GRAPH_MAGIC_STRIDE
         return self._copier.capture(work.plans[0], first)
@@ -373,12 +373,12 @@ class CudaTransferEngine(TransferEngine):
         ticket.state["work"] = work
         if work.publishes_notify:  # the kernel's last program releases the magic into the notify slot
             ticket.notify_magic = ticket.state["published"] = value = next(self._magics)
-        elif work.plans or work.staged:
+        elif work.plans or work.staging_copies:
             value = next(self._flag_values)
         for plan in work.plans:
             self._copier.run(plan, value)
-        for staged in work.staged:
-            staged.run(value)
+        for copy in work.staging_copies:
+            copy.run(value)
         if work.batch is not None:  # on a side stream: the batch call refuses the legacy default stream
             current = torch.cuda.current_stream(self.device)
             self._batch_stream.wait_stream(current)
@@ -425,13 +425,13 @@ class CudaTransferEngine(TransferEngine):
         work.publishes_notify = publishes_notify
 
     def _staging_work(self, work: _Work, pieces, notify_slot: int | None) -> None:
-        """A device-copy plan for the device-resident pieces, one StagedCopy per host buffer for the others."""
+        """A device-copy plan for the device-resident pieces, one StagingCopy per host buffer for the others."""
         device = [p for p in pieces if self._host_buffer(p.local_addr) is None]
         host = [p for p in pieces if self._host_buffer(p.local_addr) is not None]
         if device:
             work.plans.append(self._device_copier().plan(*_columns(device)))
-        work.staged = self._staged(host)
-        work.staging_bytes = sum(s.staging_bytes for s in work.staged)
+        work.staging_copies = self._staging_copies(host)
+        work.staging_bytes = sum(s.staging_bytes for s in work.staging_copies)
 
     def _aicpu_work(self, work: _Work, pieces, notify_slot: int | None) -> None:
         """One batched runtime copy of every piece."""
@@ -444,18 +444,18 @@ class CudaTransferEngine(TransferEngine):
         """One cudaMemcpyAsync per piece."""
         work.each = _copies(pieces)
 
-    def _staged(self, pieces) -> list:
-        """One StagedCopy per registered host buffer the pieces come from."""
-        from ascend_dualpath.transport.cuda import StagedCopy
+    def _staging_copies(self, pieces) -> list:
+        """One StagingCopy per registered host buffer the pieces come from."""
+        from ascend_dualpath.transport.cuda import StagingCopy
 
         by_buffer: dict[int, list] = {}
         for p in pieces:
             by_buffer.setdefault(self._host_buffer(p.local_addr).data_ptr(), []).append(p)
-        staged = []
+        copies = []
         for base, group in by_buffer.items():
             offsets = [p.local_addr - base for p in group]
-            staged.append(
-                StagedCopy(
+            copies.append(
+                StagingCopy(
                     self._device_copier(),
                     self._host_buffers[base],
                     offsets,
@@ -463,7 +463,7 @@ class CudaTransferEngine(TransferEngine):
                     [p.nbytes for p in group],
                 )
             )
-        return staged
+        return copies
 
     def _device_copier(self):
         if self._copier is None:
@@ -594,7 +594,7 @@ class CudaTransferEngine(TransferEngine):
                 time.sleep(POLL_S)
 
     def _release(self, ticket: Ticket) -> None:
-        # staging slots belong to the pattern's cached StagedCopy and are reused only in stream order; an event whose
+        # staging slots belong to the pattern's cached StagingCopy and are reused only in stream order; an event whose
         # ticket timed out may be recorded again by a later ticket (a new record replaces the pending one)
         ticket.state.pop("work", None)
         event = ticket.state.pop("event", None)
@@ -603,11 +603,11 @@ class CudaTransferEngine(TransferEngine):
 
 
 class _Work:
-    """What one piece pattern enqueues: device-copy plans, staged copies, one batch call, or single copies."""
+    """What one piece pattern enqueues: device-copy plans, staging copies, one batch call, or single copies."""
 
     def __init__(self):
         self.plans: list = []
-        self.staged: list = []
+        self.staging_copies: list = []
         self.batch = None
         self.each: list[tuple[int, int, int]] = []
         self.staging_bytes = 0

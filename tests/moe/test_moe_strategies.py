@@ -69,3 +69,34 @@ def _silent_peer(rank: int, world: int) -> dict:
 def test_wait_is_bounded_and_names_what_it_waited_for():
     results = _spawn.run_ranks(2, _silent_peer, timeout_s=60)
     assert results[0] == {"timeout": "ok", "elapsed": "ok"}, results
+
+
+class _NeverCompletes:
+    """A collective's work object whose peers never join."""
+
+    def is_completed(self) -> bool:
+        return False
+
+    def wait(self) -> None:
+        raise AssertionError("waited on work that never completed")
+
+
+def test_alltoall_rows_wait_is_bounded_by_its_argument(monkeypatch):
+    """A row exchange whose collective never completes: ``wait(0.05)`` raises WaitTimeout naming the exchange and
+    the given bound, long before the strategy's own 60 s; ``wait(0)`` only looks; a negative bound is refused."""
+    import time
+
+    import torch.distributed as dist
+
+    from ascend_dualpath.moe.strategies.alltoall import AllToAllStrategy
+
+    monkeypatch.setattr(dist, "all_to_all_single", lambda *args, **kwargs: _NeverCompletes())
+    pending = AllToAllStrategy(None, 60.0).exchange_rows([torch.ones(2, 4)], [2], [2], "dispatch rows")
+    start = time.monotonic()
+    with pytest.raises(WaitTimeout, match=r"waited 0.05 s for dispatch rows \(alltoall strategy\)"):
+        pending.wait(timeout_s=0.05)
+    assert time.monotonic() - start < 5
+    with pytest.raises(WaitTimeout, match="waited 0 s for dispatch rows"):
+        pending.wait(0)
+    with pytest.raises(ConfigError, match="PendingRows.wait: timeout_s must be >= 0, got -1"):
+        pending.wait(-1)

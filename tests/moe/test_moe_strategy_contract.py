@@ -8,7 +8,7 @@ import tempfile
 import pytest
 import torch
 
-from ascend_dualpath.errors import BoundsError
+from ascend_dualpath.errors import ArgumentTypeError, BoundsError, ConfigError, WaitTimeout
 from ascend_dualpath.moe import Config
 from ascend_dualpath.moe.layout import compute_dispatch_layout
 from ascend_dualpath.moe.strategies import aiv, alltoall, base, cuda, mc2
@@ -33,7 +33,7 @@ class OneRank(Strategy):
 
     def exchange_rows(self, parts, send_counts, recv_counts, what):
         assert list(send_counts) == list(recv_counts) == [parts[0].shape[0]]
-        return PendingRows(lambda: [p.clone() for p in parts])
+        return PendingRows(lambda timeout_s: [p.clone() for p in parts], self.timeout_s)
 
 
 def test_the_two_exchanges_are_required():
@@ -58,6 +58,34 @@ def test_registered_strategies_define_no_stray_public_methods():
     for name, cls in classes.items():
         extra = {n for n in vars(cls) if not n.startswith("_") and n not in vars(Strategy)}
         assert extra == OWN_API[name], (name, extra ^ OWN_API[name])
+
+
+def test_pending_rows_wait_takes_the_transport_bound():
+    """``wait(timeout_s=None)``: None hands ``finish`` the strategy's bound, a given bound is checked as the
+    transport checks it (0 allowed; NaN, infinities, negatives and bools refused before ``finish`` runs), a wait that
+    timed out can be repeated, and the parts are kept once received."""
+    rows = [torch.arange(4)]
+    bounds = []
+    outcomes = iter([WaitTimeout("not yet"), rows])
+
+    def finish(timeout_s):
+        bounds.append(timeout_s)
+        outcome = next(outcomes)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    pending = PendingRows(finish, 7.0)
+    for bad in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ConfigError, match=f"PendingRows.wait: timeout_s must be .*>= 0, got {bad}"):
+            pending.wait(bad)
+    with pytest.raises(ArgumentTypeError, match="timeout_s"):
+        pending.wait(True)
+    assert bounds == []
+    with pytest.raises(WaitTimeout, match="not yet"):
+        pending.wait(0)
+    assert pending.wait() is rows and bounds == [0.0, 7.0]
+    assert pending.wait(2.5) is rows and bounds == [0.0, 7.0]  # received: no second exchange
 
 
 def test_defaults_layout_checks_ids_before_counting():

@@ -75,11 +75,11 @@ def test_large_requests_get_the_bandwidth_configuration_from_4_3_mb_on_an_h200()
     gaps=st.lists(st.integers(0, 9000), min_size=12, max_size=12),
     chunk_kib=st.sampled_from([4, 8, 64]),
 )
-def test_staged_chunks_split_segments_at_chunk_edges_and_cover_every_byte_once(sizes, gaps, chunk_kib):
+def test_staging_chunks_split_segments_at_chunk_edges_and_cover_every_byte_once(sizes, gaps, chunk_kib):
     chunk = chunk_kib * 1024
     offsets = np.cumsum([g + n for g, n in zip(gaps, [0] + sizes[:-1], strict=False)])
     dst = 0x7000000 + 3 * offsets
-    pieces = cuda.staged_pieces(offsets, dst, sizes, chunk)
+    pieces = cuda.staging_pieces(offsets, dst, sizes, chunk)
     assert len(pieces) == -(-int(offsets[-1] + sizes[-1]) // chunk) and pieces[-1][0].size > 0
     landed = {}
     for k, (chunk_off, d, n) in enumerate(pieces):
@@ -90,10 +90,10 @@ def test_staged_chunks_split_segments_at_chunk_edges_and_cover_every_byte_once(s
                 landed[a + i] = k * chunk + o + i  # the host byte that lands at destination a + i
     expected = {int(d0 + i): int(o + i) for o, d0, n in zip(offsets, dst, sizes, strict=True) for i in range(n)}
     assert landed == expected
-    lengths = cuda.staged_chunk_lengths(int(offsets[-1] + sizes[-1]), chunk)
+    lengths = cuda.staging_chunk_lengths(int(offsets[-1] + sizes[-1]), chunk)
     assert len(lengths) == len(pieces) and sum(lengths) == offsets[-1] + sizes[-1] and max(lengths) <= chunk
-    assert cuda.staged_chunk_lengths(3 * chunk, chunk) == [chunk] * 3
-    assert cuda.staged_chunk_lengths(5, chunk) == [5]  # a request shorter than a chunk stages only itself
+    assert cuda.staging_chunk_lengths(3 * chunk, chunk) == [chunk] * 3
+    assert cuda.staging_chunk_lengths(5, chunk) == [5]  # a request shorter than a chunk stages only itself
 
 
 @given(tiles=st.integers(1, 100000), max_programs=st.integers(1, 4096))
@@ -589,13 +589,13 @@ def _expected(torch, src, dst, src_offs, dst_offs, sizes):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("chunk_bytes", [4096, 64 * 1024, cuda.STAGED_CHUNK_BYTES])
-def test_staged_copy_in_chunks_is_exact_here_and_to_a_peer(chunk_bytes):
+@pytest.mark.parametrize("chunk_bytes", [4096, 64 * 1024, cuda.STAGING_CHUNK_BYTES])
+def test_staging_copy_in_chunks_is_exact_here_and_to_a_peer(chunk_bytes):
     """Pinned host -> double-buffered staging slots -> destinations: segments crossing chunk edges, odd lengths and
     gaps land exactly, poisoned gaps stay, the flag holds the request's value; a second request with new host data
     (the slots reused) is exact too."""
     torch = cuda_torch()
-    from ascend_dualpath.transport.cuda import DeviceCopier, StagedCopy, enable_peer_access
+    from ascend_dualpath.transport.cuda import DeviceCopier, StagingCopy, enable_peer_access
 
     src_dev = torch.device("cuda:0")
     torch.cuda.set_device(src_dev)
@@ -607,14 +607,14 @@ def test_staged_copy_in_chunks_is_exact_here_and_to_a_peer(chunk_bytes):
         src, dst, src_offs, dst_offs = _scattered(torch, sizes, "cpu", dst_dev)
         host = src.pin_memory()
         flag = torch.zeros(1, dtype=torch.int64, device=dst_dev)
-        staged = StagedCopy(
+        staging = StagingCopy(
             DeviceCopier(src_dev, flag), host, src_offs, [dst.data_ptr() + o for o in dst_offs], sizes, chunk_bytes
         )
-        assert staged.staging_bytes <= 2 * chunk_bytes
+        assert staging.staging_bytes <= 2 * chunk_bytes
         for value in (31, 32):
             host.random_(0, 256)
             _poison(torch, dst)
-            staged.run(value)
+            staging.run(value)
             torch.cuda.synchronize(src_dev)
             torch.cuda.synchronize(dst_dev)
             assert int(flag.item()) == value, dst_name
@@ -622,9 +622,9 @@ def test_staged_copy_in_chunks_is_exact_here_and_to_a_peer(chunk_bytes):
 
 
 @pytest.mark.cuda
-def test_staged_copy_refuses_bad_sources_before_anything_moves():
+def test_staging_copy_refuses_bad_sources_before_anything_moves():
     torch = cuda_torch()
-    from ascend_dualpath.transport.cuda import DeviceCopier, StagedCopy
+    from ascend_dualpath.transport.cuda import DeviceCopier, StagingCopy
 
     dev = torch.device("cuda:0")
     flag = torch.zeros(1, dtype=torch.int64, device=dev)
@@ -633,11 +633,11 @@ def test_staged_copy_refuses_bad_sources_before_anything_moves():
     with pytest.raises(
         errors.ConfigError, match="pinned 1-D uint8 CPU tensor, got torch.uint8 .4096,. on cpu \\(pinned: False\\)"
     ):
-        StagedCopy(copier, torch.zeros(4096, dtype=torch.uint8), [0], [dst.data_ptr()], [4096])
+        StagingCopy(copier, torch.zeros(4096, dtype=torch.uint8), [0], [dst.data_ptr()], [4096])
     host = torch.zeros(4096, dtype=torch.uint8).pin_memory()
     with pytest.raises(errors.ConfigError, match="segment 1 .offset 4000, 100 bytes. lies outside the host buffer"):
-        StagedCopy(copier, host, [0, 4000], [dst.data_ptr(), dst.data_ptr() + 4096], [16, 100])
+        StagingCopy(copier, host, [0, 4000], [dst.data_ptr(), dst.data_ptr() + 4096], [16, 100])
     with pytest.raises(errors.ConfigError, match="chunk_bytes 1000 is not a multiple of 16 from 4096"):
-        StagedCopy(copier, host, [0], [dst.data_ptr()], [16], chunk_bytes=1000)
+        StagingCopy(copier, host, [0], [dst.data_ptr()], [16], chunk_bytes=1000)
     torch.cuda.synchronize()
     assert (dst == 0xA5).all() and int(copier.flag.item()) == 0

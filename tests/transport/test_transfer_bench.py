@@ -83,8 +83,15 @@ def test_cuda_kinds_are_the_engine_vocabulary_and_primitives_need_the_flag():
         {"config": {"tile_bytes": 65536, "programs_per_sm": 4, "num_warps": 8}},
     )
     assert parse_kind("device:-:2:-:stream", True) == ("device", {"config": {"programs_per_sm": 2, "streaming": True}})
-    assert parse_kind("staged:65536", True) == ("staged", {"chunk_bytes": 64 << 20})
-    for removed in ("device-jit", "device-runner", "device-new", "device:4:8:4:prefetch", "device:32:6:1:bulk+split2"):
+    assert parse_kind("staging:65536", True) == ("staging", {"chunk_bytes": 64 << 20})
+    for removed in (
+        "staged",
+        "device-jit",
+        "device-runner",
+        "device-new",
+        "device:4:8:4:prefetch",
+        "device:32:6:1:bulk+split2",
+    ):
         with pytest.raises(errors.ConfigError):
             parse_kind(removed, primitives=True)
 

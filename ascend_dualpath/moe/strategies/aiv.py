@@ -353,7 +353,7 @@ class AivStrategy(AllToAllStrategy):
         outs = [torch.empty((sum(recv_counts), *p.shape[1:]), dtype=p.dtype, device=p.device) for p in parts]
         send_index = torch.arange(sum(send_counts), dtype=torch.int32)
         self._exchange("moe_dispatch", sends, parts, send_index, outs, None, what)
-        return PendingRows(lambda: outs)
+        return PendingRows(lambda timeout_s: outs, self.timeout_s)  # the rows moved above
 
     def combine_rows(
         self, plan: NormalPlan, x: torch.Tensor, weights: torch.Tensor | None, biases: tuple

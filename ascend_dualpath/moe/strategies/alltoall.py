@@ -37,16 +37,14 @@ def _from_byte_rows(data: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 class AllToAllStrategy(Strategy):
     name = "alltoall"
 
-    def _wait(self, work: Any, what: str) -> None:
+    def _wait(self, work: Any, what: str, timeout_s: float) -> None:
         # Poll instead of ``work.wait(timeout=...)``: with a timeout, NCCL's wait sleeps in 10 ms steps, which
         # dominated every small exchange. Once complete, ``wait()`` only orders the current stream after it.
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + timeout_s
         try:
             while not work.is_completed():
                 if time.monotonic() > deadline:
-                    raise WaitTimeout(
-                        f"waited {self.timeout_s:g} s for {what} ({self.name} strategy); it did not finish"
-                    )
+                    raise WaitTimeout(f"waited {timeout_s:g} s for {what} ({self.name} strategy); it did not finish")
                 time.sleep(POLL_S)
             work.wait()
         except WaitTimeout:
@@ -62,7 +60,7 @@ class AllToAllStrategy(Strategy):
         # torch >= 2.13 renames all_gather_into_tensor to all_gather_single; the device image has 2.11.
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         work = gather(out, counts.to(torch.int64).contiguous(), group=self.group, async_op=True)
-        self._wait(work, what)
+        self._wait(work, what, self.timeout_s)
         return out.view(world, counts.numel()).cpu()
 
     def exchange_rows(self, parts, send_counts, recv_counts, what) -> PendingRows:
@@ -82,15 +80,15 @@ class AllToAllStrategy(Strategy):
             async_op=True,
         )
 
-        def finish() -> list[torch.Tensor]:
-            self._wait(work, what)
+        def finish(timeout_s: float) -> list[torch.Tensor]:
+            self._wait(work, what, timeout_s)
             out, start = [], 0
             for like, width in zip(parts, widths, strict=True):
                 out.append(_from_byte_rows(recv[:, start : start + width], like))
                 start += width
             return out
 
-        return PendingRows(finish)
+        return PendingRows(finish, self.timeout_s)
 
 
 def create(group: Any, timeout_s: float, **options: Any) -> AllToAllStrategy:

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from ascend_dualpath._checks import check_bound
 from ascend_dualpath.moe.layout import compute_dispatch_layout
 from ascend_dualpath.moe.strategies import _host_ll
 from ascend_dualpath.moe.validation import check_id_range
@@ -91,15 +92,30 @@ def to_device_async(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 class PendingRows:
-    """Rows in flight; :meth:`wait` (bounded) returns them as the list of parts that was sent."""
+    """Rows in flight; :meth:`wait` (bounded) returns them as the list of parts that was sent.
 
-    def __init__(self, finish: Callable[[], list[torch.Tensor]]) -> None:
+    ``finish(timeout_s)`` completes the exchange within ``timeout_s`` seconds or raises
+    :class:`~ascend_dualpath.errors.WaitTimeout` naming what it waited for; ``timeout_s`` here is the owner's
+    default bound (the strategy's). A wait that timed out may be repeated: ``finish`` runs again until it returns,
+    and every later wait returns the same parts.
+    """
+
+    def __init__(self, finish: Callable[[float], list[torch.Tensor]], timeout_s: float) -> None:
         self._finish = finish
+        self._timeout_s = timeout_s
         self._result: list[torch.Tensor] | None = None
 
-    def wait(self) -> list[torch.Tensor]:
+    def wait(self, timeout_s: float | None = None) -> list[torch.Tensor]:
+        """The received parts (each ``[N, ...]``, dtypes as sent) once the exchange completed, waiting at most
+        ``timeout_s`` seconds (None: the strategy's bound; 0: only what already completed). WaitTimeout after the
+        bound; ConfigError for a NaN, infinite or negative bound (the transport's wait protocol)."""
+        bound = (
+            self._timeout_s
+            if timeout_s is None
+            else check_bound("timeout_s", timeout_s, zero_ok=True, where="PendingRows.wait")
+        )
         if self._result is None:
-            self._result = self._finish()
+            self._result = self._finish(bound)
         return self._result
 
 
