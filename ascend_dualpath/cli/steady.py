@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 from dataclasses import asdict
+from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,7 +79,9 @@ def steady_run(args: argparse.Namespace) -> int:
         )
         results["modes"][mode.value] = {**asdict(capacity), "points": [asdict(p) for p in capacity.points]}
     args.out.mkdir(parents=True, exist_ok=True)
-    title = f"{spec.source}: steady state, {shape.measure_s:.0f} s measured after {shape.warmup_s:.0f} s warm-up"
+    title = (
+        f"{Path(spec.source).stem}: steady state, {shape.measure_s:.0f} s measured after {shape.warmup_s:.0f} s warm-up"
+    )
     figure = plot_slo_attainment(args.out / "online_slo_attainment.png", curves, shape, title)
     console.print(f"figure: {escape(figure)}")
     if args.json is not None:
