@@ -2,7 +2,8 @@
 
 Poisson arrivals of Table-2 agents on ``--cluster`` (default the paper's DS-660B 2P4D), warm-up and drain
 excluded (:mod:`ascend_dualpath.sim.online`); per mode the bisection's points, the capacity with the
-search's tolerance and the simulated run length per point; ``online_slo_attainment.png`` under ``--out`` and,
+search's tolerance and the simulated run length per point; ``online_slo_attainment_<cluster>.png`` under
+``--out`` and,
 with ``--json``, every point.
 """
 
@@ -79,10 +80,9 @@ def steady_run(args: argparse.Namespace) -> int:
         )
         results["modes"][mode.value] = {**asdict(capacity), "points": [asdict(p) for p in capacity.points]}
     args.out.mkdir(parents=True, exist_ok=True)
-    title = (
-        f"{Path(spec.source).stem}: steady state, {shape.measure_s:.0f} s measured after {shape.warmup_s:.0f} s warm-up"
-    )
-    figure = plot_slo_attainment(args.out / "online_slo_attainment.png", curves, shape, title)
+    name = Path(spec.source).stem
+    title = f"{name}: steady state, {shape.measure_s:.0f} s measured after {shape.warmup_s:.0f} s warm-up"
+    figure = plot_slo_attainment(args.out / f"online_slo_attainment_{name}.png", curves, shape, title)
     console.print(f"figure: {escape(figure)}")
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2, default=str))

@@ -82,5 +82,5 @@ def test_cli_prints_the_tolerance_and_run_length_and_writes_the_figure(tmp_path,
     assert main(argv) == 0
     out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
     assert "run 40 s per point" in out and "tolerance" in out
-    assert (tmp_path / "online_slo_attainment.png").is_file() and (tmp_path / "s.json").is_file()
+    assert (tmp_path / "online_slo_attainment_qwen32b_1p1d.png").is_file() and (tmp_path / "s.json").is_file()
     assert main(["simulate", "--steady-state"]) == 2  # needs --online
