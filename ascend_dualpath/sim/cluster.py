@@ -15,7 +15,7 @@ What is modelled (each figure physically motivated, see docs/simulator.md):
 * compute-NIC sharing between KV and model traffic in a prefill pass: each rank's CNIC carries its layer
   blocks (KV class) and, where an EP instance spans nodes, its share of the EP all-to-all (model class,
   ``ModelConfig.ep_cnic_bytes_per_token``); the two share each direction by the traffic-class weights of
-  :class:`~ascend_dualpath.dualpath.traffic.QosPolicy` (:meth:`ClusterSim._cnic_time`);
+  :class:`~ascend_dualpath.dualpath.traffic.QosPolicy` (:meth:`ClusterSim._all_to_all_delay`);
 * layer-block submission cost per transfer kind (:mod:`ascend_dualpath.sim.transfer`), tool latency between
   an agent's turns;
 * modes: ``basic`` (the baseline the PE read path was derived from, §4.1: storage -> PE buffer, then all
