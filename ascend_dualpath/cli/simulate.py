@@ -6,7 +6,8 @@ per run and writes every figure to ``--json``. **The paper's reproduction** (nei
 ablation on Table-2 agents, a JCT sweep over agent counts, optionally the Mooncake trace and the online SLO
 capacity; writes figures (jct_vs_agents.png, ablation.png, snic_utilisation.png) and results.json to ``--out``.
 ``--write-trace`` writes the Table-2 generator's agents (or, with ``--mooncake``, the Mooncake trace) as a
-TRACE.jsonl. A bad file or a request that can never fit ends the command with one line and exit status 2.
+TRACE.jsonl. ``--online --steady-state`` searches the online capacity at steady state (:mod:`ascend_dualpath.cli.steady`).
+A bad file or a request that can never fit ends the command with one line and exit status 2.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+from ascend_dualpath.cli import steady
 
 ALL_MODES = "basic,layerwise,dualpath,scheduler,oracle"
 
@@ -67,6 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--online-duration", type=float, default=900.0, help="seconds simulated per online point")
     parser.add_argument("--online-max-aps", type=float, default=8.0, help="upper end of the APS bisection")
+    steady.add_arguments(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("out/simulate"), help="directory for figures and results")
 
@@ -82,11 +86,15 @@ def _parse_pd(text: str) -> tuple[int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ascend_dualpath.errors import AdpError
+    from ascend_dualpath.errors import AdpError, ConfigError
 
     try:
         if args.write_trace is not None:
             return _write_trace(args)
+        if args.steady_state:
+            if not args.online or args.trace is not None:
+                raise ConfigError("--steady-state needs --online and Table-2 agents (no --trace)")
+            return steady.steady_run(args)
         if args.cluster is not None or args.trace is not None:
             return _plan_run(args)
         return _paper_run(args)

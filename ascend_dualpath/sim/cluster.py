@@ -12,6 +12,10 @@ What is modelled (each figure physically motivated, see docs/simulator.md):
   the routed-expert GEMMs of all the instance's tokens;
 * DE decode steps in lock-step per instance: a fixed part (weights, EP latency) plus the HBM bytes the
   batch's attention reads; HBM admission per DE; a request no DE can ever hold is refused before the run;
+* compute-NIC sharing between KV and model traffic in a prefill pass: each rank's CNIC carries its layer
+  blocks (KV class) and, where an EP instance spans nodes, its share of the EP all-to-all (model class,
+  ``ModelConfig.ep_cnic_bytes_per_token``); the two share each direction by the traffic-class weights of
+  :class:`~ascend_dualpath.dualpath.traffic.QosPolicy` (:meth:`ClusterSim._all_to_all_delay`);
 * layer-block submission cost per transfer kind (:mod:`ascend_dualpath.sim.transfer`), tool latency between
   an agent's turns;
 * modes: ``basic`` (the baseline the PE read path was derived from, §4.1: storage -> PE buffer, then all
@@ -22,10 +26,11 @@ What is modelled (each figure physically motivated, see docs/simulator.md):
   ``scheduler`` (the adaptive scheduler of :mod:`ascend_dualpath.dualpath.scheduler`), ``oracle`` (the
   scheduler with every storage read, H2D and P->D transfer free).
 
-What is not: storage writes (they use the SNIC's other direction), CNIC contention between different
-engines' transfers and with model traffic (each engine's own whole-prompt transfers are serialised on its
-NIC; :func:`pd_ratio_warning` flags P/D ratios outside the bandwidth model's bottleneck-free interval), DRAM
-buffer capacity, TP collectives, expert-load imbalance, failures.
+What is not: storage writes (they use the SNIC's other direction), model traffic outside prefill passes (the
+decode all-to-all is in ``decode_step_fixed_s``; whole-prompt transfers after a pass run at the full CNIC
+rate, each engine's serialised), the DE-read-path KV leaving the DE's CNIC, DRAM buffer capacity, TP
+collectives, expert-load imbalance, failures. :func:`pd_ratio_warning` flags P/D ratios outside the bandwidth
+model's bottleneck-free interval.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from ascend_dualpath.dualpath.scheduler import (
     Scheduler,
     plan_prefill_batch,
 )
+from ascend_dualpath.dualpath.traffic import QosPolicy
 from ascend_dualpath.errors import CapacityError, ConfigError
 from ascend_dualpath.sim.models import GB, HardwareConfig, ModelConfig, engine_profile
 from ascend_dualpath.sim.traces import Round
@@ -98,7 +104,8 @@ class ClusterConfig:
     the compute quota). ``tp`` accelerators form one engine (tensor parallel: their HBM, HBM bandwidth,
     compute, CNICs and PCIe links add up; the TP collectives are not charged). ``prefill_ep`` / ``decode_ep``
     are the engines of one expert-parallel instance (lock-step, weights sharded over it); ``None`` picks all of
-    the role's engines when the weights do not fit one engine, else 1 (data parallel)."""
+    the role's engines when the weights do not fit one engine, else 1 (data parallel). ``qos`` gives the
+    model and KV traffic classes' compute-NIC arbitration weights (the library's policy, 99:1)."""
 
     model: ModelConfig
     hardware: HardwareConfig = HardwareConfig()
@@ -112,6 +119,7 @@ class ClusterConfig:
     tp: int = 1
     prefill_ep: int | None = None
     decode_ep: int | None = None
+    qos: QosPolicy = QosPolicy()
 
     def __post_init__(self) -> None:
         if self.prefill_nodes < 1 or self.decode_nodes < 1:
@@ -155,6 +163,15 @@ class ClusterConfig:
             return explicit
         return self.role_engines(role) if self.model.weight_bytes > self.engine_hardware.hbm_bytes else 1
 
+    @property
+    def model_traffic_share(self) -> float:
+        """The model class's share of a compute NIC while KV traffic also wants it: ``w_model / (w_model + w_kv)``."""
+        return self.qos.model.weight / (self.qos.model.weight + self.qos.kv.weight)
+
+    def ep_crosses_nodes(self, role: str) -> bool:
+        """Whether an EP instance of the role spans nodes, so that its all-to-all uses the compute NICs."""
+        return self.ep_size(role) > self.engine_hardware.gpus_per_node
+
     def kv_hbm_bytes(self, role: str) -> float:
         """HBM per engine left for KV when the weights are sharded over the role's EP instance (a model that
         fits one engine and runs with ep=1 is replicated, DP)."""
@@ -168,8 +185,10 @@ class ClusterConfig:
 def pd_ratio_warning(config: ClusterConfig) -> str | None:
     """A warning when the cluster's P/D node ratio is outside the bandwidth model's bottleneck-free interval
     (paper eq. 9, :func:`~ascend_dualpath.dualpath.model.pd_ratio_bounds`), else None. Outside it some NIC or
-    DRAM carries more than its bandwidth in the paper's model; the simulator does not model compute-NIC
-    contention between engines, so its figures there are optimistic."""
+    DRAM carries more than its bandwidth in the paper's model when every storage NIC reads at full rate. The
+    simulator charges each rank's CNIC its KV and model traffic, so whether a run gets there shows in its
+    ``pe_cnic_in`` / ``pe_cnic_out`` / ``de_cnic_in`` utilisation; the DE-path KV leaving a DE's CNIC is
+    not charged."""
     hw = config.hardware
     s = hw.snic_bytes_per_s / hw.cnic_bytes_per_s
     if not 0 < s < hw.gpus_per_node:
@@ -185,7 +204,8 @@ def pd_ratio_warning(config: ClusterConfig) -> str | None:
     return (
         f"P/D = {config.prefill_nodes}/{config.decode_nodes} = {ratio:.3f} is outside the bottleneck-free "
         f"interval [{float(bounds.lower):.3f}, {float(bounds.upper):.3f}] (exceeded: {limit}); "
-        "compute-NIC contention is not simulated, so these figures are optimistic"
+        "the paper's model oversubscribes that NIC when the storage NICs run at full rate (see the CNIC "
+        "utilisation; the DE-path KV leaving a DE's CNIC is not charged)"
     )
 
 
@@ -324,6 +344,8 @@ class ClusterSim:
             raise ConfigError("every agent needs at least one round")
         self.pe_kv_hbm = config.kv_hbm_bytes("pe")
         self.de_kv_hbm = config.kv_hbm_bytes("de")
+        # bytes per prefill token of the EP all-to-all on the CNICs (model class), 0 inside one node
+        self.ep_bytes_per_token = self.model.ep_cnic_bytes_per_token if config.ep_crosses_nodes("pe") else 0.0
         self._check_fits(agent_names)
         self.profile = self._mean_request_profile()
         self.agent_start = list(agent_start_s) if agent_start_s is not None else [0.0] * len(self.agents)
@@ -469,6 +491,10 @@ class ClusterSim:
             units=units,
             transfer_kind=self.transfer_kind,
         )
+
+    def unfinished_arrivals(self) -> list[float]:
+        """Arrival times (s) of the requests issued and not finished when the run stopped (``max_sim_s``)."""
+        return [req.arrival for req in self._by_id.values()]
 
     # ------------------------------------------------------------------------------------------ arrivals
 
@@ -620,12 +646,14 @@ class ClusterSim:
         return batch
 
     def _engine_pass(
-        self, pe: _Engine, batch: list[tuple[PrefillWork, int]], routed_s: float
+        self, pe: _Engine, batch: list[tuple[PrefillWork, int]], routed_s: float, share_tokens: float
     ) -> tuple[float, float, float]:
         """``(time, time at zero submission cost, compute time)`` of one engine's share of a pass: compute
         (its tokens' attention and non-expert GEMMs, plus ``routed_s``, its share of the instance's routed-expert
         GEMMs) plus, per mode, the KV movement that cannot hide behind it (see the module docstring).
-        Layerwise modes move every request's KV as one layer block per layer, posted by the transfer kind."""
+        Layerwise modes move every request's KV as one layer block per layer, posted by the transfer kind.
+        ``share_tokens`` is the instance's tokens per rank (the EP all-to-all's received half,
+        :meth:`_model_traffic_s`)."""
         kv = self.model.kv_bytes_per_token
         compute, load_h2d, load_rdma, write, posting, serial = routed_s, 0.0, 0.0, 0.0, 0.0, 0.0
         for index, (work, take) in enumerate(batch):
@@ -644,21 +672,42 @@ class ClusterSim:
             for tokens in (hit, sent):
                 post, copy = self._layer_blocks(tokens)
                 posting, serial = posting + post, serial + copy
+        model_s = self._model_traffic_s(sum(take for _, take in batch), share_tokens)
         if self.mode.io_free:
-            return compute, compute, compute
+            overlapped = max(compute, model_s)  # the all-to-all overlaps compute (two micro-batches)
+            return overlapped, overlapped, compute
         if self.mode is Mode.BASIC:
             # all layers' hit KV is copied PE buffer -> HBM before the pass starts (no layer blocks to
             # overlap it with compute, §4.1); the prompt KV leaves for the DE after the pass
-            engine_time = load_h2d / self.hw.pcie_bytes_per_s + compute
-            self._busy["pe_cnic_in"] += load_h2d / self.hw.pcie_bytes_per_s
+            engine_time = load_h2d / self.hw.pcie_bytes_per_s + max(compute, model_s)
+            self._busy["pe_cnic_in"] += load_h2d / self.hw.pcie_bytes_per_s + model_s
+            self._busy["pe_cnic_out"] += model_s
             return engine_time, engine_time, compute
         wire_in = load_h2d / self.hw.pcie_bytes_per_s + load_rdma / self.hw.cnic_bytes_per_s
         wire_out = write / self.hw.cnic_bytes_per_s
-        self._busy["pe_cnic_in"] += wire_in
-        self._busy["pe_cnic_out"] += wire_out
-        free = max(compute, wire_in, wire_out)
+        self._busy["pe_cnic_in"] += wire_in + model_s
+        self._busy["pe_cnic_out"] += wire_out + model_s
+        delay = max(self._all_to_all_delay(wire_in, model_s), self._all_to_all_delay(wire_out, model_s))
+        free = max(compute + delay, wire_in + model_s, wire_out + model_s)
         # one poster serves both directions; posting overlaps the wire, staging's copy does not
         return max(free, posting) + serial, free, compute
+
+    def _model_traffic_s(self, own_tokens: int, share_tokens: float) -> float:
+        """Seconds of EP all-to-all on one direction of a rank's CNIC at its full rate, in a pass where the rank
+        holds ``own_tokens`` and the instance ``share_tokens`` per rank. Each direction carries half of the
+        per-token bytes for the rank's own tokens (dispatch out, combine in) and half for the tokens its
+        experts receive (expert load balanced: ``share_tokens``)."""
+        return self.ep_bytes_per_token / 2 * (own_tokens + share_tokens) / self.hw.cnic_bytes_per_s
+
+    def _all_to_all_delay(self, kv_s: float, model_s: float) -> float:
+        """Seconds the KV traffic holds up the EP all-to-all on one CNIC direction in a pass, for ``kv_s`` of KV
+        and ``model_s`` of model traffic (each at the full rate), both queued from the pass's start and served
+        weighted-fair by the traffic-class weights: the model class gets ``w_model / (w_model + w_kv)`` of the
+        NIC until the KV is through, so it finishes ``min(model_s * w_kv / w_model, kv_s)`` later than alone.
+        The all-to-all itself overlaps compute (two micro-batches, as DeepSeek's prefill runs); that delay
+        does not, because the expert GEMMs wait for their dispatch (:meth:`_engine_pass` adds it to compute)."""
+        share = self.config.model_traffic_share
+        return min(model_s * (1 - share) / share, kv_s)
 
     def _layer_blocks(self, tokens: int) -> tuple[float, float]:
         """Posting and serial time of moving ``tokens`` tokens of one request as one layer block per layer."""
@@ -688,15 +737,21 @@ class ClusterSim:
             return
         tokens = sum(take for _, batch in plan for _, take in batch)
         routed_s = self.model.routed_gemm_flops(tokens) / len(domain.engines) / self.hw.prefill_flops_per_s
-        step_time = step_free = 0.0
+        share_tokens = tokens / len(domain.engines)
+        # a rank without tokens still runs its experts and receives their all-to-all
+        idle_rank_s = max(routed_s, self._model_traffic_s(0, share_tokens)) if len(plan) < len(domain.engines) else 0.0
+        step_time = step_free = idle_rank_s
         for pe, batch in plan:
-            engine_time, engine_free, compute = self._engine_pass(pe, batch, routed_s)
+            engine_time, engine_free, compute = self._engine_pass(pe, batch, routed_s, share_tokens)
             step_time, step_free = max(step_time, engine_time), max(step_free, engine_free)
             self._busy["prefill_compute"] += compute
         # every rank takes part in the pass (an idle one still runs its experts for the others)
         self._busy["prefill_pass"] += step_time * len(domain.engines)
         if len(plan) < len(domain.engines):
-            self._busy["prefill_compute"] += routed_s * (len(domain.engines) - len(plan))
+            idle = len(domain.engines) - len(plan)
+            self._busy["prefill_compute"] += routed_s * idle
+            for direction in ("pe_cnic_in", "pe_cnic_out"):
+                self._busy[direction] += self._model_traffic_s(0, share_tokens) * idle
         self._busy["prefill_submit"] += (step_time - step_free) * len(domain.engines)
         if step_time > step_free:
             for pe, batch in plan:

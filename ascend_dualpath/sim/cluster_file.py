@@ -10,11 +10,12 @@ Tables and keys (every key optional unless marked; defaults are the paper's Hopp
     [model]        name (a built-in: ds660b, ds27b, qwen32b; required without layers), or its parameters /
                    overrides: layers, active_params_b (or flops_per_token), weight_gb, kv_bytes_per_token,
                    heads and head_dim (dense attention FLOPs) or attn_flops_per_pair, sparse_topk,
-                   index_flops_per_pair, experts, top_k, routed_expert_fraction, decode_step_fixed_ms,
-                   decode_read_bytes_per_ctx_token, decode_read_bytes_per_attended
+                   index_flops_per_pair, experts, top_k, routed_expert_fraction, ep_cnic_bytes_per_token,
+                   decode_step_fixed_ms, decode_read_bytes_per_ctx_token, decode_read_bytes_per_attended
     [parallelism]  tp = 1 (accelerators per engine), prefill_ep, decode_ep (engines per EP instance; default:
                    the whole role when the weights do not fit one engine, else 1)
     [slo]          ttft_s = 4.0, tpot_s = 0.050
+    [qos]          model_weight = 99, kv_weight = 1 (compute-NIC arbitration weights of the two traffic classes)
     [scheduler]    block_tokens = 64, tick_ms = 20, compute_quota_ms = 300, max_batch_tokens = 16384,
                    workspace_gb = 8 (HBM per accelerator)
     [transfer]     aiv_submit_us = 1.0, aiv_cores = 8, aicpu_issue_us = 1.5, aicpu_wqe_us = 0.2,
@@ -30,6 +31,7 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ascend_dualpath.dualpath.traffic import QosPolicy
 from ascend_dualpath.errors import BackendUnavailable, ConfigError
 from ascend_dualpath.sim.cluster import ClusterConfig
 from ascend_dualpath.sim.models import GB, MODELS, HardwareConfig, ModelConfig
@@ -84,12 +86,14 @@ _MODEL = {
     "experts": ("count", 1),
     "top_k": ("count", 1),
     "routed_expert_fraction": ("nonneg", 1),
+    "ep_cnic_bytes_per_token": ("nonneg", 1),
     "decode_step_fixed_ms": ("positive", 1e-3),
     "decode_read_bytes_per_ctx_token": ("nonneg", 1),
     "decode_read_bytes_per_attended": ("positive", 1),
 }
 _PARALLELISM = {"tp": ("count", 1), "prefill_ep": ("count", 1), "decode_ep": ("count", 1)}
 _SLO = {"ttft_s": ("positive", 1), "tpot_s": ("positive", 1)}
+_QOS = {"model_weight": ("count", 1), "kv_weight": ("count", 1)}
 _SCHEDULER = {
     "block_tokens": ("count", 1),
     "tick_ms": ("positive", 1e-3),
@@ -112,6 +116,7 @@ _TABLES = {
     "model": {**_MODEL, "name": None},
     "parallelism": _PARALLELISM,
     "slo": _SLO,
+    "qos": _QOS,
     "scheduler": _SCHEDULER,
     "transfer": _TRANSFER,
 }
@@ -156,6 +161,7 @@ _MODEL_FIELDS = {
     "sparse_topk": "sparse_topk",
     "index_flops_per_pair": "index_flops_per_pair",
     "routed_expert_fraction": "routed_expert_fraction",
+    "ep_cnic_bytes_per_token": "ep_cnic_bytes_per_token",
     "decode_step_fixed_ms": "decode_step_fixed_s",
     "decode_read_bytes_per_ctx_token": "decode_read_bytes_per_ctx_token",
     "decode_read_bytes_per_attended": "decode_read_bytes_per_attended",
@@ -270,6 +276,16 @@ def _hardware(data: dict, nodes: dict[str, float], where: str) -> HardwareConfig
     return hardware
 
 
+def _qos(data: dict, where: str) -> QosPolicy:
+    """The traffic classes' arbitration weights of [qos] (the library's :class:`QosPolicy` defaults, 99:1)."""
+    weights = {key: int(value) for key, value in _values(data, "qos", where).items()}
+    policy = QosPolicy()
+    return QosPolicy(
+        model=replace(policy.model, weight=weights.get("model_weight", policy.model.weight)),
+        kv=replace(policy.kv, weight=weights.get("kv_weight", policy.kv.weight)),
+    )
+
+
 def parse_cluster(data: dict, where: str = "cluster") -> ClusterSpec:
     """A :class:`ClusterSpec` from a decoded cluster file; ``where`` prefixes every error."""
     for table in data:
@@ -281,7 +297,9 @@ def parse_cluster(data: dict, where: str = "cluster") -> ClusterSpec:
     knobs = _renamed(_values(data, "scheduler", where), _SCHEDULER_FIELDS)
     model = _model(data, where)
     try:
-        config = ClusterConfig(model, hardware, int(nodes["prefill"]), int(nodes["decode"]), **knobs, **parallel)
+        config = ClusterConfig(
+            model, hardware, int(nodes["prefill"]), int(nodes["decode"]), **knobs, **parallel, qos=_qos(data, where)
+        )
     except ConfigError as error:
         raise ConfigError(f"{where}: {error}") from None
     slo = Slo(**_values(data, "slo", where))

@@ -54,7 +54,10 @@ class ModelConfig:
     reads per context token (indexer keys) and per attended token;
     ``decode_step_fixed_s``: decode step time independent of batch (weights, EP all-to-all latency);
     ``routed_expert_fraction``: the share of ``active_params`` in routed MoE experts, whose GEMMs expert
-    parallelism spreads over the EP ranks (0 for a dense model).
+    parallelism spreads over the EP ranks (0 for a dense model);
+    ``ep_cnic_bytes_per_token``: bytes per prefill token, dispatch and combine together over all MoE layers,
+    that the EP all-to-all sends over the compute NICs when an instance spans nodes (model traffic; 0 for a
+    dense model, whose TP collectives stay on the node's scale-up links).
     """
 
     name: str
@@ -69,6 +72,7 @@ class ModelConfig:
     decode_read_bytes_per_attended: float = 0.0
     decode_step_fixed_s: float = 0.020
     routed_expert_fraction: float = 0.0
+    ep_cnic_bytes_per_token: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("layers", "active_params", "weight_bytes", "kv_bytes_per_token"):
@@ -122,6 +126,10 @@ DS_660B = ModelConfig(
     decode_step_fixed_s=0.025,
     # routed experts: 8 of 256 per token x 58 MoE layers x 3 x 7168 x 2048 = 20.4B of the 37B activated
     routed_expert_fraction=0.55,
+    # EP all-to-all across nodes: per token and MoE layer the hidden state goes out FP8 (7168 B, dispatch) and
+    # comes back BF16 (14336 B, combine), one copy per remote node (DeepEP-style node dedup; EP16 on 2 nodes
+    # has one remote node, and 8 of 256 experts almost always include one there): 58 x 7168 x 3 B
+    ep_cnic_bytes_per_token=58 * 7168 * 3,
 )
 
 # The paper's internal DS 27B (§A.2: hidden 2560, 30 layers, 72 routed experts top-6 + 2 shared, DSA
@@ -141,6 +149,8 @@ DS_27B = ModelConfig(
     decode_step_fixed_s=0.012,
     # assumed: FFN ~ 2/3 of the activated parameters, 6 of its 8 active experts routed (2 shared)
     routed_expert_fraction=0.5,
+    # as DS-660B with hidden 2560, assuming every one of the 30 layers is MoE (only used when ep spans nodes)
+    ep_cnic_bytes_per_token=30 * 2560 * 3,
 )
 
 # Qwen2.5-32B: 64 layers, 40 query heads, GQA with 8 KV heads of dim 128, FP16 KV (Table 1 footnote):
