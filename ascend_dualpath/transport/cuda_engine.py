@@ -303,38 +303,16 @@ class CudaTransferEngine(TransferEngine):
         first, self._graph_magic = self._graph_magic, self._graph_magic + GRAPH_MAGIC_STRIDE
         return self._copier.capture(work.plans[0], first)
 
-    def _submit_prepared(self, prepared: PreparedTransfer) -> Ticket:
-        if prepared.engine is not self:
-            raise E.ProtocolError("the prepared transfer belongs to another engine")
-        if prepared.state.get("registrations") != self._registrations:  # a registration went away: check again
+    def _start(self, ticket: Ticket, prepared: PreparedTransfer) -> None:
+        """Enqueue ``prepared``'s work (built at prepare; built again when a registration went away since), or
+        launch its CUDA graph."""
+        if prepared.state.get("registrations") != self._registrations:
             self._prepare_work(prepared, prepared.state["graph"] is not None)
-        selection = prepared.selection
-        ticket = Ticket(
-            next(self._ticket_ids),
-            selection.kind,
-            selection,
-            prepared.pieces,
-            prepared.remote,
-            prepared.notify_slot,
-            self,
-        )
         graph = prepared.state["graph"]
-        try:
-            if graph is None:
-                self._on_device(self._enqueue, ticket, prepared.state["work"])
-            else:
-                self._on_device(self._replay, ticket, prepared.state["work"], graph)
-        except BaseException:
-            self._release(ticket)
-            ticket.finished = True
-            raise
-        return ticket
-
-    def _start(self, ticket: Ticket, sources: Sequence[MemorySegment]) -> None:
-        """The interface's start (unused here: :meth:`prepare` builds the work, :meth:`_submit_prepared` enqueues)."""
-        self._check_request(ticket.remote, ticket.notify_slot)
-        work = self._on_device(self._work, ticket.kind, ticket.pieces, ticket.remote, ticket.notify_slot)
-        self._on_device(self._enqueue, ticket, work)
+        if graph is None:
+            self._on_device(self._enqueue, ticket, prepared.state["work"])
+        else:
+            self._on_device(self._replay, ticket, prepared.state["work"], graph)
 
     def _check_request(self, remote: RemoteSlot, notify_slot: int | None) -> None:
         if remote.peer != self.peer_device.index:

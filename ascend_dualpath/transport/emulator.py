@@ -22,7 +22,7 @@ import numpy as np
 from ascend_dualpath import _ext
 from ascend_dualpath import errors as E
 from ascend_dualpath.backends.emulator import completion_error
-from ascend_dualpath.transport.engine import StagingPool, Ticket, TransferEngine, TransferResult
+from ascend_dualpath.transport.engine import PreparedTransfer, StagingPool, Ticket, TransferEngine, TransferResult
 from ascend_dualpath.transport.kinds import ROCE, ChannelCapabilities, MemoryKind, Selection, TransferKind, select_kind
 from ascend_dualpath.transport.segments import MemorySegment, RemoteSlot, split_segments
 
@@ -197,7 +197,8 @@ class EmulatedTransferEngine(TransferEngine):
 
     # ---- start ------------------------------------------------------------------------------------
 
-    def _start(self, ticket: Ticket, sources: Sequence[MemorySegment]) -> None:
+    def _start(self, ticket: Ticket, prepared: PreparedTransfer) -> None:
+        sources = prepared.sources
         self._check_usable()
         if self._in_flight is not None and not self._in_flight.finished:
             raise E.QueueError(f"ticket {self._in_flight.id} is still in flight; wait for it before submitting more")

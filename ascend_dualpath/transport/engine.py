@@ -217,8 +217,9 @@ class TransferEngine(abc.ABC):
         """Largest wire piece of ``kind``."""
 
     @abc.abstractmethod
-    def _start(self, ticket: Ticket, sources: Sequence[MemorySegment]) -> None:
-        """Stage (if needed) and post; record progress in ``ticket.state``. Must leave nothing held on error."""
+    def _start(self, ticket: Ticket, prepared: PreparedTransfer) -> None:
+        """Stage (if needed) and post ``prepared``'s sources for ``ticket``; record progress in ``ticket.state``.
+        Must leave nothing held on error."""
 
     @abc.abstractmethod
     def _finish(self, ticket: Ticket, timeout_s: float) -> TransferResult:
@@ -298,7 +299,7 @@ class TransferEngine(abc.ABC):
             self,
         )
         try:
-            self._start(ticket, prepared.sources)
+            self._start(ticket, prepared)
         except BaseException:
             self._release(ticket)
             ticket.finished = True

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 from ascend_dualpath import _ext
 from ascend_dualpath import errors as E
-from ascend_dualpath.transport.engine import Ticket, TransferEngine, TransferResult
+from ascend_dualpath.transport.engine import PreparedTransfer, Ticket, TransferEngine, TransferResult
 from ascend_dualpath.transport.kinds import GateDecision, MemoryKind, Selection, TransferKind
 from ascend_dualpath.transport.segments import MemorySegment, RemoteSlot, WirePiece
 
@@ -364,7 +364,7 @@ class NpuTransferEngine(TransferEngine):
                 f"(torch.npu.set_device({self.device})) before submitting"
             )
 
-    def _start(self, ticket: Ticket, sources: Sequence[MemorySegment]) -> None:
+    def _start(self, ticket: Ticket, prepared: PreparedTransfer) -> None:
         if ticket.remote.peer != self.peer:
             raise E.ConfigError(f"remote slot on rank {ticket.remote.peer}, but this engine writes to rank {self.peer}")
         if ticket.notify_slot is not None:
