@@ -55,3 +55,21 @@ def dispatch_layout(
         tl.atomic_add(counts + NUM_RANKS + nodes, tl.sum(node_hit, axis=0), mask=nodes < NUM_NODES)
     expert_counts = counts + NUM_RANKS + (NUM_NODES if NUM_NODES > 1 else 0)
     tl.atomic_add(expert_counts + tl.where(valid, idx, 0), tl.full(idx.shape, 1, tl.int32), mask=valid)
+
+
+BLOCK_TOKENS = 64  # tokens per program
+
+
+def launch_constants(num_ranks: int, ranks_per_node: int, num_nodes: int, topk: int) -> dict:
+    """The kernel's constexprs for ``num_ranks`` ranks in ``num_nodes`` nodes and ``topk`` slots per token (the
+    ``*_PAD`` values are the next powers of two, as ``tl.arange`` needs); the grid is
+    ``ceil(tokens / BLOCK_TOKENS)`` programs."""
+    return {
+        "NUM_RANKS": num_ranks,
+        "RANKS_PAD": triton.next_power_of_2(num_ranks),
+        "RANKS_PER_NODE": ranks_per_node,
+        "NUM_NODES": num_nodes,
+        "NODES_PAD": triton.next_power_of_2(num_nodes),
+        "TOPK_PAD": triton.next_power_of_2(topk),
+        "BLOCK_T": BLOCK_TOKENS,
+    }

@@ -12,17 +12,10 @@ import torch
 
 from ascend_dualpath.ops import cpu
 
-# tokens per program, as the cuda strategy launches the same kernel
-LAYOUT_BLOCK_TOKENS = 64
-
 
 def has_triton() -> bool:
     """Whether Triton can be imported (checked without importing it)."""
     return importlib.util.find_spec("triton") is not None
-
-
-def _next_power_of_2(value: int) -> int:
-    return 1 << (max(1, value) - 1).bit_length()
 
 
 def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, ranks_per_node: int):
@@ -39,7 +32,7 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, ra
     counts = torch.zeros(num_ranks + extra + num_experts + 2, dtype=torch.int32, device=topk_idx.device)
     in_rank = torch.zeros(tokens, num_ranks, dtype=torch.bool, device=topk_idx.device)
     if tokens:
-        grid = (-(-tokens // LAYOUT_BLOCK_TOKENS),)
+        grid = (-(-tokens // _layout_kernel.BLOCK_TOKENS),)
         _layout_kernel.dispatch_layout[grid](
             topk_idx.contiguous(),
             counts,
@@ -48,13 +41,7 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, ra
             topk,
             num_experts // num_ranks,
             num_experts,
-            NUM_RANKS=num_ranks,
-            RANKS_PAD=_next_power_of_2(num_ranks),
-            RANKS_PER_NODE=ranks_per_node,
-            NUM_NODES=num_nodes,
-            NODES_PAD=_next_power_of_2(num_nodes),
-            TOPK_PAD=_next_power_of_2(topk),
-            BLOCK_T=LAYOUT_BLOCK_TOKENS,
+            **_layout_kernel.launch_constants(num_ranks, ranks_per_node, num_nodes, topk),
         )
     per_rank = counts[:num_ranks].clone()
     per_node = counts[num_ranks : num_ranks + extra].clone()

@@ -25,8 +25,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ascend_dualpath.ops._layout_kernel import dispatch_layout  # noqa: F401  (the strategy launches it too)
-
 ERROR_WORD = 33  # for the host
 SIG_DATA = tl.constexpr(0)
 SIG_COUNT = tl.constexpr(16)

@@ -63,7 +63,6 @@ COUNT_SLOT_BYTES = 266240
 DATA_OFFSET = HEADER_BYTES + 2 * COUNT_SLOT_BYTES
 MAX_PARTS = 5
 # The copy and reduce kernels' block, tile and warp settings are data: ascend_dualpath.moe.config (per EP size).
-LAYOUT_BLOCK_TOKENS = 64
 PLAN_BLOCK_TOKENS = 1024
 LOCALIZE_GRID = 16
 # Low-latency kernels: at most this many CTAs (all resident: they wait for the peers in the same launch);
@@ -305,18 +304,12 @@ class CudaStrategy(AllToAllStrategy):
             key = (tokens, topk, num_experts, num_ranks, ranks_per_node)
             launch = self._layout_sites.get(key)
             if launch is None:
+                from ascend_dualpath.ops import _layout_kernel  # the same kernel as the dispatch_layout op's
+
                 launch = self._layout_sites[key] = _site(
-                    self.kernels.dispatch_layout,
-                    _cdiv(tokens, LAYOUT_BLOCK_TOKENS),
-                    dict(
-                        NUM_RANKS=num_ranks,
-                        RANKS_PAD=_next_power_of_2(num_ranks),
-                        RANKS_PER_NODE=ranks_per_node,
-                        NUM_NODES=num_nodes,
-                        NODES_PAD=_next_power_of_2(num_nodes),
-                        TOPK_PAD=_next_power_of_2(topk),
-                        BLOCK_T=LAYOUT_BLOCK_TOKENS,
-                    ),
+                    _layout_kernel.dispatch_layout,
+                    _cdiv(tokens, _layout_kernel.BLOCK_TOKENS),
+                    _layout_kernel.launch_constants(num_ranks, ranks_per_node, num_nodes, topk),
                 )
             topk_idx = topk_idx.contiguous()
             launch(
