@@ -180,24 +180,10 @@ if platform.machine() == "x86_64":
 
 def _api_server(model: str, port: int, log: str, extra: list[str] = (), env: dict | None = None) -> subprocess.Popen:
     """vLLM's OpenAI API server (``vllm serve``'s server) of ``model`` on ``port``, in its own session."""
-    argv = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        model,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--enforce-eager",
-        "--block-size",
-        "32",
-        "--no-enable-prefix-caching",
-        *extra,
-    ]
+    from ascend_dualpath.integrations.vllm.serve import server_argv
+
     return subprocess.Popen(
-        argv,
+        [*server_argv(model, port), *extra],
         env={**os.environ, **ENV, **(env or {})},
         stdout=open(log, "w"),
         stderr=subprocess.STDOUT,

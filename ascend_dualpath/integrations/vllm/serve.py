@@ -140,15 +140,23 @@ def vllm_serve_command() -> list[str]:
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
 
 
-def instance_argv(plan: ServePlan, role: str) -> list[str]:
-    """The full command line of one ``vllm serve`` child."""
+def server_argv(model: str, port: int, block_size: int = 32) -> list[str]:
+    """One vLLM OpenAI API server of ``model`` on 127.0.0.1:``port`` as ``serve`` starts its instances, without a
+    connector: with no more arguments it is the plain-vLLM reference the tests and the benchmark compare with."""
     return [
-        *vllm_serve_command(), "--model", plan.model,
-        "--host", "127.0.0.1", "--port", str(plan.instance_port(role)),
-        "--enforce-eager", "--block-size", str(plan.block_size),
+        *vllm_serve_command(), "--model", model,
+        "--host", "127.0.0.1", "--port", str(port),
+        "--enforce-eager", "--block-size", str(block_size),
         # the block store is the cache: vLLM's own prefix cache would serve repeated prefixes from HBM and hide
         # the storage reads DualPath schedules (an --enable-prefix-caching after -- wins)
         "--no-enable-prefix-caching",
+    ]  # fmt: skip
+
+
+def instance_argv(plan: ServePlan, role: str) -> list[str]:
+    """The full command line of one ``vllm serve`` child."""
+    return [
+        *server_argv(plan.model, plan.instance_port(role), plan.block_size),
         "--kv-transfer-config", json.dumps(kv_transfer_config(plan, role), separators=(",", ":")),
         *plan.vllm_args,
     ]  # fmt: skip

@@ -86,23 +86,10 @@ def plain(model, tmp_path_factory):
     """A plain vLLM server of the same model: the reference text."""
     port = _free_port()
     log = tmp_path_factory.mktemp("plain") / "plain.log"
-    argv = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        model,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--enforce-eager",
-        "--block-size",
-        "32",
-        "--no-enable-prefix-caching",
-    ]
+    from ascend_dualpath.integrations.vllm.serve import server_argv
+
     proc = subprocess.Popen(
-        argv,
+        server_argv(model, port),
         env={**os.environ, **ENV},
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
