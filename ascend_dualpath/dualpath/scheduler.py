@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import enum
 import heapq
+import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -257,6 +258,40 @@ def choose_read_path(
     if pe_node_queue_tokens != de_node_queue_tokens:
         return ReadPath.DE if de_node_queue_tokens < pe_node_queue_tokens else ReadPath.PE
     return ReadPath.DE if de_node_read_tokens < pe_node_read_tokens else ReadPath.PE
+
+
+def split_hit_blocks(
+    blocks: int,
+    block_bytes: int,
+    pe_backlog_bytes: float,
+    pe_bytes_per_s: float,
+    de_backlog_bytes: float,
+    de_bytes_per_s: float,
+) -> int:
+    """How many of a request's ``blocks`` hit blocks the PE's storage NIC reads when one request is read
+    through both (the rest go to the DE's), sized so that both reads finish together.
+
+    Each side drains its backlog (bytes queued or in flight) first, at its cap; the PE's share ``k`` solves
+    ``(pe_backlog + k b) / pe_rate = (de_backlog + (blocks - k) b) / de_rate``, rounded to the nearest whole
+    block and clamped to ``[0, blocks]`` (a side whose backlog alone outlasts the other's whole read gets
+    nothing). The paper picks one side per request (:func:`choose_read_path`); it names this split as future
+    work (§8).
+    """
+    if not (isinstance(blocks, int) and blocks >= 0):
+        raise ConfigError(f"blocks must be an int >= 0, got {blocks!r}")
+    if not (isinstance(block_bytes, int) and block_bytes > 0):
+        raise ConfigError(f"block_bytes must be an int > 0, got {block_bytes!r}")
+    for name, value in (("pe_backlog_bytes", pe_backlog_bytes), ("de_backlog_bytes", de_backlog_bytes)):
+        if not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"{name} must be finite and >= 0, got {value!r}")
+    for name, value in (("pe_bytes_per_s", pe_bytes_per_s), ("de_bytes_per_s", de_bytes_per_s)):
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"{name} must be finite and > 0, got {value!r}")
+    total = pe_bytes_per_s + de_bytes_per_s
+    exact = (pe_bytes_per_s * (de_backlog_bytes + blocks * block_bytes) - de_bytes_per_s * pe_backlog_bytes) / (
+        block_bytes * total
+    )
+    return min(blocks, max(0, math.floor(exact + 0.5)))
 
 
 @dataclass

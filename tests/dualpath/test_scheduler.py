@@ -18,6 +18,7 @@ from ascend_dualpath.dualpath.scheduler import (
     plan_decode_groups,
     plan_prefill,
     plan_prefill_batch,
+    split_hit_blocks,
 )
 from ascend_dualpath.errors import ConfigError
 
@@ -242,3 +243,40 @@ def test_scheduler_places_like_plan_prefill_over_all_groups(loads, queues, lengt
     delivered = [a for g in groups for a in scheduler.pull_prefill(reports[g])]
     got = sorted((a.request.request_id, a.prefill_engine) for a in delivered)
     assert got == sorted((r.request_id, e) for r, e in expected)
+
+
+@given(
+    blocks=st.integers(0, 512),
+    pe_backlog=st.integers(0, 1 << 30),
+    de_backlog=st.integers(0, 1 << 30),
+    pe_rate=st.floats(1e6, 1e11),
+    de_rate=st.floats(1e6, 1e11),
+)
+def test_split_finishes_both_reads_together_within_one_block(blocks, pe_backlog, de_backlog, pe_rate, de_rate):
+    b = 1 << 20
+    k = split_hit_blocks(blocks, b, pe_backlog, pe_rate, de_backlog, de_rate)
+    assert 0 <= k <= blocks
+
+    def finish(pe_blocks):
+        return max((pe_backlog + pe_blocks * b) / pe_rate, (de_backlog + (blocks - pe_blocks) * b) / de_rate)
+
+    # no other whole-block split finishes the request earlier
+    best = min(finish(j) for j in range(blocks + 1))
+    assert finish(k) <= best * (1 + 1e-9) + max(b / pe_rate, b / de_rate)
+
+
+def test_split_follows_the_caps_and_the_backlogs():
+    assert split_hit_blocks(100, 4096, 0, 4e9, 0, 1e9) == 80  # 4x the rate: 4x the blocks
+    assert split_hit_blocks(100, 4096, 0, 1e9, 0, 1e9) == 50
+    assert split_hit_blocks(100, 4096, 400 * 4096, 1e9, 0, 1e9) == 0  # its backlog outlasts the other's whole read
+    assert split_hit_blocks(0, 4096, 0, 1e9, 0, 1e9) == 0
+
+
+@pytest.mark.parametrize(
+    "args",
+    [(-1, 4096, 0, 1e9, 0, 1e9), (4, 0, 0, 1e9, 0, 1e9), (4, 4096, float("nan"), 1e9, 0, 1e9),
+     (4, 4096, 0, 0.0, 0, 1e9), (4, 4096, 0, 1e9, 0, float("inf")), (4, 4096, 0, 1e9, -1, 1e9)],
+)  # fmt: skip
+def test_split_rejects_bad_input_naming_it(args):
+    with pytest.raises(ConfigError, match="must be"):
+        split_hit_blocks(*args)
