@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ascend_dualpath.errors import ConfigError
-from ascend_dualpath.sim.cluster import ClusterConfig, ClusterSim, Mode, RequestRecord, SimResult
+from ascend_dualpath.sim.cluster import PAPER_MODES, ClusterConfig, ClusterSim, Mode, RequestRecord, SimResult
 from ascend_dualpath.sim.traces import Round, generate_trajectories, replay
 
 TTFT_SLO_S = 4.0
@@ -45,7 +45,7 @@ def run_offline(
 def run_ablation(
     config: ClusterConfig,
     agents: Sequence[Sequence[Round]],
-    modes: Sequence[Mode] = tuple(Mode),
+    modes: Sequence[Mode] = PAPER_MODES,
     progress: Callable[[Mode, int, int], None] | None = None,
 ) -> dict[Mode, SimResult]:
     results = {}
