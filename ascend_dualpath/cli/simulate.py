@@ -131,7 +131,7 @@ def _plan_run(args: argparse.Namespace) -> int:
     from ascend_dualpath.sim.trace_file import read_agent_trace, table2_trace
     from ascend_dualpath.sim.transfer import parse_kinds
 
-    console = Console(width=None if sys.stdout.isatty() else 150)  # files and pipes get whole tables
+    console = Console(width=None if sys.stdout.isatty() else 170)  # files and pipes get whole tables
     spec = load_cluster(args.cluster if args.cluster is not None else "ds660b_2p4d")
     agents = (
         read_agent_trace(args.trace) if args.trace is not None else table2_trace(args.agents, args.max_len, args.seed)
@@ -187,6 +187,7 @@ def _modes_table(results: dict):
         "rounds/s",
         "SLO met",
         "SNIC max/avg",
+        "SNIC util. avg/max node",
         "binding (util.)",
     ):
         table.add_column(column, justify="right")
@@ -202,6 +203,7 @@ def _modes_table(results: dict):
             f"{summary['throughput']['rounds_per_s']:.1f}",
             f"{100 * summary['slo']['attainment']:.1f}%",
             "-" if balance is None else f"{balance:.2f}",
+            f"{100 * summary['utilisation']['storage_nic']:.0f}%/{100 * max(summary['snic_utilisation_by_node'].values()):.0f}%",
             f"{binding} ({100 * summary['utilisation'][binding]:.0f}%)",
         )
     return table
