@@ -35,14 +35,14 @@ def steady_run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
 
-    from ascend_dualpath.cli.simulate import ALL_MODES
+    from ascend_dualpath.cli.simulate import DEFAULT_MODES
     from ascend_dualpath.sim.cluster_file import load_cluster
     from ascend_dualpath.sim.online import SteadyState, plot_slo_attainment, steady_capacity
     from ascend_dualpath.sim.plan import cluster_warnings, parse_modes
 
     console = Console(width=None if sys.stdout.isatty() else 150)  # files and pipes get whole lines
     spec = load_cluster(args.cluster if args.cluster is not None else "ds660b_2p4d")
-    modes = parse_modes("basic,scheduler" if args.modes == ALL_MODES else args.modes)
+    modes = parse_modes("basic,scheduler" if args.modes == DEFAULT_MODES else args.modes)
     shape = SteadyState(
         warmup_s=args.warmup_s,
         measure_s=args.measure_s,

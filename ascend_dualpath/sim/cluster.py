@@ -23,8 +23,10 @@ What is modelled (each figure physically motivated, see docs/simulator.md):
   stays in PE HBM until it has been sent PE HBM -> DE HBM after the pass, so PE HBM bounds the batch),
   ``layerwise`` (PE read path with layer blocks: H2D and PE->DE streaming overlap the pass, the DE copies
   its buffer to HBM), ``dualpath`` (both read paths, round-robin placement, alternating path),
-  ``scheduler`` (the adaptive scheduler of :mod:`ascend_dualpath.dualpath.scheduler`), ``oracle`` (the
-  scheduler with every storage read, H2D and P->D transfer free).
+  ``scheduler`` (the adaptive scheduler of :mod:`ascend_dualpath.dualpath.scheduler`), ``split`` (the
+  scheduler, with each request's hit blocks read through both the PE's and the DE's storage NIC, sized by
+  :func:`~ascend_dualpath.dualpath.scheduler.split_hit_blocks` so that both halves finish together: the
+  paper's future work, §8), ``oracle`` (the scheduler with every storage read, H2D and P->D transfer free).
 
 What is not: storage writes (they use the SNIC's other direction), model traffic outside prefill passes (the
 decode all-to-all is in ``decode_step_fixed_s``; whole-prompt transfers after a pass run at the full CNIC
@@ -54,6 +56,7 @@ from ascend_dualpath.dualpath.scheduler import (
     Request,
     Scheduler,
     plan_prefill_batch,
+    split_hit_blocks,
 )
 from ascend_dualpath.dualpath.traffic import QosPolicy
 from ascend_dualpath.errors import CapacityError, ConfigError
@@ -80,6 +83,7 @@ class Mode(enum.Enum):
     LAYERWISE = "layerwise"
     DUALPATH = "dualpath"
     SCHEDULER = "scheduler"
+    SPLIT = "split"
     ORACLE = "oracle"
 
     @property
@@ -88,11 +92,20 @@ class Mode(enum.Enum):
 
     @property
     def adaptive(self) -> bool:
-        return self in (Mode.SCHEDULER, Mode.ORACLE)
+        return self in (Mode.SCHEDULER, Mode.SPLIT, Mode.ORACLE)
+
+    @property
+    def split(self) -> bool:
+        """Whether one request's hit blocks are read through both its PE's and its DE's storage NIC."""
+        return self is Mode.SPLIT
 
     @property
     def io_free(self) -> bool:
         return self is Mode.ORACLE
+
+
+# the paper's ablation (§7.2), in its order; ``split`` is ours and runs when asked for
+PAPER_MODES = (Mode.BASIC, Mode.LAYERWISE, Mode.DUALPATH, Mode.SCHEDULER, Mode.ORACLE)
 
 
 @dataclass(frozen=True)
@@ -105,7 +118,9 @@ class ClusterConfig:
     compute, CNICs and PCIe links add up; the TP collectives are not charged). ``prefill_ep`` / ``decode_ep``
     are the engines of one expert-parallel instance (lock-step, weights sharded over it); ``None`` picks all of
     the role's engines when the weights do not fit one engine, else 1 (data parallel). ``qos`` gives the
-    model and KV traffic classes' compute-NIC arbitration weights (the library's policy, 99:1)."""
+    model and KV traffic classes' compute-NIC arbitration weights (the library's policy, 99:1).
+    ``snic_bytes_per_s_by_node`` caps each node's storage NIC (bytes/s, prefill nodes first); empty gives
+    every node the hardware's (alpha stays the hardware's: the scheduler's profile is one node's)."""
 
     model: ModelConfig
     hardware: HardwareConfig = HardwareConfig()
@@ -120,10 +135,14 @@ class ClusterConfig:
     prefill_ep: int | None = None
     decode_ep: int | None = None
     qos: QosPolicy = QosPolicy()
+    snic_bytes_per_s_by_node: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.prefill_nodes < 1 or self.decode_nodes < 1:
             raise ConfigError(f"need >= 1 prefill and decode node, got {self.prefill_nodes}P{self.decode_nodes}D")
+        caps, nodes = self.snic_bytes_per_s_by_node, self.prefill_nodes + self.decode_nodes
+        if caps and (len(caps) != nodes or not all(cap > 0 for cap in caps)):
+            raise ConfigError(f"snic_bytes_per_s_by_node needs {nodes} caps > 0 (one per node), got {caps!r}")
         if self.tp < 1 or self.hardware.gpus_per_node % self.tp:
             raise ConfigError(f"tp={self.tp} must divide the {self.hardware.gpus_per_node} accelerators per node")
         for role in ("pe", "de"):
@@ -150,6 +169,11 @@ class ClusterConfig:
             hbm_bytes_per_s=hw.hbm_bytes_per_s * tp,
             peak_flops=hw.peak_flops * tp,
         )
+
+    def snic_bytes_per_s(self, node: int) -> float:
+        """Storage-NIC cap of node ``node`` (prefill nodes first) in bytes/s."""
+        caps = self.snic_bytes_per_s_by_node
+        return caps[node] if caps else self.hardware.snic_bytes_per_s
 
     def role_engines(self, role: str) -> int:
         """Engines of the ``"pe"`` or ``"de"`` role."""
@@ -220,6 +244,8 @@ class _Req:
     pe: int = -1
     de: int = -1
     path: ReadPath = ReadPath.PE
+    pe_hit_tokens: int = 0  # hit tokens read by the PE's storage NIC; the rest by the DE's
+    reads_left: int = 0  # storage reads of this request not yet landed (two when split)
     first_token: float = 0.0
     decode_start: float = 0.0
     finish_step: int = 0
@@ -250,9 +276,11 @@ class _Engine:
 class _Node:
     node_id: int
     engines: list[int]
-    read_fifo: deque = field(default_factory=deque)  # of (_Req, tokens)
+    snic_bytes_per_s: float
+    read_fifo: deque = field(default_factory=deque)  # of (_Req, tokens, ReadPath)
     read_queue_tokens: int = 0
     read_busy: bool = False
+    read_end: float = 0.0  # when the read in flight lands
     reads: list = field(default_factory=list)  # (start, end, bytes): storage-NIC activity
 
 
@@ -366,7 +394,9 @@ class ClusterSim:
         """Nodes, engines (each with its role's KV HBM free) and lock-step domains: prefill nodes first."""
         g = self.hw.gpus_per_node
         node_count = self.config.prefill_nodes + self.config.decode_nodes
-        self.nodes = [_Node(n, list(range(n * g, (n + 1) * g))) for n in range(node_count)]
+        self.nodes = [
+            _Node(n, list(range(n * g, (n + 1) * g)), self.config.snic_bytes_per_s(n)) for n in range(node_count)
+        ]
         self.pe_nodes = list(range(self.config.prefill_nodes))
         self.de_nodes = list(range(self.config.prefill_nodes, len(self.nodes)))
         self.engines = [_Engine(e, e // g) for e in range(len(self.nodes) * g)]
@@ -578,7 +608,36 @@ class ClusterSim:
         pe = self.engines[req.pe]
         pe.tokens += req.request.prompt_tokens
         pe.seqs += 1
+        req.pe_hit_tokens = self._pe_hit_tokens(req)
         self._read(req)
+
+    def _pe_hit_tokens(self, req: _Req) -> int:
+        """The hit tokens the PE's storage NIC reads: all or none by the chosen path, or (split) the PE's share of
+        :func:`split_hit_blocks` over the two nodes' live backlogs and caps, in whole blocks (the request's
+        last block may be partial)."""
+        cached = req.request.cached_tokens
+        if not self.mode.split:
+            return cached if req.path is ReadPath.PE else 0
+        pe_node = self.nodes[self.engines[req.pe].node]
+        de_node = self.nodes[self.engines[req.de].node]
+        block = self.config.block_tokens
+        pe_blocks = split_hit_blocks(
+            -(-cached // block),
+            block * self.model.kv_bytes_per_token,
+            self._read_backlog_bytes(pe_node),
+            pe_node.snic_bytes_per_s,
+            self._read_backlog_bytes(de_node),
+            de_node.snic_bytes_per_s,
+        )
+        return min(cached, pe_blocks * block)
+
+    def _read_backlog_bytes(self, node: _Node) -> float:
+        """Bytes the node's storage NIC still has to read: the queued reads and what is left of the one in flight."""
+        if not node.read_busy:
+            return 0.0
+        in_flight = node.read_fifo[0][1]
+        queued = (node.read_queue_tokens - in_flight) * self.model.kv_bytes_per_token
+        return queued + (node.read_end - self.now) * node.snic_bytes_per_s
 
     def _prompt_kv_bytes(self, req: _Req) -> float:
         return req.request.prompt_tokens * self.model.kv_bytes_per_token
@@ -586,30 +645,41 @@ class ClusterSim:
     # ------------------------------------------------------------------------------------------ storage
 
     def _read(self, req: _Req) -> None:
-        tokens = req.request.cached_tokens
-        if tokens == 0 or self.mode.io_free:
+        """Queue the request's hit reads on their nodes' storage NICs (one per side that reads any); it is
+        ready for prefill when the last of them has landed."""
+        pe_hit = req.pe_hit_tokens
+        halves = [
+            (self.engines[req.pe].node, pe_hit, ReadPath.PE),
+            (self.engines[req.de].node, req.request.cached_tokens - pe_hit, ReadPath.DE),
+        ]
+        halves = [half for half in halves if half[1] > 0]
+        if not halves or self.mode.io_free:
             self._ready(req)
             return
-        node = self.nodes[self.engines[req.pe if req.path is ReadPath.PE else req.de].node]
-        node.read_fifo.append((req, tokens))
-        node.read_queue_tokens += tokens
-        if not node.read_busy:
-            self._serve_read(node)
+        req.reads_left = len(halves)
+        for node_id, tokens, path in halves:
+            node = self.nodes[node_id]
+            node.read_fifo.append((req, tokens, path))
+            node.read_queue_tokens += tokens
+            if not node.read_busy:
+                self._serve_read(node)
 
     def _serve_read(self, node: _Node) -> None:
-        req, tokens = node.read_fifo[0]
+        _, tokens, path = node.read_fifo[0]
         nbytes = tokens * self.model.kv_bytes_per_token
-        end = self.now + nbytes / self.hw.snic_bytes_per_s
-        node.read_busy = True
+        end = self.now + nbytes / node.snic_bytes_per_s
+        node.read_busy, node.read_end = True, end
         node.reads.append((self.now, end, nbytes))
-        self._read_bytes[req.path.value] += nbytes
+        self._read_bytes[path.value] += nbytes
         self._at(end, self._read_done, node)
 
     def _read_done(self, node: _Node) -> None:
-        req, tokens = node.read_fifo.popleft()
+        req, tokens, _ = node.read_fifo.popleft()
         node.read_queue_tokens -= tokens
         node.read_busy = False
-        self._ready(req)
+        req.reads_left -= 1
+        if not req.reads_left:
+            self._ready(req)
         if node.read_fifo:
             self._serve_read(node)
 
@@ -660,16 +730,16 @@ class ClusterSim:
             compute += self.profile.attention_flops(work.cached, take) * self.profile.seconds_per_flop
             compute += self.model.dense_gemm_flops(take) / self.hw.prefill_flops_per_s
             _, req, first_pass = pe.ready[index]
-            hit = req.request.cached_tokens if first_pass else 0
-            if req.path is ReadPath.PE:
-                load_h2d += hit * kv
-            else:
-                load_rdma += hit * kv
+            # the PE-read hit comes over PCIe and also goes on to the DE; the DE-read hit over the CNIC
+            pe_hit = req.pe_hit_tokens if first_pass else 0
+            de_hit = req.request.cached_tokens - req.pe_hit_tokens if first_pass else 0
+            load_h2d += pe_hit * kv
+            load_rdma += de_hit * kv
             if self.mode is Mode.BASIC and first_pass:
                 pe.free_hbm -= self._prompt_kv_bytes(req)  # held until the P->D transfer has sent it
-            sent = take + (hit if req.path is ReadPath.PE else 0)
+            sent = take + pe_hit
             write += sent * kv
-            for tokens in (hit, sent):
+            for tokens in (pe_hit, de_hit, sent):
                 post, copy = self._layer_blocks(tokens)
                 posting, serial = posting + post, serial + copy
         model_s = self._model_traffic_s(sum(take for _, take in batch), share_tokens)

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ascend_dualpath.errors import ConfigError
-from ascend_dualpath.sim.cluster import ClusterConfig, ClusterSim, Mode, RequestRecord, SimResult
+from ascend_dualpath.sim.cluster import PAPER_MODES, ClusterConfig, ClusterSim, Mode, RequestRecord, SimResult
 from ascend_dualpath.sim.traces import Round, generate_trajectories, replay
 
 TTFT_SLO_S = 4.0
@@ -45,7 +45,7 @@ def run_offline(
 def run_ablation(
     config: ClusterConfig,
     agents: Sequence[Sequence[Round]],
-    modes: Sequence[Mode] = tuple(Mode),
+    modes: Sequence[Mode] = PAPER_MODES,
     progress: Callable[[Mode, int, int], None] | None = None,
 ) -> dict[Mode, SimResult]:
     results = {}
@@ -130,7 +130,9 @@ def summarise(result: SimResult, ttft_slo_s: float = TTFT_SLO_S, tpot_slo_s: flo
     ``slo_attainment`` is the fraction of requests whose own TTFT and TPOT (when it generated more than one
     token) meet the SLOs; ``utilisation[resource]`` its busy resource-seconds over its count times the run's
     length (``prefill_pass`` counts every rank of a lock-step pass, ``prefill_compute`` only the FLOPs);
-    ``decode_hbm`` is the time-average share of DE KV HBM reserved; ``binding_resource`` the busiest of
+    ``decode_hbm`` is the time-average share of DE KV HBM reserved; ``snic_utilisation_by_node`` each node's
+    storage-NIC busy share over the run (its mean is ``utilisation["storage_nic"]``), ``read_bytes_by_path``
+    the storage bytes read on each side (``"pe"``, ``"de"``); ``binding_resource`` the busiest of
     :data:`BINDING_CANDIDATES`. ``submit_share`` (with a transfer kind): ``mean``/``p50``/``p99`` of the share
     of each request's critical path (arrival to decode start) its own passes and P->D copy spent on layer-block
     submissions, ``prefill_pass`` the share of all prefill pass time they took, ``share`` the larger of the
@@ -157,6 +159,10 @@ def summarise(result: SimResult, ttft_slo_s: float = TTFT_SLO_S, tpot_slo_s: flo
             "attainment": _slo_attainment(records, ttft_slo_s, tpot_slo_s),
         },
         "snic_max_over_avg": _snic_balance(result),
+        "snic_utilisation_by_node": {
+            str(node): sum(end - start for start, end, _ in reads) / length for node, reads in result.snic_reads.items()
+        },
+        "read_bytes_by_path": dict(result.read_bytes_by_path),
         "utilisation": utilisation,
         "binding_resource": max(BINDING_CANDIDATES, key=lambda name: utilisation.get(name, 0.0)),
     }

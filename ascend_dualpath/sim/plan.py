@@ -92,7 +92,7 @@ def run_transfer_kinds(
     """
     if not mode.layerwise or mode.io_free:
         raise ConfigError(
-            f"transfer kinds apply to the layerwise modes (layerwise, dualpath, scheduler), not {mode.value}"
+            f"transfer kinds apply to the layerwise modes (layerwise, dualpath, scheduler, split), not {mode.value}"
         )
     runs = {}
     for kind in [TransferKind.FREE, *[k for k in kinds if k is not TransferKind.FREE]]:

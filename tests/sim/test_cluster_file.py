@@ -14,7 +14,7 @@ from ascend_dualpath.sim.traces import Round
 
 
 def test_examples_ship_and_the_paper_file_is_the_built_in_setting():
-    assert example_names() == ["ds27b_1p1d", "ds660b_2p4d", "qwen32b_1p1d"]
+    assert example_names() == ["ds27b_1p1d", "ds660b_2p4d", "ds660b_2p8d", "qwen32b_1p1d"]
     spec = load_cluster("ds660b_2p4d")
     assert spec.config == ClusterConfig(DS_660B, prefill_ep=16, decode_ep=32)
     assert (spec.slo.ttft_s, spec.slo.tpot_s) == (4.0, 0.050)
