@@ -230,15 +230,20 @@ class DecodeSide:
                 pass
 
     def _read_hits(self, xfer: _DeXfer) -> None:
-        """Read every hit block but the PE's half (``[first, first + pe_blocks)``) into the lease's hit area."""
+        """Read every hit block but the PE's half (``[first, first + pe_blocks)``) into the lease's hit area; a
+        corrupted block leaves the store."""
         plan, fb = xfer.plan, self.layout.full_block_bytes
         ids = plan["store_ids"]
         first = plan["load_start"] // self.block_size
         mine = [b for b in range(len(ids)) if not first <= b < first + plan.get("pe_blocks", 0)]
         self.store.refresh(ids)
         tickets = [self.read_queue.submit(ids[b], xfer.lease.slice(b * fb, fb).view) for b in mine]
-        for ticket in tickets:
-            ticket.wait(self.settings.timeout_s)
+        for b, ticket in zip(mine, tickets, strict=True):
+            try:
+                ticket.wait(self.settings.timeout_s)
+            except ChecksumMismatch:
+                self.store.remove(ids[b])  # and its descendants: persisted again when the request finishes
+                raise
 
     def _push_layers(self, xfer: _DeXfer, pushes: list) -> None:
         plan, fb, lb = xfer.plan, self.layout.full_block_bytes, self.layout.layer_block_bytes

@@ -17,6 +17,7 @@ import itertools
 import os
 import secrets
 import socket
+import threading
 import time
 
 import torch
@@ -64,6 +65,10 @@ class Instance:
     address: str
     role: str
     _blocks: itertools.count = dataclasses.field(default_factory=itertools.count)
+    # vLLM drives a DE's worker from one thread: test threads take turns, and keep every receive's outcome
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    finished: set[str] = dataclasses.field(default_factory=set)
+    failed: set[str] = dataclasses.field(default_factory=set)
 
     def layer_names(self) -> list[str]:
         return [f"layers.{i}.attn" for i in range(LAYERS)]
@@ -156,7 +161,9 @@ class Deployment:
         return pe_req, de_req
 
     def expect_recv(self, de: str, spec: RecvSpec) -> None:
-        self.instances[de].worker.start_step(DualPathMetadata(recvs=[spec]))
+        inst = self.instances[de]
+        with inst.lock:
+            inst.worker.start_step(DualPathMetadata(recvs=[spec]))
 
     def prefill(self, pe: str, req: PeRequest, *, check_layers: bool = True) -> set[int]:
         """One PE request's forward (and the recompute step after a failed load); returns the blocks reported bad.
@@ -192,15 +199,17 @@ class Deployment:
 
     def finish(self, de: str, req_ids: set[str], timeout_s: float = TIMEOUT_S) -> tuple[set[str], set[str]]:
         """Poll the DE (as vLLM's steps do) until every receive in ``req_ids`` ended: ``(finished, failed)``."""
-        worker = self.instances[de].worker
-        finished, failed, deadline = set(), set(), time.monotonic() + timeout_s
-        while not req_ids <= finished:
-            assert time.monotonic() < deadline, f"receives {sorted(req_ids - finished)} on {de} did not end"
-            _, recving, failed_now = worker.get_finished(set())
-            finished |= recving
-            failed |= failed_now
+        inst = self.instances[de]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with inst.lock:
+                _, recving, failed = inst.worker.get_finished(set())
+                inst.finished |= recving
+                inst.failed |= failed
+                if req_ids <= inst.finished:
+                    return req_ids & inst.finished, req_ids & inst.failed
+            assert time.monotonic() < deadline, f"receives {sorted(req_ids - inst.finished)} on {de} did not end"
             time.sleep(0.005)
-        return finished, failed
 
     def done(self, pe: str, req: PeRequest) -> None:
         self.instances[pe].worker.get_finished({req.req_id})
