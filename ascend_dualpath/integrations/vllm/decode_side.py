@@ -52,8 +52,14 @@ class _DeXfer:
     hits_ok: bool = True  # a split's PE half has landed in the lease
     error: str | None = None
     consumed: queue.Queue | None = None  # layers the PE consumed (pusher)
-    stop: threading.Event = dataclasses.field(default_factory=threading.Event)
+    stop: threading.Event = dataclasses.field(default_factory=threading.Event)  # set under push_lock
+    push_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    quiet: threading.Event = dataclasses.field(default_factory=threading.Event)  # no push in flight (set: reading)
     pusher: threading.Thread | None = None
+    pusher_done: bool = False  # under the DecodeSide's lock: the pusher no longer touches its lease
+
+    def __post_init__(self) -> None:
+        self.quiet.set()
 
 
 class DecodeSide:
@@ -185,17 +191,29 @@ class DecodeSide:
         return {"op": "ok"}
 
     def _on_fallback(self, message: dict) -> dict:
-        """The PE's load failed (it recomputes): stop pushing into its slots, then wait for complete layers.
+        """The PE's load failed (it recomputes): stop pushing into its slots, then take complete layers.
 
-        Replies only once the pusher has ended and its pushes have landed, so the PE may free the slots.
+        Replies once no push is in flight and none will start, so the PE may free its slots; the complete layers
+        go into a fresh lease (its address is the reply), because reads of the DE's half may still be landing in
+        the old one (the pusher releases it when they are done).
         """
         xfer = self._xfer(message)
-        if xfer is not None:
+        if xfer is None:
+            raise ProtocolError(f"fallback for unknown request {message['xfer_id']!r}")
+        with xfer.push_lock:
             xfer.stop.set()
-            if xfer.pusher is not None:
-                xfer.pusher.join(self.settings.timeout_s)
-            self._de_fail(xfer, f"the PE fell back: {message.get('reason')}", full=True)
-        return {"op": "ok"}
+        if not xfer.quiet.wait(self.settings.timeout_s):
+            raise WaitTimeout(f"pushes of request {message['xfer_id']!r} in flight after {self.settings.timeout_s} s")
+        nbytes = max(1, self.layout.kv_bytes(xfer.plan["prompt_tokens"]))
+        lease = self.dataplane.host.allocate(message["xfer_id"], nbytes, timeout_s=self.settings.timeout_s)
+        with self._lock:
+            old, xfer.lease = xfer.lease, lease
+            xfer.full_rows, xfer.received_end, xfer.reads_ok, xfer.hits_ok = True, 0, True, True
+            self.counters.fallbacks += 1
+            release_old = xfer.pusher_done
+        if release_old:
+            old.release()
+        return {"op": "ok", "lease_addr": int(lease.addr)}
 
     def _on_abort(self, message: dict) -> dict:
         xfer = self._xfer(message)
@@ -205,16 +223,19 @@ class DecodeSide:
 
     # -- the pusher --------------------------------------------------------------------------------------------------
     def _push_hits(self, xfer: _DeXfer) -> None:
-        """Read the DE's hit blocks, then push its half's hit layers two ahead of what the PE consumed."""
-        plan, pushes = xfer.plan, []
+        """Read the DE's hit blocks, then push its half's hit layers two ahead of what the PE consumed.
+
+        On a failure the DE raises the request's abort flag; the PE then falls back (``fallback``).
+        """
+        plan, lease, pushes = xfer.plan, xfer.lease, []
         try:
-            self._read_hits(xfer)
+            self._read_hits(xfer, lease)
             xfer.reads_ok = True
-            self._push_layers(xfer, pushes)
+            self._push_layers(xfer, lease, pushes)
+        except _PushStopped:
+            pass
         except Exception as error:
             self._settle(xfer.link, pushes)  # nothing may land in the PE's slots once it frees them
-            if isinstance(error, _PushStopped):
-                return
             log.warning(
                 "DualPath: DE read path of request %s broke, the PE falls back: %s: %s",
                 plan["xfer_id"],
@@ -223,29 +244,41 @@ class DecodeSide:
             )
             if isinstance(error, ChecksumMismatch):
                 self.counters.checksum_errors += 1
-            self._de_fail(xfer, f"{type(error).__name__}: {error}", full=True)
             try:
                 xfer.link.leg.record(PE_RANK, plan["notify_base"] + 2, plan["abort_magic"])
             except Exception:  # the PE then times out waiting for the layer, within its bound
                 pass
+        finally:
+            self._settle(xfer.link, pushes)
+            xfer.quiet.set()
+            with self._lock:
+                xfer.pusher_done = True
+                replaced = xfer.lease is not lease
+            if replaced:  # a fallback moved the request to a fresh lease while this one was still being read
+                lease.release()
 
-    def _read_hits(self, xfer: _DeXfer) -> None:
+    def _read_hits(self, xfer: _DeXfer, lease: Any) -> None:
         """Read every hit block but the PE's half (``[first, first + pe_blocks)``) into the lease's hit area; a
-        corrupted block leaves the store."""
+        corrupted block leaves the store. Every read has ended when this returns or raises."""
         plan, fb = xfer.plan, self.layout.full_block_bytes
         ids = plan["store_ids"]
         first = plan["load_start"] // self.block_size
         mine = [b for b in range(len(ids)) if not first <= b < first + plan.get("pe_blocks", 0)]
         self.store.refresh(ids)
-        tickets = [self.read_queue.submit(ids[b], xfer.lease.slice(b * fb, fb).view) for b in mine]
+        tickets = [self.read_queue.submit(ids[b], lease.slice(b * fb, fb).view) for b in mine]
+        first_error = None
         for b, ticket in zip(mine, tickets, strict=True):
             try:
                 ticket.wait(self.settings.timeout_s)
-            except ChecksumMismatch:
+            except ChecksumMismatch as error:
                 self.store.remove(ids[b])  # and its descendants: persisted again when the request finishes
-                raise
+                first_error = first_error or error
+            except Exception as error:
+                first_error = first_error or error
+        if first_error is not None:
+            raise first_error
 
-    def _push_layers(self, xfer: _DeXfer, pushes: list) -> None:
+    def _push_layers(self, xfer: _DeXfer, lease: Any, pushes: list) -> None:
         plan, fb, lb = xfer.plan, self.layout.full_block_bytes, self.layout.layer_block_bytes
         leg = xfer.link.leg
         first = plan["load_start"] // self.block_size + plan.get("pe_blocks", 0)
@@ -253,21 +286,21 @@ class DecodeSide:
         for layer in range(self.layout.num_layers):
             if layer >= 2:
                 self._await_consumed(xfer, layer - 2, pushes)
-            if xfer.stop.is_set():
-                raise _PushStopped()
-            segments = [
-                Segment(xfer.lease.addr + b * fb + layer * lb, lb, (b - first) * lb) for b in range(first, last)
-            ]
-            pushes.append(
-                leg.submit(
-                    layer,
-                    segments,
-                    PE_RANK,
-                    plan["slots"][layer % 2],
-                    plan["notify_base"] + layer % 2,
-                    plan["magics"][layer],
+            segments = [Segment(lease.addr + b * fb + layer * lb, lb, (b - first) * lb) for b in range(first, last)]
+            with xfer.push_lock:  # a fallback sets stop under it: no push starts after the PE let go of its slots
+                if xfer.stop.is_set():
+                    raise _PushStopped()
+                xfer.quiet.clear()
+                pushes.append(
+                    leg.submit(
+                        layer,
+                        segments,
+                        PE_RANK,
+                        plan["slots"][layer % 2],
+                        plan["notify_base"] + layer % 2,
+                        plan["magics"][layer],
+                    )
                 )
-            )
         for ticket in pushes:
             leg.wait(ticket, self.settings.timeout_s)
 
@@ -296,15 +329,10 @@ class DecodeSide:
             except Exception:  # the request already failed; this push's outcome changes nothing
                 pass
 
-    def _de_fail(self, xfer: _DeXfer, reason: str, *, full: bool = False) -> None:
-        """The DE path broke: wait for complete layers from the PE (it recomputes), or fail the receive."""
+    def _de_fail(self, xfer: _DeXfer, reason: str) -> None:
+        """Fail the receive (vLLM recomputes the prompt on the DE or fails the request)."""
         with self._lock:
-            if full:
-                if not xfer.full_rows:
-                    self.counters.fallbacks += 1
-                xfer.full_rows, xfer.received_end, xfer.reads_ok, xfer.hits_ok = True, 0, True, True
-            else:
-                xfer.error = reason
+            xfer.error = reason
 
     # -- receives and the merge ------------------------------------------------------------------------------------
     def add_recv(self, spec: RecvSpec) -> None:

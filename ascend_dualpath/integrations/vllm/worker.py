@@ -373,7 +373,7 @@ class DualPathWorker:
         if xfer is not None:
             xfer.full_rows, xfer.first_save = True, True
             if load.slots:  # the DE must stop pushing before the slots are freed
-                self._peer_fallback(load, f"{type(error).__name__}: {error}")
+                self._peer_fallback(load, xfer, f"{type(error).__name__}: {error}")
         self._release_load(load)
 
     def _drop_corrupt(self, load: _Load) -> int:
@@ -392,12 +392,17 @@ class DualPathWorker:
                 return load.first + i
         return load.first
 
-    def _peer_fallback(self, load: _Load, reason: str) -> None:
+    def _peer_fallback(self, load: _Load, xfer: _PeXfer, reason: str) -> None:
+        """Tell the DE to stop pushing and take complete layers, in the fresh lease its reply names. If it cannot,
+        its receive is aborted (the DE recomputes) and this PE sends it nothing more."""
+        xfer_id = load.spec.xfer.xfer_id
         try:
-            message = {"op": "fallback", "xfer_id": load.spec.xfer.xfer_id, "reason": reason}
-            self._peer_request(load.peer, message, 2 * self.settings.timeout_s)
-        except Exception:  # the DE is gone or late: its pushes end with its own bound
-            pass
+            message = {"op": "fallback", "xfer_id": xfer_id, "reason": reason}
+            xfer.lease_addr = int(self._peer_request(load.peer, message, 2 * self.settings.timeout_s)["lease_addr"])
+        except Exception as exc:
+            log.warning("DualPath: the DE did not take the fallback of request %s: %s", load.spec.req_id, exc)
+            self._abort_peer(load.peer, load.spec.xfer, f"fallback refused: {exc}")
+            self._pe_xfers.pop(xfer_id, None)
 
     def _release_load(self, load: _Load) -> None:
         if load.lease is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -252,3 +253,23 @@ def test_a_peer_with_a_taken_device_id_is_refused(tmp_path):
     finally:
         dp.close()
         remove_fabric_shm(fabric)
+
+
+def test_a_fallback_while_the_des_half_is_still_being_read_uses_a_fresh_lease(deploy):
+    """The PE's half fails at once while the DE's slow reads are still landing: the complete layers go into a
+    fresh lease (the late reads cannot overwrite them), and the old lease is released once its reads ended."""
+    d = deploy(1, 1, snic={"de0": 3000.0})  # the DE's 4 blocks of 768 bytes take about a second
+    de = d.instances["de0"].worker
+    de.settings = dataclasses.replace(de.settings, snic_bytes_per_s=1e15)  # it reports a fast NIC: 4 / 4 split
+    rows = Deployment.true_rows(11, 37)
+    pe_req, de_req = d.request("pe0", "de0", rows, 8, "de", True)
+    _damage(d, pe_req.store_ids[0], "corrupt")
+    d.expect_recv("de0", de_req)
+    assert d.prefill("pe0", pe_req) == set(pe_req.block_ids[:8])
+    d.finish("de0", {de_req.req_id})
+    assert de.read_queue.stats().bytes > 0  # the DE's reads had not ended when the merge ran
+    assert_caches_equal(d.instances["de0"].caches, expected_de_caches([(de_req, rows)]))
+    deadline = time.monotonic() + 10
+    while de.dataplane.host.stats().live_leases and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert de.dataplane.host.stats().live_leases == 0
