@@ -81,13 +81,8 @@ class DecodeSide:
         read_queue: ReadQueue,
         counters: Any,
     ) -> None:
-        self.settings, self.layout, self.store, self.read_queue, self.counters = (
-            settings,
-            layout,
-            store,
-            read_queue,
-            counters,
-        )
+        self.settings, self.layout, self.store = settings, layout, store
+        self.read_queue, self.counters = read_queue, counters
         self.dataplane: Dataplane | None = None
         self.caches: list = []
         self.adapter = None
@@ -118,6 +113,7 @@ class DecodeSide:
         }
 
     def unfinished_tokens(self) -> list[int]:
+        """Prompt tokens of each request planned here and not yet received."""
         with self._lock:
             return [x.plan["prompt_tokens"] for x in self._xfers.values()]
 

@@ -118,7 +118,7 @@ class _Load:
 
     @property
     def full_rows(self) -> bool:
-        """The DE gets complete layers from this PE (PE path, no hit, or after a fallback)."""
+        """The DE gets complete layers from this PE (PE read path, or no hit to read)."""
         return self.own_blocks == self.last - self.first
 
     @property
