@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
 )
@@ -22,6 +23,8 @@ from ascend_dualpath.integrations.vllm.scheduler import DualPathScheduler
 from ascend_dualpath.integrations.vllm.settings import ConnectorSettings, store_namespace
 from ascend_dualpath.kv.layout import KVLayout
 from ascend_dualpath.kv.store import LocalBlockStore
+
+KVConnectorMetadata.register(DualPathMetadata)  # metadata.py stays free of vLLM (the worker half is tested without it)
 
 
 def model_kv_layout(vllm_config: Any) -> KVLayout:

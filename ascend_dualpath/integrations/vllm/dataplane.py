@@ -1,22 +1,28 @@
-"""Where the connector's KV bytes move: one instance's device, communicator, transfer leg and buffers.
+"""Where the connector's KV bytes move: one instance's device and host buffer, and one link per peer.
 
-On the ``emulator`` backend both instances' devices join one emulated RoCE fabric (the PE creates it, the DE
-attaches at the first handshake); the PE is rank 0 and the DE rank 1 of a two-rank communicator whose rank
-infos are exchanged over the side channel instead of a process group. Layer blocks move through
+On the ``emulator`` backend every instance of a deployment (any number of PEs and DEs) opens one emulated device,
+with its own ``device_id``, on one shared RoCE fabric: the first instance to start creates the fabric, the others
+attach (:func:`open_fabric`; creation is exclusive, so two instances starting together never make two fabrics).
+Each (PE, DE) pair that works together gets its own two-rank communicator, a :class:`PairLink`, made lazily at
+the pair's first ``hello`` (the PE is rank 0 and the DE rank 1 of every pair; rank infos are exchanged over the
+side channel instead of a process group). A device holds several communicators, so a PE has one link per DE it
+talks to and a DE one per PE. Layer blocks move through the link's
 :class:`~ascend_dualpath.dualpath.transfer_leg.TransportTransferLeg`, i.e. through the transfer engine's gates
-(``aiv`` from the PE's HCCL window, ``staging`` from the DE's host buffer). The ``cuda`` and ``npu`` engines are
-not wired into the connector yet: :func:`open_dataplane` refuses them by name.
+(``aiv`` from the PE's HCCL window, ``staging`` from a host buffer). The ``cuda`` and ``npu`` engines are not
+wired into the connector yet: :func:`open_dataplane` refuses them by name.
 
 Memory of one instance:
 
-- ``host``: a registered host-DRAM region carved by a :class:`~ascend_dualpath.kv.buffers.HostBuffer` into
-  per-request leases (DE: incoming KV and its own storage reads; PE: its storage reads);
-- ``window``: the PE's HCCL ``windows_in``, carved by a first-fit pool into the two layer slots of each DE-path
-  request (the DE pushes hit layers there) and the send buffers of each step's layer saves.
+- ``host`` (one per instance): a registered host-DRAM region carved by a
+  :class:`~ascend_dualpath.kv.buffers.HostBuffer` into per-request leases (DE: incoming KV and its own storage
+  reads, shared by all its PEs: every PE's link adds the region as the DE's remote memory; PE: its storage reads);
+- ``window`` (one per link): the link's HCCL ``windows_in``, carved by a first-fit pool; on the PE it holds the two
+  layer slots of each request whose hit layers the DE pushes and the send buffers of each step's layer saves.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 
 from ascend_dualpath.backends import Backend, get_backend
@@ -26,68 +32,75 @@ from ascend_dualpath.integrations.vllm.settings import ConnectorSettings
 from ascend_dualpath.kv.buffers import HostBuffer
 from ascend_dualpath.transport.engine import StagingPool
 
-PE_RANK, DE_RANK = 0, 1
-NOTIFY_SLOTS_PER_XFER = 3  # two layer slots and one abort flag per DE-path request
+PE_RANK, DE_RANK = 0, 1  # in every pair's communicator
+NOTIFY_SLOTS_PER_XFER = 3  # two layer slots and one abort flag per request whose hit layers the DE pushes
 NUM_NOTIFY_SLOTS = ABORT_SLOT  # slots [0, ABORT_SLOT) are ours; ABORT_SLOT is the engines' own
+SHM_DIR = "/dev/shm"
 
 
-class Dataplane:
-    """One instance's side of the fabric. Use :func:`open_dataplane`; close it on shutdown."""
+def open_fabric(name: str, timeout_s: float):
+    """The emulated fabric ``name``: created when absent, else attached (waiting, bounded, for its creator).
 
-    def __init__(self, settings: ConnectorSettings, rank: int) -> None:
-        from ascend_dualpath import _ext
+    ``Fabric.create`` opens its shared memory with ``O_EXCL``: of several instances starting together exactly one
+    creates it; the others see it exist and attach, and ``attach`` waits until the creator has initialised it.
+    """
+    from ascend_dualpath.backends import emulator as emu
+
+    try:
+        return emu.create_fabric(name)
+    except ConfigError:
+        if not os.path.exists(os.path.join(SHM_DIR, f"adp.{name}")):
+            raise  # not "it exists": a bad name or a full /dev/shm
+    return emu.attach_fabric(name, timeout_s)
+
+
+class PairLink:
+    """This instance's side of one (PE, DE) pair: a two-rank communicator, its window pool, notify slots and leg.
+
+    Made by :meth:`Dataplane.link`; :meth:`connect` joins it with the peer's rank info.
+    """
+
+    def __init__(self, dataplane: Dataplane, peer_device: int) -> None:
         from ascend_dualpath.backends import emulator as emu
 
-        self.settings, self.rank, self.peer = settings, rank, 1 - rank
-        self.C = _ext.load()
-        if rank == PE_RANK:
-            self.fabric = emu.create_fabric(settings.fabric)
-        else:
-            self.fabric = emu.attach_fabric(settings.fabric, settings.timeout_s)
-        self.device = emu.open_device(self.fabric, device_id=rank)
-        self.comm = self.C.HcclComm(self.device, rank, 2, emu.comm_config(hcclBufferSize=settings.hccl_buffer_mb))
-        self.host_region = self.device.alloc_region(settings.host_buffer_mb << 20, self.C.MemKind.HOST_DRAM, 7)
-        self.host = HostBuffer(
-            backing=self.host_region, role="pe_buffer" if rank == PE_RANK else "de_buffer", timeout_s=settings.timeout_s
+        self.dataplane, self.peer_device = dataplane, peer_device
+        settings = dataplane.settings
+        self.rank = dataplane.rank
+        self.peer = 1 - self.rank
+        self.comm = dataplane.C.HcclComm(
+            dataplane.device, self.rank, 2, emu.comm_config(hcclBufferSize=settings.hccl_buffer_mb)
         )
         window = self.comm.windows_in
         self.window = StagingPool(window.addr, window.size)
         self.window_bytes = memoryview(window)
-        self._window_lock = threading.Lock()
+        self._lock = threading.Lock()
         self._notify_free = list(range(0, NUM_NOTIFY_SLOTS - NOTIFY_SLOTS_PER_XFER + 1, NOTIFY_SLOTS_PER_XFER))
         self.leg: TransportTransferLeg | None = None
 
-    # -- the handshake ----------------------------------------------------------------------------------------------
     def local_info(self) -> bytes:
         return bytes(self.comm.local_info().serialize())
 
-    def host_mem(self) -> tuple[int, int, int]:
-        """``(addr, size, rkey)`` of the host region, for the peer's ``add_remote_mem``."""
-        region = self.host_region
-        return int(region.addr), int(region.size), int(region.rkey)
-
-    def connect(self, peer_info: bytes, peer_host_mem: tuple[int, int, int] | None) -> None:
-        """Join the two-rank communicator; with ``peer_host_mem`` the peer's host region becomes writable."""
-        mine = self.comm.local_info().serialize()
+    def connect(self, peer_info: bytes, peer_host_mem: tuple[int, int, int]) -> None:
+        """Join the pair's communicator; the peer's host region (``(addr, size, rkey)``) becomes writable."""
+        C, mine = self.dataplane.C, self.comm.local_info().serialize()
         infos = [mine, peer_info] if self.rank == PE_RANK else [peer_info, mine]
-        self.comm.connect([self.C.RankInfo.deserialize(b) for b in infos])
-        if peer_host_mem is not None:
-            self.comm.add_remote_mem(self.peer, self.C.RemoteMem(*peer_host_mem))
-        self.leg = TransportTransferLeg(self.comm, self.settings.timeout_s)
-        self.leg.register_local(self.host_region)
+        self.comm.connect([C.RankInfo.deserialize(b) for b in infos])
+        self.comm.add_remote_mem(self.peer, C.RemoteMem(*peer_host_mem))
+        self.leg = TransportTransferLeg(self.comm, self.dataplane.settings.timeout_s)
+        self.leg.register_local(self.dataplane.host_region)
 
     @property
     def connected(self) -> bool:
         return self.leg is not None
 
-    # -- the PE's window ------------------------------------------------------------------------------------------
+    # -- the window (the PE's layer slots and send buffers) --------------------------------------------------------
     def window_alloc(self, nbytes: int) -> int:
         """Address of ``nbytes`` in the HCCL window; CapacityError names the request and the free space."""
-        with self._window_lock:
+        with self._lock:
             return self.window.allocate(max(1, nbytes))
 
     def window_free(self, addr: int) -> None:
-        with self._window_lock:
+        with self._lock:
             self.window.release(addr)
 
     def window_view(self, addr: int, nbytes: int) -> memoryview:
@@ -96,21 +109,76 @@ class Dataplane:
 
     def notify_alloc(self) -> int:
         """First of ``NOTIFY_SLOTS_PER_XFER`` consecutive notify slots for one request."""
-        with self._window_lock:
+        with self._lock:
             if not self._notify_free:
                 raise CapacityError(
-                    f"all {NUM_NOTIFY_SLOTS // NOTIFY_SLOTS_PER_XFER} notify-slot groups are held by requests in flight"
+                    f"all {NUM_NOTIFY_SLOTS // NOTIFY_SLOTS_PER_XFER} notify-slot groups of the link to device "
+                    f"{self.peer_device} are held by requests in flight"
                 )
             return self._notify_free.pop()
 
     def notify_free(self, base: int) -> None:
-        with self._window_lock:
+        with self._lock:
             self._notify_free.append(base)
 
     def close(self) -> None:
         if self.leg is not None:
             self.leg.close()
-        for closable in (self.comm, self.host_region, self.device, self.fabric):
+        self.comm.close()
+
+
+class Dataplane:
+    """One instance's device on the shared fabric and its host buffer. Use :func:`open_dataplane`; close it on
+    shutdown (closes every link)."""
+
+    def __init__(self, settings: ConnectorSettings, rank: int) -> None:
+        from ascend_dualpath import _ext
+        from ascend_dualpath.backends import emulator as emu
+
+        self.settings, self.rank = settings, rank
+        self.C = _ext.load()
+        self.fabric = open_fabric(settings.fabric, settings.timeout_s)
+        self.device = emu.open_device(self.fabric, device_id=settings.device_id)
+        self.host_region = self.device.alloc_region(settings.host_buffer_mb << 20, self.C.MemKind.HOST_DRAM, 7)
+        self.host = HostBuffer(
+            backing=self.host_region, role="pe_buffer" if rank == PE_RANK else "de_buffer", timeout_s=settings.timeout_s
+        )
+        self.links: dict[str, PairLink] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def device_id(self) -> int:
+        return self.settings.device_id
+
+    def host_mem(self) -> tuple[int, int, int]:
+        """``(addr, size, rkey)`` of the host region, for a peer's ``add_remote_mem``."""
+        region = self.host_region
+        return int(region.addr), int(region.size), int(region.rkey)
+
+    def new_link(self, peer: str, peer_device: int) -> PairLink:
+        """A fresh, unconnected link to the instance whose side channel is ``peer``; it replaces (and closes) an
+        older link to that address, which belonged to a process that has since restarted.
+
+        ConfigError when ``peer_device`` is this device's id or another peer's: device ids must be unique.
+        """
+        with self._lock:
+            taken = {key: other.peer_device for key, other in self.links.items() if key != peer}
+            if peer_device == self.device_id or peer_device in taken.values():
+                raise ConfigError(
+                    f"device_id {peer_device} of {peer} is not unique: this instance is device {self.device_id}, "
+                    f"its other peers are {taken}"
+                )
+            old = self.links.pop(peer, None)
+            if old is not None:
+                old.close()
+            link = self.links[peer] = PairLink(self, peer_device)
+            return link
+
+    def close(self) -> None:
+        for link in self.links.values():
+            link.close()
+        self.links.clear()
+        for closable in (self.host_region, self.device, self.fabric):
             closable.close()
 
 

@@ -1,10 +1,13 @@
-"""What the scheduler half tells the worker half each step (vLLM pickles it to the workers)."""
+"""What the scheduler half tells the worker half each step (vLLM pickles it to the workers).
+
+No vLLM import here, so the worker half runs (and is tested) without vLLM: ``connector.py`` registers
+:class:`DualPathMetadata` as a virtual subclass of vLLM's ``KVConnectorMetadata`` (an empty ABC that vLLM only
+names in type hints).
+"""
 
 from __future__ import annotations
 
 import dataclasses
-
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from ascend_dualpath.integrations.vllm.protocol import XferParams
 
@@ -63,7 +66,9 @@ class PersistSpec:
 
 
 @dataclasses.dataclass
-class DualPathMetadata(KVConnectorMetadata):
+class DualPathMetadata:
+    """One step's work for the worker: loads (PE, standalone), saves (PE), receives (DE), persists."""
+
     loads: list[LoadSpec] = dataclasses.field(default_factory=list)
     saves: list[SaveSpec] = dataclasses.field(default_factory=list)
     recvs: list[RecvSpec] = dataclasses.field(default_factory=list)

@@ -4,7 +4,9 @@
 - The side channel: a ZMQ ROUTER in each instance's worker on ``127.0.0.1:side_port``. Every message is one
   msgpack map with an ``op``; every request gets exactly one reply (``{"op": "ok", ...}`` or
   ``{"op": "error", "error": text}``). The PE worker is the client of the DE worker (``hello``, ``plan``,
-  ``consumed``, ``rows``, ``abort``); the proxy asks both for ``status``.
+  ``status``, ``plan``, ``consumed``, ``hits``, ``rows``, ``fallback``, ``abort``); the proxy asks every instance
+  for ``status``. Any PE may work with any DE: a PE sends ``hello`` (its side-channel address and device id) to
+  each DE the first time a request names it, and every later message of a request carries its ``xfer_id``.
 
 KV bytes never travel here: they move over the transfer engine's fabric; these are control messages only.
 """
@@ -36,13 +38,16 @@ class XferParams:
 
     ``role`` is what this instance does for the request (``prefill``: the PE; ``decode``: the DE), ``path``
     the read path the proxy chose, ``peer`` the other instance's side channel, ``xfer_id`` the id both
-    instances know the request by (vLLM's request ids differ between instances).
+    instances know the request by (vLLM's request ids differ between instances). ``split`` (optional, default
+    False) reads the request's hit blocks through both storage NICs: the PE sizes the halves at plan time
+    (``path`` is then ignored).
     """
 
     xfer_id: str
     role: str
     path: ReadPath
     peer: str
+    split: bool = False
 
     @classmethod
     def from_request(cls, kv_transfer_params: dict | None) -> XferParams | None:
@@ -63,10 +68,16 @@ class XferParams:
             raise ConfigError(
                 f"kv_transfer_params[{PARAMS_KEY!r}]['path'] must be 'pe' or 'de', got {raw['path']!r}"
             ) from None
-        return cls(str(raw["xfer_id"]), raw["role"], path, str(raw["peer"]))
+        split = raw.get("split", False)
+        if not isinstance(split, bool):
+            raise ConfigError(f"kv_transfer_params[{PARAMS_KEY!r}]['split'] must be a bool, got {split!r}")
+        return cls(str(raw["xfer_id"]), raw["role"], path, str(raw["peer"]), split)
 
     def as_params(self) -> dict:
-        return {PARAMS_KEY: {"xfer_id": self.xfer_id, "role": self.role, "path": self.path.value, "peer": self.peer}}
+        fields = {"xfer_id": self.xfer_id, "role": self.role, "path": self.path.value, "peer": self.peer}
+        if self.split:
+            fields["split"] = True
+        return {PARAMS_KEY: fields}
 
 
 class SideChannel:

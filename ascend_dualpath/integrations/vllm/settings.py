@@ -14,6 +14,7 @@ from ascend_dualpath.kv.layout import BLOCK_ID_BYTES
 # vLLM's kv_role -> what this instance is in DualPath
 INSTANCE_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "standalone"}
 DEFAULT_NODES = {"prefill": "pe", "decode": "de", "standalone": "node0"}
+DEFAULT_DEVICE_IDS = {"prefill": 0, "decode": 1, "standalone": 0}  # so a 1P1D config needs none
 UNCAPPED_BYTES_PER_S = 1e15  # "no storage-NIC cap": 1 PB/s, far above any disk, so reads are never paced
 
 
@@ -35,11 +36,14 @@ class ConnectorSettings:
     side_port : int or None
         Port of the side channel on 127.0.0.1 (required for ``prefill`` and ``decode``).
     fabric : str
-        Name of the emulated fabric both instances' devices join.
+        Name of the emulated fabric every instance's device joins (the first to start creates it).
+    device_id : int
+        This instance's emulated device on the fabric, unique in the deployment (default 0 for ``prefill``,
+        1 for ``decode``).
     timeout_s : float
         Bound of every wait.
     hccl_buffer_mb : int
-        Size of each HCCL window (the PE's layer slots and send buffers live there).
+        Size of each HCCL window, one per (PE, DE) pair (the PE's layer slots and send buffers live there).
     host_buffer_mb : int
         Size of the registered host buffer (DE: leases for incoming KV; PE: storage reads).
     persist_wait_s : float
@@ -54,6 +58,7 @@ class ConnectorSettings:
     side_port: int | None
     fabric: str
     timeout_s: float
+    device_id: int = 0
     hccl_buffer_mb: int = 64
     host_buffer_mb: int = 256
     persist_wait_s: float = 5.0
@@ -75,6 +80,9 @@ class ConnectorSettings:
         mbps = extra.get("snic_mbps")
         snic = UNCAPPED_BYTES_PER_S if mbps is None else _positive("snic_mbps", mbps) * 1e6
         timeout = _positive("timeout_s", extra["timeout_s"]) if "timeout_s" in extra else _env.timeout_s()
+        device_id = extra.get("device_id", DEFAULT_DEVICE_IDS[role])
+        if not (isinstance(device_id, int) and not isinstance(device_id, bool) and device_id >= 0):
+            raise ConfigError(f"kv_connector_extra_config['device_id'] must be an int >= 0, got {device_id!r}")
         return cls(
             role=role,
             store=str(extra["store"]),
@@ -83,6 +91,7 @@ class ConnectorSettings:
             side_port=side_port,
             fabric=str(extra.get("fabric", "adpvllm")),
             timeout_s=timeout,
+            device_id=device_id,
             hccl_buffer_mb=int(_positive("hccl_buffer_mb", extra.get("hccl_buffer_mb", 64))),
             host_buffer_mb=int(_positive("host_buffer_mb", extra.get("host_buffer_mb", 256))),
             persist_wait_s=_positive("persist_wait_s", extra.get("persist_wait_s", 5.0)),

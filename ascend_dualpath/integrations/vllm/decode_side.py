@@ -1,0 +1,399 @@
+"""The DE's half of the worker: the side channel's request handlers, the hit-layer pusher, receives and the merge.
+
+A DE serves any number of PEs. Each PE says ``hello`` once (its side-channel address and device id): the DE makes
+that pair's communicator (:class:`~ascend_dualpath.integrations.vllm.dataplane.PairLink`) and every request the
+PE plans afterwards uses it. All PEs' leases come from the DE's one registered host buffer.
+
+Per request (``plan``), the lease holds ``L x P x C`` bytes: complete layers ``[L, P, C]`` when the PE sends them
+(PE read path, or after any fallback), else the hit Full Blocks ``[H / T, L, T, C]`` then the PE's new rows
+``[L, P - H, C]``. The DE reads the hit blocks the PE does not (all of them on the DE read path; on a split the PE
+reads ``pe_blocks`` of them, writes them into the lease's hit-block area and says ``hits``) and pushes the hit
+layers of its own half into the PE's two window slots, two layers ahead of what the PE consumed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+from ascend_dualpath.dualpath.scheduler import ReadPath
+from ascend_dualpath.dualpath.transfer_leg import Segment
+from ascend_dualpath.errors import ChecksumMismatch, ProtocolError, WaitTimeout
+from ascend_dualpath.integrations.vllm.dataplane import PE_RANK, Dataplane, PairLink
+from ascend_dualpath.integrations.vllm.metadata import RecvSpec
+from ascend_dualpath.integrations.vllm.settings import ConnectorSettings
+from ascend_dualpath.kv.layout import KVLayout
+from ascend_dualpath.kv.read_queue import ReadQueue
+from ascend_dualpath.kv.store import LocalBlockStore
+
+log = logging.getLogger(__name__)
+CONSUMED_POLL_S = 0.05  # how often the pusher, waiting for the PE, looks at its stop flag and its pushes
+
+
+class _PushStopped(Exception):
+    """The PE fell back (``fallback``): the pusher ends without raising the abort flag."""
+
+
+@dataclasses.dataclass
+class _DeXfer:
+    """DE-side state of one request: the plan from the PE, the pair's link, the lease, what has arrived."""
+
+    plan: dict
+    link: PairLink
+    lease: Any
+    full_rows: bool
+    received_end: int
+    created: float
+    reads_ok: bool = False  # the DE's own hit reads (and pushes) are done
+    hits_ok: bool = True  # a split's PE half has landed in the lease
+    error: str | None = None
+    consumed: queue.Queue | None = None  # layers the PE consumed (pusher)
+    stop: threading.Event = dataclasses.field(default_factory=threading.Event)  # set under push_lock
+    push_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    quiet: threading.Event = dataclasses.field(default_factory=threading.Event)  # no push in flight (set: reading)
+    pusher: threading.Thread | None = None
+    pusher_done: bool = False  # under the DecodeSide's lock: the pusher no longer touches its lease
+
+    def __post_init__(self) -> None:
+        self.quiet.set()
+
+
+class DecodeSide:
+    """The DE's requests from all its PEs. The worker owns it and binds the caches once vLLM has made them.
+
+    Parameters
+    ----------
+    settings, layout, store, read_queue :
+        The worker's (the read queue is the DE node's storage NIC).
+    counters :
+        The worker's ``Counters``; this side counts fallbacks, failures and checksum errors there.
+    """
+
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        layout: KVLayout,
+        store: LocalBlockStore,
+        read_queue: ReadQueue,
+        counters: Any,
+    ) -> None:
+        self.settings, self.layout, self.store = settings, layout, store
+        self.read_queue, self.counters = read_queue, counters
+        self.dataplane: Dataplane | None = None
+        self.caches: list = []
+        self.adapter = None
+        self._lock = threading.Lock()
+        self._xfers: dict[str, _DeXfer] = {}
+        self._recvs: dict[str, RecvSpec] = {}
+        self._recv_since: dict[str, float] = {}
+        self.finished_recving: set[str] = set()
+        self.failed_recving: set[str] = set()
+
+    def bind(self, caches: list, adapter: Any, dataplane: Dataplane) -> None:
+        self.caches, self.adapter, self.dataplane = caches, adapter, dataplane
+
+    @property
+    def block_size(self) -> int:
+        return self.layout.block_tokens
+
+    def handlers(self) -> dict:
+        """The side-channel ops a DE answers (``status`` is the worker's)."""
+        return {
+            "hello": self._on_hello,
+            "plan": self._on_plan,
+            "consumed": self._on_consumed,
+            "hits": self._on_hits,
+            "rows": self._on_rows,
+            "fallback": self._on_fallback,
+            "abort": self._on_abort,
+        }
+
+    def unfinished_tokens(self) -> list[int]:
+        """Prompt tokens of each request planned here and not yet received."""
+        with self._lock:
+            return [x.plan["prompt_tokens"] for x in self._xfers.values()]
+
+    # -- handlers --------------------------------------------------------------------------------------------------
+    def _on_hello(self, message: dict) -> dict:
+        """A PE's first message: make (or, after its restart, remake) the pair's communicator."""
+        dp = self.dataplane
+        if dp is None:
+            raise ProtocolError("hello before the DE registered its KV caches")
+        link = dp.new_link(str(message["pe"]), int(message["device_id"]))
+        link.connect(message["rank_info"], tuple(message["host_mem"]))
+        return {"op": "ok", "rank_info": link.local_info(), "host_mem": list(dp.host_mem())}
+
+    def _xfer(self, message: dict) -> _DeXfer | None:
+        with self._lock:
+            return self._xfers.get(message["xfer_id"])
+
+    def _on_plan(self, message: dict) -> dict:
+        link = self.dataplane.links.get(str(message.get("pe")))
+        if link is None or not link.connected:
+            raise ProtocolError(
+                f"plan of request {message['xfer_id']!r} from {message.get('pe')!r}, which sent no hello"
+            )
+        P, H = message["prompt_tokens"], message["hit_tokens"]
+        full = message["path"] == ReadPath.PE.value or H == message["load_start"]
+        lease = self.dataplane.host.allocate(
+            message["xfer_id"], max(1, self.layout.kv_bytes(P)), timeout_s=self.settings.timeout_s
+        )
+        xfer = _DeXfer(
+            message,
+            link,
+            lease,
+            full_rows=full,
+            received_end=0 if full else H,
+            created=time.monotonic(),
+            reads_ok=full,
+            hits_ok=full or not message.get("pe_blocks", 0),
+        )
+        with self._lock:
+            self._xfers[message["xfer_id"]] = xfer
+        if not full:
+            xfer.consumed = queue.Queue()
+            xfer.pusher = threading.Thread(target=self._push_hits, args=(xfer,), name="adp-de-push", daemon=True)
+            xfer.pusher.start()
+        return {"op": "ok", "lease_addr": int(lease.addr)}
+
+    def _on_consumed(self, message: dict) -> dict:
+        xfer = self._xfer(message)
+        if xfer is not None and xfer.consumed is not None:
+            xfer.consumed.put(message["layer"])
+        return {"op": "ok"}
+
+    def _on_hits(self, message: dict) -> dict:
+        """A split's PE half (its hit blocks) is in the lease."""
+        xfer = self._xfer(message)
+        if xfer is None:
+            raise ProtocolError(f"hits for unknown request {message['xfer_id']!r}")
+        xfer.hits_ok = True
+        return {"op": "ok"}
+
+    def _on_rows(self, message: dict) -> dict:
+        with self._lock:
+            xfer = self._xfers.get(message["xfer_id"])
+            if xfer is None:
+                raise ProtocolError(f"rows for unknown request {message['xfer_id']!r}")
+            if message["full"] and not xfer.full_rows:
+                xfer.full_rows, xfer.received_end, xfer.reads_ok, xfer.hits_ok = True, 0, True, True
+            if message["start"] > xfer.received_end:
+                xfer.error = f"rows [{message['start']}, {message['end']}) arrived after only {xfer.received_end} rows"
+            xfer.received_end = max(xfer.received_end, message["end"])
+        return {"op": "ok"}
+
+    def _on_fallback(self, message: dict) -> dict:
+        """The PE's load failed (it recomputes): stop pushing into its slots, then take complete layers.
+
+        Replies once no push is in flight and none will start, so the PE may free its slots; the complete layers
+        go into a fresh lease (its address is the reply), because reads of the DE's half may still be landing in
+        the old one (the pusher releases it when they are done).
+        """
+        xfer = self._xfer(message)
+        if xfer is None:
+            raise ProtocolError(f"fallback for unknown request {message['xfer_id']!r}")
+        with xfer.push_lock:
+            xfer.stop.set()
+        if not xfer.quiet.wait(self.settings.timeout_s):
+            raise WaitTimeout(f"pushes of request {message['xfer_id']!r} in flight after {self.settings.timeout_s} s")
+        nbytes = max(1, self.layout.kv_bytes(xfer.plan["prompt_tokens"]))
+        lease = self.dataplane.host.allocate(message["xfer_id"], nbytes, timeout_s=self.settings.timeout_s)
+        with self._lock:
+            old, xfer.lease = xfer.lease, lease
+            xfer.full_rows, xfer.received_end, xfer.reads_ok, xfer.hits_ok = True, 0, True, True
+            self.counters.fallbacks += 1
+            release_old = xfer.pusher_done
+        if release_old:
+            old.release()
+        return {"op": "ok", "lease_addr": int(lease.addr)}
+
+    def _on_abort(self, message: dict) -> dict:
+        xfer = self._xfer(message)
+        if xfer is not None:
+            self._de_fail(xfer, f"the PE aborted: {message.get('reason')}")
+        return {"op": "ok"}
+
+    # -- the pusher --------------------------------------------------------------------------------------------------
+    def _push_hits(self, xfer: _DeXfer) -> None:
+        """Read the DE's hit blocks, then push its half's hit layers two ahead of what the PE consumed.
+
+        On a failure the DE raises the request's abort flag; the PE then falls back (``fallback``).
+        """
+        plan, lease, pushes = xfer.plan, xfer.lease, []
+        try:
+            self._read_hits(xfer, lease)
+            xfer.reads_ok = True
+            self._push_layers(xfer, lease, pushes)
+        except _PushStopped:
+            pass
+        except Exception as error:
+            self._settle(xfer.link, pushes)  # nothing may land in the PE's slots once it frees them
+            log.warning(
+                "DualPath: DE read path of request %s broke, the PE falls back: %s: %s",
+                plan["xfer_id"],
+                type(error).__name__,
+                error,
+            )
+            if isinstance(error, ChecksumMismatch):
+                self.counters.checksum_errors += 1
+            try:
+                xfer.link.leg.record(PE_RANK, plan["notify_base"] + 2, plan["abort_magic"])
+            except Exception:  # the PE then times out waiting for the layer, within its bound
+                pass
+        finally:
+            self._settle(xfer.link, pushes)
+            xfer.quiet.set()
+            with self._lock:
+                xfer.pusher_done = True
+                replaced = xfer.lease is not lease
+            if replaced:  # a fallback moved the request to a fresh lease while this one was still being read
+                lease.release()
+
+    def _read_hits(self, xfer: _DeXfer, lease: Any) -> None:
+        """Read every hit block but the PE's half (``[first, first + pe_blocks)``) into the lease's hit area; a
+        corrupted block leaves the store. Every read has ended when this returns or raises."""
+        plan, fb = xfer.plan, self.layout.full_block_bytes
+        ids = plan["store_ids"]
+        first = plan["load_start"] // self.block_size
+        mine = [b for b in range(len(ids)) if not first <= b < first + plan.get("pe_blocks", 0)]
+        self.store.refresh(ids)
+        tickets = [self.read_queue.submit(ids[b], lease.slice(b * fb, fb).view) for b in mine]
+        first_error = None
+        for b, ticket in zip(mine, tickets, strict=True):
+            try:
+                ticket.wait(self.settings.timeout_s)
+            except ChecksumMismatch as error:
+                self.store.remove(ids[b])  # and its descendants: persisted again when the request finishes
+                first_error = first_error or error
+            except Exception as error:
+                first_error = first_error or error
+        if first_error is not None:
+            raise first_error
+
+    def _push_layers(self, xfer: _DeXfer, lease: Any, pushes: list) -> None:
+        plan, fb, lb = xfer.plan, self.layout.full_block_bytes, self.layout.layer_block_bytes
+        leg = xfer.link.leg
+        first = plan["load_start"] // self.block_size + plan.get("pe_blocks", 0)
+        last = len(plan["store_ids"])
+        for layer in range(self.layout.num_layers):
+            if layer >= 2:
+                self._await_consumed(xfer, layer - 2, pushes)
+            segments = [Segment(lease.addr + b * fb + layer * lb, lb, (b - first) * lb) for b in range(first, last)]
+            with xfer.push_lock:  # a fallback sets stop under it: no push starts after the PE let go of its slots
+                if xfer.stop.is_set():
+                    raise _PushStopped()
+                xfer.quiet.clear()
+                pushes.append(
+                    leg.submit(
+                        layer,
+                        segments,
+                        PE_RANK,
+                        plan["slots"][layer % 2],
+                        plan["notify_base"] + layer % 2,
+                        plan["magics"][layer],
+                    )
+                )
+        for ticket in pushes:
+            leg.wait(ticket, self.settings.timeout_s)
+
+    def _await_consumed(self, xfer: _DeXfer, layer: int, pushes: list) -> None:
+        """Wait (bounded) until the PE consumed hit layer ``layer``; a failed push or a stop ends the wait at once."""
+        deadline = time.monotonic() + self.settings.timeout_s
+        while True:
+            for ticket in pushes:
+                xfer.link.leg.raise_if_failed(ticket)
+            if xfer.stop.is_set():
+                raise _PushStopped()
+            try:
+                xfer.consumed.get(timeout=CONSUMED_POLL_S)
+                return
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise WaitTimeout(
+                        f"the PE did not consume hit layer {layer} of request {xfer.plan['xfer_id']} "
+                        f"within {self.settings.timeout_s} s"
+                    ) from None
+
+    def _settle(self, link: PairLink, pushes: list) -> None:
+        for ticket in pushes:
+            try:
+                link.leg.wait(ticket, self.settings.timeout_s)
+            except Exception:  # the request already failed; this push's outcome changes nothing
+                pass
+
+    def _de_fail(self, xfer: _DeXfer, reason: str) -> None:
+        """Fail the receive (vLLM recomputes the prompt on the DE or fails the request)."""
+        with self._lock:
+            xfer.error = reason
+
+    # -- receives and the merge ------------------------------------------------------------------------------------
+    def add_recv(self, spec: RecvSpec) -> None:
+        self._recvs[spec.xfer.xfer_id] = spec
+        self._recv_since[spec.xfer.xfer_id] = time.monotonic()
+
+    def complete_recvs(self) -> None:
+        now = time.monotonic()
+        for xfer_id, spec in list(self._recvs.items()):
+            with self._lock:
+                xfer = self._xfers.get(xfer_id)
+            if xfer is None:
+                if now - self._recv_since[xfer_id] > self.settings.timeout_s:
+                    self._end_recv(xfer_id, spec, None, failed=True)
+                continue
+            if xfer.error is not None or now - xfer.created > self.settings.timeout_s:
+                self._end_recv(xfer_id, spec, xfer, failed=True)
+            elif xfer.reads_ok and xfer.hits_ok and xfer.received_end >= xfer.plan["prompt_tokens"]:
+                self._merge(spec, xfer)
+                self._end_recv(xfer_id, spec, xfer, failed=False)
+
+    def _end_recv(self, xfer_id: str, spec: RecvSpec, xfer: _DeXfer | None, *, failed: bool) -> None:
+        self._recvs.pop(xfer_id)
+        self._recv_since.pop(xfer_id)
+        if xfer is not None:
+            with self._lock:
+                self._xfers.pop(xfer_id, None)
+            xfer.stop.set()
+            xfer.lease.release()
+        if failed:
+            why = "no plan from the PE" if xfer is None else (xfer.error or "timed out")
+            log.warning("DualPath: receive of request %s failed: %s", spec.req_id, why)
+            self.counters.failures += 1
+            self.failed_recving.add(spec.req_id)
+        self.finished_recving.add(spec.req_id)
+
+    def _merge(self, spec: RecvSpec, xfer: _DeXfer) -> None:
+        """Write the request's rows ``[spec.computed, spec.end)`` into the DE's paged blocks, in token order.
+
+        The lease holds the rows of all ``P`` prompt tokens: ``[L, P, C]`` (complete layers from the PE), or the
+        hit Full Blocks ``[H / T, L, T, C]`` (read by the DE, or on a split partly by the PE) then the PE's new
+        rows ``[L, P - H, C]``.
+        """
+        C, L, P = self.layout.token_bytes, self.layout.num_layers, xfer.plan["prompt_tokens"]
+        data = xfer.lease.tensor
+        H = 0 if xfer.full_rows else xfer.plan["hit_tokens"]
+        start, end = spec.computed, spec.end
+        for layer in range(L):
+            cache = self.caches[layer]
+            if start < min(H, end):
+                blocks = xfer.lease.full_blocks(self.layout, H // self.block_size)
+                hit = self.layout.layer_rows(blocks, layer)[start : min(H, end)]
+                self.adapter.write_tokens(cache, spec.block_ids, start, hit)
+            new_from = max(start, H)
+            if new_from < end:
+                base = L * H * C + layer * (P - H) * C
+                rows = data[base + (new_from - H) * C : base + (end - H) * C].view(end - new_from, C)
+                self.adapter.write_tokens(cache, spec.block_ids, new_from, rows)
+
+    def close(self) -> None:
+        with self._lock:
+            xfers = list(self._xfers.values())
+            self._xfers.clear()
+        for xfer in xfers:
+            xfer.stop.set()
+            if xfer.pusher is not None:
+                xfer.pusher.join(self.settings.timeout_s)
+            xfer.lease.release()

@@ -1,0 +1,275 @@
+"""Several PEs and DEs, and one request read through both storage NICs, on the real connector workers.
+
+In-process workers (:mod:`tests.integrations.vllm.worker_harness`): each with its own emulated device on one
+fabric, a per-(PE, DE) pair communicator, real side channels, the real store and read queues, FLASH_ATTN-layout
+caches. vLLM's forward is scripted; the DE caches are checked bit for bit (poisoned bytes nobody may write stay).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ascend_dualpath import _ext
+from ascend_dualpath.backends import emulator as emu
+from ascend_dualpath.errors import ConfigError
+from ascend_dualpath.integrations.vllm.dataplane import SHM_DIR, open_dataplane, open_fabric
+from ascend_dualpath.integrations.vllm.protocol import XferParams
+from ascend_dualpath.integrations.vllm.settings import ConnectorSettings
+from ascend_dualpath.kv.store import HEADER_BYTES
+from tests.integrations.vllm.worker_harness import (
+    BLOCK,
+    POISON,
+    Deployment,
+    assert_caches_equal,
+    expected_de_caches,
+    remove_fabric_shm,
+)
+
+PATHS = [("pe", False), ("de", False), ("de", True)]
+
+
+@pytest.fixture
+def deploy(tmp_path):
+    made = []
+
+    def make(num_pe, num_de, **kwargs):
+        made.append(Deployment(tmp_path / f"store{len(made)}", num_pe, num_de, **kwargs))
+        return made[-1]
+
+    yield make
+    for deployment in made:
+        deployment.close()
+        assert not [n for n in os.listdir(SHM_DIR) if n.startswith(f"adp.{deployment.fabric}")]
+
+
+def _run(d: Deployment, pe: str, de: str, prompt: int, hit_blocks: int, path: str, split: bool, seed: int):
+    """One request PE -> DE; returns ``(de_request, rows, bad blocks)`` once the DE's receive ended."""
+    rows = Deployment.true_rows(seed, prompt)
+    pe_req, de_req = d.request(pe, de, rows, hit_blocks, path, split)
+    d.expect_recv(de, de_req)
+    bad = d.prefill(pe, pe_req)
+    finished, failed = d.finish(de, {de_req.req_id})
+    assert failed == set(), f"the DE's receive of {de_req.req_id} failed"
+    d.done(pe, pe_req)
+    return de_req, rows, bad
+
+
+def test_every_pe_works_with_every_de_on_every_path(deploy):
+    d = deploy(2, 2)
+    written: dict[str, list] = {"de0": [], "de1": []}
+    errors = []
+
+    def serve(pe: str, seed: int) -> None:
+        try:
+            for i, (path, split) in enumerate(PATHS * 2):
+                de = f"de{i % 2}"
+                de_req, rows, bad = _run(d, pe, de, 29 + i, 6, path, split, seed + i)
+                assert bad == set()
+                written[de].append((de_req, rows))
+        except BaseException as error:  # reported by the main thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=serve, args=(pe, 100 * k)) for k, pe in enumerate(("pe0", "pe1"))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors
+    for de in ("de0", "de1"):
+        assert_caches_equal(d.instances[de].caches, expected_de_caches(written[de]))
+        assert len(d.instances[de].worker.dataplane.links) == 2  # one pair communicator per PE
+    for pe in ("pe0", "pe1"):
+        status = d.instances[pe].status()
+        assert len(d.instances[pe].worker.dataplane.links) == 2
+        assert sum(status["loads"].values()) == 6 and status["loads"]["pe"] >= 2 and status["loads"]["de"] >= 2
+        assert status["split_blocks_pe"] + status["split_blocks_de"] == 2 * 6
+        assert status["fallbacks"] == status["failures"] == 0
+        assert {"node", "role", "snic_bytes_per_s", "read_queue_bytes", "unfinished_tokens"} <= status.keys()
+        assert status["role"] == "prefill" and status["unfinished_requests"] == 0
+
+
+def test_the_split_follows_the_storage_nic_caps(deploy):
+    """The DE's storage NIC capped 4x lower than the PE's, both read queues idle: the DE reads 1/5 of the blocks."""
+    d = deploy(1, 1, snic={"pe0": 40e6, "de0": 10e6})
+    written = []
+    for seed in range(3):
+        de_req, rows, bad = _run(d, "pe0", "de0", 83, 20, "pe", True, seed)
+        assert bad == set()
+        written.append((de_req, rows))
+    assert_caches_equal(d.instances["de0"].caches, expected_de_caches(written))
+    pe, de = d.instances["pe0"].status(), d.instances["de0"].status()
+    assert pe["loads"] == {"pe": 0, "de": 0, "split": 3}
+    assert (pe["split_blocks_pe"], pe["split_blocks_de"]) == (48, 12)
+    assert de["snic_read_blocks"] == 12 and pe["snic_read_blocks"] == 48
+    assert de["snic_bytes_per_s"] == 10e6
+
+
+def _damage(d: Deployment, store_id: bytes, how: str) -> None:
+    path = d.store.path_of(store_id)
+    if how == "missing":
+        path.unlink()
+        return
+    with open(path, "r+b") as f:
+        f.seek(HEADER_BYTES + 10)
+        byte = f.read(1)
+        f.seek(HEADER_BYTES + 10)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize(
+    ("bad_block", "how", "first_reported", "pe_checksum", "de_checksum"),
+    [
+        (2, "corrupt", 2, 1, 0),  # the PE's half: blocks 0 and 1 are good and stay
+        (1, "missing", 0, 0, 0),  # the PE's half, a block gone: nothing of the load can be trusted
+        (6, "corrupt", 0, 0, 1),  # the DE's half: the DE aborts, the PE falls back as a whole
+    ],
+)
+def test_either_half_failing_falls_back_with_correct_kv(
+    deploy, bad_block, how, first_reported, pe_checksum, de_checksum
+):
+    d = deploy(1, 1)  # uncapped both: 8 hit blocks split 4 / 4
+    rows = Deployment.true_rows(7, 37)
+    pe_req, de_req = d.request("pe0", "de0", rows, 8, "de", True)
+    _damage(d, pe_req.store_ids[bad_block], how)
+    d.expect_recv("de0", de_req)
+    bad = d.prefill("pe0", pe_req)
+    assert bad == set(pe_req.block_ids[first_reported:8])
+    finished, failed = d.finish("de0", {de_req.req_id})
+    assert failed == set()
+    assert_caches_equal(d.instances["de0"].caches, expected_de_caches([(de_req, rows)]))
+    pe, de = d.instances["pe0"].status(), d.instances["de0"].status()
+    assert pe["loads"]["split"] == 1 and (pe["split_blocks_pe"], pe["split_blocks_de"]) == (4, 4)
+    assert pe["fallbacks"] == 1 and pe["checksum_errors"] == pe_checksum and de["checksum_errors"] == de_checksum
+    assert de["fallbacks"] == 1  # the DE stopped pushing and took complete layers
+    assert not d.store.contains(pe_req.store_ids[bad_block]) or how == "missing"
+
+    # the next request on the same pair is unaffected
+    de_req2, rows2, bad2 = _run(d, "pe0", "de0", 21, 4, "de", True, 8)
+    assert bad2 == set()
+    assert_caches_equal(d.instances["de0"].caches, expected_de_caches([(de_req, rows), (de_req2, rows2)]))
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    d = Deployment(tmp_path_factory.mktemp("split-store"), 1, 1)
+    yield d
+    d.close()
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    hit_blocks=st.integers(0, 10),
+    extra=st.integers(1, 2 * BLOCK + 3),
+    de_cap_ratio=st.sampled_from([0.01, 0.3, 1.0, 3.0, 100.0]),
+)
+def test_the_split_merge_is_bit_exact_for_any_hit_and_prompt(pair, hit_blocks, extra, de_cap_ratio):
+    de = pair.instances["de0"]
+    for cache in de.caches:  # every example starts from a poisoned DE and fresh block tables
+        cache.view(torch.uint8).fill_(POISON)
+    de._blocks = type(de._blocks)()
+    pair.instances["pe0"]._blocks = type(de._blocks)()
+    de.worker.settings = dataclasses.replace(de.worker.settings, snic_bytes_per_s=1e12 * de_cap_ratio)
+    prompt = hit_blocks * BLOCK + extra
+    pe_before = pair.instances["pe0"].status()
+    de_req, rows, bad = _run(pair, "pe0", "de0", prompt, hit_blocks, "de", True, hit_blocks * 100 + extra)
+    assert bad == set()
+    assert_caches_equal(de.caches, expected_de_caches([(de_req, rows)]))
+    pe_after = pair.instances["pe0"].status()
+    halves = [pe_after[k] - pe_before[k] for k in ("split_blocks_pe", "split_blocks_de")]
+    assert sum(halves) == hit_blocks
+
+
+def test_device_id_is_validated_and_defaults_by_role():
+    def config(role, **extra):
+        return type(
+            "C", (), {"kv_role": role, "kv_connector_extra_config": {"store": "/s", "side_port": 7000, **extra}}
+        )
+
+    assert ConnectorSettings.from_kv_transfer_config(config("kv_producer")).device_id == 0
+    assert ConnectorSettings.from_kv_transfer_config(config("kv_consumer")).device_id == 1
+    assert ConnectorSettings.from_kv_transfer_config(config("kv_consumer", device_id=5)).device_id == 5
+    for bad in (-1, True, "2", 1.0):
+        with pytest.raises(ConfigError, match="device_id"):
+            ConnectorSettings.from_kv_transfer_config(config("kv_producer", device_id=bad))
+
+
+def test_split_is_an_optional_bool_in_the_params():
+    raw = {"xfer_id": "x", "role": "prefill", "path": "pe", "peer": "tcp://h:1"}
+    assert XferParams.from_request({"dualpath": raw}).split is False
+    params = XferParams.from_request({"dualpath": {**raw, "split": True}})
+    assert params.split is True and XferParams.from_request(params.as_params()) == params
+    with pytest.raises(ConfigError, match="split"):
+        XferParams.from_request({"dualpath": {**raw, "split": "yes"}})
+
+
+def test_instances_starting_together_share_one_fabric(tmp_path):
+    name = f"race{os.getpid()}"
+    barrier, fabrics, errors, devices, regions = threading.Barrier(4), [], [], [], []
+
+    def start() -> None:
+        try:
+            barrier.wait(5)
+            fabrics.append(open_fabric(name, 5.0))
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=start) for _ in range(4)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+        assert not errors, errors
+        devices = [emu.open_device(fabric, device_id=i) for i, fabric in enumerate(fabrics)]
+        regions = [device.alloc_region(4096, _ext.load().MemKind.HOST_DRAM, 7) for device in devices]
+        assert [fabric.num_live_regions for fabric in fabrics] == [4] * 4  # one registry, not four
+    finally:
+        for closable in regions + devices + fabrics:
+            closable.close()
+        remove_fabric_shm(name)
+
+
+def test_a_peer_with_a_taken_device_id_is_refused(tmp_path):
+    fabric = f"dup{os.getpid()}"
+    settings = ConnectorSettings(
+        "prefill", str(tmp_path), "pe", 1e15, 7000, fabric, 5.0, device_id=3, hccl_buffer_mb=1, host_buffer_mb=1
+    )
+    dp = open_dataplane(settings, 0)
+    try:
+        with pytest.raises(ConfigError, match="device_id 3"):
+            dp.new_link("tcp://de", 3)
+        dp.new_link("tcp://de0", 4)
+        with pytest.raises(ConfigError, match="device_id 4"):
+            dp.new_link("tcp://de1", 4)
+        assert dp.new_link("tcp://de0", 5).peer_device == 5  # the same address again: a restarted peer
+    finally:
+        dp.close()
+        remove_fabric_shm(fabric)
+
+
+def test_a_fallback_while_the_des_half_is_still_being_read_uses_a_fresh_lease(deploy):
+    """The PE's half fails at once while the DE's slow reads are still landing: the complete layers go into a
+    fresh lease (the late reads cannot overwrite them), and the old lease is released once its reads ended."""
+    d = deploy(1, 1, snic={"de0": 3000.0})  # the DE's 4 blocks of 768 bytes take about a second
+    de = d.instances["de0"].worker
+    de.settings = dataclasses.replace(de.settings, snic_bytes_per_s=1e15)  # it reports a fast NIC: 4 / 4 split
+    rows = Deployment.true_rows(11, 37)
+    pe_req, de_req = d.request("pe0", "de0", rows, 8, "de", True)
+    _damage(d, pe_req.store_ids[0], "corrupt")
+    d.expect_recv("de0", de_req)
+    assert d.prefill("pe0", pe_req) == set(pe_req.block_ids[:8])
+    d.finish("de0", {de_req.req_id})
+    assert de.read_queue.stats().bytes > 0  # the DE's reads had not ended when the merge ran
+    assert_caches_equal(d.instances["de0"].caches, expected_de_caches([(de_req, rows)]))
+    deadline = time.monotonic() + 10
+    while de.dataplane.host.stats().live_leases and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert de.dataplane.host.stats().live_leases == 0

@@ -1,0 +1,241 @@
+"""PE and DE connector workers in one process, without a model: fake paged caches, a scripted forward.
+
+Each :class:`Instance` is a :class:`~ascend_dualpath.integrations.vllm.worker.DualPathWorker` with its own
+emulated device on one fabric, its own side channel and store handle (the store directory is shared), and
+per-layer FLASH_ATTN-layout caches. :meth:`Deployment.prefill` drives one PE request the way vLLM's forward does
+(``start_step``, per layer ``wait_for_layer_load`` -> the layer's new rows -> ``save_kv_layer``, ``wait_for_save``)
+and, when the load reports bad blocks, the recompute step vLLM runs next (``kv_load_failure_policy=recompute``).
+The KV of every request is known in advance (:meth:`Deployment.true_rows`), so the DE's caches can be checked
+bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import itertools
+import os
+import secrets
+import socket
+import threading
+import time
+
+import torch
+
+from ascend_dualpath.dualpath.scheduler import ReadPath
+from ascend_dualpath.integrations.vllm.layouts import FlashAttnAdapter
+from ascend_dualpath.integrations.vllm.metadata import DualPathMetadata, LoadSpec, RecvSpec, SaveSpec
+from ascend_dualpath.integrations.vllm.protocol import XferParams
+from ascend_dualpath.integrations.vllm.settings import UNCAPPED_BYTES_PER_S, ConnectorSettings
+from ascend_dualpath.integrations.vllm.worker import DualPathWorker
+from ascend_dualpath.kv.store import LocalBlockStore
+
+LAYERS, KV_HEADS, HEAD, BLOCK = 3, 2, 8, 4
+NUM_BLOCKS = 256
+POISON = 0x5A  # every DE cache byte starts as this; bytes no request writes must keep it
+TIMEOUT_S = 10.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def remove_fabric_shm(fabric: str) -> None:
+    for path in glob.glob(f"/dev/shm/adp.{fabric}*"):
+        os.unlink(path)
+
+
+def new_cache(fill: int = 0) -> torch.Tensor:
+    """One layer's FLASH_ATTN cache ``float16 [NUM_BLOCKS, KV_HEADS, BLOCK, 2 * HEAD]``, every byte ``fill``."""
+    cache = torch.empty((NUM_BLOCKS, KV_HEADS, BLOCK, 2 * HEAD), dtype=torch.float16)
+    cache.view(torch.uint8).fill_(fill)
+    return cache
+
+
+ADAPTER = FlashAttnAdapter.from_cache(new_cache())
+LAYOUT = ADAPTER.kv_layout(LAYERS)
+
+
+@dataclasses.dataclass
+class Instance:
+    worker: DualPathWorker
+    caches: list[torch.Tensor]
+    address: str
+    role: str
+    _blocks: itertools.count = dataclasses.field(default_factory=itertools.count)
+    # vLLM drives a DE's worker from one thread: test threads take turns, and keep every receive's outcome
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    finished: set[str] = dataclasses.field(default_factory=set)
+    failed: set[str] = dataclasses.field(default_factory=set)
+
+    def layer_names(self) -> list[str]:
+        return [f"layers.{i}.attn" for i in range(LAYERS)]
+
+    def take_blocks(self, n: int) -> list[int]:
+        ids = [next(self._blocks) for _ in range(n)]
+        assert ids[-1] < NUM_BLOCKS, "the harness ran out of cache blocks"
+        return ids
+
+    def status(self) -> dict:
+        return self.worker.status()
+
+
+class Deployment:
+    """``num_pe`` PEs and ``num_de`` DEs on one fabric and one store; ``snic`` caps by instance name
+    (``pe0``, ``de1``, ...; bytes/s)."""
+
+    def __init__(self, root, num_pe: int, num_de: int, snic: dict[str, float] | None = None) -> None:
+        self.root = str(root)
+        self.fabric = f"t{os.getpid()}x{secrets.token_hex(4)}"
+        self.instances: dict[str, Instance] = {}
+        self._ids = itertools.count()
+        snic = snic or {}
+        try:
+            for i, role in enumerate(["prefill"] * num_pe + ["decode"] * num_de):
+                name = f"pe{i}" if role == "prefill" else f"de{i - num_pe}"
+                self.instances[name] = self._start(name, role, i, snic.get(name, UNCAPPED_BYTES_PER_S))
+        except BaseException:
+            self.close()
+            raise
+        self.store = LocalBlockStore(self.root, LAYOUT)
+
+    def _start(self, name: str, role: str, device_id: int, snic: float) -> Instance:
+        settings = ConnectorSettings(
+            role=role,
+            store=self.root,
+            node=name,
+            snic_bytes_per_s=snic,
+            side_port=free_port(),
+            fabric=self.fabric,
+            timeout_s=TIMEOUT_S,
+            device_id=device_id,
+            hccl_buffer_mb=2,
+            host_buffer_mb=4,
+        )
+        worker = DualPathWorker(settings, LAYOUT, LocalBlockStore(self.root, LAYOUT), lambda _n, c: ADAPTER)
+        caches = [new_cache(POISON if role == "decode" else 0) for _ in range(LAYERS)]
+        names = [f"layers.{i}.attn" for i in range(LAYERS)]
+        worker.register_kv_caches(dict(zip(names, caches, strict=True)), lambda n: int(n.split(".")[1]))
+        return Instance(worker, caches, worker.side.address, role)
+
+    def close(self) -> None:
+        for instance in self.instances.values():
+            instance.worker.shutdown()
+        self.instances.clear()
+        if hasattr(self, "store"):
+            self.store.close()
+        remove_fabric_shm(self.fabric)
+
+    # -- requests ---------------------------------------------------------------------------------------------
+    @staticmethod
+    def true_rows(seed: int, prompt: int) -> torch.Tensor:
+        """``uint8 [L, prompt, C]``: the request's KV (finite float16 values, so every copy keeps the bits)."""
+        gen = torch.Generator().manual_seed(seed)
+        values = torch.randn((LAYERS, prompt, LAYOUT.token_bytes // 2), generator=gen).to(torch.float16)
+        return values.view(torch.uint8)
+
+    def store_prefix(self, rows: torch.Tensor, hit_blocks: int, tag: int) -> list[bytes]:
+        """Persist the first ``hit_blocks`` blocks of ``rows``; returns every full prompt block's store id."""
+        full = rows.shape[1] // BLOCK
+        ids = [bytes([tag % 256, tag // 256]) + secrets.token_bytes(14) for _ in range(full)]
+        for b in range(hit_blocks):
+            payload = rows[:, b * BLOCK : (b + 1) * BLOCK].contiguous()
+            assert self.store.write_block(ids[b], ids[b - 1] if b else None, payload)
+        return ids
+
+    def request(self, pe: str, de: str, rows: torch.Tensor, hit_blocks: int, path: str, split: bool = False):
+        """Everything one request needs on both sides: returns ``(xfer_id, pe_request, de_request)``."""
+        n = next(self._ids)
+        xfer_id = f"x{n}"
+        prompt = rows.shape[1]
+        ids = self.store_prefix(rows, hit_blocks, n)
+        pe_inst, de_inst = self.instances[pe], self.instances[de]
+        pe_xfer = XferParams(xfer_id, "prefill", ReadPath(path), de_inst.address, split)
+        de_xfer = XferParams(xfer_id, "decode", ReadPath(path), pe_inst.address, split)
+        blocks = -(-prompt // BLOCK)
+        pe_req = PeRequest(f"p{n}", pe_xfer, prompt, hit_blocks * BLOCK, ids, pe_inst.take_blocks(blocks), rows)
+        de_end = (prompt - 1) // BLOCK * BLOCK
+        de_req = RecvSpec(f"d{n}", de_xfer, 0, de_end, de_inst.take_blocks(blocks))
+        return pe_req, de_req
+
+    def expect_recv(self, de: str, spec: RecvSpec) -> None:
+        inst = self.instances[de]
+        with inst.lock:
+            inst.worker.start_step(DualPathMetadata(recvs=[spec]))
+
+    def prefill(self, pe: str, req: PeRequest, *, check_layers: bool = True) -> set[int]:
+        """One PE request's forward (and the recompute step after a failed load); returns the blocks reported bad.
+
+        With ``check_layers``, asserts after each ``wait_for_layer_load(l)`` of a load that did not fail that the
+        PE cache holds layer ``l``'s hit rows (the layer order: rows are there before the layer's attention).
+        """
+        inst = self.instances[pe]
+        worker, names = inst.worker, inst.layer_names()
+        load = LoadSpec(req.req_id, req.xfer, 0, req.hit_tokens, req.prompt, req.store_ids, req.block_ids)
+        save = SaveSpec(req.req_id, req.xfer, req.hit_tokens, req.prompt, req.block_ids)
+        worker.start_step(DualPathMetadata(loads=[load], saves=[save]))
+        for layer, name in enumerate(names):
+            worker.wait_for_layer_load(name)
+            cache = inst.caches[layer]
+            if check_layers and not worker._invalid_blocks and req.hit_tokens:
+                got = ADAPTER.read_tokens(cache, req.block_ids, 0, req.hit_tokens)
+                assert torch.equal(got, req.rows[layer, : req.hit_tokens]), f"hit rows of layer {layer} missing"
+            ADAPTER.write_tokens(cache, req.block_ids, req.hit_tokens, req.rows[layer, req.hit_tokens :])
+            worker.save_kv_layer(name, cache)
+        worker.wait_for_save()
+        bad = worker.get_block_ids_with_load_errors()
+        if bad:  # vLLM recomputes from the first bad block: the rows before it must be in the cache already
+            start = min(req.block_ids.index(b) for b in bad) * BLOCK
+            recompute = SaveSpec(req.req_id, req.xfer, start, req.prompt, req.block_ids)
+            worker.start_step(DualPathMetadata(saves=[recompute]))
+            for layer, name in enumerate(names):
+                cache = inst.caches[layer]
+                ADAPTER.write_tokens(cache, req.block_ids, start, req.rows[layer, start:])
+                worker.save_kv_layer(name, cache)
+            worker.wait_for_save()
+        return bad
+
+    def finish(self, de: str, req_ids: set[str], timeout_s: float = TIMEOUT_S) -> tuple[set[str], set[str]]:
+        """Poll the DE (as vLLM's steps do) until every receive in ``req_ids`` ended: ``(finished, failed)``."""
+        inst = self.instances[de]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with inst.lock:
+                _, recving, failed = inst.worker.get_finished(set())
+                inst.finished |= recving
+                inst.failed |= failed
+                if req_ids <= inst.finished:
+                    return req_ids & inst.finished, req_ids & inst.failed
+            assert time.monotonic() < deadline, f"receives {sorted(req_ids - inst.finished)} on {de} did not end"
+            time.sleep(0.005)
+
+    def done(self, pe: str, req: PeRequest) -> None:
+        self.instances[pe].worker.get_finished({req.req_id})
+
+
+@dataclasses.dataclass
+class PeRequest:
+    req_id: str
+    xfer: XferParams
+    prompt: int
+    hit_tokens: int
+    store_ids: list[bytes]
+    block_ids: list[int]
+    rows: torch.Tensor
+
+
+def expected_de_caches(written: list[tuple[RecvSpec, torch.Tensor]]) -> list[torch.Tensor]:
+    """The DE caches after ``written`` receives: poison everywhere but each receive's rows."""
+    caches = [new_cache(POISON) for _ in range(LAYERS)]
+    for spec, rows in written:
+        for layer in range(LAYERS):
+            ADAPTER.write_tokens(caches[layer], spec.block_ids, 0, rows[layer, : spec.end])
+    return caches
+
+
+def assert_caches_equal(got: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
+    for layer, (a, b) in enumerate(zip(got, expected, strict=True)):
+        diff = (a.view(torch.uint8) != b.view(torch.uint8)).nonzero()
+        assert diff.numel() == 0, f"layer {layer}: {diff.shape[0]} bytes differ, first at {diff[0].tolist()}"
