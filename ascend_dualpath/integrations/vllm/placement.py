@@ -32,6 +32,7 @@ request would put this request into the PE's next forward pass within the quota 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import math
@@ -250,7 +251,9 @@ def decode_rules(
     z = decode_token_threshold([request], engines)
     state = next(e for e in engines if e.engine_id == chosen)
     if state.tokens + request.prompt_tokens <= z:
-        rules.append(f"z-low {names[chosen]}: tokens {state.tokens} + {request.prompt_tokens} <= Z {z:.0f}, fewest seqs")
+        rules.append(
+            f"z-low {names[chosen]}: tokens {state.tokens} + {request.prompt_tokens} <= Z {z:.0f}, fewest seqs"
+        )
     else:
         rules.append(f"z-high {names[chosen]}: every fitting DE over Z {z:.0f}, fewest tokens")
     return rules
@@ -326,7 +329,7 @@ class Placer:
         self._new: list[_Waiter] = []
         self._waiting: dict[int, _Waiter] = {}
         self._changed = asyncio.Event()
-        self._finished = asyncio.Condition()
+        self._released = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._last: _Reports | None = None
         self._block_size = DEFAULT_BLOCK_SIZE
@@ -386,23 +389,23 @@ class Placer:
         read_node = placement.pe.node if placement.path == "pe" else placement.de.node
         self.ledger.reads[read_node] = self.ledger.reads.get(read_node, 0) + placement.tokens
 
-    async def prefill_done(self, placement: Placement) -> None:
+    def prefill_done(self, placement: Placement) -> None:
         """The PE answered (or failed): its tokens and the request's reads leave the ledger."""
         self.ledger.remove(placement.pe.name, placement.tokens)
         self.ledger.prefills.get(placement.pe.name, {}).pop(placement.request_id, None)
         read_node = placement.pe.node if placement.path == "pe" else placement.de.node
         self.ledger.reads[read_node] -= placement.tokens
-        await self._notify()
+        self._notify()
 
-    async def decode_done(self, placement: Placement) -> None:
+    def decode_done(self, placement: Placement) -> None:
         """The DE's answer ended (or failed): its tokens and blocks leave the ledger."""
         self.ledger.remove(placement.de.name, placement.tokens, placement.blocks)
-        await self._notify()
+        self._notify()
 
-    async def _notify(self) -> None:
+    def _notify(self) -> None:
+        """Wake the rounds and the quota holds: resources came back."""
         self._changed.set()
-        async with self._finished:
-            self._finished.notify_all()
+        self._released.set()
 
     def _choose_path(self, pe: Instance, de: Instance, snap: Snapshot, queues: dict[str, int], scheduled: str):
         """``(path, rule)``: forced, the side-channel fallback, or ``scheduled`` (the shorter-queue rule's)."""
@@ -487,10 +490,8 @@ class Placer:
             self._changed.clear()
             await self._round()
             if self._new or self._waiting:
-                try:
+                with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), self.poll_s)
-                except asyncio.TimeoutError:
-                    pass
 
     async def _round(self) -> None:
         snap = await self.snapshot()
@@ -566,22 +567,27 @@ class Placer:
         return any(work.request_id == placement.request_id for work, _ in batch)
 
     async def _hold_for_quota(self, placement: Placement) -> None:
-        """Wait (bounded by ``timeout_s``) until :meth:`_fits_quota`; a timeout gives the resources back."""
+        """Wait (bounded by ``timeout_s``) until :meth:`_fits_quota`, re-checking whenever a request of this proxy
+        finishes and every ``poll_s``; a timeout gives the request's resources back."""
         if self._fits_quota(placement):
             return
         self.quota_holds.inc()
         self.waiting.inc()
         start = time.monotonic()
         try:
-            async with self._finished:
-                await asyncio.wait_for(self._finished.wait_for(lambda: self._fits_quota(placement)), self.timeout_s)
-        except asyncio.TimeoutError:
-            await self.prefill_done(placement)
-            await self.decode_done(placement)
-            raise PlacementTimeout(
-                f"request waited {self.timeout_s} s for {placement.pe.name}'s compute quota of "
-                f"{self.compute_quota_s} s (its in-flight prefills: {self.ledger.prefills.get(placement.pe.name)})"
-            ) from None
+            while not self._fits_quota(placement):
+                remaining = start + self.timeout_s - time.monotonic()
+                if remaining <= 0:
+                    self.prefill_done(placement)
+                    self.decode_done(placement)
+                    raise PlacementTimeout(
+                        f"request waited {self.timeout_s} s for {placement.pe.name}'s compute quota of "
+                        f"{self.compute_quota_s} s (its in-flight prefill tokens: "
+                        f"{list(self.ledger.prefills.get(placement.pe.name, {}).values())})"
+                    )
+                self._released.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._released.wait(), min(remaining, self.poll_s))
         finally:
             self.waiting.dec()
         placement.rules.append(f"compute-quota held {time.monotonic() - start:.3f} s on {placement.pe.name}")

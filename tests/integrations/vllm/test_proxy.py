@@ -233,11 +233,23 @@ def test_unknown_fields_pass_through_and_prefill_body_is_rewritten():
             xfer_id = de_params["dualpath"]["xfer_id"]
             assert de_params == {
                 "other": "kept",
-                "dualpath": {"xfer_id": xfer_id, "role": "decode", "path": "pe", "peer": h.pe_side.address},
+                "dualpath": {
+                    "xfer_id": xfer_id,
+                    "role": "decode",
+                    "path": "pe",
+                    "peer": h.pe_side.address,
+                    "split": False,
+                },
             }
             assert pe_params == {
                 "other": "kept",
-                "dualpath": {"xfer_id": xfer_id, "role": "prefill", "path": "pe", "peer": h.de_side.address},
+                "dualpath": {
+                    "xfer_id": xfer_id,
+                    "role": "prefill",
+                    "path": "pe",
+                    "peer": h.de_side.address,
+                    "split": False,
+                },
             }
             assert (await h.decisions())[0]["xfer_id"] == xfer_id
 
@@ -311,14 +323,15 @@ def test_proxy_picks_the_path_with_the_shorter_read_queue(pe_queue, de_queue, pa
             assert h.de.bodies[0]["kv_transfer_params"]["dualpath"]["path"] == path
             assert h.pe.bodies[0]["kv_transfer_params"]["dualpath"]["path"] == path
             (decision,) = await h.decisions()
-            assert decision == {
-                "xfer_id": decision["xfer_id"],
+            assert {k: decision[k] for k in ("endpoint", "path", "pe_queue_tokens", "de_queue_tokens", "rule")} == {
                 "endpoint": "/v1/completions",
                 "path": path,
                 "pe_queue_tokens": pe_queue,
                 "de_queue_tokens": de_queue,
                 "rule": "shorter-queue",
             }
+            assert (decision["prefill"], decision["decode"], decision["split"]) == ("prefill0", "decode0", False)
+            assert f"path-shorter-queue {path}" in decision["rules"]
 
     run(body())
 
@@ -350,7 +363,7 @@ def test_silent_side_channel_is_counted_and_falls_back_to_pe():
                 None,
             )
             metrics = await h.metrics()
-            key = ("adp_proxy_side_channel_failures_total", frozenset({("instance", "decode")}))
+            key = ("adp_proxy_side_channel_failures_total", frozenset({("instance", "decode0")}))
             assert metrics[key] >= 1.0  # /metrics asks again
 
     run(body())
@@ -365,13 +378,13 @@ def test_metrics_parse_and_carry_status_and_request_counts():
             assert (await h.post("/v1/completions", COMPLETION))[0] == 400
             m = await h.metrics()
             assert m[("adp_proxy_requests_total", frozenset({("endpoint", "/v1/completions"), ("path", "de")}))] == 2
-            assert m[("adp_snic_read_bytes", frozenset({("node", "pe-node")}))] == 11 * 65536
-            assert m[("adp_snic_read_bytes", frozenset({("node", "de-node")}))] == 5 * 65536
-            assert m[("adp_read_queue_tokens", frozenset({("node", "pe-node")}))] == 7
-            assert m[("adp_read_queue_bytes", frozenset({("node", "de-node")}))] == 3 * 1024
-            assert m[("adp_fallbacks", frozenset({("node", "pe-node")}))] == 1
-            assert m[("adp_failures", frozenset({("node", "de-node")}))] == 2
-            assert m[("adp_loads", frozenset({("node", "pe-node"), ("path", "de")}))] == 2
+            assert m[("adp_snic_read_bytes", frozenset({("node", "pe0"), ("instance", "prefill0")}))] == 11 * 65536
+            assert m[("adp_snic_read_bytes", frozenset({("node", "de0"), ("instance", "decode0")}))] == 5 * 65536
+            assert m[("adp_read_queue_tokens", frozenset({("node", "pe0"), ("instance", "prefill0")}))] == 7
+            assert m[("adp_read_queue_bytes", frozenset({("node", "de0"), ("instance", "decode0")}))] == 3 * 1024
+            assert m[("adp_fallbacks", frozenset({("node", "pe0"), ("instance", "prefill0")}))] == 1
+            assert m[("adp_failures", frozenset({("node", "de0"), ("instance", "decode0")}))] == 2
+            assert m[("adp_loads", frozenset({("node", "pe0"), ("instance", "prefill0"), ("path", "de")}))] == 2
             assert m[("adp_proxy_errors_total", frozenset({("source", "prefill"), ("status", "400")}))] == 1
             latency = ("adp_proxy_request_seconds_count", frozenset({("endpoint", "/v1/completions")}))
             ttft = ("adp_proxy_ttft_seconds_count", frozenset({("endpoint", "/v1/completions")}))
@@ -443,7 +456,7 @@ def test_health_needs_both_instances_and_models_come_from_the_decode_instance():
                 assert resp.status == 200
             h.pe.health_status = 503
             async with h.client.get("/health") as resp:
-                assert resp.status == 503 and (await resp.json())["prefill"] == "answered 503"
+                assert resp.status == 503 and (await resp.json())["prefill0"] == "answered 503"
             async with h.client.get("/v1/models") as resp:
                 assert resp.status == 200 and (await resp.json())["data"] == [{"id": "model-of-decode"}]
 
