@@ -498,27 +498,27 @@ def _layout_entry(role: str, index: int, node, group, snic, vllm_args: tuple[str
             "vllm_args": vllm_args}  # fmt: skip
 
 
+def _flag_layout(opts: ServeOptions) -> list[dict]:
+    """The layout of ``--prefill`` / ``--decode`` / ``--nodes`` / ``--decode-groups``."""
+    count = opts.prefill + opts.decode
+    if opts.nodes and len(opts.nodes) != count:
+        raise ConfigError(f"--nodes names {len(opts.nodes)} nodes for {count} instances (PEs then DEs)")
+    if opts.decode_groups and len(opts.decode_groups) != opts.decode:
+        raise ConfigError(f"--decode-groups names {len(opts.decode_groups)} groups for {opts.decode} DEs")
+    nodes = opts.nodes or (None,) * count
+    groups = opts.decode_groups or (0,) * opts.decode
+    roles = [("prefill", i, 0) for i in range(opts.prefill)] + [("decode", i, groups[i]) for i in range(opts.decode)]
+    return [_layout_entry(role, i, nodes[k], group, None, ()) for k, (role, i, group) in enumerate(roles)]
+
+
 def instance_layout(opts: ServeOptions) -> list[dict]:
     """Every instance's name, role, node, group, cap and own vLLM arguments, PEs first (see ServeOptions)."""
-    if opts.layout:
-        if opts.nodes or opts.decode_groups:
-            raise ConfigError("--layout gives the nodes and groups: leave out --nodes / --decode-groups")
-        entries = load_layout(opts.layout)
-    else:
-        count = opts.prefill + opts.decode
-        if opts.nodes and len(opts.nodes) != count:
-            raise ConfigError(f"--nodes names {len(opts.nodes)} nodes for {count} instances (PEs then DEs)")
-        if opts.decode_groups and len(opts.decode_groups) != opts.decode:
-            raise ConfigError(f"--decode-groups names {len(opts.decode_groups)} groups for {opts.decode} DEs")
-        roles = [("prefill", i) for i in range(opts.prefill)] + [("decode", i) for i in range(opts.decode)]
-        entries = [
-            _layout_entry(role, i, opts.nodes[k] if opts.nodes else None,
-                          opts.decode_groups[i] if opts.decode_groups and role == "decode" else 0, None, ())
-            for k, (role, i) in enumerate(roles)
-        ]  # fmt: skip
+    if opts.layout and (opts.nodes or opts.decode_groups):
+        raise ConfigError("--layout gives the nodes and groups: leave out --nodes / --decode-groups")
+    entries = load_layout(opts.layout) if opts.layout else _flag_layout(opts)
     names = {e["name"] for e in entries}
     unknown = sorted(set(opts.instance_args) - names)
-    if unknown or not any(e["role"] == "prefill" for e in entries) or not any(e["role"] == "decode" for e in entries):
+    if unknown or {e["role"] for e in entries} != {"prefill", "decode"}:
         raise ConfigError(f"instances {sorted(names)}: need a PE and a DE; --instance-args names unknown {unknown}")
     for entry in entries:
         entry["vllm_args"] += tuple(opts.instance_args.get(entry["name"], ()))
