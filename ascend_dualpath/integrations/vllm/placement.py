@@ -277,6 +277,25 @@ def prefill_rules(
     return rules
 
 
+def decide(policy: str, pe_status: dict | None, de_status: dict | None) -> tuple[str, str]:
+    """``(path, rule)`` for one request from the PE's and the DE's status (None: no answer), each with its node's
+    read queue as ``read_queue_tokens`` (round robin passes the node sums of :func:`node_queues`).
+
+    ``dual`` applies the scheduler rule to the read-queue lengths (tokens); its tie-break compares the blocks each
+    side has read so far. ``pe`` / ``de`` force the path; a missing status falls back to the PE path.
+    """
+    if policy in ("pe", "de"):
+        return policy, f"forced:{policy}"
+    if pe_status is None or de_status is None:
+        return "pe", "fallback:side-channel"
+    pe_queue, de_queue = int(pe_status["read_queue_tokens"]), int(de_status["read_queue_tokens"])
+    pe_read, de_read = int(pe_status["snic_read_blocks"]), int(de_status["snic_read_blocks"])
+    path = choose_read_path(pe_queue, de_queue, pe_read, de_read).value
+    if pe_queue != de_queue:
+        return path, "shorter-queue"
+    return path, "tie:fewer-reads" if pe_read != de_read else "tie:pe"
+
+
 def path_rule(pe_queue: int, de_queue: int) -> str:
     """The read-path rule's name for the two node queues the path was chosen on."""
     return "shorter-queue" if pe_queue != de_queue else "tie"
@@ -420,10 +439,12 @@ class Placer:
         pe, de = self.cluster.prefill[k % len(self.cluster.prefill)], self.cluster.decode[k % len(self.cluster.decode)]
         snap = await self.snapshot(with_kv=False)
         queues = node_queues(self.cluster, snap, self.ledger)
-        pe_q, de_q = queues[pe.node], queues[de.node]
-        reads = {n: int((snap.status.get(n) or {}).get("snic_read_blocks", 0)) for n in (pe.name, de.name)}
-        scheduled = choose_read_path(pe_q, de_q, reads[pe.name], reads[de.name]).value
-        path, rule = self._choose_path(pe, de, snap, queues, scheduled)
+
+        def node_view(instance: Instance) -> dict | None:  # the instance's status with its node's read queue
+            status = snap.status.get(instance.name)
+            return None if status is None else {**status, "read_queue_tokens": queues[instance.node]}
+
+        path, rule = decide(self.read_path, node_view(pe), node_view(de))
         blocks = math.ceil((tokens + max_tokens) / self._block_size)
         placement = self._placement(next(self._ids), tokens, blocks, pe, de, path, rule, snap, queues)
         placement.rules.insert(0, f"round-robin request {k}: {pe.name}, {de.name}")
@@ -450,8 +471,19 @@ class Placer:
             if waiter.future.done():
                 return waiter.future.result()
             raise PlacementTimeout(self._withdraw(waiter)) from None
+        except asyncio.CancelledError:  # the client went away: nothing of it may stay queued or counted
+            if waiter.future.done() and waiter.future.exception() is None:
+                self.release(waiter.future.result())
+            elif not waiter.future.done():
+                self._withdraw(waiter)
+            raise
         finally:
             self.waiting.dec()
+
+    def release(self, placement: Placement) -> None:
+        """Give back everything of a placed request that was never sent."""
+        self.prefill_done(placement)
+        self.decode_done(placement)
 
     def _withdraw(self, waiter: _Waiter) -> str:
         """Take a timed-out request out of every queue; the message names what it waited for."""
@@ -488,7 +520,11 @@ class Placer:
         ``poll_s`` (the engines' state also changes on its own)."""
         while self._new or self._waiting:
             self._changed.clear()
-            await self._round()
+            try:
+                await self._round()
+            except (ValueError, TypeError, KeyError) as exc:  # a malformed status reply: fail now, not at timeout
+                self._fail_waiting(exc)
+                return
             if self._new or self._waiting:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), self.poll_s)
@@ -511,6 +547,18 @@ class Placer:
         for group_id in sorted(reports.prefill):
             self._deliver(snap, self.scheduler.pull_prefill(self._reports(snap).prefill[group_id]))
         self._last = self._reports(snap)
+
+    def _fail_waiting(self, exc: Exception) -> None:
+        """Fail every waiting request with ``exc`` (they leave the scheduler's queues)."""
+        for waiter in [*self._new, *self._waiting.values()]:
+            if waiter.request is not None:
+                self.scheduler.withdraw(waiter.request.request_id)
+            if waiter.decode:
+                self.ledger.remove(waiter.decode, waiter.request.prompt_tokens, waiter.request.decode_hbm_bytes)
+            if not waiter.future.done():
+                waiter.future.set_exception(exc)
+        self._new.clear()
+        self._waiting.clear()
 
     def _reports(self, snap: Snapshot) -> _Reports:
         return build_reports(self.cluster, snap, self.ledger)
@@ -578,8 +626,7 @@ class Placer:
             while not self._fits_quota(placement):
                 remaining = start + self.timeout_s - time.monotonic()
                 if remaining <= 0:
-                    self.prefill_done(placement)
-                    self.decode_done(placement)
+                    self.release(placement)
                     raise PlacementTimeout(
                         f"request waited {self.timeout_s} s for {placement.pe.name}'s compute quota of "
                         f"{self.compute_quota_s} s (its in-flight prefill tokens: "
@@ -588,6 +635,9 @@ class Placer:
                 self._released.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._released.wait(), min(remaining, self.poll_s))
+        except asyncio.CancelledError:
+            self.release(placement)
+            raise
         finally:
             self.waiting.dec()
         placement.rules.append(f"compute-quota held {time.monotonic() - start:.3f} s on {placement.pe.name}")

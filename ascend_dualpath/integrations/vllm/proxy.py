@@ -54,7 +54,6 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ascend_dualpath import _env
-from ascend_dualpath.dualpath.scheduler import choose_read_path
 from ascend_dualpath.errors import ConfigError, ProtocolError, WaitTimeout
 from ascend_dualpath.integrations.vllm.cluster import Cluster, Instance, default_side_channel, make_instance
 from ascend_dualpath.integrations.vllm.placement import (
@@ -64,6 +63,7 @@ from ascend_dualpath.integrations.vllm.placement import (
     Placement,
     PlacementTimeout,
     Placer,
+    decide,
     parse_kv_blocks,
 )
 
@@ -172,30 +172,6 @@ class Decision:
     split: bool = False
     rules: tuple[str, ...] = ()
     waited_s: float = 0.0
-
-
-def decide(
-    policy: str, pe_status: dict | None, de_status: dict | None, assigned: dict[str, int] | None = None
-) -> tuple[str, str]:
-    """``(path, rule)`` for one request from the two connectors' status replies (None: no answer).
-
-    ``dual`` applies the scheduler rule to the read-queue lengths (tokens): what each node's connector reports
-    queued or being read, plus ``assigned`` (tokens of requests this proxy sent that way whose prefill has not
-    finished: their reads are not queued yet when requests arrive together, and the paper's read queue counts
-    them). Its tie-break compares the blocks each node has read so far.
-    """
-    if policy in ("pe", "de"):
-        return policy, f"forced:{policy}"
-    if pe_status is None or de_status is None:
-        return "pe", "fallback:side-channel"
-    assigned = assigned or {}
-    pe_queue = int(pe_status["read_queue_tokens"]) + assigned.get("pe", 0)
-    de_queue = int(de_status["read_queue_tokens"]) + assigned.get("de", 0)
-    pe_read, de_read = int(pe_status["snic_read_blocks"]), int(de_status["snic_read_blocks"])
-    path = choose_read_path(pe_queue, de_queue, pe_read, de_read).value
-    if pe_queue != de_queue:
-        return path, "shorter-queue"
-    return path, "tie:fewer-reads" if pe_read != de_read else "tie:pe"
 
 
 def _with_dualpath(body: dict, params: dict) -> dict:

@@ -15,12 +15,13 @@ aiohttp = pytest.importorskip("aiohttp")
 pytest.importorskip("zmq")
 
 from aiohttp.test_utils import TestServer  # noqa: E402
+from prometheus_client import CollectorRegistry  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from ascend_dualpath.dualpath.scheduler import Request, Scheduler  # noqa: E402
 from ascend_dualpath.errors import ConfigError  # noqa: E402
 from ascend_dualpath.integrations.vllm import cluster as cluster_mod  # noqa: E402
-from ascend_dualpath.integrations.vllm.placement import parse_kv_blocks  # noqa: E402
+from ascend_dualpath.integrations.vllm.placement import KvBlocks, Placer, parse_kv_blocks  # noqa: E402
 from ascend_dualpath.integrations.vllm.proxy import DualPathProxy, ProxyConfig  # noqa: E402
 from ascend_dualpath.integrations.vllm.thresholds import alpha_from_status, beta_from_warmup  # noqa: E402
 from tests.integrations.vllm.fakes import FakeInstance, FakeSideChannel, status_reply  # noqa: E402
@@ -323,3 +324,31 @@ def test_scheduler_withdraw_frees_the_head_of_its_queue():
     scheduler.submit(Request(1, 5, 0, 10))
     assert scheduler.withdraw(1) == "decode" and scheduler.queued == 0
     assert scheduler.withdraw(1) is None
+
+
+def test_a_cancelled_wait_leaves_nothing_queued_or_counted():
+    async def body():
+        cluster = cluster_mod.cluster_from_flags(["http://h:1"], ["http://h:2"])
+        kv = {"value": KvBlocks(4, 1.0, 16)}  # full
+
+        async def status(instance):
+            return status_reply(instance.node, instance.role, unfinished_tokens=0)
+
+        async def kv_blocks(instance):
+            return kv["value"]
+
+        placer = Placer(cluster, status, kv_blocks, CollectorRegistry(), timeout_s=10.0, poll_s=0.05)
+        waiting = asyncio.create_task(placer.place({"prompt": "a b c", "max_tokens": 4}))
+        await asyncio.sleep(0.3)
+        assert placer.scheduler.queued == 1
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert placer.scheduler.queued == 0 and not placer._waiting
+        kv["value"] = KvBlocks(4, 0.0, 16)  # room now: a later request is placed, nothing stale ahead of it
+        placement = await asyncio.wait_for(placer.place({"prompt": "a", "max_tokens": 4}), 5)
+        assert placement.de.name == "decode0" and placer.ledger.blocks["decode0"] == 1
+        placer.release(placement)
+        assert placer.ledger.blocks["decode0"] == 0 and placer.ledger.tokens["prefill0"] == 0
+
+    run(body())
