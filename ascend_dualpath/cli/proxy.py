@@ -49,6 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="bound of every upstream wait and of a request's wait for an engine (default ADP_TIMEOUT_S or 30)",
     )  # fmt: skip
     parser.add_argument(
+        "--startup-timeout", type=float, default=300.0, metavar="S",
+        help="how long measuring alpha/beta waits for the instances to answer /health (default 300)",
+    )  # fmt: skip
+    parser.add_argument(
         "--status-timeout", type=float, default=1.0, metavar="S",
         help="bound of one side-channel status or /metrics query (default 1 s; no answer = pe path)",
     )  # fmt: skip
@@ -87,7 +91,9 @@ def run(args: argparse.Namespace) -> int:
     )  # fmt: skip
     how = "thresholds not used by round-robin"
     if cfg.placement == "scheduler":
-        alpha, beta, how = asyncio.run(measure_thresholds(cfg, args.kv_bytes_per_token))
+        alpha, beta, how = asyncio.run(
+            measure_thresholds(cfg, args.kv_bytes_per_token, startup_timeout_s=args.startup_timeout)
+        )
         cfg = dataclasses.replace(cfg, alpha_tokens=alpha, beta_tokens=beta)
     instances = ", ".join(f"{i.name} {i.url} ({i.kv}, node {i.node})" for i in cfg.cluster.instances)
     print(f"proxy on http://{args.host}:{args.port} -> {instances}; placement {cfg.placement}, policy "

@@ -529,7 +529,7 @@ def instance_layout(opts: ServeOptions) -> list[dict]:
 
 def proxy_options(opts: ServeOptions, model: str) -> tuple[str, ...]:
     """The proxy's placement arguments (the thresholds it measures itself when not given)."""
-    args = ["--placement", opts.placement, "--policy", opts.policy]
+    args = ["--placement", opts.placement, "--policy", opts.policy, "--startup-timeout", str(opts.startup_timeout_s)]
     for flag, value in (("--alpha-tokens", opts.alpha_tokens), ("--beta-tokens", opts.beta_tokens),
                         ("--kv-bytes-per-token", kv_bytes_per_token(model))):  # fmt: skip
         if value is not None:

@@ -137,7 +137,8 @@ def test_make_plan_for_n_by_m_with_nodes_groups_caps_and_own_args(tmp_path):
     assert p.instances[3].vllm_args == ("--num-gpu-blocks-override", "8") and p.instances[2].vllm_args == ()
     ports = [i.port for i in p.instances]
     assert len(set(ports + [q + serve_mod.SIDE_PORT_OFFSET for q in ports])) == 8
-    assert p.proxy_args == ("--placement", "scheduler", "--policy", "dual", "--beta-tokens", "64", "--split")
+    assert p.proxy_args == ("--placement", "scheduler", "--policy", "dual", "--startup-timeout", "300.0",
+                            "--beta-tokens", "64", "--split")  # fmt: skip
     layout = tmp_path / "layout.json"
     layout.write_text(json.dumps({"prefill": [{"node": "x", "snic_mbps": 50}], "decode": [{"group": 3}, {}]}))
     q = serve_mod.make_plan(ServeOptions(model=str(tmp_path), layout=str(layout)), "/s", cores=[0, 1, 2, 3, 4, 5])
