@@ -340,6 +340,7 @@ class Placer:
         self._status_fn, self._kv_fn = status, kv_blocks
         self._limit = asyncio.Semaphore(concurrency)
         self.scheduler = Scheduler(alpha, beta)
+        # the quota's attention predictor; an unbounded beta gives one under which every prefill fits the quota
         self.profile = profile_from_thresholds(min(alpha, 2**40), min(beta, 2**40))
         self.ledger = Ledger()
         self.names = [i.name for i in cluster.instances]
