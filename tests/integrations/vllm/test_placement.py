@@ -18,7 +18,6 @@ from aiohttp.test_utils import TestServer  # noqa: E402
 from prometheus_client import CollectorRegistry  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from ascend_dualpath.dualpath.scheduler import Request, Scheduler  # noqa: E402
 from ascend_dualpath.errors import ConfigError  # noqa: E402
 from ascend_dualpath.integrations.vllm import cluster as cluster_mod  # noqa: E402
 from ascend_dualpath.integrations.vllm.placement import KvBlocks, Placer, parse_kv_blocks  # noqa: E402
@@ -317,13 +316,6 @@ def test_kv_blocks_from_vllm_metrics_and_thresholds():
     assert alpha_from_status(cluster, {**status, "decode0": {"snic_bytes_per_s": 1e15}}, 1000) is None
     assert alpha_from_status(cluster, status, None) is None
     assert beta_from_warmup(256, 0.5) == 2560
-
-
-def test_scheduler_withdraw_frees_the_head_of_its_queue():
-    scheduler = Scheduler(alpha=10, beta=10)
-    scheduler.submit(Request(1, 5, 0, 10))
-    assert scheduler.withdraw(1) == "decode" and scheduler.queued == 0
-    assert scheduler.withdraw(1) is None
 
 
 def test_a_cancelled_wait_leaves_nothing_queued_or_counted():
