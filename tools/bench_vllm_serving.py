@@ -208,14 +208,16 @@ def bench_plain(model: str, args, port: int, convs) -> dict:
 
 
 def _snic_bytes(metrics: str) -> dict[str, float]:
+    """Bytes read through the storage NICs of the PEs ("pe") and of the DEs ("de"), from the proxy's /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    return {
-        s.labels["node"]: s.value
-        for f in text_string_to_metric_families(metrics)
-        for s in f.samples
-        if s.name == "adp_snic_read_bytes"
-    }
+    read: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics):
+        for sample in family.samples:
+            if sample.name == "adp_snic_read_bytes":
+                side = "pe" if sample.labels["instance"].startswith("prefill") else "de"
+                read[side] = read.get(side, 0.0) + sample.value
+    return read
 
 
 def bench_example(model: str, args, ports: tuple[int, int], convs) -> dict:

@@ -20,8 +20,11 @@ COMMANDS = {
     "bench": ("ascend_dualpath.cli.bench", "microbenchmarks (emulated NIC, transfers, MoE)"),
     "simulate": ("ascend_dualpath.cli.simulate", "DualPath cluster simulator: ablation, sweeps, figures"),
     "make-tiny-model": ("ascend_dualpath.cli.make_tiny_model", "a tiny random Llama in Hugging Face format (for vLLM)"),
-    "proxy": ("ascend_dualpath.cli.proxy", "OpenAI-compatible proxy in front of a vLLM prefill and decode instance"),
-    "serve": ("ascend_dualpath.cli.serve", "one prefill and one decode vLLM instance plus the proxy, on this machine"),
+    "proxy": (
+        "ascend_dualpath.cli.proxy",
+        "OpenAI-compatible proxy placing requests on vLLM prefill and decode instances",
+    ),
+    "serve": ("ascend_dualpath.cli.serve", "N prefill and M decode vLLM instances plus the proxy, on this machine"),
 }
 
 

@@ -1,4 +1,5 @@
-"""``python -m ascend_dualpath serve --model DIR [options] [-- vllm serve args...]``: PE + DE + proxy.
+"""``python -m ascend_dualpath serve --model DIR [--prefill N --decode M] [options] [-- vllm serve args...]``: N PEs,
+M DEs and the proxy.
 
 See :mod:`ascend_dualpath.integrations.vllm.serve` for what starts, the CPU defaults and the clean-up.
 """
@@ -13,6 +14,34 @@ from ascend_dualpath import _env
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, metavar="DIR", help="model directory (e.g. from make-tiny-model)")
     parser.add_argument("--port", type=int, default=8000, help="the proxy's port (default 8000)")
+    parser.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill (PE) instances (default 1)")
+    parser.add_argument("--decode", type=int, default=1, metavar="M", help="decode (DE) instances (default 1)")
+    parser.add_argument(
+        "--nodes", type=_names, default=(), metavar="A,B,...",
+        help="node of each instance, PEs then DEs (default: each its own); a node's instances share its read queue",
+    )  # fmt: skip
+    parser.add_argument(
+        "--decode-groups", type=_groups, default=(), metavar="G,G,...", help="DE group of each DE (default 0)"
+    )
+    parser.add_argument(
+        "--node-snic-mbps", action="append", type=_assignment, default=[], metavar="NODE=X",
+        help="storage-NIC cap of the instances on NODE in MB/s (repeat per node; others get --snic-mbps)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--instance-args", action="append", type=_assignment, default=[], metavar="NAME=ARGS",
+        help="vLLM arguments for one instance (e.g. decode1='--num-gpu-blocks-override 8'), after the common ones",
+    )  # fmt: skip
+    parser.add_argument(
+        "--layout", default=None, metavar="FILE",
+        help="nodes, groups, caps and vLLM arguments per instance as JSON (docs/vllm.md); gives the counts too",
+    )  # fmt: skip
+    parser.add_argument("--placement", choices=["scheduler", "round-robin"], default="scheduler",
+                        help="the proxy's placement (default scheduler)")  # fmt: skip
+    parser.add_argument("--split", action="store_true", help="read each request's hits through both storage NICs")
+    parser.add_argument("--alpha-tokens", type=int, default=None, metavar="T", help="the proxy's alpha (tokens)")
+    parser.add_argument("--beta-tokens", type=int, default=None, metavar="T", help="the proxy's beta (tokens)")
+    parser.add_argument("--compute-quota", type=float, default=0.0, metavar="S",
+                        help="the proxy's PE compute quota in seconds (default 0 = off)")  # fmt: skip
     parser.add_argument(
         "--policy",
         choices=["dual", "pe", "de"],
@@ -57,17 +86,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "vllm_args",
         nargs="*",
         metavar="-- VLLM_ARGS",
-        help="arguments after -- go to both vllm serve processes unchanged",
+        help="arguments after -- go to every vllm serve process unchanged",
     )
 
 
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(","))
+
+
+def _groups(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of ints") from None
+
+
+def _assignment(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=VALUE")
+    return name, value
+
+
 def run(args: argparse.Namespace) -> int:
+    import shlex
+
+    from ascend_dualpath.errors import ConfigError
     from ascend_dualpath.integrations.vllm.serve import ServeOptions, serve
 
+    try:
+        caps = {node: float(value) for node, value in args.node_snic_mbps}
+    except ValueError:
+        raise ConfigError(f"--node-snic-mbps {args.node_snic_mbps}: each cap must be a number of MB/s") from None
     opts = ServeOptions(
         model=args.model, port=args.port, policy=args.policy, store=args.store, snic_mbps=args.snic_mbps,
         block_size=args.block_size, timeout_s=args.timeout if args.timeout is not None else _env.timeout_s(),
         startup_timeout_s=args.startup_timeout, vllm_args=tuple(args.vllm_args),
-        load_failure_policy=args.on_load_failure,
+        load_failure_policy=args.on_load_failure, prefill=args.prefill, decode=args.decode, nodes=args.nodes,
+        decode_groups=args.decode_groups, node_snic_mbps=caps,
+        instance_args={name: tuple(shlex.split(value)) for name, value in args.instance_args}, layout=args.layout,
+        placement=args.placement, split=args.split, alpha_tokens=args.alpha_tokens, beta_tokens=args.beta_tokens,
+        compute_quota_s=args.compute_quota,
     )  # fmt: skip
     return serve(opts)

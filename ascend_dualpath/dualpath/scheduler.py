@@ -406,6 +406,26 @@ class Scheduler:
             + sum(map(len, self._undelivered.values()))
         )
 
+    def withdraw(self, request_id: int) -> str | None:
+        """Take a request that is still queued out of the scheduler (its client gave up): ``"decode"`` when it
+        was waiting for a DE, ``"prefill"`` when it had a DE and was waiting for a PE, None when it was not
+        queued (already placed, or never submitted). A withdrawn request no longer holds up those behind it."""
+        for index, request in enumerate(self._decode_global):
+            if request.request_id == request_id:
+                del self._decode_global[index]
+                return "decode"
+        for group_id, private in self._decode_private.items():
+            for index, request in enumerate(private):
+                if request.request_id == request_id:
+                    del private[index]
+                    self._group_tokens[group_id] -= request.prompt_tokens
+                    return "decode"
+        for index, (request, _, _) in enumerate(self._prefill_waiting):
+            if request.request_id == request_id:
+                del self._prefill_waiting[index]
+                return "prefill"
+        return None
+
     def register_decode_group(self, group_id: int, total_tokens: int = 0) -> None:
         """Make a DE group eligible for phase 1 before its first pull."""
         self._group_tokens.setdefault(group_id, total_tokens)

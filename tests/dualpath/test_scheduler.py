@@ -280,3 +280,16 @@ def test_split_follows_the_caps_and_the_backlogs():
 def test_split_rejects_bad_input_naming_it(args):
     with pytest.raises(ConfigError, match="must be"):
         split_hit_blocks(*args)
+
+
+def test_withdraw_takes_a_request_out_of_each_queue_and_frees_the_head():
+    scheduler = Scheduler(alpha=10, beta=10)
+    scheduler.register_decode_group(0)
+    full = GroupReport(0, [EngineState(5, 1, free_hbm_bytes=3)], {1: 0})
+    scheduler.submit(Request(1, 5, 0, decode_hbm_bytes=10))  # more than the DE has: the private queue's head
+    scheduler.submit(Request(2, 5, 0, decode_hbm_bytes=1))
+    assert scheduler.pull_decode(full) == []  # the head blocks the request behind it
+    assert scheduler.withdraw(1) == "decode"
+    assert [r.request_id for r, _ in scheduler.pull_decode(full)] == [2]  # now waiting for a PE
+    assert scheduler.withdraw(2) == "prefill" and scheduler.queued == 0
+    assert scheduler.withdraw(2) is None

@@ -1,14 +1,18 @@
-"""OpenAI-compatible proxy in front of one vLLM prefill (PE) and one decode (DE) instance.
+"""OpenAI-compatible proxy in front of N vLLM prefill (PE) and M decode (DE) instances.
 
-Per request the proxy asks both connectors for their live status over the side channel, picks the read
-path (``policy="dual"``: :func:`ascend_dualpath.dualpath.scheduler.choose_read_path` on the two storage
-read-queue lengths; ``"pe"`` / ``"de"`` force one), and sends, concurrently:
+Per request the proxy places the request (:mod:`ascend_dualpath.integrations.vllm.placement`: the library's
+scheduler on the instances' live state, or round robin; the cluster is :mod:`.cluster`'s), and sends,
+concurrently:
 
-- to the DE: the client's body unchanged plus ``kv_transfer_params.dualpath = {xfer_id, role: "decode",
-  path, peer: <PE side channel>}``;
-- to the PE: the same body with ``max_tokens: 1`` (chat: also ``max_completion_tokens: 1``),
+- to its DE: the client's body unchanged plus ``kv_transfer_params.dualpath = {xfer_id, role: "decode",
+  path, peer: <PE side channel>, split}``;
+- to its PE: the same body with ``max_tokens: 1`` (chat: also ``max_completion_tokens: 1``),
   ``stream: false``, no ``stream_options``, and ``kv_transfer_params.dualpath`` with ``role: "prefill"``
   and ``peer: <DE side channel>``. Its answer is discarded; only its status matters.
+
+The read path (``policy="dual"``: :func:`ascend_dualpath.dualpath.scheduler.choose_read_path` on the two
+nodes' storage read-queue lengths; ``"pe"`` / ``"de"`` force one); ``split`` (true with ``--split``) asks the
+connectors to read the request's hit blocks through both storage NICs.
 
 Every field the proxy does not use passes through unchanged (sampling parameters, ``ignore_eos``, ...).
 The client's response starts once the PE has answered successfully and the DE's response head is in:
@@ -19,14 +23,15 @@ true) passes through chunk by chunk.
 Failures: a PE or DE error (an HTTP status >= 400, a refused connection, a timeout) ends the client's
 request with an OpenAI-style error JSON carrying the upstream status (502 for a connection failure,
 504 for a timeout) and cancels the other upstream request by closing its connection (vLLM aborts a
-request whose client went away). A side channel that does not answer within ``status_timeout_s`` is
-counted (``adp_proxy_side_channel_failures_total``) and the request takes the ``pe`` path (rule
-``"fallback:side-channel"``): the PE read path needs nothing from the DE's storage NIC. Every upstream
+request whose client went away). A request no engine could take within ``timeout_s`` gets a 503 naming
+what it waited for. A side channel that does not answer within ``status_timeout_s`` is counted
+(``adp_proxy_side_channel_failures_total``) and a request placed on that instance takes the ``pe`` path
+(rule ``"fallback:side-channel"``): the PE read path needs nothing from the DE's storage NIC. Every upstream
 wait is bounded by ``timeout_s``: the PE's whole answer, the DE's response head and each DE chunk.
 
-Endpoints: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` (the DE's), ``/health`` (200 only
-when both instances answer theirs), ``/metrics`` (Prometheus text, private registry) and
-``/debug/decisions`` (the last 100 decisions as JSON).
+Endpoints: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` (the first DE's), ``/health`` (200 only
+when every instance answers its own), ``/metrics`` (Prometheus text, private registry) and
+``/debug/decisions`` (the last 100 decisions as JSON, each with its deciding rules).
 
 aiohttp, zmq, msgspec and prometheus_client are imported here only (all are vLLM dependencies).
 """
@@ -40,7 +45,6 @@ import dataclasses
 import json
 import time
 import uuid
-from urllib.parse import urlsplit
 
 import aiohttp
 import msgspec
@@ -50,12 +54,24 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ascend_dualpath import _env
-from ascend_dualpath.dualpath.scheduler import choose_read_path
 from ascend_dualpath.errors import ConfigError, ProtocolError, WaitTimeout
+from ascend_dualpath.integrations.vllm.cluster import Cluster, Instance, default_side_channel, make_instance
+from ascend_dualpath.integrations.vllm.placement import (
+    PLACEMENTS,
+    UNBOUNDED,
+    KvBlocks,
+    Placement,
+    PlacementTimeout,
+    Placer,
+    decide,
+    parse_kv_blocks,
+)
 
 POLICIES = ("dual", "pe", "de")
+__all__ = ["DualPathProxy", "ProxyConfig", "decide", "default_side_channel", "run_proxy"]
 DECISIONS_KEPT = 100
-# Status fields mirrored as gauges labelled by node (counters on the connector's side, hence no _total).
+# Status fields mirrored as gauges labelled by node and instance (counters on the connector's side, hence no
+# _total); a node's figure is the sum over its instances.
 STATUS_GAUGES = {
     "read_queue_tokens": "tokens waiting in or being read through the node's storage read queue",
     "read_queue_bytes": "bytes waiting in or being read through the node's storage read queue",
@@ -72,39 +88,57 @@ REQUIRED_STATUS_KEYS = ("node", "read_queue_tokens", "snic_read_blocks")
 
 @dataclasses.dataclass(frozen=True)
 class ProxyConfig:
-    """Where the two instances are and how the proxy decides.
+    """Where the instances are and how the proxy decides.
 
-    ``prefill_kv`` / ``decode_kv`` are the side-channel addresses (``tcp://host:port``); empty means the
-    URL's host and port + 100 (what ``serve`` configures). ``status_timeout_s`` bounds one status query.
+    ``cluster`` lists every instance; without it, ``prefill_url`` / ``decode_url`` (and their side channels
+    ``prefill_kv`` / ``decode_kv``, empty: the URL's host and port + 100, what ``serve`` configures) make a
+    one-PE, one-DE cluster, and with it they name its first PE and DE. ``placement`` is "scheduler" or
+    "round-robin", ``policy`` the read path ("dual", "pe", "de"), ``split`` asks the connectors to split a
+    request's reads over both storage NICs. ``alpha_tokens`` / ``beta_tokens``: the scheduler's thresholds (None:
+    never binding; the CLI measures them at start-up instead, see :func:`measure_thresholds`).
+    ``compute_quota_s`` > 0 holds requests to a PE (docs/vllm.md). ``status_timeout_s`` bounds one status or
+    ``/metrics`` query; ``timeout_s`` every upstream wait and a request's wait for an engine.
     """
 
-    prefill_url: str
-    decode_url: str
+    prefill_url: str = ""
+    decode_url: str = ""
     prefill_kv: str = ""
     decode_kv: str = ""
     policy: str = "dual"
     timeout_s: float = dataclasses.field(default_factory=_env.timeout_s)
     status_timeout_s: float = 1.0
+    cluster: Cluster | None = None
+    placement: str = "scheduler"
+    split: bool = False
+    alpha_tokens: int | None = None
+    beta_tokens: int | None = None
+    compute_quota_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ConfigError(f"policy={self.policy!r} is not one of {POLICIES}")
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(f"placement={self.placement!r} is not one of {PLACEMENTS}")
         for name in ("timeout_s", "status_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be > 0 seconds")
-        object.__setattr__(self, "prefill_url", self.prefill_url.rstrip("/"))
-        object.__setattr__(self, "decode_url", self.decode_url.rstrip("/"))
-        object.__setattr__(self, "prefill_kv", self.prefill_kv or default_side_channel(self.prefill_url))
-        object.__setattr__(self, "decode_kv", self.decode_kv or default_side_channel(self.decode_url))
-
-
-def default_side_channel(url: str) -> str:
-    """``tcp://<url host>:<url port + 100>``: where ``serve`` binds an instance's side channel."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"instance URL {url!r} is not http(s)://host[:port]")
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    return f"tcp://{parts.hostname}:{port + 100}"
+        for name in ("alpha_tokens", "beta_tokens"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and value >= 0):
+                raise ConfigError(f"{name}={value!r} must be an int >= 0 tokens")
+        cluster = self.cluster
+        if cluster is None:
+            if not (self.prefill_url and self.decode_url):
+                raise ConfigError("give a cluster, or both prefill_url and decode_url")
+            pe = make_instance("prefill", 0, self.prefill_url, kv=self.prefill_kv)
+            de = make_instance("decode", 0, self.decode_url, kv=self.decode_kv)
+            cluster = Cluster((pe,), (de,))
+        object.__setattr__(self, "cluster", cluster)
+        first_pe, first_de = cluster.prefill[0], cluster.decode[0]
+        for field, value in (("prefill_url", first_pe.url), ("decode_url", first_de.url)):
+            object.__setattr__(self, field, value)
+        object.__setattr__(self, "prefill_kv", first_pe.kv)
+        object.__setattr__(self, "decode_kv", first_de.kv)
 
 
 class UpstreamError(Exception):
@@ -122,7 +156,9 @@ class UpstreamError(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-    """One request's read-path decision; the two queue lengths are None when that side channel failed."""
+    """One request's placement: PE and DE (instance names), read path and its ``rule``, the two nodes' read queues
+    it was chosen on (None when that side channel failed), ``split``, and ``rules``: every deciding rule as
+    ``"<rule> <detail>"`` (the PE category against alpha, PEs over beta, the DE group, HBM fit, Z, the path)."""
 
     xfer_id: str
     endpoint: str
@@ -130,41 +166,12 @@ class Decision:
     pe_queue_tokens: int | None
     de_queue_tokens: int | None
     rule: str
-
-
-def decide(
-    policy: str, pe_status: dict | None, de_status: dict | None, assigned: dict[str, int] | None = None
-) -> tuple[str, str]:
-    """``(path, rule)`` for one request from the two connectors' status replies (None: no answer).
-
-    ``dual`` applies the scheduler rule to the read-queue lengths (tokens): what each node's connector reports
-    queued or being read, plus ``assigned`` (tokens of requests this proxy sent that way whose prefill has not
-    finished: their reads are not queued yet when requests arrive together, and the paper's read queue counts
-    them). Its tie-break compares the blocks each node has read so far.
-    """
-    if policy in ("pe", "de"):
-        return policy, f"forced:{policy}"
-    if pe_status is None or de_status is None:
-        return "pe", "fallback:side-channel"
-    assigned = assigned or {}
-    pe_queue = int(pe_status["read_queue_tokens"]) + assigned.get("pe", 0)
-    de_queue = int(de_status["read_queue_tokens"]) + assigned.get("de", 0)
-    pe_read, de_read = int(pe_status["snic_read_blocks"]), int(de_status["snic_read_blocks"])
-    path = choose_read_path(pe_queue, de_queue, pe_read, de_read).value
-    if pe_queue != de_queue:
-        return path, "shorter-queue"
-    return path, "tie:fewer-reads" if pe_read != de_read else "tie:pe"
-
-
-def estimated_tokens(body: dict) -> int:
-    """Prompt tokens of a request as the proxy can guess them without a tokenizer: its words (a constant factor
-    off for subword tokenizers, the same on both paths, so comparisons hold)."""
-    prompt = body.get("prompt")
-    if prompt is None:
-        prompt = " ".join(str(m.get("content", "")) for m in body.get("messages") or [] if isinstance(m, dict))
-    if isinstance(prompt, list):
-        return len(prompt) if prompt and isinstance(prompt[0], int) else sum(len(str(p).split()) for p in prompt)
-    return len(str(prompt).split())
+    prefill: str = ""
+    decode: str = ""
+    placement: str = "scheduler"
+    split: bool = False
+    rules: tuple[str, ...] = ()
+    waited_s: float = 0.0
 
 
 def _with_dualpath(body: dict, params: dict) -> dict:
@@ -174,10 +181,13 @@ def _with_dualpath(body: dict, params: dict) -> dict:
     return {**body, "kv_transfer_params": kv_params}
 
 
+def _params(decision: Decision, role: str, peer: str) -> dict:
+    return {"xfer_id": decision.xfer_id, "role": role, "path": decision.path, "peer": peer, "split": decision.split}
+
+
 def decode_body(body: dict, decision: Decision, pe_side_channel: str) -> dict:
     """The DE's request: the client's body unchanged plus its ``kv_transfer_params``."""
-    params = {"xfer_id": decision.xfer_id, "role": "decode", "path": decision.path, "peer": pe_side_channel}
-    return _with_dualpath(body, params)
+    return _with_dualpath(body, _params(decision, "decode", pe_side_channel))
 
 
 def prefill_body(body: dict, decision: Decision, de_side_channel: str, chat: bool) -> dict:
@@ -186,8 +196,7 @@ def prefill_body(body: dict, decision: Decision, de_side_channel: str, chat: boo
     if chat:
         out["max_completion_tokens"] = 1
     out.pop("stream_options", None)
-    params = {"xfer_id": decision.xfer_id, "role": "prefill", "path": decision.path, "peer": de_side_channel}
-    return _with_dualpath(out, params)
+    return _with_dualpath(out, _params(decision, "prefill", de_side_channel))
 
 
 async def query_status(ctx: zmq.asyncio.Context, address: str, timeout_s: float) -> dict:
@@ -245,19 +254,21 @@ class _Metrics:
             "adp_proxy_request_seconds", "request latency at the proxy", ["endpoint"], registry=reg
         )
         self.ttft = Histogram("adp_proxy_ttft_seconds", "time to the DE's first body chunk", ["endpoint"], registry=reg)
-        self.status = {key: Gauge(f"adp_{key}", text, ["node"], registry=reg) for key, text in STATUS_GAUGES.items()}
+        labels = ["node", "instance"]
+        self.status = {key: Gauge(f"adp_{key}", text, labels, registry=reg) for key, text in STATUS_GAUGES.items()}
         self.loads = Gauge(
-            "adp_loads", "loads per read path as counted by the node's connector", ["node", "path"], registry=reg
+            "adp_loads", "loads per read path as counted by the instance's connector", [*labels, "path"], registry=reg
         )
 
-    def observe_status(self, status: dict) -> None:
-        """Mirror one status reply into the node-labelled gauges (fields it lacks are left as they were)."""
-        node = str(status["node"])
+    def observe_status(self, instance: Instance, status: dict) -> None:
+        """Mirror one status reply into the gauges (fields it lacks are left as they were); the node label is the
+        cluster's (the one the scheduler sums read queues over)."""
+        labels = {"node": instance.node, "instance": instance.name}
         for key, gauge in self.status.items():
             if isinstance(status.get(key), int | float):
-                gauge.labels(node=node).set(status[key])
+                gauge.labels(**labels).set(status[key])
         for path, count in (status.get("loads") or {}).items():
-            self.loads.labels(node=node, path=str(path)).set(count)
+            self.loads.labels(**labels, path=str(path)).set(count)
 
 
 class _DecodeStream:
@@ -315,13 +326,19 @@ def _json_error(status: int, message: str, kind: str) -> web.Response:
 
 
 class DualPathProxy:
-    """The proxy's state (config, HTTP session, ZMQ context, metrics, recent decisions) and handlers."""
+    """The proxy's state (config, placer, HTTP session, ZMQ context, metrics, recent decisions) and handlers."""
 
     def __init__(self, cfg: ProxyConfig) -> None:
         self.cfg = cfg
         self.metrics = _Metrics()
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=DECISIONS_KEPT)
-        self.assigned = {"pe": 0, "de": 0}  # tokens of requests sent each way whose prefill has not finished
+        self.placer = Placer(
+            cfg.cluster, self._status, self._kv_blocks, self.metrics.registry,
+            placement=cfg.placement, read_path=cfg.policy, split=cfg.split,
+            alpha=UNBOUNDED if cfg.alpha_tokens is None else cfg.alpha_tokens,
+            beta=UNBOUNDED if cfg.beta_tokens is None else cfg.beta_tokens,
+            compute_quota_s=cfg.compute_quota_s, timeout_s=cfg.timeout_s,
+        )  # fmt: skip
         self.session: aiohttp.ClientSession | None = None
         self.zmq_ctx: zmq.asyncio.Context | None = None
 
@@ -350,34 +367,37 @@ class DualPathProxy:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._forward(request, "/v1/chat/completions")
 
-    async def _status(self, instance: str, address: str) -> dict | None:
+    async def _status(self, instance: Instance) -> dict | None:
         try:
-            status = await query_status(self.zmq_ctx, address, self.cfg.status_timeout_s)
+            status = await query_status(self.zmq_ctx, instance.kv, self.cfg.status_timeout_s)
         except (WaitTimeout, ProtocolError, zmq.ZMQError, asyncio.TimeoutError):
-            self.metrics.side_channel_failures.labels(instance=instance).inc()
+            self.metrics.side_channel_failures.labels(instance=instance.name).inc()
             return None
-        self.metrics.observe_status(status)
+        self.metrics.observe_status(instance, status)
         return status
 
-    async def _decide(self, endpoint: str) -> Decision:
-        pe_status, de_status = await asyncio.gather(
-            self._status("prefill", self.cfg.prefill_kv), self._status("decode", self.cfg.decode_kv)
-        )
-        path, rule = decide(self.cfg.policy, pe_status, de_status, self.assigned)
-        decision = Decision(
-            xfer_id=uuid.uuid4().hex,
-            endpoint=endpoint,
-            path=path,
-            rule=rule,
-            pe_queue_tokens=None if pe_status is None else int(pe_status["read_queue_tokens"]),
-            de_queue_tokens=None if de_status is None else int(de_status["read_queue_tokens"]),
-        )
-        self.decisions.append(decision)
-        self.metrics.requests.labels(endpoint=endpoint, path=path).inc()
-        return decision
+    async def _kv_blocks(self, instance: Instance) -> KvBlocks | None:
+        """The DE's KV blocks from its vLLM ``/metrics`` (None: no answer within ``status_timeout_s``)."""
+        timeout = aiohttp.ClientTimeout(total=self.cfg.status_timeout_s)
+        try:
+            async with self.session.get(instance.url + "/metrics", timeout=timeout) as resp:
+                if resp.status != 200:
+                    return None
+                return parse_kv_blocks(await resp.text())
+        except (asyncio.TimeoutError, aiohttp.ClientError, OSError, ValueError):
+            return None
 
-    def _unassign(self, path: str, tokens: int) -> None:
-        self.assigned[path] -= tokens
+    def _record(self, endpoint: str, placement: Placement) -> Decision:
+        decision = Decision(
+            xfer_id=uuid.uuid4().hex, endpoint=endpoint, path=placement.path,
+            pe_queue_tokens=placement.pe_queue_tokens, de_queue_tokens=placement.de_queue_tokens,
+            rule=placement.path_rule, prefill=placement.pe.name, decode=placement.de.name,
+            placement=self.cfg.placement, split=self.cfg.split, rules=tuple(placement.rules),
+            waited_s=round(placement.waited_s, 6),
+        )  # fmt: skip
+        self.decisions.append(decision)
+        self.metrics.requests.labels(endpoint=endpoint, path=placement.path).inc()
+        return decision
 
     async def _prefill(self, url: str, body: dict) -> None:
         """Send the PE's request and read its whole answer; raises UpstreamError on any failure."""
@@ -398,17 +418,28 @@ class DualPathProxy:
             return self._client_error(f"request body is not JSON: {exc}")
         if not isinstance(body, dict):
             return self._client_error(f"request body must be a JSON object, got {type(body).__name__}")
-        decision = await self._decide(endpoint)
-        tokens = estimated_tokens(body)
-        self.assigned[decision.path] += tokens
-        pe_body = prefill_body(body, decision, self.cfg.decode_kv, chat=endpoint == "/v1/chat/completions")
-        de_body = decode_body(body, decision, self.cfg.prefill_kv)
+        try:
+            placement = await self.placer.place(body)
+        except PlacementTimeout as exc:
+            self.metrics.errors.labels(source="proxy", status="503").inc()
+            return _json_error(503, str(exc), "placement_timeout")
+        try:
+            return await self._dispatch(request, endpoint, body, placement, start)
+        finally:
+            self.placer.decode_done(placement)
+
+    async def _dispatch(
+        self, request: web.Request, endpoint: str, body: dict, placement: Placement, start: float
+    ) -> web.StreamResponse:
+        """Send the placed request to its PE and DE; relay the DE's answer (or the first failure)."""
+        decision = self._record(endpoint, placement)
+        pe, de = placement.pe, placement.de
+        pe_body = prefill_body(body, decision, de.kv, chat=endpoint == "/v1/chat/completions")
+        de_body = decode_body(body, decision, pe.kv)
         decode = _DecodeStream()
-        pe_task = asyncio.create_task(self._prefill(self.cfg.prefill_url + endpoint, pe_body))
-        de_task = asyncio.create_task(
-            decode.run(self.session, self.cfg.decode_url + endpoint, de_body, self.cfg.timeout_s)
-        )
-        pe_task.add_done_callback(lambda _: self._unassign(decision.path, tokens))
+        pe_task = asyncio.create_task(self._prefill(pe.url + endpoint, pe_body))
+        de_task = asyncio.create_task(decode.run(self.session, de.url + endpoint, de_body, self.cfg.timeout_s))
+        pe_task.add_done_callback(lambda _: self.placer.prefill_done(placement))
         try:
             failure = await _first_failure(pe_task, decode.head)
             if failure is not None:
@@ -443,7 +474,7 @@ class DualPathProxy:
         return _json_error(400, message, "invalid_request_error")
 
     async def models(self, request: web.Request) -> web.Response:
-        """The DE's ``/v1/models`` answer, status and body as they are."""
+        """The first DE's ``/v1/models`` answer, status and body as they are."""
         url = self.cfg.decode_url + "/v1/models"
         try:
             async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=self.cfg.timeout_s)) as resp:
@@ -463,16 +494,16 @@ class DualPathProxy:
             return f"unreachable: {exc!r}"
 
     async def health(self, request: web.Request) -> web.Response:
-        """200 when both instances answer ``/health`` with 200, else 503 naming what each said."""
-        pe, de = await asyncio.gather(
-            self._instance_health(self.cfg.prefill_url), self._instance_health(self.cfg.decode_url)
-        )
-        healthy = pe == de == "ok"
-        return web.json_response({"prefill": pe, "decode": de}, status=200 if healthy else 503)
+        """200 when every instance answers ``/health`` with 200, else 503 naming what each said (by name)."""
+        instances = self.cfg.cluster.instances
+        answers = await asyncio.gather(*(self._instance_health(i.url) for i in instances))
+        healthy = all(a == "ok" for a in answers)
+        return web.json_response(dict(zip((i.name for i in instances), answers, strict=True)),
+                                 status=200 if healthy else 503)  # fmt: skip
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         # fresh connector figures: the last request's status predates its own reads
-        await asyncio.gather(self._status("prefill", self.cfg.prefill_kv), self._status("decode", self.cfg.decode_kv))
+        await self.placer.snapshot(with_kv=False)
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 

@@ -1,7 +1,10 @@
-"""``serve``: one prefill (PE) and one decode (DE) ``vllm serve`` plus the DualPath proxy, on this machine.
+"""``serve``: N prefill (PE) and M decode (DE) ``vllm serve`` instances plus the DualPath proxy, on this machine.
 
-The launcher picks free ports (each instance's HTTP port ``p`` and its side channel ``p + 100``), starts
-the three children with working CPU defaults, prints the proxy's URL once every part answers ``/health``
+The launcher picks free ports (each instance's HTTP port ``p`` and its side channel ``p + 100``), gives every
+instance its node, DE group, storage-NIC cap, ``device_id`` (its index: PEs 0..N-1, then DEs) and a share of this
+machine's cores (``VLLM_CPU_OMP_THREADS_BIND``: contiguous slices when there are enough cores, else one core each,
+round robin), writes the cluster for the proxy (``cluster.json`` in its run directory, the proxy's ``--cluster``
+format), starts the children with working CPU defaults, prints the proxy's URL once every part answers ``/health``
 (bounded start-up wait), then serves until SIGINT or SIGTERM. On the way out it stops every child
 (SIGTERM to its process group, a bounded wait, then SIGKILL), removes the block store when it made a
 temporary one, removes what the emulated fabric may have left in ``/dev/shm`` (``adp.<fabric>*``) and its
@@ -38,8 +41,8 @@ import urllib.request
 
 from ascend_dualpath import _env
 from ascend_dualpath.errors import ConfigError, WaitTimeout
+from ascend_dualpath.integrations.vllm.cluster import NODE_PREFIX, SIDE_PORT_OFFSET
 
-SIDE_PORT_OFFSET = 100  # side channel of an instance = its HTTP port + 100 (what the proxy assumes)
 SHM_DIR = "/dev/shm"
 PR_SET_PDEATHSIG = 1
 STOP_GRACE_S = 15.0
@@ -49,32 +52,49 @@ INSTANCE_ENV_DEFAULTS = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "HF_HUB_OFFLINE": "1",
 }
-OMP_BIND = {"prefill": "0", "decode": "1"}  # one core each on this 2-core machine
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float": 4, "half": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class InstancePlan:
+    """One ``vllm serve`` child: ``name`` (``prefill<i>`` / ``decode<i>``), role, ``device_id`` (unique in the
+    deployment), HTTP ``port`` (side channel ``port + 100``), storage ``node``, DE ``group``, storage-NIC cap
+    (None: uncapped), thread binding, and the vLLM arguments for it alone (after the common ones)."""
+
+    name: str
+    role: str
+    device_id: int
+    port: int
+    node: str
+    group: int = 0
+    snic_mbps: float | None = None
+    bind: str = "0"
+    vllm_args: tuple[str, ...] = ()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
 
 @dataclasses.dataclass(frozen=True)
 class ServePlan:
     """Everything the launcher starts, decided before anything starts.
 
-    ``vllm_args`` go to both ``vllm serve`` commands unchanged, after the launcher's own arguments.
+    ``vllm_args`` go to every ``vllm serve`` command unchanged, after the launcher's own arguments (and before
+    an instance's own ``InstancePlan.vllm_args``); ``proxy_args`` go to the proxy.
     """
 
     model: str
     port: int
-    policy: str
     store: str
-    snic_mbps: float | None
     block_size: int
     timeout_s: float
-    pe_port: int
-    de_port: int
     fabric: str
+    instances: tuple[InstancePlan, ...]
     vllm_args: tuple[str, ...] = ()
     load_failure_policy: str = "recompute"
-
-    def instance_port(self, role: str) -> int:
-        return self.pe_port if role == "prefill" else self.de_port
+    proxy_args: tuple[str, ...] = ()
 
 
 def _port_is_free(port: int) -> bool:
@@ -108,21 +128,22 @@ def pick_instance_ports(count: int, taken: set[int] | frozenset = frozenset(), a
     )
 
 
-def kv_transfer_config(plan: ServePlan, role: str) -> dict:
-    """The ``--kv-transfer-config`` of the ``role`` ("prefill" or "decode") instance."""
+def kv_transfer_config(plan: ServePlan, inst: InstancePlan) -> dict:
+    """The ``--kv-transfer-config`` of one instance."""
     extra = {
         "store": plan.store,
-        "node": "pe" if role == "prefill" else "de",
-        "side_port": plan.instance_port(role) + SIDE_PORT_OFFSET,
+        "node": inst.node,
+        "side_port": inst.port + SIDE_PORT_OFFSET,
         "fabric": plan.fabric,
         "timeout_s": plan.timeout_s,
+        "device_id": inst.device_id,
     }
-    if plan.snic_mbps is not None:
-        extra["snic_mbps"] = plan.snic_mbps
+    if inst.snic_mbps is not None:
+        extra["snic_mbps"] = inst.snic_mbps
     return {
         "kv_connector": "DualPathConnector",
         "kv_connector_module_path": "ascend_dualpath.integrations.vllm.connector",
-        "kv_role": KV_ROLES[role],
+        "kv_role": KV_ROLES[inst.role],
         "kv_connector_extra_config": extra,
         "kv_load_failure_policy": plan.load_failure_policy,
     }
@@ -153,34 +174,69 @@ def server_argv(model: str, port: int, block_size: int = 32) -> list[str]:
     ]  # fmt: skip
 
 
-def instance_argv(plan: ServePlan, role: str) -> list[str]:
+def instance_argv(plan: ServePlan, inst: InstancePlan) -> list[str]:
     """The full command line of one ``vllm serve`` child."""
     return [
-        *server_argv(plan.model, plan.instance_port(role), plan.block_size),
-        "--kv-transfer-config", json.dumps(kv_transfer_config(plan, role), separators=(",", ":")),
-        *plan.vllm_args,
+        *server_argv(plan.model, inst.port, plan.block_size),
+        "--kv-transfer-config", json.dumps(kv_transfer_config(plan, inst), separators=(",", ":")),
+        *plan.vllm_args, *inst.vllm_args,
     ]  # fmt: skip
 
 
-def proxy_argv(plan: ServePlan) -> list[str]:
+def cluster_spec(plan: ServePlan) -> dict:
+    """The proxy's ``--cluster`` description of the plan's instances."""
+    spec: dict[str, list[dict]] = {"prefill": [], "decode": []}
+    for inst in plan.instances:
+        entry = {"url": inst.url, "node": inst.node}
+        if inst.role == "decode":
+            entry["group"] = inst.group
+        spec[inst.role].append(entry)
+    return spec
+
+
+def proxy_argv(plan: ServePlan, cluster_file: str) -> list[str]:
     """The proxy child's command line (the side channels follow from the URLs: port + 100)."""
     return [
-        sys.executable, "-m", "ascend_dualpath", "proxy",
-        "--prefill", f"http://127.0.0.1:{plan.pe_port}", "--decode", f"http://127.0.0.1:{plan.de_port}",
-        "--port", str(plan.port), "--policy", plan.policy, "--timeout", str(plan.timeout_s),
+        sys.executable, "-m", "ascend_dualpath", "proxy", "--cluster", cluster_file,
+        "--port", str(plan.port), "--timeout", str(plan.timeout_s), *plan.proxy_args,
     ]  # fmt: skip
+
+
+def omp_binds(count: int, cores: list[int]) -> list[str]:
+    """``VLLM_CPU_OMP_THREADS_BIND`` of ``count`` instances over ``cores``: contiguous slices ("0-3") when there
+    are at least as many cores as instances, else one core each, round robin (instances then share cores)."""
+    if count <= len(cores):
+        bounds = [(cores[i * len(cores) // count], cores[(i + 1) * len(cores) // count - 1]) for i in range(count)]
+        return [str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in bounds]
+    return [str(cores[i % len(cores)]) for i in range(count)]
+
+
+def kv_bytes_per_token(model: str) -> int | None:
+    """KV bytes of one token over all layers from the model's ``config.json`` (K and V, its ``torch_dtype``);
+    None when the config lacks a field. The proxy derives alpha from it and the storage-NIC caps."""
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            config = json.load(f)
+        heads = config["num_attention_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        kv_heads = config.get("num_key_value_heads") or heads
+        dtype = DTYPE_BYTES[str(config.get("torch_dtype") or config.get("dtype") or "float32")]
+        return 2 * config["num_hidden_layers"] * kv_heads * head_dim * dtype
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return None
 
 
 def _package_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
-def child_env(role: str, base: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment of a child: CPU defaults under the caller's environment, this instance's thread binding,
-    and this package first on ``PYTHONPATH`` (every child runs the launcher's own copy of the connector)."""
+def child_env(bind: str | None, base: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment of a child: CPU defaults under the caller's environment, an instance's thread binding
+    (``bind``; None for the proxy), and this package first on ``PYTHONPATH`` (every child runs the launcher's own
+    copy of the connector)."""
     env = {**INSTANCE_ENV_DEFAULTS, **(os.environ if base is None else base)}
-    if role in OMP_BIND:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = OMP_BIND[role]
+    if bind is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = bind
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_package_root(), env.get("PYTHONPATH", "")) if p)
     return env
 
@@ -361,7 +417,14 @@ class _StopSignal:
 
 @dataclasses.dataclass
 class ServeOptions:
-    """What ``python -m ascend_dualpath serve`` was asked for (see ``ascend_dualpath.cli.serve``)."""
+    """What ``python -m ascend_dualpath serve`` was asked for (see ``ascend_dualpath.cli.serve``).
+
+    ``nodes``: one node name per instance (PEs then DEs; default: each its own, ``pe<i>`` / ``de<i>``);
+    ``decode_groups``: one group per DE (default 0); ``node_snic_mbps``: a storage-NIC cap per node name (each
+    instance on it gets that cap; others get ``snic_mbps``); ``instance_args``: vLLM arguments for one instance
+    by name (``decode1``), after the common ``vllm_args``; ``layout``: a JSON file with the same per-instance
+    facts (see :func:`load_layout`), which then also gives the counts.
+    """
 
     model: str
     port: int = 8000
@@ -373,37 +436,139 @@ class ServeOptions:
     startup_timeout_s: float = 300.0
     vllm_args: tuple[str, ...] = ()
     load_failure_policy: str = "recompute"
+    prefill: int = 1
+    decode: int = 1
+    nodes: tuple[str, ...] = ()
+    decode_groups: tuple[int, ...] = ()
+    node_snic_mbps: dict[str, float] = dataclasses.field(default_factory=dict)
+    instance_args: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    layout: str | None = None
+    placement: str = "scheduler"
+    split: bool = False
+    alpha_tokens: int | None = None
+    beta_tokens: int | None = None
+    compute_quota_s: float = 0.0
 
     def validate(self) -> None:
         if not os.path.isdir(self.model):
             raise ConfigError(f"--model {self.model!r} is not a directory (make one with make-tiny-model)")
         if self.block_size <= 0 or self.block_size % 32:
             raise ConfigError(f"--block-size {self.block_size} must be a positive multiple of 32 (vLLM CPU attention)")
-        if self.snic_mbps is not None and not self.snic_mbps > 0:
-            raise ConfigError(f"--snic-mbps {self.snic_mbps} must be > 0")
+        caps = {"--snic-mbps": self.snic_mbps, **{f"--node-snic-mbps {n}": v for n, v in self.node_snic_mbps.items()}}
+        for flag, cap in caps.items():
+            if cap is not None and not cap > 0:
+                raise ConfigError(f"{flag} {cap} must be > 0")
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port {self.port} is not a TCP port")
+        if self.prefill < 1 or self.decode < 1:
+            raise ConfigError(f"--prefill {self.prefill} and --decode {self.decode} must both be >= 1")
 
 
-def make_plan(opts: ServeOptions, store: str) -> ServePlan:
-    """Ports and a fresh fabric name for one deployment (the proxy's port is kept out of the picks)."""
-    pe_port, de_port = pick_instance_ports(2, taken={opts.port})
+LAYOUT_KEYS = {"prefill": {"node", "snic_mbps", "vllm_args"}, "decode": {"node", "group", "snic_mbps", "vllm_args"}}
+
+
+def load_layout(path: str) -> list[dict]:
+    """Per-instance facts from a JSON file ``{"prefill": [{"node", "snic_mbps", "vllm_args"}...], "decode":
+    [{"node", "group", "snic_mbps", "vllm_args"}...]}`` (every key optional; the proxy's ``--cluster`` format
+    without URLs, plus a cap and vLLM arguments per instance), as :func:`instance_layout` returns them."""
+    try:
+        with open(path) as f:
+            spec = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--layout {path!r}: cannot read a JSON layout: {exc}") from None
+    if not isinstance(spec, dict) or set(spec) - set(LAYOUT_KEYS):
+        raise ConfigError(f"--layout {path!r}: expected an object with keys {sorted(LAYOUT_KEYS)}")
+    out = []
+    for role in ("prefill", "decode"):
+        for index, entry in enumerate(spec.get(role) or []):
+            if not isinstance(entry, dict) or set(entry) - LAYOUT_KEYS[role]:
+                raise ConfigError(f"--layout {path!r}: {role}[{index}] = {entry!r} may have only {LAYOUT_KEYS[role]}")
+            out.append(_layout_entry(role, index, entry.get("node"), entry.get("group", 0), entry.get("snic_mbps"),
+                                     tuple(entry.get("vllm_args") or ())))  # fmt: skip
+    return out
+
+
+def _layout_entry(role: str, index: int, node, group, snic, vllm_args: tuple[str, ...]) -> dict:
+    if not isinstance(group, int) or group < 0:
+        raise ConfigError(f"{role}{index}: decode group {group!r} must be an int >= 0")
+    if snic is not None and not (isinstance(snic, int | float) and snic > 0):
+        raise ConfigError(f"{role}{index}: snic_mbps {snic!r} must be > 0")
+    node = str(node or f"{NODE_PREFIX[role]}{index}")
+    return {"name": f"{role}{index}", "role": role, "node": node, "group": group, "snic_mbps": snic,
+            "vllm_args": vllm_args}  # fmt: skip
+
+
+def _flag_layout(opts: ServeOptions) -> list[dict]:
+    """The layout of ``--prefill`` / ``--decode`` / ``--nodes`` / ``--decode-groups``."""
+    count = opts.prefill + opts.decode
+    if opts.nodes and len(opts.nodes) != count:
+        raise ConfigError(f"--nodes names {len(opts.nodes)} nodes for {count} instances (PEs then DEs)")
+    if opts.decode_groups and len(opts.decode_groups) != opts.decode:
+        raise ConfigError(f"--decode-groups names {len(opts.decode_groups)} groups for {opts.decode} DEs")
+    nodes = opts.nodes or (None,) * count
+    groups = opts.decode_groups or (0,) * opts.decode
+    roles = [("prefill", i, 0) for i in range(opts.prefill)] + [("decode", i, groups[i]) for i in range(opts.decode)]
+    return [_layout_entry(role, i, nodes[k], group, None, ()) for k, (role, i, group) in enumerate(roles)]
+
+
+def instance_layout(opts: ServeOptions) -> list[dict]:
+    """Every instance's name, role, node, group, cap and own vLLM arguments, PEs first (see ServeOptions)."""
+    if opts.layout and (opts.nodes or opts.decode_groups):
+        raise ConfigError("--layout gives the nodes and groups: leave out --nodes / --decode-groups")
+    entries = load_layout(opts.layout) if opts.layout else _flag_layout(opts)
+    names = {e["name"] for e in entries}
+    unknown = sorted(set(opts.instance_args) - names)
+    if unknown or {e["role"] for e in entries} != {"prefill", "decode"}:
+        raise ConfigError(f"instances {sorted(names)}: need a PE and a DE; --instance-args names unknown {unknown}")
+    for entry in entries:
+        entry["vllm_args"] += tuple(opts.instance_args.get(entry["name"], ()))
+        if entry["snic_mbps"] is None:
+            entry["snic_mbps"] = opts.node_snic_mbps.get(entry["node"], opts.snic_mbps)
+    return entries
+
+
+def proxy_options(opts: ServeOptions, model: str) -> tuple[str, ...]:
+    """The proxy's placement arguments (the thresholds it measures itself when not given)."""
+    args = ["--placement", opts.placement, "--policy", opts.policy, "--startup-timeout", str(opts.startup_timeout_s)]
+    for flag, value in (("--alpha-tokens", opts.alpha_tokens), ("--beta-tokens", opts.beta_tokens),
+                        ("--kv-bytes-per-token", kv_bytes_per_token(model))):  # fmt: skip
+        if value is not None:
+            args += [flag, str(value)]
+    if opts.compute_quota_s:
+        args += ["--compute-quota", str(opts.compute_quota_s)]
+    return (*args, "--split") if opts.split else tuple(args)
+
+
+def make_plan(opts: ServeOptions, store: str, cores: list[int] | None = None) -> ServePlan:
+    """Ports, device ids, thread bindings and a fresh fabric name for one deployment (the proxy's port is kept out
+    of the picks); ``cores``: the cores to spread the instances over (default: this process's affinity)."""
+    layout = instance_layout(opts)
+    cores = sorted(os.sched_getaffinity(0)) if cores is None else cores
+    ports = pick_instance_ports(len(layout), taken={opts.port})
+    binds = omp_binds(len(layout), cores)
+    instances = tuple(
+        InstancePlan(e["name"], e["role"], device_id, port, e["node"], e["group"], e["snic_mbps"], bind, e["vllm_args"])
+        for device_id, (e, port, bind) in enumerate(zip(layout, ports, binds, strict=True))
+    )
+    model = os.path.abspath(opts.model)
     return ServePlan(
-        model=os.path.abspath(opts.model), port=opts.port, policy=opts.policy, store=store,
-        snic_mbps=opts.snic_mbps, block_size=opts.block_size, timeout_s=opts.timeout_s,
-        pe_port=pe_port, de_port=de_port, fabric=f"serve{os.getpid()}x{secrets.token_hex(4)}",
-        vllm_args=tuple(opts.vllm_args), load_failure_policy=opts.load_failure_policy,
+        model=model, port=opts.port, store=store, block_size=opts.block_size, timeout_s=opts.timeout_s,
+        fabric=f"serve{os.getpid()}x{secrets.token_hex(4)}", instances=instances, vllm_args=tuple(opts.vllm_args),
+        load_failure_policy=opts.load_failure_policy, proxy_args=proxy_options(opts, model),
     )  # fmt: skip
 
 
 def start_all(plan: ServePlan, log_dir: str) -> list[Child]:
-    """Start the PE, the DE and the proxy (in that order; all come up concurrently)."""
+    """Start every instance, then the proxy with the cluster written to ``<log_dir>/cluster.json`` (all come up
+    concurrently)."""
     children = []
-    for role in ("prefill", "decode"):
-        port = plan.instance_port(role)
-        children.append(start_child(role, instance_argv(plan, role), child_env(role),
-                                    f"http://127.0.0.1:{port}/health", log_dir))  # fmt: skip
-    children.append(start_child("proxy", proxy_argv(plan), child_env("proxy"),
+    for inst in plan.instances:
+        children.append(start_child(inst.name, instance_argv(plan, inst), child_env(inst.bind),
+                                    f"{inst.url}/health", log_dir))  # fmt: skip
+    cluster_file = os.path.join(log_dir, "cluster.json")
+    with open(cluster_file, "w") as f:
+        json.dump(cluster_spec(plan), f)
+    children.append(start_child("proxy", proxy_argv(plan, cluster_file), child_env(None),
                                 f"http://127.0.0.1:{plan.port}/health", log_dir))  # fmt: skip
     return children
 
@@ -424,6 +589,7 @@ def _serve_until_stopped(children: list[Child], stop: _StopSignal) -> int:
 def serve(opts: ServeOptions) -> int:
     """Run one deployment until SIGINT / SIGTERM; returns the exit code (130 / 143, 1 on a failure)."""
     opts.validate()
+    instance_layout(opts)  # its errors before anything exists to clean up
     run_dir = tempfile.mkdtemp(prefix="adp-serve-")
     store = opts.store or os.path.join(run_dir, "store")
     os.makedirs(store, exist_ok=True)
@@ -437,8 +603,9 @@ def serve(opts: ServeOptions) -> int:
             watcher = start_watcher(children)
             wait_until_healthy(children, opts.startup_timeout_s, lambda: stop.signum is not None)
             if stop.signum is None:
-                print(f"serve: ready at http://127.0.0.1:{plan.port}/v1 (prefill :{plan.pe_port}, decode "
-                      f":{plan.de_port}, policy {plan.policy}, store {store})", flush=True)  # fmt: skip
+                parts = ", ".join(f"{i.name} :{i.port} node {i.node}" for i in plan.instances)
+                print(f"serve: ready at http://127.0.0.1:{plan.port}/v1 ({parts}; proxy {' '.join(plan.proxy_args)}; "
+                      f"store {store})", flush=True)  # fmt: skip
             code = _serve_until_stopped(children, stop)
         except (WaitTimeout, RuntimeError, OSError) as exc:
             print(f"serve: {exc}", file=sys.stderr, flush=True)

@@ -7,7 +7,6 @@ channel answers status queries with the reply format of the design (or stays sil
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import pytest
@@ -17,134 +16,13 @@ aiohttp = pytest.importorskip("aiohttp")
 zmq = pytest.importorskip("zmq")
 msgspec = pytest.importorskip("msgspec")
 
-from aiohttp import web  # noqa: E402
 from aiohttp.test_utils import TestServer  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from ascend_dualpath.errors import ConfigError  # noqa: E402
 from ascend_dualpath.integrations.vllm import proxy as proxy_mod  # noqa: E402
 from ascend_dualpath.integrations.vllm.proxy import DualPathProxy, ProxyConfig, decide  # noqa: E402
-
-
-def status_reply(node: str, role: str, queue_tokens: int = 0, read_blocks: int = 0) -> dict:
-    """A status reply exactly as the design file specifies it."""
-    return {
-        "op": "status",
-        "role": role,
-        "node": node,
-        "read_queue_tokens": queue_tokens,
-        "read_queue_bytes": queue_tokens * 1024,
-        "snic_read_bytes": read_blocks * 65536,
-        "snic_read_blocks": read_blocks,
-        "unfinished_requests": 1,
-        "unfinished_tokens": 40,
-        "loads": {"pe": 3, "de": 2},
-        "fallbacks": 1,
-        "failures": 2,
-        "checksum_errors": 0,
-    }
-
-
-class FakeSideChannel:
-    """A ZMQ ROUTER on a random loopback port in a thread; answers ``{"op": "status"}`` with ``reply``
-    (``reply=None``: stays silent, like a dead instance)."""
-
-    def __init__(self, reply: dict | None) -> None:
-        self.reply = reply
-        self.queries = 0
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        port = self._sock.bind_to_random_port("tcp://127.0.0.1")
-        self.address = f"tcp://127.0.0.1:{port}"
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            if not self._sock.poll(20):
-                continue
-            identity, empty, payload = self._sock.recv_multipart()
-            assert msgspec.msgpack.decode(payload) == {"op": "status"}
-            self.queries += 1
-            if self.reply is not None:
-                self._sock.send_multipart([identity, empty, msgspec.msgpack.encode(self.reply)])
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self._sock.close()
-        self._ctx.term()
-
-
-class FakeInstance:
-    """A fake vLLM OpenAI server. ``mode``: "ok" (JSON answer or SSE stream), "error" (``error_status``),
-    "hang" (waits until the client disconnects, recording it in ``disconnected``)."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.mode = "ok"
-        self.error_status = 400
-        self.error_delay_s = 0.0  # > 0: the other instance's request is in flight when the error comes
-        self.health_status = 200
-        self.bodies: list[dict] = []
-        self.stream_chunks = [b'data: {"n": 1}\n\n', b'data: {"n": 2}\n\n', b"data: [DONE]\n\n"]
-        self.gate: asyncio.Event | None = None  # when set, the stream waits for it after its first chunk
-        self.disconnected = asyncio.Event()
-
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_post("/v1/completions", self.generate)
-        app.router.add_post("/v1/chat/completions", self.generate)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", self.health)
-        return app
-
-    async def generate(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        self.bodies.append(body)
-        if self.mode == "error":
-            await asyncio.sleep(self.error_delay_s)
-            message = {
-                "error": {"message": f"{self.name} refuses", "type": "BadRequestError", "code": self.error_status}
-            }
-            return web.json_response(message, status=self.error_status)
-        if self.mode == "hang":
-            return await self._hang(request)
-        if body.get("stream"):
-            return await self._stream(request)
-        return web.json_response({"id": f"{self.name}-1", "choices": [{"text": f"from {self.name}"}]})
-
-    async def _hang(self, request: web.Request) -> web.Response:
-        # aiohttp cancels a handler whose client went away; a closing transport is the other sign of it.
-        try:
-            deadline = time.monotonic() + 20
-            while time.monotonic() < deadline and request.transport is not None and not request.transport.is_closing():
-                await asyncio.sleep(0.01)
-        except asyncio.CancelledError:
-            self.disconnected.set()
-            raise
-        if request.transport is None or request.transport.is_closing():
-            self.disconnected.set()
-        return web.json_response({})
-
-    async def _stream(self, request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for index, chunk in enumerate(self.stream_chunks):
-            await resp.write(chunk)
-            if index == 0 and self.gate is not None:
-                await asyncio.wait_for(self.gate.wait(), 10)
-        await resp.write_eof()
-        return resp
-
-    async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": f"model-of-{self.name}"}]})
-
-    async def health(self, request: web.Request) -> web.Response:
-        return web.Response(status=self.health_status)
-
+from tests.integrations.vllm.fakes import FakeInstance, FakeSideChannel, status_reply  # noqa: E402
 
 DEFAULT = object()  # Harness: an idle status reply; None: a silent side channel
 
@@ -233,11 +111,23 @@ def test_unknown_fields_pass_through_and_prefill_body_is_rewritten():
             xfer_id = de_params["dualpath"]["xfer_id"]
             assert de_params == {
                 "other": "kept",
-                "dualpath": {"xfer_id": xfer_id, "role": "decode", "path": "pe", "peer": h.pe_side.address},
+                "dualpath": {
+                    "xfer_id": xfer_id,
+                    "role": "decode",
+                    "path": "pe",
+                    "peer": h.pe_side.address,
+                    "split": False,
+                },
             }
             assert pe_params == {
                 "other": "kept",
-                "dualpath": {"xfer_id": xfer_id, "role": "prefill", "path": "pe", "peer": h.de_side.address},
+                "dualpath": {
+                    "xfer_id": xfer_id,
+                    "role": "prefill",
+                    "path": "pe",
+                    "peer": h.de_side.address,
+                    "split": False,
+                },
             }
             assert (await h.decisions())[0]["xfer_id"] == xfer_id
 
@@ -311,14 +201,15 @@ def test_proxy_picks_the_path_with_the_shorter_read_queue(pe_queue, de_queue, pa
             assert h.de.bodies[0]["kv_transfer_params"]["dualpath"]["path"] == path
             assert h.pe.bodies[0]["kv_transfer_params"]["dualpath"]["path"] == path
             (decision,) = await h.decisions()
-            assert decision == {
-                "xfer_id": decision["xfer_id"],
+            assert {k: decision[k] for k in ("endpoint", "path", "pe_queue_tokens", "de_queue_tokens", "rule")} == {
                 "endpoint": "/v1/completions",
                 "path": path,
                 "pe_queue_tokens": pe_queue,
                 "de_queue_tokens": de_queue,
                 "rule": "shorter-queue",
             }
+            assert (decision["prefill"], decision["decode"], decision["split"]) == ("prefill0", "decode0", False)
+            assert f"path-shorter-queue {path}" in decision["rules"]
 
     run(body())
 
@@ -350,7 +241,7 @@ def test_silent_side_channel_is_counted_and_falls_back_to_pe():
                 None,
             )
             metrics = await h.metrics()
-            key = ("adp_proxy_side_channel_failures_total", frozenset({("instance", "decode")}))
+            key = ("adp_proxy_side_channel_failures_total", frozenset({("instance", "decode0")}))
             assert metrics[key] >= 1.0  # /metrics asks again
 
     run(body())
@@ -365,13 +256,13 @@ def test_metrics_parse_and_carry_status_and_request_counts():
             assert (await h.post("/v1/completions", COMPLETION))[0] == 400
             m = await h.metrics()
             assert m[("adp_proxy_requests_total", frozenset({("endpoint", "/v1/completions"), ("path", "de")}))] == 2
-            assert m[("adp_snic_read_bytes", frozenset({("node", "pe-node")}))] == 11 * 65536
-            assert m[("adp_snic_read_bytes", frozenset({("node", "de-node")}))] == 5 * 65536
-            assert m[("adp_read_queue_tokens", frozenset({("node", "pe-node")}))] == 7
-            assert m[("adp_read_queue_bytes", frozenset({("node", "de-node")}))] == 3 * 1024
-            assert m[("adp_fallbacks", frozenset({("node", "pe-node")}))] == 1
-            assert m[("adp_failures", frozenset({("node", "de-node")}))] == 2
-            assert m[("adp_loads", frozenset({("node", "pe-node"), ("path", "de")}))] == 2
+            assert m[("adp_snic_read_bytes", frozenset({("node", "pe0"), ("instance", "prefill0")}))] == 11 * 65536
+            assert m[("adp_snic_read_bytes", frozenset({("node", "de0"), ("instance", "decode0")}))] == 5 * 65536
+            assert m[("adp_read_queue_tokens", frozenset({("node", "pe0"), ("instance", "prefill0")}))] == 7
+            assert m[("adp_read_queue_bytes", frozenset({("node", "de0"), ("instance", "decode0")}))] == 3 * 1024
+            assert m[("adp_fallbacks", frozenset({("node", "pe0"), ("instance", "prefill0")}))] == 1
+            assert m[("adp_failures", frozenset({("node", "de0"), ("instance", "decode0")}))] == 2
+            assert m[("adp_loads", frozenset({("node", "pe0"), ("instance", "prefill0"), ("path", "de")}))] == 2
             assert m[("adp_proxy_errors_total", frozenset({("source", "prefill"), ("status", "400")}))] == 1
             latency = ("adp_proxy_request_seconds_count", frozenset({("endpoint", "/v1/completions")}))
             ttft = ("adp_proxy_ttft_seconds_count", frozenset({("endpoint", "/v1/completions")}))
@@ -443,7 +334,7 @@ def test_health_needs_both_instances_and_models_come_from_the_decode_instance():
                 assert resp.status == 200
             h.pe.health_status = 503
             async with h.client.get("/health") as resp:
-                assert resp.status == 503 and (await resp.json())["prefill"] == "answered 503"
+                assert resp.status == 503 and (await resp.json())["prefill0"] == "answered 503"
             async with h.client.get("/v1/models") as resp:
                 assert resp.status == 200 and (await resp.json())["data"] == [{"id": "model-of-decode"}]
 

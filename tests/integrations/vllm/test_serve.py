@@ -7,6 +7,7 @@ nothing behind. The proxy child is the real one (it needs no model).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -14,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
@@ -21,7 +23,7 @@ pytest.importorskip("vllm")
 
 from ascend_dualpath.errors import ConfigError  # noqa: E402
 from ascend_dualpath.integrations.vllm import serve as serve_mod  # noqa: E402
-from ascend_dualpath.integrations.vllm.serve import ServeOptions, ServePlan  # noqa: E402
+from ascend_dualpath.integrations.vllm.serve import InstancePlan, ServeOptions, ServePlan  # noqa: E402
 
 FAKE_VLLM = r"""
 import http.server, json, os, signal, subprocess, sys
@@ -51,56 +53,106 @@ http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
 """
 
 
+PE = InstancePlan("prefill0", "prefill", 0, 41000, "pe0", bind="0")
+DE = InstancePlan("decode0", "decode", 1, 42000, "de0", bind="1")
+
+
 def plan(**overrides) -> ServePlan:
-    fields = dict(model="/m", port=8000, policy="dual", store="/s", snic_mbps=None, block_size=32, timeout_s=12.0,
-                  pe_port=41000, de_port=42000, fabric="servefab")  # fmt: skip
+    fields = dict(model="/m", port=8000, store="/s", block_size=32, timeout_s=12.0, fabric="servefab",
+                  instances=(PE, DE))  # fmt: skip
     return ServePlan(**{**fields, **overrides})
 
 
-def test_kv_transfer_config_per_role():
-    pe = serve_mod.kv_transfer_config(plan(snic_mbps=250.0), "prefill")
+def test_kv_transfer_config_per_instance():
+    pe = serve_mod.kv_transfer_config(plan(), dataclasses.replace(PE, snic_mbps=250.0))
     assert pe == {
         "kv_connector": "DualPathConnector",
         "kv_connector_module_path": "ascend_dualpath.integrations.vllm.connector",
         "kv_role": "kv_producer",
-        "kv_connector_extra_config": {"store": "/s", "node": "pe", "side_port": 41100, "fabric": "servefab",
-                                      "timeout_s": 12.0, "snic_mbps": 250.0},
+        "kv_connector_extra_config": {"store": "/s", "node": "pe0", "side_port": 41100, "fabric": "servefab",
+                                      "timeout_s": 12.0, "device_id": 0, "snic_mbps": 250.0},
         "kv_load_failure_policy": "recompute",
     }  # fmt: skip
-    de = serve_mod.kv_transfer_config(plan(), "decode")
+    de = serve_mod.kv_transfer_config(plan(), DE)
     assert de["kv_role"] == "kv_consumer" and de["kv_connector_extra_config"]["side_port"] == 42100
+    assert de["kv_connector_extra_config"]["device_id"] == 1
     assert "snic_mbps" not in de["kv_connector_extra_config"]  # uncapped: left out
 
 
 def test_instance_argv_puts_extra_args_last_and_unchanged(monkeypatch):
     monkeypatch.delenv("ADP_VLLM_SERVE_CMD", raising=False)
     extra = ("--max-model-len", "512", "--served-model-name", "a b")
-    argv = serve_mod.instance_argv(plan(vllm_args=extra), "decode")
+    own = ("--num-gpu-blocks-override", "8")
+    argv = serve_mod.instance_argv(plan(vllm_args=extra), dataclasses.replace(DE, vllm_args=own))
     assert argv[:5] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", "/m"]
     assert argv[argv.index("--port") + 1] == "42000" and argv[argv.index("--block-size") + 1] == "32"
-    assert "--enforce-eager" in argv and tuple(argv[-4:]) == extra
+    assert "--enforce-eager" in argv and tuple(argv[-6:]) == extra + own
     assert json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_role"] == "kv_consumer"
     monkeypatch.setenv("ADP_VLLM_SERVE_CMD", "fake-vllm --flag")
-    assert serve_mod.instance_argv(plan(), "prefill")[:4] == ["fake-vllm", "--flag", "--model", "/m"]
+    assert serve_mod.instance_argv(plan(), PE)[:4] == ["fake-vllm", "--flag", "--model", "/m"]
 
 
-def test_proxy_argv_points_at_both_instances():
-    argv = serve_mod.proxy_argv(plan(policy="de"))
-    assert argv[:4] == [sys.executable, "-m", "ascend_dualpath", "proxy"]
-    values = dict(zip(argv[4::2], argv[5::2], strict=True))
-    assert values == {"--prefill": "http://127.0.0.1:41000", "--decode": "http://127.0.0.1:42000", "--port": "8000",
-                      "--policy": "de", "--timeout": "12.0"}  # fmt: skip
+def test_proxy_argv_and_cluster_spec_name_every_instance():
+    argv = serve_mod.proxy_argv(plan(proxy_args=("--policy", "de", "--split")), "/run/cluster.json")
+    assert argv[:4] == [sys.executable, "-m", "ascend_dualpath", "proxy"] and argv[-1] == "--split"
+    values = dict(zip(argv[4:-1:2], argv[5:-1:2], strict=True))
+    assert values == {"--cluster": "/run/cluster.json", "--port": "8000", "--timeout": "12.0", "--policy": "de"}
+    de1 = InstancePlan("decode1", "decode", 2, 43000, "n1", group=1)
+    assert serve_mod.cluster_spec(plan(instances=(PE, DE, de1))) == {
+        "prefill": [{"url": "http://127.0.0.1:41000", "node": "pe0"}],
+        "decode": [{"url": "http://127.0.0.1:42000", "node": "de0", "group": 0},
+                   {"url": "http://127.0.0.1:43000", "node": "n1", "group": 1}],
+    }  # fmt: skip
 
 
-def test_child_env_binds_each_instance_to_its_own_core():
-    pe = serve_mod.child_env("prefill", base={"VLLM_CPU_KVCACHE_SPACE": "2", "PYTHONPATH": "/x"})
-    de = serve_mod.child_env("decode", base={})
+def test_child_env_binds_each_instance_to_its_cores():
+    pe = serve_mod.child_env("0", base={"VLLM_CPU_KVCACHE_SPACE": "2", "PYTHONPATH": "/x"})
+    de = serve_mod.child_env("1", base={})
     assert (pe["VLLM_CPU_OMP_THREADS_BIND"], de["VLLM_CPU_OMP_THREADS_BIND"]) == ("0", "1")
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in serve_mod.child_env(None, base={})  # the proxy
     assert pe["VLLM_CPU_KVCACHE_SPACE"] == "2" and de["VLLM_CPU_KVCACHE_SPACE"] == "1"  # the caller's value wins
     assert de["VLLM_HOST_IP"] == "127.0.0.1" and de["HF_HUB_OFFLINE"] == "1"
     root = pe["PYTHONPATH"].split(os.pathsep)[0]
     assert os.path.isfile(os.path.join(root, "ascend_dualpath", "integrations", "vllm", "serve.py"))
     assert pe["PYTHONPATH"].endswith(os.pathsep + "/x")
+
+
+def test_omp_binds_spread_over_the_cores():
+    assert serve_mod.omp_binds(2, [0, 1]) == ["0", "1"]
+    assert serve_mod.omp_binds(4, [0, 1]) == ["0", "1", "0", "1"]
+    assert serve_mod.omp_binds(3, list(range(8))) == ["0-1", "2-4", "5-7"]
+
+
+def test_make_plan_for_n_by_m_with_nodes_groups_caps_and_own_args(tmp_path):
+    opts = ServeOptions(
+        model=str(tmp_path), prefill=2, decode=2, nodes=("a", "b", "a", "b"), decode_groups=(0, 1), snic_mbps=400.0,
+        node_snic_mbps={"b": 100.0}, instance_args={"decode1": ("--num-gpu-blocks-override", "8")}, split=True,
+        beta_tokens=64,
+    )  # fmt: skip
+    p = serve_mod.make_plan(opts, "/s", cores=[0, 1])
+    assert [(i.name, i.device_id, i.node, i.group, i.snic_mbps, i.bind) for i in p.instances] == [
+        ("prefill0", 0, "a", 0, 400.0, "0"), ("prefill1", 1, "b", 0, 100.0, "1"),
+        ("decode0", 2, "a", 0, 400.0, "0"), ("decode1", 3, "b", 1, 100.0, "1"),
+    ]  # fmt: skip
+    assert p.instances[3].vllm_args == ("--num-gpu-blocks-override", "8") and p.instances[2].vllm_args == ()
+    ports = [i.port for i in p.instances]
+    assert len(set(ports + [q + serve_mod.SIDE_PORT_OFFSET for q in ports])) == 8
+    assert p.proxy_args == ("--placement", "scheduler", "--policy", "dual", "--startup-timeout", "300.0",
+                            "--beta-tokens", "64", "--split")  # fmt: skip
+    layout = tmp_path / "layout.json"
+    layout.write_text(json.dumps({"prefill": [{"node": "x", "snic_mbps": 50}], "decode": [{"group": 3}, {}]}))
+    q = serve_mod.make_plan(ServeOptions(model=str(tmp_path), layout=str(layout)), "/s", cores=[0, 1, 2, 3, 4, 5])
+    assert [(i.name, i.node, i.group, i.snic_mbps, i.bind) for i in q.instances] == [
+        ("prefill0", "x", 0, 50, "0-1"), ("decode0", "de0", 3, None, "2-3"), ("decode1", "de1", 0, None, "4-5"),
+    ]  # fmt: skip
+
+
+def test_kv_bytes_per_token_from_the_model_config(tmp_path):
+    config = {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64, "num_hidden_layers": 3,
+              "torch_dtype": "bfloat16"}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert serve_mod.kv_bytes_per_token(str(tmp_path)) == 2 * 3 * 2 * 16 * 2
+    assert serve_mod.kv_bytes_per_token(str(tmp_path / "none")) is None
 
 
 def test_picked_ports_and_their_side_ports_are_free_and_distinct():
@@ -117,6 +169,14 @@ def test_options_name_the_bad_value(tmp_path):
         ServeOptions(model=str(tmp_path), block_size=48).validate()
     with pytest.raises(ConfigError, match="--snic-mbps 0"):
         ServeOptions(model=str(tmp_path), snic_mbps=0).validate()
+    with pytest.raises(ConfigError, match="--node-snic-mbps b -1"):
+        ServeOptions(model=str(tmp_path), node_snic_mbps={"b": -1}).validate()
+    with pytest.raises(ConfigError, match="--prefill 0"):
+        ServeOptions(model=str(tmp_path), prefill=0).validate()
+    with pytest.raises(ConfigError, match="--nodes names 3 nodes for 2 instances"):
+        serve_mod.instance_layout(ServeOptions(model=str(tmp_path), nodes=("a", "b", "c")))
+    with pytest.raises(ConfigError, match=r"unknown \['decode5'\]"):
+        serve_mod.instance_layout(ServeOptions(model=str(tmp_path), instance_args={"decode5": ()}))
 
 
 def _alive(pid: int) -> bool:
@@ -223,9 +283,13 @@ def deploy(tmp_path):
         deployment.kill_leftovers()
 
 
-def _fabric(record: dict) -> str:
+def _extra(record: dict) -> dict:
     config = json.loads(record["argv"][record["argv"].index("--kv-transfer-config") + 1])
-    return config["kv_connector_extra_config"]["fabric"]
+    return config["kv_connector_extra_config"]
+
+
+def _fabric(record: dict) -> str:
+    return _extra(record)["fabric"]
 
 
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
@@ -235,7 +299,7 @@ def test_serve_stops_on_signal_and_leaves_nothing_behind(deploy, signum, code):
     assert f"http://127.0.0.1:{deployment.port}/v1" in ready
     assert serve_mod.answers_health(f"http://127.0.0.1:{deployment.port}/health")  # the real proxy, both fakes up
     records = deployment.instances()
-    assert sorted(r["bind"] for r in records) == ["0", "1"]
+    assert sorted(r["bind"] for r in records) == sorted(serve_mod.omp_binds(2, sorted(os.sched_getaffinity(0))))
     assert {(r["host_ip"], r["offline"]) for r in records} == {("127.0.0.1", "1")}
     assert all(r["argv"][-2:] == ["--max-model-len", "256"] for r in records)
     fabric = _fabric(records[0])
@@ -268,9 +332,31 @@ def test_children_die_when_serve_is_killed(deploy, tmp_path):
 def test_a_child_that_dies_stops_serve_with_its_name(deploy):
     deployment = deploy()
     deployment.wait_ready()
-    decode = max(deployment.instances(), key=lambda r: r["bind"])  # bind "1" is the decode instance
+    decode = max(deployment.instances(), key=lambda r: _extra(r)["device_id"])  # device 1 is the decode instance
     os.kill(decode["pid"], signal.SIGKILL)
     out, err = deployment.process.communicate(timeout=60)
     assert deployment.process.returncode == 1
-    assert "serve: decode exited with -9" in err
+    assert "serve: decode0 exited with -9" in err
+    assert _wait_dead(deployment.known_pids) == []
+
+
+def test_two_by_two_deployment_gives_every_instance_its_node_group_device_and_the_proxy_all(deploy):
+    deployment = deploy("--prefill", "2", "--decode", "2", "--nodes", "a,b,a,b", "--decode-groups", "0,1",
+                        "--node-snic-mbps", "b=50", "--instance-args", "decode1=--num-gpu-blocks-override 8",
+                        "--beta-tokens", "64")  # fmt: skip
+    ready = deployment.wait_ready()
+    for name in ("prefill0", "prefill1", "decode0", "decode1"):
+        assert name in ready
+    records = sorted(deployment.instances(), key=lambda r: _extra(r)["device_id"])
+    extras = [_extra(r) for r in records]
+    assert [e["device_id"] for e in extras] == [0, 1, 2, 3] and [e["node"] for e in extras] == ["a", "b", "a", "b"]
+    assert [e.get("snic_mbps") for e in extras] == [None, 50.0, None, 50.0]
+    assert len({e["fabric"] for e in extras}) == 1 and len({e["side_port"] for e in extras}) == 4
+    assert records[3]["argv"][-2:] == ["--num-gpu-blocks-override", "8"]
+    assert "--num-gpu-blocks-override" not in records[2]["argv"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{deployment.port}/health", timeout=10) as resp:
+        assert sorted(json.loads(resp.read())) == ["decode0", "decode1", "prefill0", "prefill1"]
+    deployment.process.send_signal(signal.SIGTERM)
+    deployment.process.communicate(timeout=60)
+    assert deployment.process.returncode == 143
     assert _wait_dead(deployment.known_pids) == []

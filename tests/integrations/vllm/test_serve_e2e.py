@@ -202,7 +202,9 @@ def test_serve_matches_plain_vllm_and_loads_from_storage(model, plain, tmp_path,
         for turn, (ours, reference) in enumerate(pairs):
             assert ours == reference, f"turn {turn}: {ours!r} != plain vLLM's {reference!r}"
         metrics = _get(f"{url}/metrics")
-        read = {node: _metric(metrics, "adp_snic_read_bytes", node=node) for node in ("pe", "de")}
+        read = {
+            side: _metric(metrics, "adp_snic_read_bytes", node=node) for side, node in (("pe", "pe0"), ("de", "de0"))
+        }
         assert sum(read.values()) > 0, metrics
         if policy == "pe":
             assert read["de"] == 0 < read["pe"]
@@ -275,7 +277,7 @@ def test_killing_an_instance_mid_request_fails_it_and_serve_exits_cleanly(model,
         deadline = time.monotonic() + 30
         while "serve: ready" not in log.read_text() and time.monotonic() < deadline:
             time.sleep(0.2)
-        port = int(log.read_text().split(f"{victim} :")[1].split(",")[0].split(")")[0])
+        port = int(log.read_text().split(f"{victim}0 :")[1].split(" ")[0])
         pid = int(subprocess.check_output(["fuser", "-n", "tcp", str(port)], stderr=subprocess.DEVNULL).split()[0])
         words = _vocab(model)
         prompt = " ".join(words[(7 * i) % len(words)] for i in range(1500))  # a prefill long enough to hit

@@ -1,0 +1,158 @@
+"""Fake vLLM instances (aiohttp apps) and fake side channels (ZMQ ROUTER threads) for the proxy's tests.
+
+Each fake instance records the bodies it receives and answers as a test tells it to (and, with ``kv`` set, serves
+vLLM 0.32's KV-cache metrics); each fake side channel answers status queries with the reply format of the design
+(or stays silent). A test changes ``FakeSideChannel.reply`` and ``FakeInstance.kv`` to change the live state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import msgspec
+import zmq
+from aiohttp import web
+
+
+def status_reply(
+    node: str, role: str, queue_tokens: int = 0, read_blocks: int = 0, unfinished_tokens: int = 40
+) -> dict:
+    """A status reply exactly as the design file specifies it."""
+    return {
+        "op": "status",
+        "role": role,
+        "node": node,
+        "read_queue_tokens": queue_tokens,
+        "read_queue_bytes": queue_tokens * 1024,
+        "snic_read_bytes": read_blocks * 65536,
+        "snic_read_blocks": read_blocks,
+        "unfinished_requests": 1,
+        "unfinished_tokens": unfinished_tokens,
+        "loads": {"pe": 3, "de": 2},
+        "fallbacks": 1,
+        "failures": 2,
+        "checksum_errors": 0,
+    }
+
+
+class FakeSideChannel:
+    """A ZMQ ROUTER on a random loopback port in a thread; answers ``{"op": "status"}`` with ``reply``
+    (``reply=None``: stays silent, like a dead instance)."""
+
+    def __init__(self, reply: dict | None) -> None:
+        self.reply = reply
+        self.queries = 0
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        port = self._sock.bind_to_random_port("tcp://127.0.0.1")
+        self.address = f"tcp://127.0.0.1:{port}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self._sock.poll(20):
+                continue
+            identity, empty, payload = self._sock.recv_multipart()
+            assert msgspec.msgpack.decode(payload) == {"op": "status"}
+            self.queries += 1
+            if self.reply is not None:
+                self._sock.send_multipart([identity, empty, msgspec.msgpack.encode(self.reply)])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._sock.close()
+        self._ctx.term()
+
+
+class FakeInstance:
+    """A fake vLLM OpenAI server. ``mode``: "ok" (JSON answer or SSE stream), "error" (``error_status``),
+    "hang" (waits until the client disconnects, recording it in ``disconnected``)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.mode = "ok"
+        self.error_status = 400
+        self.error_delay_s = 0.0  # > 0: the other instance's request is in flight when the error comes
+        self.health_status = 200
+        self.bodies: list[dict] = []
+        self.stream_chunks = [b'data: {"n": 1}\n\n', b'data: {"n": 2}\n\n', b"data: [DONE]\n\n"]
+        self.gate: asyncio.Event | None = None  # when set, the stream waits for it after its first chunk
+        self.disconnected = asyncio.Event()
+        self.prefill_delay_s = 0.0  # > 0: a non-streamed answer comes this late (a PE busy prefilling)
+        self.kv: tuple[int, float] | None = None  # (num_gpu_blocks, usage) for /metrics; None: no /metrics
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.generate)
+        app.router.add_post("/v1/chat/completions", self.generate)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        return app
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """vLLM 0.32's two KV-cache metrics, as its Prometheus logger writes them."""
+        if self.kv is None:
+            return web.Response(status=404)
+        blocks, usage = self.kv
+        labels = f'block_size="16",cache_dtype="auto",engine="0",num_gpu_blocks="{blocks}"'
+        text = (
+            "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+            "# TYPE vllm:cache_config_info gauge\n"
+            f"vllm:cache_config_info{{{labels}}} 1.0\n"
+            "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
+            "# TYPE vllm:kv_cache_usage_perc gauge\n"
+            f'vllm:kv_cache_usage_perc{{engine="0",model_name="tiny"}} {usage}\n'
+        )
+        return web.Response(text=text, content_type="text/plain")
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        if self.mode == "error":
+            await asyncio.sleep(self.error_delay_s)
+            message = {
+                "error": {"message": f"{self.name} refuses", "type": "BadRequestError", "code": self.error_status}
+            }
+            return web.json_response(message, status=self.error_status)
+        if self.mode == "hang":
+            return await self._hang(request)
+        if body.get("stream"):
+            return await self._stream(request)
+        await asyncio.sleep(self.prefill_delay_s)
+        return web.json_response({"id": f"{self.name}-1", "choices": [{"text": f"from {self.name}"}]})
+
+    async def _hang(self, request: web.Request) -> web.Response:
+        # aiohttp cancels a handler whose client went away; a closing transport is the other sign of it.
+        try:
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and request.transport is not None and not request.transport.is_closing():
+                await asyncio.sleep(0.01)
+        except asyncio.CancelledError:
+            self.disconnected.set()
+            raise
+        if request.transport is None or request.transport.is_closing():
+            self.disconnected.set()
+        return web.json_response({})
+
+    async def _stream(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for index, chunk in enumerate(self.stream_chunks):
+            await resp.write(chunk)
+            if index == 0 and self.gate is not None:
+                await asyncio.wait_for(self.gate.wait(), 10)
+        await resp.write_eof()
+        return resp
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": f"model-of-{self.name}"}]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=self.health_status)
