@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 
 from ascend_dualpath.backends import Backend, get_backend
-from ascend_dualpath.dualpath.transfer_leg import ABORT_SLOT, TransportTransferLeg
+from ascend_dualpath.dualpath.transfer_leg import ABORT_SLOT, KV_COMM_FIELDS, TransportTransferLeg
 from ascend_dualpath.errors import BackendUnavailable, CapacityError, ConfigError
 from ascend_dualpath.integrations.vllm.settings import ConnectorSettings
 from ascend_dualpath.kv.buffers import HostBuffer
@@ -45,7 +45,9 @@ class Dataplane:
         else:
             self.fabric = emu.attach_fabric(settings.fabric, settings.timeout_s)
         self.device = emu.open_device(self.fabric, device_id=rank)
-        self.comm = self.C.HcclComm(self.device, rank, 2, emu.comm_config(hcclBufferSize=settings.hccl_buffer_mb))
+        self.comm = self.C.HcclComm(
+            self.device, rank, 2, emu.comm_config(hcclBufferSize=settings.hccl_buffer_mb, **KV_COMM_FIELDS)
+        )
         self.host_region = self.device.alloc_region(settings.host_buffer_mb << 20, self.C.MemKind.HOST_DRAM, 7)
         self.host = HostBuffer(
             backing=self.host_region, role="pe_buffer" if rank == PE_RANK else "de_buffer", timeout_s=settings.timeout_s
