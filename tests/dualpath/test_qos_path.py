@@ -15,6 +15,7 @@ took while the dispatch was backlogged. So the dispatch's share of the wire whil
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -142,6 +143,8 @@ def _contention_worker(rank: int, world: int) -> dict:
     from ascend_dualpath.dualpath.traffic import comm_config_fields
     from ascend_dualpath.moe import Buffer
 
+    # KV's marking process-wide: the MoE communicator's own config must still put the dispatch in the model class
+    os.environ.update(QosPolicy().hccl_env(TrafficClass.KV))
     C = _ext.load()
     peer = 1 - rank
     buffer = Buffer(None, num_nvl_bytes=1 << 26, strategy="aiv", timeout_s=WAIT_S)
