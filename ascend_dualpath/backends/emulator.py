@@ -241,17 +241,39 @@ def attach_fabric(name: str, timeout_s: float | None = None):
     return _ext.load().Fabric.attach(name, timeout)
 
 
-def open_device(fabric, device_id: int = 0, product: str | None = None, cost=None, **profile_overrides: Any):
+# The arbitration weight per service level 0..7 (index = SL) that open_device gives an emulated NIC: the ETS weights
+# of a DualPath cluster's NICs, model collectives at SL 4 with weight 99 and KV at SL 3 with weight 1. They are
+# ascend_dualpath.dualpath.traffic.QosPolicy().nic_sl_weights(), which this layer may not import;
+# tests/dualpath/test_traffic.py checks the two agree.
+NIC_SL_WEIGHTS = (1, 1, 1, 1, 99, 1, 1, 1)
+
+
+def open_device(
+    fabric,
+    device_id: int = 0,
+    product: str | None = None,
+    cost=None,
+    *,
+    sl_weights: tuple[int, ...] = NIC_SL_WEIGHTS,
+    **profile_overrides: Any,
+):
     """An emulated NPU on ``fabric``: protection domain, registered memory, queues and a NIC thread.
 
-    Close it (or use it as a context manager) to stop its NIC.
+    Its NIC arbitrates the service levels by ``sl_weights`` (one int in [1, 1000] per SL 0..7; default
+    :data:`NIC_SL_WEIGHTS`, DualPath's model/KV classes). Close it (or use it as a context manager) to stop its NIC.
     """
     C = _ext.load()
     check_type("fabric", fabric, C.Fabric, where="open_device")
     check_bound("device_id", device_id, integer=True, zero_ok=True, where="open_device")
     check_type("product", product, (str, type(None)), where="open_device")
     check_type("cost", cost, (C.CostModel, type(None)), where="open_device")
-    return C.Device(fabric, device_id, product_profile(product, **profile_overrides), cost or cost_model())
+    device = C.Device(fabric, device_id, product_profile(product, **profile_overrides), cost or cost_model())
+    try:
+        device.nic.sl_weights = list(sl_weights)  # ConfigError naming the SL and its weight when one is off
+    except BaseException:
+        device.close()
+        raise
+    return device
 
 
 def device_profile_summary(product: str | None = None) -> dict:
@@ -273,7 +295,7 @@ def device_profile_summary(product: str | None = None) -> dict:
 
 @contextlib.contextmanager
 def emulated_devices(num_devices: int = 1, product: str | None = None, **profile_overrides: Any) -> Iterator[list]:
-    """A private fabric with ``num_devices`` emulated NPUs, all closed on exit."""
+    """A private fabric with ``num_devices`` emulated NPUs (:func:`open_device`'s NIC weights), all closed on exit."""
     fabric = create_fabric()
     devices = [open_device(fabric, i, product, **profile_overrides) for i in range(num_devices)]
     try:

@@ -87,6 +87,7 @@ def run_emulator(
 ) -> tuple[list[Row], dict]:
     from ascend_dualpath import _ext
     from ascend_dualpath.backends import emulator as emu
+    from ascend_dualpath.dualpath.transfer_leg import KV_COMM_FIELDS
     from ascend_dualpath.transport import MemoryKind, TransferKind
     from ascend_dualpath.transport.emulator import EmulatedTransferEngine
 
@@ -96,7 +97,8 @@ def run_emulator(
     cost_params: dict = {}
     for kind in kinds:
         with emu.emulated_devices(2) as devices:
-            comms = [C.HcclComm(d, r, 2, emu.comm_config(hcclBufferSize=window_mb)) for r, d in enumerate(devices)]
+            config = emu.comm_config(hcclBufferSize=window_mb, **KV_COMM_FIELDS)  # the KV path's traffic class
+            comms = [C.HcclComm(d, r, 2, config) for r, d in enumerate(devices)]
             infos = [c.local_info() for c in comms]
             for c in comms:
                 c.connect(infos)

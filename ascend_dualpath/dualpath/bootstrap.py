@@ -23,6 +23,7 @@ from ascend_dualpath.dualpath.nodes import (
     verify_turn,
 )
 from ascend_dualpath.dualpath.read_paths import DE_RANK, PE_RANK
+from ascend_dualpath.dualpath.transfer_leg import KV_COMM_FIELDS
 from ascend_dualpath.kv.faults import FaultInjector
 
 
@@ -33,7 +34,8 @@ def in_process_engines(
     de_faults: FaultInjector | None = None,
     engines: Callable[[Any, int], Any] | None = None,
 ) -> Iterator[tuple[PrefillEngine, DecodeEngine]]:
-    """Both engines in this process: two emulated NPUs on a private fabric, the PE serving on a thread.
+    """Both engines in this process: two emulated NPUs on a private fabric, the PE serving on a thread; their
+    communicator is in the KV traffic class.
 
     ``engines(comm, rank)`` makes the TransferEngine that a node of communicator ``comm`` uses to write to ``rank``
     (None: :func:`~ascend_dualpath.transport.create_engine` of the emulator, the nodes' default)."""
@@ -43,7 +45,7 @@ def in_process_engines(
     C = _ext.load()
     with emu.emulated_devices(2) as devices:
         comms = [
-            C.HcclComm(d, rank, 2, emu.comm_config(hcclBufferSize=config.hccl_buffer_mb))
+            C.HcclComm(d, rank, 2, emu.comm_config(hcclBufferSize=config.hccl_buffer_mb, **KV_COMM_FIELDS))
             for rank, d in enumerate(devices)
         ]
         infos = [c.local_info() for c in comms]
@@ -99,7 +101,7 @@ def engine_process(rank: int, port: int, fabric_name: str, config: EngineConfig,
         fabric = emu.create_fabric(fabric_name) if rank == PE_RANK else emu.attach_fabric(fabric_name, config.timeout_s)
         dist.barrier()
         with emu.open_device(fabric, device_id=rank) as device:
-            comm = emu.init_comm(device, config=emu.comm_config(hcclBufferSize=config.hccl_buffer_mb))
+            comm = emu.init_comm(device, config=emu.comm_config(hcclBufferSize=config.hccl_buffer_mb, **KV_COMM_FIELDS))
             channel = DistChannel(1 - rank, "decode engine" if rank == PE_RANK else "prefill engine")
             try:
                 if rank == PE_RANK:

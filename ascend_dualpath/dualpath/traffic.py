@@ -136,6 +136,40 @@ class QosPolicy:
         }
 
 
+DEFAULT_POLICY = QosPolicy()
+
+
+def comm_config_fields(traffic: TrafficClass, policy: QosPolicy = DEFAULT_POLICY) -> dict[str, int]:
+    """The ``HcclCommConfig`` fields of a communicator carrying ``traffic``, as keyword arguments of the emulator's
+    ``comm_config`` (and the names of CANN's struct): ``hcclRdmaTrafficClass`` / ``hcclRdmaServiceLevel``.
+
+    Every communicator the library makes passes them: KV (the DualPath engines, the vLLM connector's dataplane)
+    :attr:`TrafficClass.KV`, model collectives (the MoE ``aiv`` strategy) :attr:`TrafficClass.MODEL`. Explicit
+    fields beat ``HCCL_RDMA_TC`` / ``HCCL_RDMA_SL``, so a process-wide variable cannot put KV into the model class.
+
+        >>> comm_config_fields(TrafficClass.KV)
+        {'hcclRdmaTrafficClass': 96, 'hcclRdmaServiceLevel': 3}
+    """
+    return policy.hccl_comm_config(traffic)
+
+
+def hccl_pg_options(traffic: TrafficClass, policy: QosPolicy = DEFAULT_POLICY, *, options: Any = None) -> Any:
+    """torch_npu ``ProcessGroupHCCL.Options`` for an HCCL process group carrying ``traffic``: pass it as
+    ``dist.new_group(ranks, backend="hccl", pg_options=...)``.
+
+    ``options`` (a ``ProcessGroupHCCL.Options``; None makes a new one, which imports torch_npu) keeps its other
+    ``hccl_config`` entries (``hccl_buffer_size``, ``group_name``, ...); the class's ``qos_traffic_class`` /
+    ``qos_service_level`` replace any there. ``hccl_config`` is assigned whole because torch_npu's property returns
+    a copy (an item set on it would be lost).
+    """
+    if options is None:
+        import torch_npu
+
+        options = torch_npu._C._distributed_c10d.ProcessGroupHCCL.Options()
+    options.hccl_config = {**dict(options.hccl_config), **policy.pg_options_hccl_config(traffic)}
+    return options
+
+
 @dataclass(frozen=True)
 class OpensmQos:
     """InfiniBand VL arbitration as configured in opensm (the paper's §A.1 values by default).

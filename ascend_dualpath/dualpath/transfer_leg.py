@@ -26,10 +26,14 @@ from typing import Any, Protocol
 
 from ascend_dualpath import _env
 from ascend_dualpath._checks import check_bound
+from ascend_dualpath.dualpath.traffic import TrafficClass, comm_config_fields
 from ascend_dualpath.errors import AdpError, BoundsError, ConfigError, ProtocolError, QueueError, WaitTimeout
 
 NOTIFY_POLL_S = 50e-6
 ABORT_SLOT = 1023  # notify slot reserved for "the peer gave up on this request"
+# The comm_config fields of every communicator a leg moves KV over (the DualPath engines', the vLLM connector's
+# dataplane): the low traffic class, so the NIC serves model collectives first and KV still progresses
+KV_COMM_FIELDS = comm_config_fields(TrafficClass.KV)
 
 
 class TransferFailed(QueueError):

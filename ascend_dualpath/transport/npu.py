@@ -199,7 +199,11 @@ class NpuTransferEngine(TransferEngine):
 
     @classmethod
     def from_process_group(cls, process_group, peer: int, **options) -> NpuTransferEngine:
-        """An engine over the HCCL communicator of a torch_npu process group, on the current NPU."""
+        """An engine over the HCCL communicator of a torch_npu process group, on the current NPU.
+
+        The group's HCCL config decides the traffic class of the puts: a group that carries KV is made with
+        ``pg_options=hccl_pg_options(TrafficClass.KV)`` (:mod:`ascend_dualpath.dualpath.traffic`), so the NIC
+        serves the model's collectives first."""
         import torch
         import torch.distributed as dist
         import torch_npu  # noqa: F401  (adds torch.npu)

@@ -10,6 +10,8 @@ from ascend_dualpath.dualpath.traffic import (
     QosPolicy,
     TrafficClass,
     WeightedArbiter,
+    comm_config_fields,
+    hccl_pg_options,
     validate_service_level,
     validate_traffic_class,
 )
@@ -24,6 +26,74 @@ def test_default_policy_maps_to_hccl_and_torch_npu():
     assert policy.pg_options_hccl_config(KV) == {"qos_traffic_class": 96, "qos_service_level": 3}
     assert policy.hccl_env(MODEL) == {"HCCL_RDMA_TC": "132", "HCCL_RDMA_SL": "4"}
     assert policy.model.dscp == 33 and policy.kv.dscp == 24
+
+
+def test_comm_config_fields_per_class():
+    assert comm_config_fields(KV) == {"hcclRdmaTrafficClass": 96, "hcclRdmaServiceLevel": 3}
+    assert comm_config_fields(MODEL) == {"hcclRdmaTrafficClass": 132, "hcclRdmaServiceLevel": 4}
+    custom = QosPolicy(kv=ClassQos(traffic_class=64, service_level=2, ib_vl=2, weight=3))
+    assert comm_config_fields(KV, custom) == {"hcclRdmaTrafficClass": 64, "hcclRdmaServiceLevel": 2}
+
+
+def test_the_emulated_hccl_config_takes_the_fields(C, emu):
+    with emu.emulated_devices(1) as (device,):
+        comm = C.HcclComm(device, 0, 1, emu.comm_config(hcclBufferSize=1, **comm_config_fields(KV)))
+        try:
+            assert (comm.resolved["traffic_class"], comm.resolved["service_level"]) == (96, 3)
+        finally:
+            comm.close()
+
+
+class _HcclOptions:
+    """torch_npu's ``ProcessGroupHCCL.Options``: ``hccl_config`` reads as a copy, so only a whole assignment sticks."""
+
+    def __init__(self, config=None):
+        self._config = dict(config or {})
+
+    @property
+    def hccl_config(self):
+        return dict(self._config)
+
+    @hccl_config.setter
+    def hccl_config(self, value):
+        self._config = dict(value)
+
+
+def test_hccl_pg_options_keep_other_entries_and_set_the_class():
+    options = hccl_pg_options(KV, options=_HcclOptions({"hccl_buffer_size": 200, "qos_service_level": 4}))
+    assert options.hccl_config == {"hccl_buffer_size": 200, "qos_traffic_class": 96, "qos_service_level": 3}
+    assert hccl_pg_options(MODEL, options=_HcclOptions()).hccl_config == {
+        "qos_traffic_class": 132,
+        "qos_service_level": 4,
+    }
+
+
+def test_hccl_pg_options_make_torch_npu_options(monkeypatch):
+    import sys
+    import types
+
+    hccl = types.SimpleNamespace(Options=_HcclOptions)
+    fake = types.ModuleType("torch_npu")
+    fake._C = types.SimpleNamespace(_distributed_c10d=types.SimpleNamespace(ProcessGroupHCCL=hccl))
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    options = hccl_pg_options(KV)
+    assert isinstance(options, _HcclOptions)
+    assert options.hccl_config == {"qos_traffic_class": 96, "qos_service_level": 3}
+
+
+def test_emulated_devices_arbitrate_by_the_policy(emu):
+    """The emulator's default NIC weights are the policy's (the emulator may not import this module)."""
+    assert list(emu.NIC_SL_WEIGHTS) == QosPolicy().nic_sl_weights()
+    with emu.emulated_devices(1) as (device,):
+        assert list(device.nic.sl_weights) == QosPolicy().nic_sl_weights()
+    fabric = emu.create_fabric()
+    try:
+        with emu.open_device(fabric, sl_weights=(2,) * 8) as device:
+            assert list(device.nic.sl_weights) == [2] * 8
+        with pytest.raises(ConfigError, match="weight of SL 3 must be in \\[1, 1000\\], got 0"):
+            emu.open_device(fabric, sl_weights=(1, 1, 1, 0, 99, 1, 1, 1))
+    finally:
+        fabric.close()
 
 
 def test_roce_config():

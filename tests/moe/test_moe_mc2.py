@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ascend_dualpath.dualpath.traffic import QosPolicy
 from ascend_dualpath.errors import BackendUnavailable, BoundsError, CapacityError, ConfigError, PayloadTooLarge
 from ascend_dualpath.moe.strategies import mc2
 
@@ -337,6 +338,21 @@ def test_hccl_buffsize_env_and_check():
 # ---- the strategy over a fake torch_npu -----------------------------------------------------------------------
 
 
+class _FakeHcclOptions:
+    """``ProcessGroupHCCL.Options`` as torch_npu binds it: reading ``hccl_config`` returns a copy."""
+
+    def __init__(self):
+        self._config = {}
+
+    @property
+    def hccl_config(self):
+        return dict(self._config)
+
+    @hccl_config.setter
+    def hccl_config(self, value):
+        self._config = dict(value)
+
+
 class _FakeNpu(types.ModuleType):
     """Records every MC2 call; ``versions`` says which op pairs exist."""
 
@@ -344,6 +360,8 @@ class _FakeNpu(types.ModuleType):
         super().__init__("torch_npu")
         self.calls = []
         self.npu = types.SimpleNamespace(get_soc_version=lambda: soc_version)
+        hccl = types.SimpleNamespace(Options=_FakeHcclOptions)
+        self._C = types.SimpleNamespace(_distributed_c10d=types.SimpleNamespace(ProcessGroupHCCL=hccl))
         for version, suffix in (("v1", ""), ("v2", "_v2")):
             if version in versions:
                 for op in ("dispatch", "combine"):
@@ -370,13 +388,14 @@ class _FakeGroup:
 @pytest.fixture
 def fake_dist(monkeypatch):
     """torch.distributed answering for one hccl group of 16 ranks; records groups made and collectives run."""
-    made, collectives = [], []
+    made, collectives, options = [], [], []
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 16)
     monkeypatch.setattr(dist, "get_process_group_ranks", lambda group: list(range(16)))
 
-    def new_group(ranks, backend=None, use_local_synchronization=False):
+    def new_group(ranks, backend=None, use_local_synchronization=False, pg_options=None):
         made.append((tuple(ranks), backend, use_local_synchronization))
+        options.append(pg_options)
         return _FakeGroup("fallback")
 
     class _Done:
@@ -393,7 +412,7 @@ def fake_dist(monkeypatch):
 
     monkeypatch.setattr(dist, "new_group", new_group)
     monkeypatch.setattr(dist, "all_to_all_single", all_to_all_single)
-    return types.SimpleNamespace(made=made, collectives=collectives)
+    return types.SimpleNamespace(made=made, collectives=collectives, options=options)
 
 
 def _strategy(monkeypatch, versions=("v1", "v2"), soc_version=253, **options):
@@ -410,6 +429,15 @@ def test_fallback_all_to_all_runs_on_its_own_group(monkeypatch, fake_dist):
     rows = torch.arange(16, dtype=torch.int32).reshape(16, 1)
     strategy.exchange_rows([rows], [1] * 16, [1] * 16, "test rows").wait()
     assert [g.name for g in fake_dist.collectives] == ["fallback"]
+
+
+def test_fallback_group_is_in_the_model_traffic_class(monkeypatch, fake_dist):
+    """The all-to-all group the strategy makes carries model traffic: its pg_options hold the high class's
+    ``qos_traffic_class`` / ``qos_service_level`` (HCCL's defaults, 132 / 4), never KV's (96 / 3)."""
+    _strategy(monkeypatch)
+    (options,) = fake_dist.options
+    model = QosPolicy().model
+    assert options.hccl_config == {"qos_traffic_class": model.traffic_class, "qos_service_level": model.service_level}
 
 
 def test_the_mc2_group_is_refused_as_fallback(monkeypatch, fake_dist):

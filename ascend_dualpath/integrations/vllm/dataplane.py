@@ -26,7 +26,7 @@ import os
 import threading
 
 from ascend_dualpath.backends import Backend, get_backend
-from ascend_dualpath.dualpath.transfer_leg import ABORT_SLOT, TransportTransferLeg
+from ascend_dualpath.dualpath.transfer_leg import ABORT_SLOT, KV_COMM_FIELDS, TransportTransferLeg
 from ascend_dualpath.errors import BackendUnavailable, CapacityError, ConfigError
 from ascend_dualpath.integrations.vllm.settings import ConnectorSettings
 from ascend_dualpath.kv.buffers import HostBuffer
@@ -68,7 +68,7 @@ class PairLink:
         self.rank = dataplane.rank
         self.peer = 1 - self.rank
         self.comm = dataplane.C.HcclComm(
-            dataplane.device, self.rank, 2, emu.comm_config(hcclBufferSize=settings.hccl_buffer_mb)
+            dataplane.device, self.rank, 2, emu.comm_config(hcclBufferSize=settings.hccl_buffer_mb, **KV_COMM_FIELDS)
         )
         window = self.comm.windows_in
         self.window = StagingPool(window.addr, window.size)

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from ascend_dualpath import _env, _ext
+from ascend_dualpath.dualpath.traffic import TrafficClass, comm_config_fields
 from ascend_dualpath.errors import AdpError, BackendUnavailable, ConfigError, ProtocolError, QueueError, WaitTimeout
 from ascend_dualpath.moe.strategies.alltoall import AllToAllStrategy
 from ascend_dualpath.moe.strategies.base import NormalPlan, PendingRows
@@ -189,7 +190,9 @@ class AivStrategy(AllToAllStrategy):
 
         mb = max(MIN_WINDOW_MB, -(-needed // (1 << 20)))
         old = self.comm
-        self.comm = emulator.init_comm(self.device, self.group, emulator.comm_config(hcclBufferSize=mb))
+        # the EP all-to-all is model traffic: the high class, served first by the NIC while KV shares it
+        config = emulator.comm_config(hcclBufferSize=mb, **comm_config_fields(TrafficClass.MODEL))
+        self.comm = emulator.init_comm(self.device, self.group, config)
         if self._items is not None:
             self.comm.register_local(self._items)
         self._peer_in = [self.comm.peer_info(p).windows_in for p in range(self.world)]

@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from ascend_dualpath.dualpath.traffic import TrafficClass, hccl_pg_options
 from ascend_dualpath.errors import BackendUnavailable, BoundsError, CapacityError, ConfigError, PayloadTooLarge
 from ascend_dualpath.moe.strategies.alltoall import AllToAllStrategy
 
@@ -454,7 +455,10 @@ class Mc2Strategy(AllToAllStrategy):
 
         if fallback_group is None:
             fallback_group = dist.new_group(
-                dist.get_process_group_ranks(group), backend="hccl", use_local_synchronization=True
+                dist.get_process_group_ranks(group),
+                backend="hccl",
+                use_local_synchronization=True,
+                pg_options=hccl_pg_options(TrafficClass.MODEL),  # the EP all-to-all: the high traffic class
             )
         if fallback_group is group:
             raise ConfigError(
