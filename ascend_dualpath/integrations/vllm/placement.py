@@ -71,8 +71,9 @@ class PlacementTimeout(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class KvBlocks:
-    """A DE's KV cache as its vLLM ``/metrics`` shows it: ``total`` blocks of ``block_size`` tokens, ``usage`` in
-    [0, 1]."""
+    """A DE's KV cache as its vLLM ``/metrics`` shows it: ``total`` usable blocks of ``block_size`` tokens (vLLM's
+    ``num_gpu_blocks`` less the null block it keeps per engine, the base of its ``kv_cache_usage_perc``), ``usage``
+    in [0, 1]."""
 
     total: int
     usage: float
@@ -90,7 +91,7 @@ def parse_kv_blocks(text: str) -> KvBlocks | None:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "vllm:cache_config_info" and str(sample.labels.get("num_gpu_blocks", "")).isdigit():
-                total += int(sample.labels["num_gpu_blocks"])
+                total += max(0, int(sample.labels["num_gpu_blocks"]) - 1)  # the null block holds no KV
                 block_size = int(sample.labels.get("block_size") or DEFAULT_BLOCK_SIZE)
             elif sample.name == "vllm:kv_cache_usage_perc":
                 usages.append(float(sample.value))

@@ -101,7 +101,8 @@ class FakeInstance:
         if self.kv is None:
             return web.Response(status=404)
         blocks, usage = self.kv
-        labels = f'block_size="16",cache_dtype="auto",engine="0",num_gpu_blocks="{blocks}"'
+        # vLLM counts its null block in num_gpu_blocks (and not in the usage)
+        labels = f'block_size="16",cache_dtype="auto",engine="0",num_gpu_blocks="{blocks + 1}"'
         text = (
             "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
             "# TYPE vllm:cache_config_info gauge\n"

@@ -4,7 +4,7 @@ engines' state, with greedy text identical to a plain vLLM server.
 One deployment for the module (four in-process vLLM engines on this machine start slowly): nodes ``n0`` (prefill0,
 decode0; storage NIC capped at 0.1 MB/s, so a read of a few hundred tokens takes seconds) and ``n1`` (prefill1,
 decode1; uncapped), one DE group, alpha 50 tokens, beta 600 tokens, and decode1 with 4 KV blocks of 32 tokens
-(``--num-gpu-blocks-override 4``), too few for any request of more than 128 tokens. Slow.
+(``--num-gpu-blocks-override 5``: vLLM keeps one as its null block), too few for any request of more than 128 tokens. Slow.
 
 Needs the connector's N x M dataplane (any PE with any DE on one fabric, ``device_id`` per instance).
 """
@@ -37,6 +37,17 @@ from tests.integrations.vllm.test_serve_e2e import (  # noqa: E402
 ALPHA, BETA = 50, 600
 
 
+def _ready_line(log, timeout_s: float = 30.0) -> str:
+    """serve's ``serve: ready ...`` line; the proxy answers /health a moment before serve prints it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        lines = [line for line in log.read_text().splitlines() if line.startswith("serve: ready")]
+        if lines:
+            return lines[0]
+        time.sleep(0.2)
+    raise AssertionError(f"no 'serve: ready' line within {timeout_s} s: {log.read_text()[-2000:]}")
+
+
 @pytest.fixture(scope="module")
 def cluster(model, tmp_path_factory):  # noqa: F811
     """The 2 PE x 2 DE deployment: ``(proxy URL, {instance name: URL})``."""
@@ -45,10 +56,10 @@ def cluster(model, tmp_path_factory):  # noqa: F811
         model, tmp,
         "--prefill", "2", "--decode", "2", "--nodes", "n0,n1,n0,n1", "--decode-groups", "0,0",
         "--node-snic-mbps", "n0=0.1", "--alpha-tokens", str(ALPHA), "--beta-tokens", str(BETA),
-        "--instance-args", "decode1=--num-gpu-blocks-override 4 --max-model-len 128",
+        "--instance-args", "decode1=--num-gpu-blocks-override 5 --max-model-len 128",
         env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
     )  # fmt: skip
-    ready = next(line for line in log.read_text().splitlines() if line.startswith("serve: ready"))
+    ready = _ready_line(log)
     urls = {name: f"http://127.0.0.1:{ready.split(f'{name} :')[1].split(' ')[0]}" for name in
             ("prefill0", "prefill1", "decode0", "decode1")}  # fmt: skip
     try:
@@ -86,7 +97,7 @@ def _in_thread(fn, *args) -> tuple[threading.Thread, dict]:
 def test_backlogged_node_full_de_and_shorter_queue_with_plain_text(model, plain, cluster):  # noqa: F811
     url, urls = cluster
     blocks = _get(f"{urls['decode1']}/metrics")
-    assert 'num_gpu_blocks="4"' in blocks  # vLLM's own view of decode1's exhausted cache
+    assert 'num_gpu_blocks="5"' in blocks  # vLLM's own view of decode1's exhausted cache
     # X, turn 1 (no hits) then turn 2: ~290 hit tokens read through n0's 0.1 MB/s storage NIC, several seconds
     first = _words(model, 300, seed=1)
     x_prompt = f"{first}{_complete(url, model, first)} {_words(model, 24, seed=2)}"

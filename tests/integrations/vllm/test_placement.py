@@ -302,8 +302,8 @@ def test_cluster_flags_file_and_errors(tmp_path):
 
 
 def test_kv_blocks_from_vllm_metrics_and_thresholds():
-    text = (
-        'vllm:cache_config_info{block_size="32",engine="0",num_gpu_blocks="64"} 1.0\n'
+    text = (  # 65 blocks, 64 usable: vLLM keeps a null block
+        'vllm:cache_config_info{block_size="32",engine="0",num_gpu_blocks="65"} 1.0\n'
         'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
     )
     blocks = parse_kv_blocks(text)
