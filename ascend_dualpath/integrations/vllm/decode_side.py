@@ -9,6 +9,15 @@ Per request (``plan``), the lease holds ``L x P x C`` bytes: complete layers ``[
 ``[L, P - H, C]``. The DE reads the hit blocks the PE does not (all of them on the DE read path; on a split the PE
 reads ``pe_blocks`` of them, writes them into the lease's hit-block area and says ``hits``) and pushes the hit
 layers of its own half into the PE's two window slots, two layers ahead of what the PE consumed.
+
+A lease goes back to the host buffer only when nothing can still write into it or read from it: the DE's own
+storage reads and pushes (the pusher's, waited for with a bound) and the PE's RDMA writes (its new rows, a split's
+hit half), which the DE cannot stop. The rule: when the request lets go of a lease the pusher still uses (a
+receive ending, a fallback), the pusher retires it when it ends; a lease is released if every read and push into
+or from it ended and the PE can no longer write into it (the receive completed: every row arrived; or, on a
+fallback, the PE reports its writes into the old lease ended), else it is quarantined: never returned to the host
+buffer (``quarantined_leases`` in ``status``, logged). A failed or timed-out receive therefore always quarantines
+its lease: the PE may still be sending into it.
 """
 
 from __future__ import annotations
@@ -57,6 +66,10 @@ class _DeXfer:
     quiet: threading.Event = dataclasses.field(default_factory=threading.Event)  # no push in flight (set: reading)
     pusher: threading.Thread | None = None
     pusher_done: bool = False  # under the DecodeSide's lock: the pusher no longer touches its lease
+    read_lease: Any = None  # the lease the pusher reads into and pushes from (the plan's, on a DE read)
+    reads: list = dataclasses.field(default_factory=list)  # the pusher's storage read tickets
+    reads_ended: bool = True  # under the lock, once the pusher is done: none of its reads or pushes is in flight
+    peer_done: bool | None = None  # under the lock: the request let go of read_lease; whether the PE writes no more
 
     def __post_init__(self) -> None:
         self.quiet.set()
@@ -155,7 +168,7 @@ class DecodeSide:
         with self._lock:
             self._xfers[message["xfer_id"]] = xfer
         if not full:
-            xfer.consumed = queue.Queue()
+            xfer.consumed, xfer.read_lease, xfer.reads_ended = queue.Queue(), lease, False
             xfer.pusher = threading.Thread(target=self._push_hits, args=(xfer,), name="adp-de-push", daemon=True)
             xfer.pusher.start()
         return {"op": "ok", "lease_addr": int(lease.addr)}
@@ -191,7 +204,8 @@ class DecodeSide:
 
         Replies once no push is in flight and none will start, so the PE may free its slots; the complete layers
         go into a fresh lease (its address is the reply), because reads of the DE's half may still be landing in
-        the old one (the pusher releases it when they are done).
+        the old one (the pusher retires it when they are done). ``settled`` (from the PE): its writes into the old
+        lease ended; without it the old lease is quarantined.
         """
         xfer = self._xfer(message)
         if xfer is None:
@@ -206,9 +220,7 @@ class DecodeSide:
             old, xfer.lease = xfer.lease, lease
             xfer.full_rows, xfer.received_end, xfer.reads_ok, xfer.hits_ok = True, 0, True, True
             self.counters.fallbacks += 1
-            release_old = xfer.pusher_done
-        if release_old:
-            old.release()
+        self._let_go(xfer, old, bool(message.get("settled")), "the PE's writes into it may not have ended")
         return {"op": "ok", "lease_addr": int(lease.addr)}
 
     def _on_abort(self, message: dict) -> dict:
@@ -223,7 +235,7 @@ class DecodeSide:
 
         On a failure the DE raises the request's abort flag; the PE then falls back (``fallback``).
         """
-        plan, lease, pushes = xfer.plan, xfer.lease, []
+        plan, lease, pushes = xfer.plan, xfer.read_lease, []
         try:
             self._read_hits(xfer, lease)
             xfer.reads_ok = True
@@ -249,19 +261,21 @@ class DecodeSide:
             xfer.quiet.set()
             with self._lock:
                 xfer.pusher_done = True
-                replaced = xfer.lease is not lease
-            if replaced:  # a fallback moved the request to a fresh lease while this one was still being read
-                lease.release()
+                xfer.reads_ended = all(t.done for t in xfer.reads) and all(t.future.done() for t in pushes)
+                peer_done = xfer.peer_done
+            if peer_done is not None:  # the request let go of the lease while this pusher still used it
+                why = "the PE may still write into it" if xfer.reads_ended else "reads or pushes outlived their wait"
+                retire_lease(lease, peer_done and xfer.reads_ended, self.counters, plan["xfer_id"], why)
 
     def _read_hits(self, xfer: _DeXfer, lease: Any) -> None:
         """Read every hit block but the PE's half (``[first, first + pe_blocks)``) into the lease's hit area; a
-        corrupted block leaves the store. Every read has ended when this returns or raises."""
+        corrupted block leaves the store. A read whose wait expired may still be landing (``xfer.reads``)."""
         plan, fb = xfer.plan, self.layout.full_block_bytes
         ids = plan["store_ids"]
         first = plan["load_start"] // self.block_size
         mine = [b for b in range(len(ids)) if not first <= b < first + plan.get("pe_blocks", 0)]
         self.store.refresh(ids)
-        tickets = [self.read_queue.submit(ids[b], lease.slice(b * fb, fb).view) for b in mine]
+        tickets = xfer.reads = [self.read_queue.submit(ids[b], lease.slice(b * fb, fb).view) for b in mine]
         first_error = None
         for b, ticket in zip(mine, tickets, strict=True):
             try:
@@ -325,6 +339,20 @@ class DecodeSide:
             except Exception:  # the request already failed; this push's outcome changes nothing
                 pass
 
+    def _let_go(self, xfer: _DeXfer, lease: Any, peer_done: bool, why: str) -> None:
+        """The request no longer uses ``lease``: retire it now, or leave it to the pusher if it still uses it.
+
+        ``peer_done``: the PE can no longer write into it.
+        """
+        with self._lock:
+            if lease is xfer.read_lease and not xfer.pusher_done:
+                xfer.peer_done = peer_done
+                return
+            reads_ended = lease is not xfer.read_lease or xfer.reads_ended
+        if not reads_ended:
+            why = "the DE's reads or pushes outlived their wait"
+        retire_lease(lease, peer_done and reads_ended, self.counters, xfer.plan["xfer_id"], why)
+
     def _de_fail(self, xfer: _DeXfer, reason: str) -> None:
         """Fail the receive (vLLM recomputes the prompt on the DE or fails the request)."""
         with self._lock:
@@ -357,7 +385,7 @@ class DecodeSide:
             with self._lock:
                 self._xfers.pop(xfer_id, None)
             xfer.stop.set()
-            xfer.lease.release()
+            self._let_go(xfer, xfer.lease, not failed, "its receive failed: the PE may still write into it")
         if failed:
             why = "no plan from the PE" if xfer is None else (xfer.error or "timed out")
             log.warning("DualPath: receive of request %s failed: %s", spec.req_id, why)
@@ -396,4 +424,17 @@ class DecodeSide:
             xfer.stop.set()
             if xfer.pusher is not None:
                 xfer.pusher.join(self.settings.timeout_s)
-            xfer.lease.release()
+            self._let_go(xfer, xfer.lease, False, "unfinished at shutdown: the PE may still write into it")
+
+
+def retire_lease(lease: Any, safe: bool, counters: Any, xfer_id: str, why: str) -> None:
+    """Release ``lease`` if ``safe`` (nothing may still write into it or read from it), else quarantine it: it
+    never goes back to its host buffer, so no later request gets bytes a late write may still reach.
+
+    ``counters`` (the worker's) counts it in ``quarantined_leases``; ``why`` goes to the log.
+    """
+    if safe:
+        lease.release()
+        return
+    counters.quarantined_leases += 1
+    log.warning("DualPath: lease of request %s (%d bytes) quarantined: %s", xfer_id, lease.nbytes, why)

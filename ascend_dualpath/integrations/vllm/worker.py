@@ -27,6 +27,12 @@ before a corrupted one are written first), so vLLM recomputes them or fails the 
 (``kv_load_failure_policy``); the DE stops pushing (``fallback``) and the PE then sends it complete layers. Either
 half of a split failing does the same. A corrupted block is removed from the store (it is persisted again when
 its request finishes).
+
+A host lease is released only once nothing may write into it or read from it: a PE load's lease after its storage
+reads and its split half's send to the DE ended (bounded waits), else it is quarantined (never returned to the
+host buffer; ``quarantined_leases`` in ``status``). Before a fallback the PE lets its writes into the DE's lease
+end and tells the DE whether they did (``settled``), so the DE can release or quarantine that lease
+(:mod:`~ascend_dualpath.integrations.vllm.decode_side` states the DE's rule).
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ from ascend_dualpath.dualpath.scheduler import ReadPath, split_hit_blocks
 from ascend_dualpath.dualpath.transfer_leg import PeerAborted, Segment
 from ascend_dualpath.errors import AdpError, ChecksumMismatch, ProtocolError, WaitTimeout
 from ascend_dualpath.integrations.vllm.dataplane import DE_RANK, PE_RANK, Dataplane, PairLink, open_dataplane
-from ascend_dualpath.integrations.vllm.decode_side import DecodeSide
+from ascend_dualpath.integrations.vllm.decode_side import DecodeSide, retire_lease
 from ascend_dualpath.integrations.vllm.metadata import DualPathMetadata, LoadSpec, PersistSpec, SaveSpec
 from ascend_dualpath.integrations.vllm.persisting import PersistAnnouncements
 from ascend_dualpath.integrations.vllm.protocol import PeerClient, SideChannel, XferParams
@@ -84,6 +90,7 @@ class Counters:
     failures: int = 0
     checksum_errors: int = 0
     persisted_blocks: int = 0
+    quarantined_leases: int = 0  # host leases kept out of the pool: a late write might still reach them
 
 
 @dataclasses.dataclass
@@ -373,7 +380,7 @@ class DualPathWorker:
         if xfer is not None:
             xfer.full_rows, xfer.first_save = True, True
             if load.slots:  # the DE must stop pushing before the slots are freed
-                self._peer_fallback(load, xfer, f"{type(error).__name__}: {error}")
+                self._peer_fallback(load, xfer, f"{type(error).__name__}: {error}", self._quiesce(load))
         self._release_load(load)
 
     def _drop_corrupt(self, load: _Load) -> int:
@@ -392,12 +399,27 @@ class DualPathWorker:
                 return load.first + i
         return load.first
 
-    def _peer_fallback(self, load: _Load, xfer: _PeXfer, reason: str) -> None:
-        """Tell the DE to stop pushing and take complete layers, in the fresh lease its reply names. If it cannot,
-        its receive is aborted (the DE recomputes) and this PE sends it nothing more."""
+    def _quiesce(self, load: _Load) -> bool:
+        """Let the load's writes into the DE's lease end (a split's own half, this step's layer sends so far);
+        True if all ended within their bounded waits."""
+        settled = True
+        if load.hits_ticket is not None:
+            settled = self._settle(load.peer.link, None, load.hits_ticket)
+            load.hits_ticket = None
+        for spec, xfer, sends in self._saves:
+            if spec.req_id == load.spec.req_id:
+                for _, addr, ticket in sends:
+                    settled = self._settle(xfer.peer.link, addr, ticket) and settled
+                sends.clear()
+        return settled
+
+    def _peer_fallback(self, load: _Load, xfer: _PeXfer, reason: str, settled: bool) -> None:
+        """Tell the DE to stop pushing and take complete layers, in the fresh lease its reply names (``settled``:
+        this PE's writes into the old lease ended). If it cannot, its receive is aborted (the DE recomputes) and
+        this PE sends it nothing more."""
         xfer_id = load.spec.xfer.xfer_id
         try:
-            message = {"op": "fallback", "xfer_id": xfer_id, "reason": reason}
+            message = {"op": "fallback", "xfer_id": xfer_id, "reason": reason, "settled": settled}
             xfer.lease_addr = int(self._peer_request(load.peer, message, 2 * self.settings.timeout_s)["lease_addr"])
         except Exception as exc:
             log.warning("DualPath: the DE did not take the fallback of request %s: %s", load.spec.req_id, exc)
@@ -412,10 +434,12 @@ class DualPathWorker:
                         ticket.wait(self.settings.timeout_s)
                     except Exception:  # its error is already the load's error or irrelevant now
                         pass
-            if load.hits_ticket is not None:  # and so does the own half going to the DE
-                self._settle(load.peer.link, None, load.hits_ticket)
+            settled = all(ticket.done for ticket in load.tickets)
+            if load.hits_ticket is not None:  # and so does the own half going to the DE, read from the lease
+                settled = self._settle(load.peer.link, None, load.hits_ticket) and settled
                 load.hits_ticket = None
-            load.lease.release()
+            why = "its storage reads or its send to the DE outlived their wait"
+            retire_lease(load.lease, settled, self.counters, load.spec.req_id, why)
             load.lease = None
         if load.slots:
             for addr in load.slots:
@@ -523,7 +547,9 @@ class DualPathWorker:
         failed = {load.spec.req_id for load in self._loads if load.error is not None}
         for spec, xfer, sends in self._saves:
             if spec.req_id in failed:  # vLLM recomputes or fails it; the next attempt sends complete layers
-                sends = [(s, addr, ticket) for s, addr, ticket in sends if self._settle(xfer.peer.link, addr, ticket)]
+                for _, addr, ticket in sends:  # nothing of them is reported
+                    self._settle(xfer.peer.link, addr, ticket)
+                sends = []
             self._finish_sends(spec, xfer, sends)
         self._saves = []
         for load in self._loads:
@@ -564,14 +590,14 @@ class DualPathWorker:
             self._abort_peer(xfer.peer, spec.xfer, f"{type(exc).__name__}: {exc}")
 
     def _settle(self, link: PairLink, addr: int | None, ticket: Any) -> bool:
-        """Let a send of a failed load end and free its buffer; False: nothing of it is reported."""
+        """Let a send of a failed load end and free its buffer; returns whether it ended (its wait did not expire)."""
         try:
             link.leg.wait(ticket, self.settings.timeout_s)
         except Exception:  # the load already failed; this send's outcome changes nothing
             pass
         if addr is not None:
             link.window_free(addr)
-        return False
+        return ticket.future.done()
 
     def _abort_peer(self, peer: _Peer, xfer: XferParams, reason: str) -> None:
         try:
@@ -617,6 +643,7 @@ class DualPathWorker:
             "failures": c.failures,
             "checksum_errors": c.checksum_errors,
             "persisted_blocks": c.persisted_blocks,
+            "quarantined_leases": c.quarantined_leases,
         }
 
     def _on_status(self, message: dict) -> dict:

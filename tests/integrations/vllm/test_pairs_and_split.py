@@ -23,9 +23,11 @@ from ascend_dualpath.errors import ConfigError
 from ascend_dualpath.integrations.vllm.dataplane import SHM_DIR, open_dataplane, open_fabric
 from ascend_dualpath.integrations.vllm.protocol import XferParams
 from ascend_dualpath.integrations.vllm.settings import ConnectorSettings
+from ascend_dualpath.kv.faults import FaultInjector
 from ascend_dualpath.kv.store import HEADER_BYTES
 from tests.integrations.vllm.worker_harness import (
     BLOCK,
+    LAYOUT,
     POISON,
     Deployment,
     assert_caches_equal,
@@ -273,3 +275,72 @@ def test_a_fallback_while_the_des_half_is_still_being_read_uses_a_fresh_lease(de
     while de.dataplane.host.stats().live_leases and time.monotonic() < deadline:
         time.sleep(0.05)
     assert de.dataplane.host.stats().live_leases == 0
+
+
+class _SlowReads(FaultInjector):
+    """Every read holds its destination ``seconds`` before it writes: slow media behind the capped NIC."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def before_read(self, block_id: bytes) -> None:
+        time.sleep(self.seconds)
+        super().before_read(block_id)
+
+
+def test_a_timed_out_receive_keeps_its_lease_from_the_next_requests_while_its_reads_land(deploy):
+    """The DE's receive times out while its slow hit reads are in flight: their lease must stay out of the host
+    buffer (the reads still write into it, the PE may too), so a lease allocated after the timeout keeps its bytes
+    and the next request is bit-exact. Reads still queued at the timeout fail on the released lease's views; the
+    ones in flight write through raw views the release cannot take back."""
+    d = deploy(2, 1, snic={"de0": 3000.0})  # the DE's 4 blocks of 768 bytes: one every quarter second
+    de, pe0 = d.instances["de0"].worker, d.instances["pe0"].worker
+    de.store.faults = _SlowReads(0.8)
+    de.decode.settings = dataclasses.replace(de.decode.settings, timeout_s=0.3)
+    pe0.settings = dataclasses.replace(pe0.settings, timeout_s=1.5)  # it gives up on the hit layers sooner
+    pe_req, de_req = d.request("pe0", "de0", Deployment.true_rows(12, 21), 4, "de")
+    d.expect_recv("de0", de_req)
+    prefill = threading.Thread(target=d.prefill, args=("pe0", pe_req), kwargs={"check_layers": False}, daemon=True)
+    prefill.start()
+    _, failed = d.finish("de0", {de_req.req_id})
+    assert failed == {de_req.req_id}
+    assert de.read_queue.stats().inflight_requests > 0  # the timed-out receive's reads are still landing
+    probe = de.dataplane.host.allocate("probe", LAYOUT.kv_bytes(21), timeout_s=1.0)  # the next request's lease
+    probe.tensor.fill_(POISON)
+
+    de.decode.settings = dataclasses.replace(de.decode.settings, timeout_s=10.0)
+    de_req2, rows2, bad = _run(d, "pe1", "de0", 21, 2, "pe", False, 13)
+    assert bad == set()
+    assert_caches_equal(d.instances["de0"].caches, expected_de_caches([(de_req2, rows2)]))
+    deadline = time.monotonic() + 10
+    while de.read_queue.stats().requests and time.monotonic() < deadline:
+        time.sleep(0.05)
+    prefill.join(10)
+    assert bool((probe.tensor == POISON).all()), "a late read of the timed-out request landed in another lease"
+    probe.release()
+    assert de.status()["quarantined_leases"] == 1  # the PE might still write into it: never released
+
+
+def test_a_pe_load_whose_read_outlives_its_wait_quarantines_its_lease(deploy):
+    """The PE's wait for its slow hit reads expires: the load falls back, and its lease, which the reads still
+    write into, is quarantined instead of released, so a lease allocated afterwards keeps its bytes."""
+    d = deploy(1, 1)
+    pe = d.instances["pe0"].worker
+    pe.store.faults = _SlowReads(1.0)
+    pe.settings = dataclasses.replace(pe.settings, timeout_s=0.3)
+    rows = Deployment.true_rows(14, 21)
+    pe_req, de_req = d.request("pe0", "de0", rows, 2, "pe")
+    d.expect_recv("de0", de_req)
+    assert d.prefill("pe0", pe_req, check_layers=False) == set(pe_req.block_ids[:2])  # recomputed instead
+    probe = pe.dataplane.host.allocate("probe", 2 * LAYOUT.full_block_bytes, timeout_s=1.0)
+    probe.tensor.fill_(POISON)
+    _, failed = d.finish("de0", {de_req.req_id})
+    assert failed == set()
+    assert_caches_equal(d.instances["de0"].caches, expected_de_caches([(de_req, rows)]))
+    deadline = time.monotonic() + 10
+    while pe.read_queue.stats().requests and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert bool((probe.tensor == POISON).all()), "a late read of the failed load landed in another lease"
+    probe.release()
+    assert pe.status()["quarantined_leases"] == 1
