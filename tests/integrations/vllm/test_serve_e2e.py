@@ -194,9 +194,10 @@ def _assert_nothing_left(fabric_prefix: str = "adp.serve") -> None:
     assert not left, f"left in /dev/shm: {left}"
 
 
-@pytest.mark.parametrize(("policy", "multiprocess"), [("pe", "0"), ("de", "0"), ("dual", "1")])
+@pytest.mark.parametrize(("policy", "multiprocess"), [("pe", "0"), ("de", "0"), ("dual", "1"), ("split", "0")])
 def test_serve_matches_plain_vllm_and_loads_from_storage(model, plain, tmp_path, policy, multiprocess):
-    proc, url, log = _serve(model, tmp_path, "--policy", policy, env={"VLLM_ENABLE_V1_MULTIPROCESSING": multiprocess})
+    args = ("--policy", "dual", "--split") if policy == "split" else ("--policy", policy)
+    proc, url, log = _serve(model, tmp_path, *args, env={"VLLM_ENABLE_V1_MULTIPROCESSING": multiprocess})
     try:
         pairs = _run_conversations(url, plain, model)
         for turn, (ours, reference) in enumerate(pairs):
@@ -210,8 +211,10 @@ def test_serve_matches_plain_vllm_and_loads_from_storage(model, plain, tmp_path,
             assert read["de"] == 0 < read["pe"]
         if policy == "de":
             assert read["pe"] == 0 < read["de"]
+        if policy == "split":  # both storage NICs idle and uncapped: each request's hits read half and half
+            assert read["pe"] > 0 and read["de"] > 0 and _metric(metrics, "adp_loads", path="split") >= 1, metrics
         # every turn after the first loaded its prefix: one load per such turn, on the chosen path
-        loads = sum(_metric(metrics, "adp_loads", path=p) for p in ("pe", "de"))
+        loads = sum(_metric(metrics, "adp_loads", path=p) for p in ("pe", "de", "split"))
         assert loads >= 2 * (TURNS - 1), metrics
         assert _metric(metrics, "adp_failures") == 0, metrics
         if policy == "dual":
