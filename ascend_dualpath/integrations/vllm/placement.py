@@ -203,13 +203,30 @@ class _Reports:
 
 
 def node_queues(cluster: Cluster, snap: Snapshot, ledger: Ledger) -> dict[str, int]:
-    """Each node's read queue in tokens: its instances' reported queues plus the reads this proxy sent there."""
+    """Each node's read queue in tokens: its instances' reported queues plus the reads this proxy sent there,
+    scaled to the fastest node's storage NIC (:func:`node_rate_scales`), so that a longer queue is one that
+    takes longer to drain and alpha (tokens the fastest node reads in 3 s) means 3 s of backlog on every node."""
     queues = {node: ledger.reads.get(node, 0) for node in cluster.nodes}
     for instance in cluster.instances:
         status = snap.status.get(instance.name)
         if status is not None:
             queues[instance.node] += int(status["read_queue_tokens"])
-    return queues
+    scales = node_rate_scales(cluster, snap)
+    return {node: round(tokens * scales.get(node, 1.0)) for node, tokens in queues.items()}
+
+
+def node_rate_scales(cluster: Cluster, snap: Snapshot) -> dict[str, float]:
+    """``fastest cap / node cap`` per node from the instances' ``snic_bytes_per_s`` (a node's cap is the sum of its
+    instances'); empty (no scaling) while any instance's cap is unknown. The paper's nodes are alike; with unequal
+    caps, tokens queued on a slower NIC take proportionally longer to read."""
+    caps: dict[str, float] = {}
+    for instance in cluster.instances:
+        rate = (snap.status.get(instance.name) or {}).get("snic_bytes_per_s")
+        if not isinstance(rate, int | float) or not math.isfinite(rate) or rate <= 0:
+            return {}
+        caps[instance.node] = caps.get(instance.node, 0.0) + rate
+    fastest = max(caps.values(), default=0.0)
+    return {node: fastest / cap for node, cap in caps.items()}
 
 
 def engine_state(engine_id: int, node_id: int, instance: Instance, snap: Snapshot, ledger: Ledger) -> EngineState:

@@ -1,7 +1,8 @@
 """alpha and beta measured when the proxy starts (the CLI's defaults when ``--alpha-tokens`` / ``--beta-tokens``
 are not given), kept simple:
 
-- alpha = the tokens the slowest node's storage NIC reads in 3 s (paper §A.4): the node's cap is the sum of its
+- alpha = the tokens the fastest node's storage NIC reads in 3 s (paper §A.4; the placement scales every node's
+  read queue to that rate, so alpha is 3 s of backlog on each): a node's cap is the sum of its
   instances' ``snic_bytes_per_s`` (status replies), over ``kv_bytes_per_token`` (the CLI's
   ``--kv-bytes-per-token``; ``serve`` computes it from the model's config). Unknown (a node uncapped, or no
   bytes per token) leaves alpha unbounded: every node then qualifies for category 2.
@@ -41,7 +42,7 @@ def alpha_from_status(cluster: Cluster, status: dict[str, dict | None], kv_bytes
         if not isinstance(rate, int | float) or rate <= 0 or rate >= UNCAPPED_BYTES_PER_S:
             return None
         caps[instance.node] = caps.get(instance.node, 0.0) + rate
-    return int(min(caps.values()) * ALPHA_WINDOW_S / kv_bytes_per_token)
+    return int(max(caps.values()) * ALPHA_WINDOW_S / kv_bytes_per_token)
 
 
 def beta_from_warmup(tokens: int, seconds: float) -> int:

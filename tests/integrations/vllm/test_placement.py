@@ -20,7 +20,14 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from ascend_dualpath.errors import ConfigError  # noqa: E402
 from ascend_dualpath.integrations.vllm import cluster as cluster_mod  # noqa: E402
-from ascend_dualpath.integrations.vllm.placement import KvBlocks, Placer, parse_kv_blocks  # noqa: E402
+from ascend_dualpath.integrations.vllm.placement import (  # noqa: E402
+    KvBlocks,
+    Ledger,
+    Placer,
+    Snapshot,
+    node_queues,
+    parse_kv_blocks,
+)
 from ascend_dualpath.integrations.vllm.proxy import DualPathProxy, ProxyConfig  # noqa: E402
 from ascend_dualpath.integrations.vllm.thresholds import alpha_from_status, beta_from_warmup  # noqa: E402
 from tests.integrations.vllm.fakes import FakeInstance, FakeSideChannel, status_reply  # noqa: E402
@@ -312,7 +319,7 @@ def test_kv_blocks_from_vllm_metrics_and_thresholds():
     cluster = cluster_mod.cluster_from_flags(["http://h:1,node=a", "http://h:2,node=b"], ["http://h:3,node=b"])
     status = {"prefill0": {"snic_bytes_per_s": 1e6}, "prefill1": {"snic_bytes_per_s": 1e6},
               "decode0": {"snic_bytes_per_s": 3e6}}  # fmt: skip
-    assert alpha_from_status(cluster, status, kv_bytes_per_token=1000) == 3000  # node a: 1 MB/s x 3 s / 1000 B
+    assert alpha_from_status(cluster, status, kv_bytes_per_token=1000) == 12000  # node b: 4 MB/s x 3 s / 1000 B
     assert alpha_from_status(cluster, {**status, "decode0": {"snic_bytes_per_s": 1e15}}, 1000) is None
     assert alpha_from_status(cluster, status, None) is None
     assert beta_from_warmup(256, 0.5) == 2560
@@ -344,3 +351,17 @@ def test_a_cancelled_wait_leaves_nothing_queued_or_counted():
         assert placer.ledger.blocks["decode0"] == 0 and placer.ledger.tokens["prefill0"] == 0
 
     run(body())
+
+
+def test_read_queues_on_unequal_storage_nics_compare_by_time_to_drain():
+    cluster = cluster_mod.cluster_from_flags(["http://h:1,node=slow", "http://h:2,node=fast"], ["http://h:3,node=fast"])
+    status = {
+        "prefill0": {"read_queue_tokens": 300, "snic_bytes_per_s": 1e6},  # 300 tokens at 1 MB/s
+        "prefill1": {"read_queue_tokens": 500, "snic_bytes_per_s": 2e6},  # the fast node: 4 MB/s in all
+        "decode0": {"read_queue_tokens": 100, "snic_bytes_per_s": 2e6},
+    }
+    ledger = Ledger(reads={"slow": 100})  # sent there, not read yet
+    queues = node_queues(cluster, Snapshot(status, {}), ledger)
+    assert queues == {"slow": 1600, "fast": 600}  # (300 + 100) x 4: the slow node drains last
+    status["decode0"] = {"read_queue_tokens": 100}  # a cap unknown: no scaling
+    assert node_queues(cluster, Snapshot(status, {}), ledger) == {"slow": 400, "fast": 600}
