@@ -1,14 +1,15 @@
 """Multi-turn agents through a 2 PE x 2 DE deployment on real vLLM (CPU): round-robin placement vs the scheduler
 vs the scheduler with request splitting, on an even and a skewed load, in one run.
 
-    python3 tools/bench_vllm_cluster.py [--agents 8] [--turns 3] [--snic-mbps 4] [--slow-node pe0] [--out r.json]
+    python3 tools/bench_vllm_cluster.py [--agents 8] [--turns 3] [--snic-mbps 1.5] [--slow-node pe0] [--out r.json]
 
 Each agent opens with a long prompt and appends a short message per turn, so later turns are almost all storage
 hits. Every instance's storage NIC is capped (``--snic-mbps``) so reads bind; on the skewed load one node's cap
 (``--slow-node``) is ``--skew`` times lower, so the same bytes keep it busier. Per deployment: job completion time
 (all agents, all turns), TTFT p50, each node's storage-NIC utilisation (bytes it read / (its cap x the job
-completion time)) with max/avg over the nodes, and whether every turn's greedy text equals the plain-vLLM
-reference (one plain vLLM server, no connector, same prompts, run sequentially).
+completion time)) with max/avg over the nodes, and how many turns' greedy text equals a plain vLLM server's (no
+connector, one agent at a time): informational, since vLLM's CPU kernels are batch-variant and the agents run
+concurrently (token identity is tested one request at a time in tests/integrations/vllm).
 
 Round robin sends requests to the PEs and DEs in turn and picks the read path by the shorter queue (so placement
 is the only difference from the scheduler); the scheduler is the library's, in the proxy, on live status.
@@ -129,7 +130,7 @@ def main() -> int:
     parser.add_argument("--opening", type=int, default=1200, help="words of each agent's first prompt")
     parser.add_argument("--append", type=int, default=48, help="words each later turn appends")
     parser.add_argument("--gen", type=int, default=8, help="tokens generated per turn")
-    parser.add_argument("--snic-mbps", type=float, default=4.0, help="storage-NIC cap of each node, MB/s")
+    parser.add_argument("--snic-mbps", type=float, default=1.5, help="storage-NIC cap of each node, MB/s")
     parser.add_argument("--slow-node", default="pe0", choices=NODES, help="the node whose cap the skew lowers")
     parser.add_argument("--skew", type=float, default=4.0, help="how many times lower its cap is on the skewed load")
     parser.add_argument("--loads", default="even,skewed", help="which loads to run (even, skewed)")

@@ -387,6 +387,8 @@ class Scheduler:
         self._undelivered: dict[int, list[Assignment]] = {}  # PE group -> assigned, not yet pulled
         self._undelivered_reads: dict[int, int] = {}  # node -> hit tokens of undelivered assignments read there
         self._read_assigned: dict[int, int] = {}  # node -> hit tokens ever sent there to read (the path tie rule)
+        self._undelivered_cost: dict[int, tuple[int, int]] = {}  # request id -> (read node, its read cost there)
+        self._read_scale: dict[int, float] = {}  # node -> cost of one hit token read there (set_read_scales)
 
     @classmethod
     def from_profile(cls, profile: EngineProfile) -> Scheduler:
@@ -487,21 +489,29 @@ class Scheduler:
                 self._read_assigned.get(de_node, 0),
             )
             read_node = view.node_id if path is ReadPath.PE else de_node
-            self._read_queue[read_node] = self._read_queue.get(read_node, 0) + request.cached_tokens
-            self._read_assigned[read_node] = self._read_assigned.get(read_node, 0) + request.cached_tokens
-            self._undelivered_reads[read_node] = self._undelivered_reads.get(read_node, 0) + request.cached_tokens
+            cost = round(request.cached_tokens * self._read_scale.get(read_node, 1.0))
+            self._read_queue[read_node] = self._read_queue.get(read_node, 0) + cost
+            self._read_assigned[read_node] = self._read_assigned.get(read_node, 0) + cost
+            self._undelivered_reads[read_node] = self._undelivered_reads.get(read_node, 0) + cost
+            self._undelivered_cost[request.request_id] = (read_node, cost)
             self._push_prefill(engine_id)
             self._undelivered.setdefault(view.group_id, []).append(Assignment(request, engine_id, de, path))
         delivered = self._undelivered.get(report.group_id, [])
         self._undelivered[report.group_id] = []
         for assignment in delivered:  # their reads start now: from here on the nodes' reports count them
-            read_node = (
-                self._prefill_engines[assignment.prefill_engine].node_id
-                if (assignment.read_path is ReadPath.PE)
-                else self._decode_node[assignment.decode_engine]
-            )
-            self._undelivered_reads[read_node] -= assignment.request.cached_tokens
+            read_node, cost = self._undelivered_cost.pop(assignment.request.request_id)
+            self._undelivered_reads[read_node] -= cost
         return delivered
+
+    def set_read_scales(self, scales: dict[int, float]) -> None:
+        """Read costs per node for storage NICs of unequal speed: a hit token read on node ``n`` counts
+        ``scales[n]`` tokens (``fastest rate / n's rate``) in its read queue and in the path tie rule, so both
+        compare time to drain; the reported queues must be in the same units. Default 1 (the paper's nodes are
+        alike). Raises ConfigError for a scale that is not finite and > 0."""
+        for node, scale in scales.items():
+            if not (isinstance(scale, int | float) and math.isfinite(scale) and scale > 0):
+                raise ConfigError(f"read scale of node {node} must be finite and > 0, got {scale!r}")
+        self._read_scale = dict(scales)
 
     # --------------------------------------------------------------------------- PE choice (global)
 

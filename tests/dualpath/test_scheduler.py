@@ -293,3 +293,21 @@ def test_withdraw_takes_a_request_out_of_each_queue_and_frees_the_head():
     assert [r.request_id for r, _ in scheduler.pull_decode(full)] == [2]  # now waiting for a PE
     assert scheduler.withdraw(2) == "prefill" and scheduler.queued == 0
     assert scheduler.withdraw(2) is None
+
+
+def test_read_scales_make_a_slower_node_count_its_reads_by_time():
+    def paths(scales):
+        sched = Scheduler(alpha=10_000, beta=10_000)
+        sched.set_read_scales(scales)
+        sched.register_decode_group(0)
+        for i in range(3):
+            sched.submit(Request(i, prompt_tokens=200, cached_tokens=100, decode_hbm_bytes=1))
+        sched.pull_decode(GroupReport(0, [EngineState(10, 1, free_hbm_bytes=10)], {1: 0}))
+        return [a.read_path for a in sched.pull_prefill(GroupReport(1, [pe(0, 0, 0)], {0: 0}))]
+
+    # PE on node 0, DE on node 1, both idle: the first read goes to the PE, the second to the now shorter DE queue
+    assert paths({}) == [ReadPath.PE, ReadPath.DE, ReadPath.PE]  # then 100 = 100 tokens queued: a tie, to the PE
+    # node 0 reads 4x slower: its 100 tokens cost 400, so the third read is shorter on node 1 too
+    assert paths({0: 4.0, 1: 1.0}) == [ReadPath.PE, ReadPath.DE, ReadPath.DE]
+    with pytest.raises(ConfigError, match="read scale of node 0"):
+        Scheduler(alpha=1, beta=1).set_read_scales({0: float("nan")})

@@ -550,6 +550,8 @@ class Placer:
 
     async def _round(self) -> None:
         snap = await self.snapshot()
+        scales = node_rate_scales(self.cluster, snap)  # the reports' queues are in these units too
+        self.scheduler.set_read_scales({i: scales[n] for i, n in enumerate(self.cluster.nodes) if n in scales})
         for group_id in sorted(self._reports(snap).decode):  # fresh totals, earlier waiters' DEs first
             self._pull_decode(snap, group_id)
         for waiter in self._new:
