@@ -276,15 +276,17 @@ class DecodeSide:
         mine = [b for b in range(len(ids)) if not first <= b < first + plan.get("pe_blocks", 0)]
         self.store.refresh(ids)
         tickets = xfer.reads = [self.read_queue.submit(ids[b], lease.slice(b * fb, fb).view) for b in mine]
-        first_error = None
+        corrupt, first_error = None, None
         for b, ticket in zip(mine, tickets, strict=True):
             try:
                 ticket.wait(self.settings.timeout_s)
             except ChecksumMismatch as error:
-                self.store.remove(ids[b])  # and its descendants: persisted again when the request finishes
-                first_error = first_error or error
+                corrupt = corrupt or (b, error)
             except Exception as error:
                 first_error = first_error or error
+        if corrupt is not None:  # the root cause: later blocks may fail only because this one is bad
+            self.store.remove(ids[corrupt[0]])  # and its descendants: persisted again when the request finishes
+            raise corrupt[1]
         if first_error is not None:
             raise first_error
 
