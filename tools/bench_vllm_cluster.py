@@ -26,7 +26,17 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_vllm_serving import ENV, ROOT, _api_server, _stop, _stream, _wait, conversations, run_agents
+from bench_vllm_serving import (
+    ENV,
+    ROOT,
+    _api_server,
+    _stop,
+    _stream,
+    _wait,
+    add_workload_arguments,
+    conversations,
+    run_agents,
+)
 
 DEPLOYMENTS = {  # name -> serve arguments
     "round-robin": ["--placement", "round-robin"],
@@ -124,17 +134,10 @@ def report(results: dict, reference: list[list[str]], args) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="model directory (default: a fresh make-tiny-model)")
-    parser.add_argument("--agents", type=int, default=8)
-    parser.add_argument("--turns", type=int, default=3)
-    parser.add_argument("--opening", type=int, default=1200, help="words of each agent's first prompt")
-    parser.add_argument("--append", type=int, default=48, help="words each later turn appends")
-    parser.add_argument("--gen", type=int, default=8, help="tokens generated per turn")
-    parser.add_argument("--snic-mbps", type=float, default=1.5, help="storage-NIC cap of each node, MB/s")
+    add_workload_arguments(parser, agents=8, turns=3, gen=8, snic_mbps=1.5)
     parser.add_argument("--slow-node", default="pe0", choices=NODES, help="the node whose cap the skew lowers")
     parser.add_argument("--skew", type=float, default=4.0, help="how many times lower its cap is on the skewed load")
     parser.add_argument("--loads", default="even,skewed", help="which loads to run (even, skewed)")
-    parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
     from ascend_dualpath.integrations.vllm.serve import pick_instance_ports
     from ascend_dualpath.models.tiny_hf import make_tiny_model

@@ -259,17 +259,25 @@ def bench_example(model: str, args, ports: tuple[int, int], convs) -> dict:
                 _stop(proc)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_workload_arguments(
+    parser: argparse.ArgumentParser, agents: int, turns: int, gen: int, snic_mbps: float
+) -> None:
+    """The options every serving benchmark shares: the model, the agents' conversations, the storage-NIC cap and
+    where the JSON goes (the defaults are each benchmark's own)."""
     parser.add_argument("--model", default=None, help="model directory (default: a fresh make-tiny-model)")
-    parser.add_argument("--agents", type=int, default=4)
-    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--agents", type=int, default=agents)
+    parser.add_argument("--turns", type=int, default=turns)
     parser.add_argument("--opening", type=int, default=1200, help="words of each agent's first prompt")
     parser.add_argument("--append", type=int, default=48, help="words each later turn appends")
-    parser.add_argument("--gen", type=int, default=16, help="tokens generated per turn")
-    parser.add_argument("--snic-mbps", type=float, default=4.0, help="storage-NIC cap of each instance, MB/s")
-    parser.add_argument("--skip-example", action="store_true", help="leave out the ExampleConnector baseline")
+    parser.add_argument("--gen", type=int, default=gen, help="tokens generated per turn")
+    parser.add_argument("--snic-mbps", type=float, default=snic_mbps, help="storage-NIC cap of each node, MB/s")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_workload_arguments(parser, agents=4, turns=4, gen=16, snic_mbps=4.0)
+    parser.add_argument("--skip-example", action="store_true", help="leave out the ExampleConnector baseline")
     args = parser.parse_args()
     from ascend_dualpath.integrations.vllm.serve import pick_instance_ports
     from ascend_dualpath.models.tiny_hf import make_tiny_model

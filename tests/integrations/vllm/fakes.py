@@ -14,6 +14,7 @@ import time
 import msgspec
 import zmq
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 
 def status_reply(
@@ -157,3 +158,27 @@ class FakeInstance:
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=self.health_status)
+
+
+class ProxyClient:
+    """What the proxy tests ask the proxy under test (``self.client``: an aiohttp session on its URL)."""
+
+    async def decisions(self) -> list[dict]:
+        async with self.client.get("/debug/decisions") as resp:
+            return await resp.json()
+
+    async def metrics(self) -> dict:
+        """``{(sample name, frozenset(labels)): value}`` parsed from ``/metrics``."""
+        async with self.client.get("/metrics") as resp:
+            assert resp.status == 200
+            text = await resp.text()
+        return {
+            (s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+
+def run(coro):
+    """Run one test coroutine, bounded: a hang fails the test within 60 s."""
+    return asyncio.run(asyncio.wait_for(coro, 60))

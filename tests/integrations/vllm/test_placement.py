@@ -16,7 +16,6 @@ pytest.importorskip("zmq")
 
 from aiohttp.test_utils import TestServer  # noqa: E402
 from prometheus_client import CollectorRegistry  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from ascend_dualpath.errors import ConfigError  # noqa: E402
 from ascend_dualpath.integrations.vllm import cluster as cluster_mod  # noqa: E402
@@ -30,13 +29,13 @@ from ascend_dualpath.integrations.vllm.placement import (  # noqa: E402
 )
 from ascend_dualpath.integrations.vllm.proxy import DualPathProxy, ProxyConfig  # noqa: E402
 from ascend_dualpath.integrations.vllm.thresholds import alpha_from_status, beta_from_warmup  # noqa: E402
-from tests.integrations.vllm.fakes import FakeInstance, FakeSideChannel, status_reply  # noqa: E402
+from tests.integrations.vllm.fakes import FakeInstance, FakeSideChannel, ProxyClient, run, status_reply  # noqa: E402
 
 FREE = (1000, 0.0)  # a DE's KV cache: 1000 blocks, none used
 FULL = (1000, 1.0)
 
 
-class Cluster:
+class Cluster(ProxyClient):
     """``pes`` / ``des``: one ``(node, status kwargs)`` per PE and one ``(node, group, status kwargs, kv)`` per DE;
     fake instances and side channels for each, and the proxy over them."""
 
@@ -82,23 +81,6 @@ class Cluster:
         body = {"model": "tiny", "prompt": " ".join(["w"] * words), "max_tokens": max_tokens}
         async with self.client.post("/v1/completions", json=body) as resp:
             return resp.status, await resp.json(content_type=None)
-
-    async def decisions(self) -> list[dict]:
-        async with self.client.get("/debug/decisions") as resp:
-            return await resp.json()
-
-    async def metrics(self) -> dict:
-        async with self.client.get("/metrics") as resp:
-            text = await resp.text()
-        return {
-            (s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text)
-            for s in family.samples
-        }
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 60))
 
 
 def rules(decision: dict, name: str) -> list[str]:

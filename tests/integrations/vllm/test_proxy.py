@@ -17,17 +17,16 @@ zmq = pytest.importorskip("zmq")
 msgspec = pytest.importorskip("msgspec")
 
 from aiohttp.test_utils import TestServer  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from ascend_dualpath.errors import ConfigError  # noqa: E402
 from ascend_dualpath.integrations.vllm import proxy as proxy_mod  # noqa: E402
 from ascend_dualpath.integrations.vllm.proxy import DualPathProxy, ProxyConfig, decide  # noqa: E402
-from tests.integrations.vllm.fakes import FakeInstance, FakeSideChannel, status_reply  # noqa: E402
+from tests.integrations.vllm.fakes import FakeInstance, FakeSideChannel, ProxyClient, run, status_reply  # noqa: E402
 
 DEFAULT = object()  # Harness: an idle status reply; None: a silent side channel
 
 
-class Harness:
+class Harness(ProxyClient):
     """Fake PE and DE, their side channels, and the proxy under test, all on loopback."""
 
     def __init__(self, policy="dual", pe_status=DEFAULT, de_status=DEFAULT, timeout_s=5.0) -> None:
@@ -65,25 +64,6 @@ class Harness:
     async def post(self, path: str, body) -> tuple[int, dict]:
         async with self.client.post(path, json=body) as resp:
             return resp.status, await resp.json(content_type=None)
-
-    async def decisions(self) -> list[dict]:
-        async with self.client.get("/debug/decisions") as resp:
-            return await resp.json()
-
-    async def metrics(self) -> dict:
-        """``{(sample name, frozenset(labels)): value}`` parsed from ``/metrics``."""
-        async with self.client.get("/metrics") as resp:
-            assert resp.status == 200
-            text = await resp.text()
-        return {
-            (s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text)
-            for s in family.samples
-        }
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 60))
 
 
 COMPLETION = {
