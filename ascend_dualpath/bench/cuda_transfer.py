@@ -118,13 +118,18 @@ class _Last:
 
 
 def engine_submitter(engine, prepared, name: str, source, submit=None) -> Submitter:
-    """A prepared request of ``engine`` (``submit``: default ``prepared.submit``), its notify slot 0 checked."""
+    """A prepared request of ``engine`` (``submit``: default ``prepared.submit``), its notify slot 0 checked (a
+    request without a notify slot: its result carries no magic)."""
     last = _Last()
 
     def finish(ticket):
         last.value = ticket.wait()
 
     def check():
+        if prepared.notify_slot is None:
+            if last.value is None or last.value.notify_magic is not None:
+                raise AssertionError(f"{name}: a request without a notify slot published {last.value}")
+            return
         if last.value is None or engine.notify_value(0) != last.value.notify_magic:
             raise AssertionError(
                 f"{name}: notify slot holds {engine.notify_value(0)}, the last request published "

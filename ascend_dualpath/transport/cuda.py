@@ -6,7 +6,8 @@
   DualPath sends the same layer pattern every request, so the work is split: :meth:`DeviceCopier.plan`
   builds and uploads the tile table once per pattern, :meth:`DeviceCopier.run` is one kernel launch per
   request with no other host work, and :meth:`DeviceCopier.capture` records that launch in a CUDA graph
-  whose replays publish successive flag values.
+  whose replays publish successive flag values. The same program then writes the value into a pinned
+  :class:`HostWord` of the plan (of the graph, for replays), so the host sees completion in its own memory.
 - :class:`StagingCopy` (the ``staging`` analogue): pinned host buffer -> device staging slot -> destination in
   chunks, double-buffered so that the H2D copy of one chunk overlaps the device-initiated scatter of the previous
   one.
@@ -67,6 +68,24 @@ def large_threshold(sm_count: int) -> int:
 
 
 FLAG_MAX = (1 << 63) - 1
+
+
+class HostWord:
+    """One pinned int64 in host memory that the GPU writes after a request's last byte (a system-scope release),
+    so that the host learns completion by reading its own memory: no event record, no driver query.
+
+    The values a word receives only grow (a plan's launches, a graph's replays, one engine counter), so
+    ``reached(v)`` holds once the request that publishes ``v`` or any later one completed."""
+
+    def __init__(self, torch):
+        from ascend_dualpath.transport.cudart import host_device_pointer
+
+        self.tensor = torch.zeros(1, dtype=torch.int64).pin_memory()
+        self.addr = host_device_pointer(self.tensor.data_ptr())  # where the GPU writes it
+        self._view = self.tensor.numpy()
+
+    def reached(self, value: int) -> bool:
+        return self._view[0] >= value
 
 
 def _segment_arrays(src_addrs: Sequence[int], dst_addrs: Sequence[int], nbytes: Sequence[int]):
@@ -156,13 +175,15 @@ class CopyPlan:
         Element width (16/8/4/1), bytes per tile, programs in the grid, warps per program.
     state : torch.Tensor
         int64[2] on the GPU: programs arrived in the running launch, last published graph epoch.
+    host_word : HostWord
+        Where the plan's launches (not its graph replays) publish their flag value for the host.
     constexprs : dict
         The kernel's compile-time switches for this plan (``FROM_EPOCH`` excluded).
     site : LaunchSite
         The launch site of :meth:`DeviceCopier.run` (fixed grid; bound to the binary after the first run).
     args, fast_args : tuple
-        The run's arguments before the flag value: with tensors (first launch, through Triton) and with plain
-        addresses (later launches, straight to the binary's launcher).
+        The run's arguments before the flag value and the host word: with tensors (first launch, through Triton)
+        and with plain addresses (later launches, straight to the binary's launcher).
     """
 
     table: object
@@ -178,6 +199,7 @@ class CopyPlan:
     site: object
     args: tuple
     fast_args: tuple
+    host_word: HostWord
 
 
 def enable_peer_access(device_a, device_b) -> None:
@@ -314,18 +336,21 @@ class DeviceCopier:
             ),
             args=(device_table, int(table.shape[0]), state, flag),
             fast_args=(device_table.data_ptr(), int(table.shape[0]), state.data_ptr(), flag.data_ptr()),
+            host_word=HostWord(torch),
         )
 
     def run(self, plan: CopyPlan, flag_value: int) -> None:
-        """Enqueue ``plan`` on the current stream; the flag becomes ``flag_value`` after every byte landed.
+        """Enqueue ``plan`` on the current stream; the flag, then ``plan.host_word``, becomes ``flag_value`` after
+        every byte landed.
 
-        ``flag_value`` must be in [1, 2**63 - 1] (0 is the flag's idle value). After the plan's first run
-        this is one call of the compiled binary's launcher with the plan's cached arguments.
+        ``flag_value`` must be in [1, 2**63 - 1] (0 is the flag's idle value) and above the plan's earlier values
+        (its host word only grows). After the plan's first run this is one call of the compiled binary's launcher
+        with the plan's cached arguments.
         """
         if not 0 < flag_value <= FLAG_MAX:
             raise E.ConfigError(f"flag_value {flag_value} is outside [1, {FLAG_MAX}]")
         site = plan.site
-        site(*(plan.fast_args if site.bound else plan.args), flag_value)
+        site(*(plan.fast_args if site.bound else plan.args), flag_value, plan.host_word.addr)
 
     def copy(self, src_addrs, dst_addrs, nbytes, flag_value: int) -> CopyPlan:
         """Plan and run a pattern seen once (table built and uploaded on every call); returns the plan."""
@@ -336,7 +361,9 @@ class DeviceCopier:
         return plan
 
     def capture(self, plan: CopyPlan, first_flag_value: int) -> GraphedCopy:
-        """Record one launch of ``plan`` in a CUDA graph; replay ``k`` (from 0) publishes ``first_flag_value + k``."""
+        """Record one launch of ``plan`` in a CUDA graph; replay ``k`` (from 0) publishes ``first_flag_value + k`` in
+        the flag and in the graph's own host word. A new capture of a plan retires its earlier graphs (they share
+        the plan's epoch counter)."""
         from ascend_dualpath._triton_launch import LaunchSite
 
         if not 0 < first_flag_value <= FLAG_MAX:
@@ -347,25 +374,29 @@ class DeviceCopier:
             plan.programs,
             {**plan.constexprs, "FROM_EPOCH": True, "num_warps": plan.num_warps},
         )
+        word = HostWord(torch)
         with torch.cuda.device(self.device):
             # compile outside the capture (the flag value is unspecialised and unused with FROM_EPOCH)
-            fast = site.prepare(*plan.args, 1 << 40)
+            fast = site.prepare(*plan.args, 1 << 40, word.addr)
             plan.state[1].fill_(first_flag_value - 1)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                site(*(plan.fast_args if fast else plan.args), 1 << 40)
-        return GraphedCopy(graph, plan, first_flag_value, fast_launch=fast)
+                site(*(plan.fast_args if fast else plan.args), 1 << 40, word.addr)
+        return GraphedCopy(graph, plan, first_flag_value, word, fast_launch=fast)
 
 
 class GraphedCopy:
-    """A captured launch of one plan: :meth:`replay` is the whole host work of a request."""
+    """A captured launch of one plan: :meth:`replay` is the whole host work of a request; ``host_word`` receives
+    each replay's value after its last byte."""
 
-    def __init__(self, graph, plan: CopyPlan, first_flag_value: int, fast_launch: bool):
+    def __init__(self, graph, plan: CopyPlan, first_flag_value: int, host_word: HostWord, fast_launch: bool):
         self.graph = graph
         self.plan = plan
         self.next_value = first_flag_value
+        self.host_word = host_word
         self.fast_launch = fast_launch  # captured through Triton's compiled launcher (else through the JIT)
         self._exec = _graph_exec(graph)
+        self._launch = None  # the runtime's cudaGraphLaunch, bound at the first replay on a raw stream
 
     def replay(self, stream: int | None = None) -> int:
         """Enqueue the copy on ``stream`` (a raw handle; None: the current stream); returns the flag value it
@@ -374,9 +405,11 @@ class GraphedCopy:
         if stream is None or self._exec is None:
             self.graph.replay()
         else:
-            from ascend_dualpath.transport.cudart import graph_launch
+            if self._launch is None:
+                from ascend_dualpath.transport.cudart import graph_launcher
 
-            graph_launch(self._exec, stream)
+                self._launch = graph_launcher(self._exec)
+            self._launch(stream)
         self.next_value += 1
         return self.next_value - 1
 

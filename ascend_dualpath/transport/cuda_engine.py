@@ -17,12 +17,16 @@ The gates are :func:`~.kinds.select_kind`'s, with CUDA meanings: *capability* �
 A failed capability or protocol gate falls back to ``aicpu`` for device sources, else ``host``.
 
 Every request is enqueued on the current stream of the engine's GPU, like a torch op (the batch call of ``aicpu`` on
-a side stream joined to it, since it refuses the legacy default stream). ``wait`` polls a CUDA event, bounded by the
-timeout. Remote-ready is a fresh magic in the ``notify`` slot after every byte landed: for
-``aiv`` the copy kernel's last program releases it into the slot itself (a receiver may poll the slot instead of
-waiting on the ticket; ``Ticket.notify_magic`` is the value to expect), for the other kinds ``wait`` writes it.
+a side stream joined to it, since it refuses the legacy default stream). Remote-ready is a fresh magic in the
+``notify`` slot after every byte landed, known at submit (``Ticket.notify_magic``; a receiver may poll the slot instead
+of waiting on the ticket): for ``aiv`` the copy kernel's last program releases it into the slot itself, for the
+other kinds one driver call of stream writes follows the copies. The same value then lands in a pinned host word
+(:class:`~.cuda.HostWord`), and ``wait`` polls that word in host memory, bounded by the timeout: completion costs no
+event record and no driver query.
 Plans (tile tables, staging slots, batch arrays) are built once per piece pattern and kept for the last
-``PLAN_CACHE`` patterns: DualPath moves the same layer pattern every request.
+``PLAN_CACHE`` patterns: DualPath moves the same layer pattern every request. An ``aiv`` pattern is captured in a
+CUDA graph at :meth:`~CudaTransferEngine.prepare`, or at its second plain :meth:`~CudaTransferEngine.submit`, and
+replayed from then on.
 
 Before anything moves, every range is checked where it lives (one driver query per allocation): device sources in
 the engine's GPU, host sources inside a registered pinned buffer, the remote slot in the destination GPU.
@@ -91,9 +95,10 @@ class CudaTransferEngine(TransferEngine):
         gate: one ``cudaMemcpyAsync``, kind ``host``) instead of the device kernel; default
         :data:`COPY_ENGINE_MIN_BYTES`.
     graphs : bool
-        A prepared ``aiv`` request with a notify slot is captured in a CUDA graph at :meth:`prepare` and each
-        submission replays it (default True): Triton's Python launcher costs ~7.5 µs per launch, a replay ~4.5 µs
-        with the event record. Each graph publishes its own magics (``GRAPH_MAGIC_STRIDE`` apart), known at submit.
+        An ``aiv`` pattern is captured in a CUDA graph at :meth:`prepare` (or at its second plain :meth:`submit`,
+        which costs one device synchronisation) and each later submission replays it (default True): Triton's
+        launcher costs ~7.5 µs per launch, a replay ~1 µs. Each graph publishes its own magics
+        (``GRAPH_MAGIC_STRIDE`` apart), known at submit.
     timeout_s : float or None
         Default bound of every wait.
     """
@@ -150,10 +155,10 @@ class CudaTransferEngine(TransferEngine):
         self._host_buffers: dict[int, object] = {}  # data_ptr -> registered pinned uint8 tensor
         self._plans: OrderedDict = OrderedDict()
         self._routes: dict = {}
-        self._flag_values = itertools.count(1)
+        self._submissions: OrderedDict = OrderedDict()  # plain submit: (slot, notify, kind) -> its last request
+        # every value the engine publishes outside a graph comes from this one counter, so each host word only grows
         self._magics = itertools.count(1)
         self._raw_stream = raw_stream_getter()
-        self._events = None  # StreamEvents, made on the engine's GPU at the first request
         self._registrations = 0  # bumped by unregister: prepared work is checked again before its next submission
 
     # ---- memory ------------------------------------------------------------------------------------
@@ -184,6 +189,7 @@ class CudaTransferEngine(TransferEngine):
             )
         self._plans.clear()  # cached work was checked against the old registrations
         self._routes.clear()
+        self._submissions.clear()
         self._registrations += 1
 
     def locate(self, addr: int, nbytes: int) -> MemorySegment:
@@ -268,51 +274,76 @@ class CudaTransferEngine(TransferEngine):
     # ---- prepare and start ---------------------------------------------------------------------------
 
     def prepare(self, sources, remote, notify_slot=None, kind=None) -> PreparedTransfer:
-        """Route the request and build its work once (plans uploaded, every range checked): a submission of the
-        prepared request is the launch alone, with no per-call allocation, torch op or synchronisation."""
-        return self._prepared(sources, remote, notify_slot, kind, graph=self.graphs)
+        """Route the request and build its work once (plans uploaded, every range checked, an ``aiv`` pattern
+        captured in a CUDA graph): a submission of the prepared request is the launch alone, with no per-call
+        allocation, torch op or synchronisation."""
+        return self._prepared(sources, remote, notify_slot, kind, capture=True)
 
     def submit(self, sources, remote, notify_slot=None, kind=None) -> Ticket:
-        """As the interface's, without a CUDA graph: a one-off request would pay the capture (~400 µs)."""
-        return self._submit_prepared(self._prepared(sources, remote, notify_slot, kind, graph=False))
+        """As the interface's. A request with the sources of the last one to the same slot (DualPath's layer
+        patterns) reuses that one's routing and work: the list comparison finds the same segment objects at ~2 ns
+        each, so the cost barely grows with the pattern. Its graph is captured at the second submission (a one-off
+        request would pay the capture, ~400 µs, for nothing)."""
+        key = _submission_key(sources, remote, notify_slot, kind)
+        prepared = None if key is None else self._submissions.get(key)
+        if prepared is None or prepared.sources != (sources if type(sources) is list else list(sources)):
+            prepared = self._prepared(sources, remote, notify_slot, kind, capture=False)
+            if key is not None:
+                self._submissions[key] = prepared
+                if len(self._submissions) > PLAN_CACHE:
+                    self._submissions.popitem(last=False)
+        return self._submit_prepared(prepared)
 
-    def _prepared(self, sources, remote, notify_slot, kind, graph: bool) -> PreparedTransfer:
+    def _prepared(self, sources, remote, notify_slot, kind, capture: bool) -> PreparedTransfer:
         prepared = super().prepare(sources, remote, notify_slot, kind)
         self._check_request(prepared.remote, prepared.notify_slot)
-        self._prepare_work(prepared, graph)
+        prepared.state["capture"] = capture and self.graphs
+        self._prepare_work(prepared)
         return prepared
 
-    def _prepare_work(self, prepared: PreparedTransfer, graph: bool) -> None:
-        """Build (or find) the prepared request's work, every range checked against the current registrations,
-        and with ``graph`` capture it (:meth:`_graph_of`)."""
+    def _prepare_work(self, prepared: PreparedTransfer) -> None:
+        """Build (or find) the prepared request's work, every range checked against the current registrations, its
+        result and, where the request asks for one, its CUDA graph (:meth:`_capture_work`)."""
         prepared.state.pop("work", None)  # a refused check leaves no stale work behind
-        prepared.state["graph"] = None
-        prepared.state["work"] = self._on_device(
+        work = self._on_device(
             self._work, prepared.selection.kind, prepared.pieces, prepared.remote, prepared.notify_slot
         )
+        prepared.state["result"] = TransferResult(
+            prepared.selection.kind,
+            prepared.selection,
+            work.nbytes,
+            len(prepared.pieces),
+            staging_bytes=work.staging_bytes,
+        )
+        prepared.state["work"] = work
         prepared.state["registrations"] = self._registrations
-        if graph:
-            prepared.state["graph"] = self._on_device(self._graph_of, prepared)
+        if prepared.state["capture"] and work.graph is None and work.graphable:
+            self._on_device(self._capture_work, work)
 
-    def _graph_of(self, prepared: PreparedTransfer):
-        """The request captured in a CUDA graph, for a one-plan ``aiv`` request whose kernel publishes the notify
-        (the other kinds have host work a graph cannot replay); None otherwise."""
-        work = prepared.state["work"]
-        if not (work.publishes_notify and len(work.plans) == 1 and not work.staging_copies):
-            return None
-        first, self._graph_magic = self._graph_magic, self._graph_magic + GRAPH_MAGIC_STRIDE
-        return self._copier.capture(work.plans[0], first)
+    def _capture_work(self, work: _Work, first_magic: int | None = None):
+        """Capture ``work``'s one plan in a CUDA graph (publishing from ``first_magic``, default the engine's next
+        range of ``GRAPH_MAGIC_STRIDE``); every later submission of the work replays it."""
+        if first_magic is None:
+            first_magic, self._graph_magic = self._graph_magic, self._graph_magic + GRAPH_MAGIC_STRIDE
+        work.graph = self._copier.capture(work.plans[0], first_magic)
+        return work.graph
 
     def _start(self, ticket: Ticket, prepared: PreparedTransfer) -> None:
         """Enqueue ``prepared``'s work (built at prepare; built again when a registration went away since), or
-        launch its CUDA graph."""
-        if prepared.state.get("registrations") != self._registrations:
-            self._prepare_work(prepared, prepared.state["graph"] is not None)
-        graph = prepared.state["graph"]
-        if graph is None:
-            self._on_device(self._enqueue, ticket, prepared.state["work"])
+        launch its CUDA graph (captured here at a plain submission's second sighting of the pattern)."""
+        state = prepared.state
+        if state["registrations"] != self._registrations:
+            self._prepare_work(prepared)
+        work = state["work"]
+        if work.graph is None and work.graphable and self.graphs:
+            if work.sightings:
+                self._on_device(self._capture_work, work)
+            work.sightings += 1
+        ticket.state["result"] = state["result"]
+        if work.graph is None:
+            self._on_device(self._enqueue, ticket, work)
         else:
-            self._on_device(self._replay, ticket, prepared.state["work"], graph)
+            self._on_device(self._replay, ticket, work.graph)
 
     def _check_request(self, remote: RemoteSlot, notify_slot: int | None) -> None:
         if remote.peer != self.peer_device.index:
@@ -330,30 +361,22 @@ class CudaTransferEngine(TransferEngine):
         with self.torch.cuda.device(self.device):
             return call(*args)
 
-    def _replay(self, ticket: Ticket, work: _Work, graph) -> None:
+    def _replay(self, ticket: Ticket, graph) -> None:
         """Replay a prepared request's graph on the current stream (the engine's GPU is current)."""
-        stream = self._raw_stream(self.device.index)
-        ticket.state["work"] = work
-        ticket.notify_magic = ticket.state["published"] = graph.replay(stream)
-        ticket.state["event"] = self._events_of().record(stream)
-
-    def _events_of(self):
-        if self._events is None:
-            from ascend_dualpath.transport.cudart import StreamEvents
-
-            self._events = StreamEvents()
-        return self._events
+        value = graph.replay(self._raw_stream(self.device.index))
+        ticket.state["done"] = (graph.host_word, value)
+        if ticket.notify_slot is not None:
+            ticket.notify_magic = value
 
     def _enqueue(self, ticket: Ticket, work: _Work) -> None:
-        """Enqueue ``work`` for ``ticket`` on the current stream (the engine's GPU is current)."""
+        """Enqueue ``work`` for ``ticket`` on the current stream (the engine's GPU is current): the copies, then the
+        value that says they landed (notify slot, host word), known now."""
         torch = self.torch
         stream = self._raw_stream(self.device.index)
-        ticket.state["work"] = work
-        if work.publishes_notify:  # the kernel's last program releases the magic into the notify slot
-            ticket.notify_magic = ticket.state["published"] = value = next(self._magics)
-        elif work.plans or work.staging_copies:
-            value = next(self._flag_values)
-        for plan in work.plans:
+        value = next(self._magics)
+        if ticket.notify_slot is not None:
+            ticket.notify_magic = value
+        for plan in work.plans:  # an aiv plan's flag is the notify slot: the kernel releases the magic itself
             self._copier.run(plan, value)
         for copy in work.staging_copies:
             copy.run(value)
@@ -366,16 +389,31 @@ class CudaTransferEngine(TransferEngine):
             from ascend_dualpath.transport.cudart import memcpy_each
 
             memcpy_each(work.each, stream)
-        if ticket.notify_slot is not None and not work.publishes_notify:
-            ticket.notify_magic = ticket.state["published"] = self._notify_in_order(ticket.notify_slot, stream)
-        ticket.state["event"] = self._events_of().record(stream)
+        if work.graphable:
+            ticket.state["done"] = (work.plans[0].host_word, value)
+        else:
+            self._writes_of(work, ticket.notify_slot)(stream, value)
+            ticket.state["done"] = (work.host_word, value)
+
+    def _writes_of(self, work: _Work, slot: int | None):
+        """The stream writes that end a request of the kinds without a publishing kernel (``staging``, ``aicpu``,
+        ``host``): its notify slot (if any), then the work's host word, in one driver call after the copies."""
+        writes = work.writes.get(slot)
+        if writes is None:
+            from ascend_dualpath.transport.cuda import HostWord
+            from ascend_dualpath.transport.cudart import StreamWrites
+
+            if work.host_word is None:
+                work.host_word = HostWord(self.torch)
+            notify = [] if slot is None else [self.notify.data_ptr() + slot * self.notify.element_size()]
+            writes = work.writes[slot] = StreamWrites([*notify, work.host_word.addr])
+        return writes
 
     def _work(self, kind: TransferKind, pieces, remote: RemoteSlot, notify_slot: int | None) -> _Work:
         """The cached work of this piece list (the routed list of a request pattern, :meth:`_route`), built and every
         range checked the first time it is seen. An ``aiv`` request with a notify slot gets a plan whose ready flag
         is that slot: the copy kernel publishes remote-ready itself, as the AIV path's trailing flag write does."""
-        publishes_notify = kind is TransferKind.AIV and notify_slot is not None
-        key = (kind, id(pieces), notify_slot if publishes_notify else None)
+        key = (kind, id(pieces), notify_slot if kind is TransferKind.AIV else None)
         cached = self._plans.get(key)
         if cached is not None and cached[0] is pieces:  # the entry keeps the list alive, so its id is not reused
             self._plans.move_to_end(key)
@@ -397,10 +435,9 @@ class CudaTransferEngine(TransferEngine):
 
     def _aiv_work(self, work: _Work, pieces, notify_slot: int | None) -> None:
         """One device-copy plan over every piece; with a notify slot, that slot is the plan's ready flag."""
-        publishes_notify = notify_slot is not None
-        flag = self.notify[notify_slot : notify_slot + 1] if publishes_notify else None
+        flag = None if notify_slot is None else self.notify[notify_slot : notify_slot + 1]
         work.plans.append(self._device_copier().plan(*_columns(pieces), flag=flag))
-        work.publishes_notify = publishes_notify
+        work.graphable = True
 
     def _staging_work(self, work: _Work, pieces, notify_slot: int | None) -> None:
         """A device-copy plan for the device-resident pieces, one StagingCopy per host buffer for the others."""
@@ -489,8 +526,9 @@ class CudaTransferEngine(TransferEngine):
         """The prepared ``aiv`` request's CUDA graph (:class:`~.cuda.GraphedCopy`), captured anew: its ``replay()``
         enqueues the request on the current stream and returns the value it publishes, ``first_magic + k`` for
         replay ``k`` (default: the engine's next range of ``GRAPH_MAGIC_STRIDE``), in the request's notify slot (else
-        the engine's ready flag). The request's later submissions replay this same graph (one epoch counter per
-        plan, so one graph per request). ConfigError for another kind (their host work cannot be replayed)."""
+        the engine's ready flag). The request's later submissions replay this same graph, which replaces the one
+        captured before (one epoch counter per plan, so one graph per pattern). ConfigError for another kind (their
+        host work cannot be replayed)."""
         if prepared.engine is not self:
             raise E.ProtocolError("the prepared transfer belongs to another engine")
         work = prepared.state["work"]
@@ -499,50 +537,23 @@ class CudaTransferEngine(TransferEngine):
                 f"only an aiv request can be captured in a CUDA graph; this one is "
                 f"{prepared.selection.kind.value!r} ({prepared.selection.decided_by})"
             )
-        if first_magic is None:
-            first_magic, self._graph_magic = self._graph_magic, self._graph_magic + GRAPH_MAGIC_STRIDE
-        graph = self._on_device(self._copier.capture, work.plans[0], first_magic)
-        if work.publishes_notify:  # submissions replay it too (a plan without a notify is never replayed by them)
-            prepared.state["graph"] = graph
-        return graph
+        return self._on_device(self._capture_work, work, first_magic)
 
     # ---- finish ------------------------------------------------------------------------------------
 
     def _finish(self, ticket: Ticket, timeout_s: float) -> TransferResult:
-        event, events = ticket.state["event"], self._events
-        if not events.done(event):  # the closures of a bounded wait are built only when there is one
-            self._await(
-                lambda: events.done(event),
-                timeout_s,
-                lambda: (
-                    f"the {len(ticket.pieces)} pieces ({ticket.nbytes} bytes, {ticket.kind.value}) of "
-                    f"ticket {ticket.id} to {self.peer_device}"
-                ),
-            )
-        work = ticket.state["work"]
-        # the copy kernel released the magic after every byte: the result carries it, no notify write follows
-        return TransferResult(
-            ticket.kind,
-            ticket.selection,
-            work.nbytes,
-            len(ticket.pieces),
-            0.0,
-            0.0,
-            0.0,
-            work.staging_bytes,
-            ticket.state.get("published"),
+        word, value = ticket.state["done"]
+        if not word.reached(value):  # the closures of a bounded wait are built only when there is one
+            self._await(lambda: word.reached(value), timeout_s, lambda: self._waited_for(ticket))
+        result = ticket.state["result"]
+        # the notify was published in stream order after every byte: the result carries it, no write follows
+        return result if ticket.notify_magic is None else result.with_notify(ticket.notify_magic)
+
+    def _waited_for(self, ticket: Ticket) -> str:
+        return (
+            f"the {len(ticket.pieces)} pieces ({ticket.nbytes} bytes, {ticket.kind.value}) of "
+            f"ticket {ticket.id} to {self.peer_device}"
         )
-
-    def _notify_in_order(self, slot: int, stream: int) -> int:
-        """Enqueue the notify write of a request the copy engine or the runtime moves on ``stream``, after its
-        copies (one driver stream write, so the request's event follows it); returns the magic. A write after the
-        host saw the copies complete cost ~40 µs of wall time per request, a torch fill on a second stream ~40 µs of
-        submit time."""
-        from ascend_dualpath.transport.cudart import write_value64
-
-        magic = next(self._magics)
-        write_value64(stream, self.notify.data_ptr() + slot * self.notify.element_size(), magic)
-        return magic
 
     def _publish_ready(self, ticket: Ticket, timeout_s: float) -> int:
         """Never called: every notified request publishes at submit, in stream order (the copy kernel, or
@@ -572,12 +583,9 @@ class CudaTransferEngine(TransferEngine):
                 time.sleep(POLL_S)
 
     def _release(self, ticket: Ticket) -> None:
-        # staging slots belong to the pattern's cached StagingCopy and are reused only in stream order; an event whose
-        # ticket timed out may be recorded again by a later ticket (a new record replaces the pending one)
-        ticket.state.pop("work", None)
-        event = ticket.state.pop("event", None)
-        if event is not None:
-            self._events.release(event)
+        # a ticket holds nothing: staging slots belong to the pattern's cached StagingCopy and are reused only in
+        # stream order, and a host word outlives every request that writes it
+        ticket.state.clear()
 
 
 class _Work:
@@ -590,7 +598,24 @@ class _Work:
         self.each: list[tuple[int, int, int]] = []
         self.staging_bytes = 0
         self.nbytes = 0
-        self.publishes_notify = False  # the plan's ready flag is the request's notify slot
+        self.graphable = False  # one aiv plan: a CUDA graph can replay the whole request
+        self.graph = None  # its GraphedCopy, shared by every submission of the pattern
+        self.sightings = 0  # plain submissions so far, before the graph
+        self.host_word = None  # HostWord of the copy-engine and runtime kinds, made at their first submission
+        self.writes: dict = {}  # notify slot (or None) -> StreamWrites ending those kinds' requests
+
+
+def _submission_key(sources, remote, notify_slot, kind):
+    """Where a plain submission goes and how (its sources are compared separately), or None when the arguments
+    cannot be a key (the full checks of :meth:`TransferEngine.prepare` then name what is wrong)."""
+    if (
+        type(sources) not in (list, tuple)
+        or type(remote) is not RemoteSlot
+        or type(notify_slot) not in (int, type(None))
+        or type(kind) not in (str, TransferKind, type(None))
+    ):
+        return None
+    return remote, notify_slot, kind
 
 
 def _columns(pieces):

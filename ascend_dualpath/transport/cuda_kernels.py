@@ -12,6 +12,9 @@ Compile-time switches (one binary per combination, chosen by the plan):
 - ``STREAMING``: loads bypass L1 (``.cg``) and stores are streaming (``.cs``, evict-first in L2): the bytes
   are touched once. (ptxas refuses ``.cg`` combined with an ``evict_first`` hint.)
 - ``FROM_EPOCH``: publish the plan's next epoch instead of ``flag_value`` (CUDA graph replays).
+
+``host_flag`` (an address, 0 for none) is a pinned host word that receives the same value after the flag, also with
+a system-scope release: the host learns completion by reading its own memory, with no event and no driver call.
 """
 
 from __future__ import annotations
@@ -21,20 +24,25 @@ import triton.language as tl
 
 
 @triton.jit
-def _release_flag(state, flag, flag_value, FROM_EPOCH: tl.constexpr):
+def _release_flag(state, flag, flag_value, host_flag, FROM_EPOCH: tl.constexpr):
     if FROM_EPOCH:  # graph replays cannot take a new argument: each publishes the plan's next epoch
         value = tl.atomic_add(state + 1, 1, sem="relaxed", scope="gpu") + 1
     else:
         value = flag_value
     tl.atomic_xchg(flag, value, sem="release", scope="sys")
+    if host_flag != 0:  # after the flag: a host that saw its word may rely on the receiver's flag too
+        tl.atomic_xchg(host_flag.to(tl.pointer_type(tl.int64)), value, sem="release", scope="sys")
 
 
 @triton.jit
-def publish(state, flag, flag_value, FROM_EPOCH: tl.constexpr, SINGLE: tl.constexpr, ARRIVE_SYS: tl.constexpr):
-    """After this program's stores: count its arrival; the last arrival writes the flag with a system-scope release."""
+def publish(
+    state, flag, flag_value, host_flag, FROM_EPOCH: tl.constexpr, SINGLE: tl.constexpr, ARRIVE_SYS: tl.constexpr
+):
+    """After this program's stores: count its arrival; the last arrival writes the flag (then the host word) with a
+    system-scope release."""
     tl.debug_barrier()  # every thread's stores precede the arrival, so the release covers them
     if SINGLE:
-        _release_flag(state, flag, flag_value, FROM_EPOCH)
+        _release_flag(state, flag, flag_value, host_flag, FROM_EPOCH)
     else:
         if ARRIVE_SYS:
             arrived = tl.atomic_add(state, 1, sem="acq_rel", scope="sys")
@@ -42,7 +50,7 @@ def publish(state, flag, flag_value, FROM_EPOCH: tl.constexpr, SINGLE: tl.conste
             arrived = tl.atomic_add(state, 1, sem="acq_rel", scope="gpu")
         if arrived == tl.num_programs(0) - 1:
             tl.atomic_xchg(state, 0, sem="relaxed", scope="gpu")  # ready for the next launch on the stream
-            _release_flag(state, flag, flag_value, FROM_EPOCH)
+            _release_flag(state, flag, flag_value, host_flag, FROM_EPOCH)
 
 
 @triton.jit
@@ -63,13 +71,14 @@ def _copy_tile(src_addr, dst_addr, elems, offs, ELEM_BYTES: tl.constexpr, STREAM
 
 
 # scalars are not specialised, so one compiled kernel serves every plan, flag address and flag value
-@triton.jit(do_not_specialize=["n_tiles", "flag", "flag_value"])
+@triton.jit(do_not_specialize=["n_tiles", "flag", "flag_value", "host_flag"])
 def copy_tiles(
     table,
     n_tiles,
     state,
     flag,
     flag_value: tl.int64,
+    host_flag: tl.int64,
     TILE: tl.constexpr,
     ELEM_BYTES: tl.constexpr,
     FROM_EPOCH: tl.constexpr,
@@ -84,7 +93,7 @@ def copy_tiles(
     for t in range(pid, n_tiles, nprog):
         row = table + t * 3
         _copy_tile(tl.load(row), tl.load(row + 1), tl.load(row + 2), offs, ELEM_BYTES, STREAMING)
-    publish(state, flag, flag_value, FROM_EPOCH, SINGLE, ARRIVE_SYS)
+    publish(state, flag, flag_value, host_flag, FROM_EPOCH, SINGLE, ARRIVE_SYS)
 
 
 @triton.jit

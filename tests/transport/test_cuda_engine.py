@@ -315,7 +315,7 @@ def test_prepared_requests_publish_distinct_magics_with_or_without_graphs(graphs
     dsts = [torch.full((expected.numel(),), 0xA5, dtype=torch.uint8, device=dst_dev) for _ in range(2)]
     torch.cuda.synchronize()
     prepared = [engine.prepare(segments, engine.slot(d), notify_slot=1) for d in dsts]
-    assert all((p.state["graph"] is not None) == graphs for p in prepared)
+    assert all((p.state["work"].graph is not None) == graphs for p in prepared)
     seen = []
     for _ in range(3):
         for p, d in zip(prepared, dsts, strict=True):
@@ -325,3 +325,46 @@ def test_prepared_requests_publish_distinct_magics_with_or_without_graphs(graphs
             assert torch.equal(d.cpu(), expected)
             seen.append(result.notify_magic)
     assert len(set(seen)) == len(seen)  # a receiver polling the slot never sees a value twice
+
+
+@pytest.mark.cuda
+def test_plain_submissions_reuse_a_pattern_only_while_its_sources_are_the_same():
+    """The second plain submission of a pattern captures its graph and later ones replay it; a list changed in
+    place, or other sources to the same slot, move their own bytes. Every result's magic is in the notify slot."""
+    torch = cuda_torch()
+    engine, notify, src_dev, dst_dev = _setup(torch)
+    segments, expected = _sources(torch, engine, src_dev, host_share=False)
+    dst = torch.full((expected.numel(),), 0xA5, dtype=torch.uint8, device=dst_dev)
+    remote = engine.slot(dst)
+
+    def moved(sources, want):
+        dst.fill_(0xA5)
+        torch.cuda.synchronize()
+        result = engine.submit(sources, remote, notify_slot=0).wait()
+        assert torch.equal(dst.cpu(), want) and int(notify[0].item()) == result.notify_magic
+        return result.notify_magic
+
+    magics = [moved(segments, expected) for _ in range(3)]
+    work = engine._submissions[(remote, 0, None)].state["work"]
+    assert work.graph is not None and magics[2] >= 1 << 40 > magics[0]  # the third replayed the graph
+    sizes = [s.nbytes for s in segments]
+    parts = list(torch.split(expected, sizes))
+    segments.reverse()  # the same list object, other contents
+    magics.append(moved(segments, torch.cat(parts[::-1])))
+    magics.append(moved(tuple(segments[::-1]), expected))  # equal sources as a tuple: the pattern again
+    assert len(set(magics)) == len(magics)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["aicpu", "host", "staging"])
+def test_requests_without_a_notify_slot_complete_and_publish_nothing(kind):
+    torch = cuda_torch()
+    engine, notify, src_dev, dst_dev = _setup(torch)
+    segments, expected = _sources(torch, engine, src_dev, host_share=kind != "aicpu")
+    dst = torch.full((expected.numel(),), 0xA5, dtype=torch.uint8, device=dst_dev)
+    notify.fill_(-1)
+    torch.cuda.synchronize()
+    for _ in range(2):
+        result = engine.submit(segments, engine.slot(dst), kind=kind).wait()
+        assert result.notify_magic is None and torch.equal(dst.cpu(), expected)
+    assert (notify.cpu() == -1).all()
