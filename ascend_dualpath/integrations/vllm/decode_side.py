@@ -69,6 +69,7 @@ class _DeXfer:
     read_lease: Any = None  # the lease the pusher reads into and pushes from (the plan's, on a DE read)
     reads: list = dataclasses.field(default_factory=list)  # the pusher's storage read tickets
     reads_ended: bool = True  # under the lock, once the pusher is done: none of its reads or pushes is in flight
+    pushes_ended: bool = True  # set before quiet: none of the pusher's pushes into the PE's slots is in flight
     peer_done: bool | None = None  # under the lock: the request let go of read_lease; whether the PE writes no more
 
     def __post_init__(self) -> None:
@@ -202,10 +203,11 @@ class DecodeSide:
     def _on_fallback(self, message: dict) -> dict:
         """The PE's load failed (it recomputes): stop pushing into its slots, then take complete layers.
 
-        Replies once no push is in flight and none will start, so the PE may free its slots; the complete layers
-        go into a fresh lease (its address is the reply), because reads of the DE's half may still be landing in
-        the old one (the pusher retires it when they are done). ``settled`` (from the PE): its writes into the old
-        lease ended; without it the old lease is quarantined.
+        Replies once no push will start and the pusher's bounded waits for those in flight ended: ``pushes_ended``
+        says whether they all did, so the PE frees its slots only then (else it quarantines them). The complete
+        layers go into a fresh lease (its address is the reply), because reads of the DE's half may still be landing
+        in the old one (the pusher retires it when they are done). ``settled`` (from the PE): its writes into the
+        old lease ended; without it the old lease is quarantined.
         """
         xfer = self._xfer(message)
         if xfer is None:
@@ -221,7 +223,7 @@ class DecodeSide:
             xfer.full_rows, xfer.received_end, xfer.reads_ok, xfer.hits_ok = True, 0, True, True
             self.counters.fallbacks += 1
         self._let_go(xfer, old, bool(message.get("settled")), "the PE's writes into it may not have ended")
-        return {"op": "ok", "lease_addr": int(lease.addr)}
+        return {"op": "ok", "lease_addr": int(lease.addr), "pushes_ended": xfer.pushes_ended}
 
     def _on_abort(self, message: dict) -> dict:
         xfer = self._xfer(message)
@@ -258,6 +260,7 @@ class DecodeSide:
                 pass
         finally:
             self._settle(xfer.link, pushes)
+            xfer.pushes_ended = all(t.future.done() for t in pushes)
             xfer.quiet.set()
             with self._lock:
                 xfer.pusher_done = True

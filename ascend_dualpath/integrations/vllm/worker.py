@@ -32,7 +32,9 @@ A host lease is released only once nothing may write into it or read from it: a 
 reads and its split half's send to the DE ended (bounded waits), else it is quarantined (never returned to the
 host buffer; ``quarantined_leases`` in ``status``). Before a fallback the PE lets its writes into the DE's lease
 end and tells the DE whether they did (``settled``), so the DE can release or quarantine that lease
-(:mod:`~ascend_dualpath.integrations.vllm.decode_side` states the DE's rule).
+(:mod:`~ascend_dualpath.integrations.vllm.decode_side` states the DE's rule). The same holds the other way for the
+PE's window slots, which the DE pushes into: a failed load frees them only when the DE's fallback reply says its
+pushes ended (``pushes_ended``), else they are quarantined (``quarantined_slots``).
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ class Counters:
     checksum_errors: int = 0
     persisted_blocks: int = 0
     quarantined_leases: int = 0  # host leases kept out of the pool: a late write might still reach them
+    quarantined_slots: int = 0  # a failed load's window slots (and notify group) a late DE push might still reach
 
 
 @dataclasses.dataclass
@@ -122,6 +125,7 @@ class _Load:
     abort_magic: int = 0
     hits_ticket: Any = None  # a split's own half going to the DE lease
     error: BaseException | None = None
+    slots_settled: bool = False  # after a failure: the DE said none of its pushes into the slots is in flight
 
     @property
     def full_rows(self) -> bool:
@@ -420,7 +424,9 @@ class DualPathWorker:
         xfer_id = load.spec.xfer.xfer_id
         try:
             message = {"op": "fallback", "xfer_id": xfer_id, "reason": reason, "settled": settled}
-            xfer.lease_addr = int(self._peer_request(load.peer, message, 2 * self.settings.timeout_s)["lease_addr"])
+            reply = self._peer_request(load.peer, message, 2 * self.settings.timeout_s)
+            xfer.lease_addr = int(reply["lease_addr"])
+            load.slots_settled = bool(reply.get("pushes_ended"))
         except Exception as exc:
             log.warning("DualPath: the DE did not take the fallback of request %s: %s", load.spec.req_id, exc)
             self._abort_peer(load.peer, load.spec.xfer, f"fallback refused: {exc}")
@@ -442,10 +448,25 @@ class DualPathWorker:
             retire_lease(load.lease, settled, self.counters, load.spec.req_id, why)
             load.lease = None
         if load.slots:
-            for addr in load.slots:
-                load.peer.link.window_free(addr)
-            load.peer.link.notify_free(load.notify_base)
+            self._retire_slots(load)
             load.slots = []
+
+    def _retire_slots(self, load: _Load) -> None:
+        """Free the load's window slots and notify group, unless a DE push may still land there: a load that failed
+        before its pushes arrived frees them only on the DE's word that none is in flight (its fallback reply);
+        otherwise they stay out of the pool for good (``quarantined_slots``), so no later buffer gets the bytes."""
+        link = load.peer.link
+        if load.error is None or load.slots_settled:
+            for addr in load.slots:
+                link.window_free(addr)
+            link.notify_free(load.notify_base)
+            return
+        self.counters.quarantined_slots += 1
+        log.warning(
+            "DualPath: window slots of request %s (2 x %d bytes) quarantined: the DE's pushes may still land there",
+            load.spec.req_id,
+            load.peer_blocks * self.block_size * self.layout.token_bytes,
+        )
 
     # -- PE: the peers, the plan and the saves ----------------------------------------------------------------------
     def _connect_peer(self, address: str) -> _Peer:
@@ -644,6 +665,7 @@ class DualPathWorker:
             "checksum_errors": c.checksum_errors,
             "persisted_blocks": c.persisted_blocks,
             "quarantined_leases": c.quarantined_leases,
+            "quarantined_slots": c.quarantined_slots,
         }
 
     def _on_status(self, message: dict) -> dict:

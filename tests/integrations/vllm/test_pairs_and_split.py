@@ -344,3 +344,34 @@ def test_a_pe_load_whose_read_outlives_its_wait_quarantines_its_lease(deploy):
     assert bool((probe.tensor == POISON).all()), "a late read of the failed load landed in another lease"
     probe.release()
     assert pe.status()["quarantined_leases"] == 1
+
+
+def test_a_failed_load_keeps_its_window_slots_while_the_des_pushes_may_still_land_there(deploy):
+    """The DE's pushes of the hit layers are stuck in its NIC when the PE's wait for them expires: the PE falls
+    back and keeps the two window slots (and their notify group) out of its pool, so a buffer allocated afterwards
+    keeps its bytes when the pushes land at last."""
+    d = deploy(1, 1)
+    pe, de = d.instances["pe0"].worker, d.instances["de0"].worker
+    pe.settings = dataclasses.replace(pe.settings, timeout_s=0.3)
+    de.decode.settings = dataclasses.replace(de.decode.settings, timeout_s=0.3)
+    rows = Deployment.true_rows(15, 21)
+    pe_req, de_req = d.request("pe0", "de0", rows, 2, "de")
+    d.expect_recv("de0", de_req)
+    nic = de.dataplane.device.nic
+    nic.set_paused(True)  # the DE's pushes into the PE's slots are posted and wait there
+    try:
+        assert d.prefill("pe0", pe_req, check_layers=False) == set(pe_req.block_ids[:2])  # recomputed instead
+        xfer = de.decode._xfers[de_req.xfer.xfer_id]
+        link = pe._peers[d.instances["de0"].address].link
+        nbytes = 2 * 2 * BLOCK * LAYOUT.token_bytes  # both slots' bytes: where first fit puts them once freed
+        probe = link.window_alloc(nbytes)
+        view = link.window_view(probe, nbytes)
+        view[:] = bytes([POISON]) * nbytes
+    finally:
+        nic.set_paused(False)
+    xfer.pusher.join(10)
+    assert xfer.pushes_ended  # the late pushes landed while the pusher still waited for them
+    assert bytes(view) == bytes([POISON]) * nbytes, "a late DE push landed in a buffer allocated after the load"
+    link.window_free(probe)
+    assert pe.status()["quarantined_slots"] == 1
+    d.finish("de0", {de_req.req_id})
