@@ -15,9 +15,11 @@ storage reads and pushes (the pusher's, waited for with a bound) and the PE's RD
 hit half), which the DE cannot stop. The rule: when the request lets go of a lease the pusher still uses (a
 receive ending, a fallback), the pusher retires it when it ends; a lease is released if every read and push into
 or from it ended and the PE can no longer write into it (the receive completed: every row arrived; or, on a
-fallback, the PE reports its writes into the old lease ended), else it is quarantined: never returned to the host
-buffer (``quarantined_leases`` in ``status``, logged). A failed or timed-out receive therefore always quarantines
-its lease: the PE may still be sending into it.
+fallback, the PE reports its writes into the old lease ended), else it is quarantined
+(:mod:`~ascend_dualpath.integrations.vllm.quarantine`; ``quarantined_leases`` in ``status``, logged) until the
+reads and pushes ended and the PE answers ``writes_ended`` for the request. A failed or timed-out receive therefore
+always quarantines its lease first: the PE may still be sending into it. The DE answers ``pushes_ended`` the same
+way for the PE's window slots.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from ascend_dualpath.dualpath.transfer_leg import Segment
 from ascend_dualpath.errors import ChecksumMismatch, ProtocolError, WaitTimeout
 from ascend_dualpath.integrations.vllm.dataplane import PE_RANK, Dataplane, PairLink
 from ascend_dualpath.integrations.vllm.metadata import RecvSpec
+from ascend_dualpath.integrations.vllm.protocol import request_once
+from ascend_dualpath.integrations.vllm.quarantine import Quarantine
 from ascend_dualpath.integrations.vllm.settings import ConnectorSettings
 from ascend_dualpath.kv.layout import KVLayout
 from ascend_dualpath.kv.read_queue import ReadQueue
@@ -69,6 +73,7 @@ class _DeXfer:
     read_lease: Any = None  # the lease the pusher reads into and pushes from (the plan's, on a DE read)
     reads: list = dataclasses.field(default_factory=list)  # the pusher's storage read tickets
     reads_ended: bool = True  # under the lock, once the pusher is done: none of its reads or pushes is in flight
+    pushes: list = dataclasses.field(default_factory=list)  # the pusher's push tickets (appended by the pusher)
     pushes_ended: bool = True  # set before quiet: none of the pusher's pushes into the PE's slots is in flight
     peer_done: bool | None = None  # under the lock: the request let go of read_lease; whether the PE writes no more
 
@@ -85,6 +90,8 @@ class DecodeSide:
         The worker's (the read queue is the DE node's storage NIC).
     counters :
         The worker's ``Counters``; this side counts fallbacks, failures and checksum errors there.
+    quarantine :
+        The worker's quarantine, where leases a late write may still reach wait.
     """
 
     def __init__(
@@ -94,9 +101,11 @@ class DecodeSide:
         store: LocalBlockStore,
         read_queue: ReadQueue,
         counters: Any,
+        quarantine: Quarantine,
     ) -> None:
         self.settings, self.layout, self.store = settings, layout, store
-        self.read_queue, self.counters = read_queue, counters
+        self.read_queue, self.counters, self.quarantine = read_queue, counters, quarantine
+        self._pushing: dict[str, _DeXfer] = {}  # xfer_id -> its pusher's request, until its pushes are seen ended
         self.dataplane: Dataplane | None = None
         self.caches: list = []
         self.adapter = None
@@ -124,6 +133,7 @@ class DecodeSide:
             "rows": self._on_rows,
             "fallback": self._on_fallback,
             "abort": self._on_abort,
+            "pushes_ended": self._on_pushes_ended,
         }
 
     def unfinished_tokens(self) -> list[int]:
@@ -170,6 +180,8 @@ class DecodeSide:
             self._xfers[message["xfer_id"]] = xfer
         if not full:
             xfer.consumed, xfer.read_lease, xfer.reads_ended = queue.Queue(), lease, False
+            with self._lock:
+                self._pushing[message["xfer_id"]] = xfer
             xfer.pusher = threading.Thread(target=self._push_hits, args=(xfer,), name="adp-de-push", daemon=True)
             xfer.pusher.start()
         return {"op": "ok", "lease_addr": int(lease.addr)}
@@ -231,13 +243,23 @@ class DecodeSide:
             self._de_fail(xfer, f"the PE aborted: {message.get('reason')}")
         return {"op": "ok"}
 
+    def _on_pushes_ended(self, message: dict) -> dict:
+        """Whether none of this DE's pushes of the request into the PE's slots is still in flight (a request it never
+        pushed for, or whose pushes all ended, has none)."""
+        with self._lock:
+            xfer = self._pushing.get(message["xfer_id"])
+            ended = xfer is None or (xfer.pusher_done and all(t.future.done() for t in xfer.pushes))
+            if ended:
+                self._pushing.pop(message["xfer_id"], None)
+        return {"op": "ok", "ended": ended}
+
     # -- the pusher --------------------------------------------------------------------------------------------------
     def _push_hits(self, xfer: _DeXfer) -> None:
         """Read the DE's hit blocks, then push its half's hit layers two ahead of what the PE consumed.
 
         On a failure the DE raises the request's abort flag; the PE then falls back (``fallback``).
         """
-        plan, lease, pushes = xfer.plan, xfer.read_lease, []
+        plan, lease, pushes = xfer.plan, xfer.read_lease, xfer.pushes
         try:
             self._read_hits(xfer, lease)
             xfer.reads_ok = True
@@ -264,11 +286,13 @@ class DecodeSide:
             xfer.quiet.set()
             with self._lock:
                 xfer.pusher_done = True
-                xfer.reads_ended = all(t.done for t in xfer.reads) and all(t.future.done() for t in pushes)
+                if xfer.pushes_ended:
+                    self._pushing.pop(plan["xfer_id"], None)
+                xfer.reads_ended = _reads_ended(xfer)
                 peer_done = xfer.peer_done
             if peer_done is not None:  # the request let go of the lease while this pusher still used it
                 why = "the PE may still write into it" if xfer.reads_ended else "reads or pushes outlived their wait"
-                retire_lease(lease, peer_done and xfer.reads_ended, self.counters, plan["xfer_id"], why)
+                self._retire(xfer, lease, peer_done, why)
 
     def _read_hits(self, xfer: _DeXfer, lease: Any) -> None:
         """Read every hit block but the PE's half (``[first, first + pe_blocks)``) into the lease's hit area; a
@@ -356,7 +380,21 @@ class DecodeSide:
             reads_ended = lease is not xfer.read_lease or xfer.reads_ended
         if not reads_ended:
             why = "the DE's reads or pushes outlived their wait"
-        retire_lease(lease, peer_done and reads_ended, self.counters, xfer.plan["xfer_id"], why)
+        self._retire(xfer, lease, peer_done, why)
+
+    def _retire(self, xfer: _DeXfer, lease: Any, peer_done: bool, why: str) -> None:
+        """Release ``lease`` now if nothing can reach it, else quarantine it until the DE's own reads and pushes
+        from it ended and (unless ``peer_done``) the PE answers that its writes of the request ended."""
+        mine = lease is xfer.read_lease
+        xfer_id, pe, timeout_s = xfer.plan["xfer_id"], str(xfer.plan.get("pe")), self.settings.timeout_s
+
+        def ended() -> bool:
+            if mine and not _reads_ended(xfer):
+                return False
+            return peer_done or bool(request_once(pe, {"op": "writes_ended", "xfer_id": xfer_id}, timeout_s)["ended"])
+
+        safe = peer_done and (not mine or xfer.reads_ended)
+        self.quarantine.retire("leases", f"lease of request {xfer_id}", lease.nbytes, lease.release, safe, ended, why)
 
     def _de_fail(self, xfer: _DeXfer, reason: str) -> None:
         """Fail the receive (vLLM recomputes the prompt on the DE or fails the request)."""
@@ -432,14 +470,6 @@ class DecodeSide:
             self._let_go(xfer, xfer.lease, False, "unfinished at shutdown: the PE may still write into it")
 
 
-def retire_lease(lease: Any, safe: bool, counters: Any, xfer_id: str, why: str) -> None:
-    """Release ``lease`` if ``safe`` (nothing may still write into it or read from it), else quarantine it: it
-    never goes back to its host buffer, so no later request gets bytes a late write may still reach.
-
-    ``counters`` (the worker's) counts it in ``quarantined_leases``; ``why`` goes to the log.
-    """
-    if safe:
-        lease.release()
-        return
-    counters.quarantined_leases += 1
-    log.warning("DualPath: lease of request %s (%d bytes) quarantined: %s", xfer_id, lease.nbytes, why)
+def _reads_ended(xfer: _DeXfer) -> bool:
+    """Whether none of the pusher's storage reads into its lease or pushes from it is in flight."""
+    return all(t.done for t in xfer.reads) and all(t.future.done() for t in xfer.pushes)

@@ -165,10 +165,15 @@ class PeerClient:
         self._context.term()
 
 
-def query_status(address: str, timeout_s: float) -> dict[str, Any]:
-    """One ``status`` round trip to the side channel at ``address``."""
+def request_once(address: str, message: dict, timeout_s: float) -> dict[str, Any]:
+    """One round trip of ``message`` to the side channel at ``address`` on a client of its own (bounded)."""
     client = PeerClient(address, timeout_s)
     try:
-        return client.request({"op": "status"})
+        return client.request(message)
     finally:
         client.close()
+
+
+def query_status(address: str, timeout_s: float) -> dict[str, Any]:
+    """One ``status`` round trip to the side channel at ``address``."""
+    return request_once(address, {"op": "status"}, timeout_s)

@@ -29,12 +29,15 @@ half of a split failing does the same. A corrupted block is removed from the sto
 its request finishes).
 
 A host lease is released only once nothing may write into it or read from it: a PE load's lease after its storage
-reads and its split half's send to the DE ended (bounded waits), else it is quarantined (never returned to the
-host buffer; ``quarantined_leases`` in ``status``). Before a fallback the PE lets its writes into the DE's lease
-end and tells the DE whether they did (``settled``), so the DE can release or quarantine that lease
+reads and its split half's send to the DE ended (bounded waits), else it is quarantined
+(:mod:`~ascend_dualpath.integrations.vllm.quarantine`: ``quarantined_leases`` in ``status``) until they did.
+Before a fallback the PE lets its writes into the DE's lease end and tells the DE whether they did (``settled``),
+so the DE can release or quarantine that lease
 (:mod:`~ascend_dualpath.integrations.vllm.decode_side` states the DE's rule). The same holds the other way for the
 PE's window slots, which the DE pushes into: a failed load frees them only when the DE's fallback reply says its
-pushes ended (``pushes_ended``), else they are quarantined (``quarantined_slots``).
+pushes ended (``pushes_ended``), else they are quarantined (``quarantined_slots``) until the DE answers
+``pushes_ended`` for the request. The PE answers the DE's ``writes_ended`` from the writes into its lease it has
+not yet seen end.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import threading
 import time
 from typing import Any
 
@@ -51,10 +55,11 @@ from ascend_dualpath.dualpath.scheduler import ReadPath, split_hit_blocks
 from ascend_dualpath.dualpath.transfer_leg import PeerAborted, Segment
 from ascend_dualpath.errors import AdpError, ChecksumMismatch, ProtocolError, WaitTimeout
 from ascend_dualpath.integrations.vllm.dataplane import DE_RANK, PE_RANK, Dataplane, PairLink, open_dataplane
-from ascend_dualpath.integrations.vllm.decode_side import DecodeSide, retire_lease
+from ascend_dualpath.integrations.vllm.decode_side import DecodeSide
 from ascend_dualpath.integrations.vllm.metadata import DualPathMetadata, LoadSpec, PersistSpec, SaveSpec
 from ascend_dualpath.integrations.vllm.persisting import PersistAnnouncements
-from ascend_dualpath.integrations.vllm.protocol import PeerClient, SideChannel, XferParams
+from ascend_dualpath.integrations.vllm.protocol import PeerClient, SideChannel, XferParams, request_once
+from ascend_dualpath.integrations.vllm.quarantine import Quarantine
 from ascend_dualpath.integrations.vllm.settings import ConnectorSettings
 from ascend_dualpath.kv.layout import KVLayout
 from ascend_dualpath.kv.read_queue import ReadQueue
@@ -94,6 +99,8 @@ class Counters:
     persisted_blocks: int = 0
     quarantined_leases: int = 0  # host leases kept out of the pool: a late write might still reach them
     quarantined_slots: int = 0  # a failed load's window slots (and notify group) a late DE push might still reach
+    reclaimed_leases: int = 0  # quarantined leases given back once nothing could reach them
+    reclaimed_slots: int = 0
 
 
 @dataclasses.dataclass
@@ -171,6 +178,7 @@ class DualPathWorker:
         self.read_queue = ReadQueue(store, settings.snic_bytes_per_s, node=settings.node)
         self.announcements = PersistAnnouncements(settings.store, settings.persist_wait_s)
         self.counters = Counters()
+        self.quarantine = Quarantine(self.counters)
         self.caches: list[torch.Tensor] = []
         self._layer_of: dict[str, int] = {}
         self.adapter = None
@@ -185,8 +193,10 @@ class DualPathWorker:
         self._invalid_blocks: set[int] = set()
         self._pe_xfers: dict[str, _PeXfer] = {}
         self._pe_xfer_of: dict[str, str] = {}  # PE req_id -> xfer_id
+        self._lease_writes: dict[str, list] = {}  # PE: xfer_id -> its RDMA writes into the DE's lease not seen ended
+        self._lease_writes_lock = threading.Lock()  # the side channel's thread answers writes_ended
         # DE
-        self.decode = DecodeSide(settings, layout, store, self.read_queue, self.counters)
+        self.decode = DecodeSide(settings, layout, store, self.read_queue, self.counters, self.quarantine)
         self._finished_sending: set[str] = set()
         self._writes: list[tuple[str, concurrent.futures.Future]] = []  # persists in flight
 
@@ -208,6 +218,7 @@ class DualPathWorker:
     def shutdown(self) -> None:
         if self.side is not None:
             self.side.close()
+        self.quarantine.close(self.settings.timeout_s)  # nothing is given back into a closing dataplane
         for peer in self._peers.values():
             peer.client.close()
         self._writer.shutdown(wait=True)
@@ -348,6 +359,7 @@ class DualPathWorker:
         load.hits_ticket = load.peer.link.leg.submit(
             0, [Segment(load.lease.addr, nbytes, 0)], DE_RANK, xfer.lease_addr + load.first * fb
         )
+        self._track_write(load.spec.xfer.xfer_id, load.hits_ticket)
 
     def _wait_notify(self, load: _Load, layer: int) -> None:
         comm, deadline = load.peer.link.comm, time.monotonic() + self.settings.timeout_s
@@ -441,11 +453,20 @@ class DualPathWorker:
                     except Exception:  # its error is already the load's error or irrelevant now
                         pass
             settled = all(ticket.done for ticket in load.tickets)
+            sends = [] if load.hits_ticket is None else [load.hits_ticket]
             if load.hits_ticket is not None:  # and so does the own half going to the DE, read from the lease
                 settled = self._settle(load.peer.link, None, load.hits_ticket) and settled
                 load.hits_ticket = None
             why = "its storage reads or its send to the DE outlived their wait"
-            retire_lease(load.lease, settled, self.counters, load.spec.req_id, why)
+            self.quarantine.retire(
+                "leases",
+                f"lease of request {load.spec.req_id}",
+                load.lease.nbytes,
+                load.lease.release,
+                settled,
+                _all_ended(load.tickets, sends),
+                why,
+            )
             load.lease = None
         if load.slots:
             self._retire_slots(load)
@@ -455,17 +476,22 @@ class DualPathWorker:
         """Free the load's window slots and notify group, unless a DE push may still land there: a load that failed
         before its pushes arrived frees them only on the DE's word that none is in flight (its fallback reply);
         otherwise they stay out of the pool for good (``quarantined_slots``), so no later buffer gets the bytes."""
-        link = load.peer.link
-        if load.error is None or load.slots_settled:
-            for addr in load.slots:
+        link, slots, notify_base = load.peer.link, list(load.slots), load.notify_base
+        message, address = {"op": "pushes_ended", "xfer_id": load.spec.xfer.xfer_id}, load.peer.client.address
+
+        def release() -> None:
+            for addr in slots:
                 link.window_free(addr)
-            link.notify_free(load.notify_base)
-            return
-        self.counters.quarantined_slots += 1
-        log.warning(
-            "DualPath: window slots of request %s (2 x %d bytes) quarantined: the DE's pushes may still land there",
-            load.spec.req_id,
-            load.peer_blocks * self.block_size * self.layout.token_bytes,
+            link.notify_free(notify_base)
+
+        self.quarantine.retire(
+            "slots",
+            f"window slots of request {load.spec.req_id}",
+            len(slots) * load.peer_blocks * self.block_size * self.layout.token_bytes,
+            release,
+            load.error is None or load.slots_settled,
+            lambda: bool(request_once(address, message, self.settings.timeout_s)["ended"]),
+            "the DE's pushes may still land there",
         )
 
     # -- PE: the peers, the plan and the saves ----------------------------------------------------------------------
@@ -559,7 +585,28 @@ class DualPathWorker:
             miss = xfer.prompt_tokens - xfer.hit_tokens
             offset = L * xfer.hit_tokens * C + (layer * miss + start - xfer.hit_tokens) * C
         ticket = link.leg.submit(layer, [Segment(addr, nbytes, 0)], DE_RANK, xfer.lease_addr + offset)
+        self._track_write(spec.xfer.xfer_id, ticket)
         return start, addr, ticket
+
+    def _track_write(self, xfer_id: str, ticket: Any) -> None:
+        """Keep an RDMA write into the DE's lease until it is seen ended, so ``writes_ended`` can answer."""
+        with self._lease_writes_lock:
+            self._lease_writes.setdefault(xfer_id, []).append(ticket)
+
+    def _writes_pending(self, xfer_id: str) -> bool:
+        """Whether a write of request ``xfer_id`` into the DE's lease may still land (forgets those that ended)."""
+        with self._lease_writes_lock:
+            pending = [t for t in self._lease_writes.get(xfer_id, []) if not t.future.done()]
+            if pending:
+                self._lease_writes[xfer_id] = pending
+            else:
+                self._lease_writes.pop(xfer_id, None)
+        return bool(pending)
+
+    def _on_writes_ended(self, message: dict) -> dict:
+        """The DE asks before giving a quarantined lease back: none of this PE's writes of the request is in flight
+        (a request it never wrote for, or whose writes all ended, has none)."""
+        return {"op": "ok", "ended": not self._writes_pending(message["xfer_id"])}
 
     def wait_for_save(self) -> None:
         for load in self._loads:
@@ -633,7 +680,12 @@ class DualPathWorker:
     # -- the side channel --------------------------------------------------------------------------------------------
     def _handle(self, message: dict) -> dict:
         op = message.get("op")
-        handler = self._on_status if op == "status" else self.decode.handlers().get(op)
+        if op == "status":
+            handler = self._on_status
+        elif op == "writes_ended":
+            handler = self._on_writes_ended
+        else:
+            handler = self.decode.handlers().get(op)
         if handler is None:
             raise ProtocolError(f"unknown side-channel op {op!r}")
         return handler(message)
@@ -666,6 +718,9 @@ class DualPathWorker:
             "persisted_blocks": c.persisted_blocks,
             "quarantined_leases": c.quarantined_leases,
             "quarantined_slots": c.quarantined_slots,
+            "reclaimed_leases": c.reclaimed_leases,
+            "reclaimed_slots": c.reclaimed_slots,
+            "quarantined_bytes": self.quarantine.held_bytes,
         }
 
     def _on_status(self, message: dict) -> dict:
@@ -698,6 +753,8 @@ class DualPathWorker:
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """``(finished_sending, finished_recving, failed_recving)`` since the last call."""
         self.decode.complete_recvs()
+        for xfer_id in list(self._lease_writes):  # writes seen ended need no answer any more
+            self._writes_pending(xfer_id)
         # a persisted request is reported once its blocks are stored, so its next turn finds them
         done = [(req_id, f) for req_id, f in self._writes if f.done()]
         self._writes = [(req_id, f) for req_id, f in self._writes if not f.done()]
@@ -709,3 +766,9 @@ class DualPathWorker:
         recving, de.finished_recving = de.finished_recving, set()
         failed, de.failed_recving = de.failed_recving, set()
         return sending, recving, failed
+
+
+def _all_ended(reads: list, sends: list):
+    """``ended()`` of a PE lease: its storage reads and its sends out of it ended."""
+    reads, sends = list(reads), list(sends)
+    return lambda: all(t.done for t in reads) and all(t.future.done() for t in sends)

@@ -319,7 +319,10 @@ def test_a_timed_out_receive_keeps_its_lease_from_the_next_requests_while_its_re
     prefill.join(10)
     assert bool((probe.tensor == POISON).all()), "a late read of the timed-out request landed in another lease"
     probe.release()
-    assert de.status()["quarantined_leases"] == 1  # the PE might still write into it: never released
+    assert de.status()["quarantined_leases"] == 1  # the PE might have been writing into it
+    de.quarantine.sweep()  # its reads ended, and the PE answers that its writes did
+    assert (de.status()["reclaimed_leases"], de.status()["quarantined_bytes"]) == (1, 0)
+    assert de.dataplane.host.stats().live_leases == 0
 
 
 def test_a_pe_load_whose_read_outlives_its_wait_quarantines_its_lease(deploy):
@@ -344,12 +347,15 @@ def test_a_pe_load_whose_read_outlives_its_wait_quarantines_its_lease(deploy):
     assert bool((probe.tensor == POISON).all()), "a late read of the failed load landed in another lease"
     probe.release()
     assert pe.status()["quarantined_leases"] == 1
+    pe.quarantine.sweep()  # the reads ended: the lease goes back
+    assert (pe.status()["reclaimed_leases"], pe.status()["quarantined_bytes"]) == (1, 0)
+    assert pe.dataplane.host.stats().live_leases == 0
 
 
 def test_a_failed_load_keeps_its_window_slots_while_the_des_pushes_may_still_land_there(deploy):
     """The DE's pushes of the hit layers are stuck in its NIC when the PE's wait for them expires: the PE falls
     back and keeps the two window slots (and their notify group) out of its pool, so a buffer allocated afterwards
-    keeps its bytes when the pushes land at last."""
+    keeps its bytes when the pushes land at last. Once the DE says they ended, the slots go back to the pool."""
     d = deploy(1, 1)
     pe, de = d.instances["pe0"].worker, d.instances["de0"].worker
     pe.settings = dataclasses.replace(pe.settings, timeout_s=0.3)
@@ -367,6 +373,8 @@ def test_a_failed_load_keeps_its_window_slots_while_the_des_pushes_may_still_lan
         probe = link.window_alloc(nbytes)
         view = link.window_view(probe, nbytes)
         view[:] = bytes([POISON]) * nbytes
+        pe.quarantine.sweep()  # the DE's pushes are still in flight: nothing goes back
+        assert pe.status()["reclaimed_slots"] == 0
     finally:
         nic.set_paused(False)
     xfer.pusher.join(10)
@@ -374,4 +382,7 @@ def test_a_failed_load_keeps_its_window_slots_while_the_des_pushes_may_still_lan
     assert bytes(view) == bytes([POISON]) * nbytes, "a late DE push landed in a buffer allocated after the load"
     link.window_free(probe)
     assert pe.status()["quarantined_slots"] == 1
+    pe.quarantine.sweep()
+    assert (pe.status()["reclaimed_slots"], pe.status()["quarantined_bytes"]) == (1, 0)
+    assert link.window_alloc(nbytes) == link.window.base_addr  # the slots are free again
     d.finish("de0", {de_req.req_id})
