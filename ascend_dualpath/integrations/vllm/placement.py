@@ -100,9 +100,24 @@ def parse_kv_blocks(text: str) -> KvBlocks | None:
     return KvBlocks(total, min(1.0, max(0.0, sum(usages) / len(usages))), block_size)
 
 
+def tokenize_request(body: dict, chat: bool) -> dict | None:
+    """The body of vLLM's ``/tokenize`` that counts the request's prompt tokens as its engine will (the model's
+    tokenizer; for chat its template and the template options the request carries), or None where the proxy
+    counts them itself (:func:`estimated_tokens`: a prompt of token ids, or a batch of prompts)."""
+    request = {"model": body["model"]} if isinstance(body.get("model"), str) else {}
+    if chat:
+        if not isinstance(body.get("messages"), list):
+            return None
+        keys = ("messages", "chat_template", "chat_template_kwargs", "add_generation_prompt", "tools")
+        return {**request, **{k: body[k] for k in keys if k in body}}
+    if not isinstance(body.get("prompt"), str):
+        return None
+    return {**request, "prompt": body["prompt"]}
+
+
 def estimated_tokens(body: dict) -> int:
-    """Prompt tokens of a request as the proxy can guess them without a tokenizer: its words (a constant factor
-    off for subword tokenizers, the same for every engine, so comparisons hold)."""
+    """Prompt tokens of a request as the proxy can count them without a tokenizer: the ids of a token-id prompt, else
+    its words (a constant factor off for subword tokenizers, the same for every engine, so comparisons hold)."""
     prompt = body.get("prompt")
     if prompt is None:
         prompt = " ".join(str(m.get("content", "")) for m in body.get("messages") or [] if isinstance(m, dict))
@@ -406,10 +421,12 @@ class Placer:
 
     # ------------------------------------------------------------------------------------------ placing
 
-    async def place(self, body: dict) -> Placement:
+    async def place(self, body: dict, prompt_tokens: int | None = None) -> Placement:
         """The request's :class:`Placement`, its resources counted in the ledger (give them back with
-        :meth:`prefill_done` and :meth:`decode_done`). Raises :class:`PlacementTimeout`."""
-        tokens, max_tokens = max(1, estimated_tokens(body)), max_new_tokens(body)
+        :meth:`prefill_done` and :meth:`decode_done`). ``prompt_tokens``: the engines' count (None:
+        :func:`estimated_tokens`). Raises :class:`PlacementTimeout`."""
+        tokens = max(1, estimated_tokens(body) if prompt_tokens is None else prompt_tokens)
+        max_tokens = max_new_tokens(body)
         if self.placement == "round-robin":
             placement = await self._round_robin(tokens, max_tokens)
         else:

@@ -29,6 +29,10 @@ what it waited for. A side channel that does not answer within ``status_timeout_
 (rule ``"fallback:side-channel"``): the PE read path needs nothing from the DE's storage NIC. Every upstream
 wait is bounded by ``timeout_s``: the PE's whole answer, the DE's response head and each DE chunk.
 
+A request's prompt tokens (what placement counts) come from a PE's ``/tokenize`` (the model's tokenizer and chat
+template, round robin over the PEs, bounded by ``status_timeout_s``); where it does not answer, the proxy counts
+words (``adp_proxy_tokenize_fallbacks_total``).
+
 Endpoints: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` (the first DE's), ``/health`` (200 only
 when every instance answers its own), ``/metrics`` (Prometheus text, private registry) and
 ``/debug/decisions`` (the last 100 decisions as JSON, each with its deciding rules).
@@ -42,6 +46,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import itertools
 import json
 import time
 import uuid
@@ -65,6 +70,7 @@ from ascend_dualpath.integrations.vllm.placement import (
     Placer,
     decide,
     parse_kv_blocks,
+    tokenize_request,
 )
 
 POLICIES = ("dual", "pe", "de")
@@ -157,8 +163,10 @@ class UpstreamError(Exception):
 @dataclasses.dataclass(frozen=True)
 class Decision:
     """One request's placement: PE and DE (instance names), read path and its ``rule``, the two nodes' read queues
-    it was chosen on (None when that side channel failed), ``split``, and ``rules``: every deciding rule as
-    ``"<rule> <detail>"`` (the PE category against alpha, PEs over beta, the DE group, HBM fit, Z, the path)."""
+    it was chosen on (None when that side channel failed), ``split``, ``rules``: every deciding rule as
+    ``"<rule> <detail>"`` (the PE category against alpha, PEs over beta, the DE group, HBM fit, Z, the path), and
+    the ``prompt_tokens`` placement counted, ``tokens_from`` ``"tokenizer"`` (a PE's ``/tokenize``) or
+    ``"words"``."""
 
     xfer_id: str
     endpoint: str
@@ -172,6 +180,8 @@ class Decision:
     split: bool = False
     rules: tuple[str, ...] = ()
     waited_s: float = 0.0
+    prompt_tokens: int = 0
+    tokens_from: str = "words"
 
 
 def _with_dualpath(body: dict, params: dict) -> dict:
@@ -249,6 +259,9 @@ class _Metrics:
         )
         self.side_channel_failures = Counter(
             "adp_proxy_side_channel_failures", "status queries without a valid reply", ["instance"], registry=reg
+        )
+        self.tokenize_fallbacks = Counter(
+            "adp_proxy_tokenize_fallbacks", "requests whose prompt tokens were counted as words", registry=reg
         )
         self.latency = Histogram(
             "adp_proxy_request_seconds", "request latency at the proxy", ["endpoint"], registry=reg
@@ -341,6 +354,7 @@ class DualPathProxy:
         )  # fmt: skip
         self.session: aiohttp.ClientSession | None = None
         self.zmq_ctx: zmq.asyncio.Context | None = None
+        self._tokenizers = itertools.cycle(cfg.cluster.prefill)
 
     def make_app(self) -> web.Application:
         """The aiohttp application; the HTTP session and ZMQ context live as long as it runs."""
@@ -387,13 +401,29 @@ class DualPathProxy:
         except (asyncio.TimeoutError, aiohttp.ClientError, OSError, ValueError):
             return None
 
-    def _record(self, endpoint: str, placement: Placement) -> Decision:
+    async def _prompt_tokens(self, body: dict, endpoint: str) -> int | None:
+        """The prompt tokens of ``body`` from a PE's ``/tokenize``; None (count words) where it cannot say."""
+        request = tokenize_request(body, chat=endpoint == "/v1/chat/completions")
+        if request is None:
+            return None
+        url = next(self._tokenizers).url + "/tokenize"
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.cfg.status_timeout_s)
+            async with self.session.post(url, json=request, timeout=timeout) as resp:
+                if resp.status == 200:
+                    return int((await resp.json())["count"])
+        except (asyncio.TimeoutError, aiohttp.ClientError, OSError, ValueError, KeyError, TypeError):
+            pass
+        self.metrics.tokenize_fallbacks.inc()
+        return None
+
+    def _record(self, endpoint: str, placement: Placement, tokens_from: str) -> Decision:
         decision = Decision(
             xfer_id=uuid.uuid4().hex, endpoint=endpoint, path=placement.path,
             pe_queue_tokens=placement.pe_queue_tokens, de_queue_tokens=placement.de_queue_tokens,
             rule=placement.path_rule, prefill=placement.pe.name, decode=placement.de.name,
             placement=self.cfg.placement, split=self.cfg.split, rules=tuple(placement.rules),
-            waited_s=round(placement.waited_s, 6),
+            waited_s=round(placement.waited_s, 6), prompt_tokens=placement.tokens, tokens_from=tokens_from,
         )  # fmt: skip
         self.decisions.append(decision)
         self.metrics.requests.labels(endpoint=endpoint, path=placement.path).inc()
@@ -418,21 +448,22 @@ class DualPathProxy:
             return self._client_error(f"request body is not JSON: {exc}")
         if not isinstance(body, dict):
             return self._client_error(f"request body must be a JSON object, got {type(body).__name__}")
+        tokens = await self._prompt_tokens(body, endpoint)
         try:
-            placement = await self.placer.place(body)
+            placement = await self.placer.place(body, tokens)
         except PlacementTimeout as exc:
             self.metrics.errors.labels(source="proxy", status="503").inc()
             return _json_error(503, str(exc), "placement_timeout")
         try:
-            return await self._dispatch(request, endpoint, body, placement, start)
+            decision = self._record(endpoint, placement, "words" if tokens is None else "tokenizer")
+            return await self._dispatch(request, endpoint, body, placement, decision, start)
         finally:
             self.placer.decode_done(placement)
 
     async def _dispatch(
-        self, request: web.Request, endpoint: str, body: dict, placement: Placement, start: float
+        self, request: web.Request, endpoint: str, body: dict, placement: Placement, decision: Decision, start: float
     ) -> web.StreamResponse:
         """Send the placed request to its PE and DE; relay the DE's answer (or the first failure)."""
-        decision = self._record(endpoint, placement)
         pe, de = placement.pe, placement.de
         pe_body = prefill_body(body, decision, de.kv, chat=endpoint == "/v1/chat/completions")
         de_body = decode_body(body, decision, pe.kv)

@@ -87,6 +87,8 @@ class FakeInstance:
         self.disconnected = asyncio.Event()
         self.prefill_delay_s = 0.0  # > 0: a non-streamed answer comes this late (a PE busy prefilling)
         self.kv: tuple[int, float] | None = None  # (num_gpu_blocks, usage) for /metrics; None: no /metrics
+        self.tokens_per_word: int | None = None  # /tokenize counts this many tokens per word; None: no /tokenize
+        self.tokenized: list[dict] = []  # the /tokenize bodies it got
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -95,7 +97,18 @@ class FakeInstance:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
+        app.router.add_post("/tokenize", self.tokenize)
         return app
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``/tokenize`` answer: ``count`` (plus a BOS token) and ``tokens``."""
+        if self.tokens_per_word is None:
+            return web.Response(status=404)
+        body = await request.json()
+        self.tokenized.append(body)
+        text = body["prompt"] if "prompt" in body else " ".join(m["content"] for m in body["messages"])
+        count = 1 + self.tokens_per_word * len(text.split())
+        return web.json_response({"count": count, "max_model_len": 4096, "tokens": list(range(count))})
 
     async def metrics(self, request: web.Request) -> web.Response:
         """vLLM 0.32's two KV-cache metrics, as its Prometheus logger writes them."""

@@ -75,6 +75,17 @@ def _words(model_dir: str, count: int, seed: int) -> str:
     return " ".join(words[(seed * 31 + 7 * i) % len(words)] for i in range(count))
 
 
+def _tokens(url: str, model_name: str, prompt: str) -> int:
+    """vLLM's own count of ``prompt``'s tokens (its ``/tokenize``)."""
+    request = urllib.request.Request(
+        f"{url}/tokenize",
+        json.dumps({"model": model_name, "prompt": prompt}).encode(),
+        {"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as resp:
+        return json.loads(resp.read())["count"]
+
+
 def _decisions(url: str) -> list[dict]:
     return json.loads(_get(f"{url}/debug/decisions"))
 
@@ -114,6 +125,8 @@ def test_backlogged_node_full_de_and_shorter_queue_with_plain_text(model, plain,
     assert x_thread.is_alive(), "X's read ended before Y and W were placed: the backlog did not last"
     x_thread.join(60)
     x, y, w = _decisions(url)[before:]  # in the order they were placed
+    assert {d["tokens_from"] for d in (x, y, w)} == {"tokenizer"}  # the PEs' own /tokenize counted the prompts
+    assert y["prompt_tokens"] == _tokens(urls["prefill0"], model, y_prompt)
     assert (x["prefill"], x["decode"]) == ("prefill0", "decode0")
     # Y: prefill0's node is over alpha, prefill1's qualifies; decode1 has no room; read on the shorter queue (n1)
     assert y["prefill"] == "prefill1" and _rule(y, "pe-alpha-avoided") == [

@@ -347,3 +347,41 @@ def test_read_queues_on_unequal_storage_nics_compare_by_time_to_drain():
     assert queues == {"slow": 1600, "fast": 600}  # (300 + 100) x 4: the slow node drains last
     status["decode0"] = {"read_queue_tokens": 100}  # a cap unknown: no scaling
     assert node_queues(cluster, Snapshot(status, {}), ledger) == {"slow": 400, "fast": 600}
+
+
+def test_prompt_tokens_come_from_the_pes_tokenizer_else_from_words():
+    """A PE's ``/tokenize`` (round robin over the PEs) counts the prompt placement uses, chat template options
+    included; token ids are counted as they are; a PE that cannot tokenize leaves words, counted in a metric."""
+
+    async def body():
+        pes = [("n0", {}), ("n1", {})]
+        async with Cluster(pes, [("n0", 0, {}, FREE)]) as c:
+            for pe in c.pes:
+                pe.tokens_per_word = 3
+            assert (await c.post(words=5))[0] == 200
+            assert (await c.post(words=5))[0] == 200
+            assert [len(pe.tokenized) for pe in c.pes] == [1, 1]
+            assert c.pes[0].tokenized[0] == {"model": "tiny", "prompt": "w w w w w"}
+            chat = {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "a b"}],
+                "chat_template_kwargs": {"enable_thinking": False},
+                "max_tokens": 2,
+            }
+            async with c.client.post("/v1/chat/completions", json=chat) as resp:
+                assert resp.status == 200
+            assert c.pes[0].tokenized[1] == {k: chat[k] for k in ("model", "messages", "chat_template_kwargs")}
+            ids = {"model": "tiny", "prompt": list(range(9)), "max_tokens": 2}
+            async with c.client.post("/v1/completions", json=ids) as resp:
+                assert resp.status == 200
+            for pe in c.pes:
+                pe.tokens_per_word = None  # /tokenize answers 404
+            assert (await c.post(words=5))[0] == 200
+            decisions = await c.decisions()
+            counted = [(d["prompt_tokens"], d["tokens_from"]) for d in decisions]
+            assert counted == [(16, "tokenizer"), (16, "tokenizer"), (7, "tokenizer"), (9, "words"), (5, "words")]
+            assert sum(len(pe.tokenized) for pe in c.pes) == 3  # the token ids were not sent
+            m = await c.metrics()
+            assert m[("adp_proxy_tokenize_fallbacks_total", frozenset())] == 1
+
+    run(body())
