@@ -108,7 +108,14 @@ def tokenize_request(body: dict, chat: bool) -> dict | None:
     if chat:
         if not isinstance(body.get("messages"), list):
             return None
-        keys = ("messages", "chat_template", "chat_template_kwargs", "add_generation_prompt", "tools")
+        keys = (
+            "messages",
+            "chat_template",
+            "chat_template_kwargs",
+            "add_generation_prompt",
+            "continue_final_message",
+            "tools",
+        )
         return {**request, **{k: body[k] for k in keys if k in body}}
     if not isinstance(body.get("prompt"), str):
         return None
