@@ -296,7 +296,7 @@ def test_a_timed_out_receive_keeps_its_lease_from_the_next_requests_while_its_re
     ones in flight write through raw views the release cannot take back."""
     d = deploy(2, 1, snic={"de0": 3000.0})  # the DE's 4 blocks of 768 bytes: one every quarter second
     de, pe0 = d.instances["de0"].worker, d.instances["pe0"].worker
-    de.store.faults = _SlowReads(0.8)
+    de.store.faults = _SlowReads(2.0)  # outlasts the receive's 0.3 s by a margin a loaded machine keeps
     de.decode.settings = dataclasses.replace(de.decode.settings, timeout_s=0.3)
     pe0.settings = dataclasses.replace(pe0.settings, timeout_s=1.5)  # it gives up on the hit layers sooner
     pe_req, de_req = d.request("pe0", "de0", Deployment.true_rows(12, 21), 4, "de")
@@ -330,7 +330,9 @@ def test_a_pe_load_whose_read_outlives_its_wait_quarantines_its_lease(deploy):
     write into, is quarantined instead of released, so a lease allocated afterwards keeps its bytes."""
     d = deploy(1, 1)
     pe = d.instances["pe0"].worker
-    pe.store.faults = _SlowReads(1.0)
+    # the reads must outlast the load's wait and the release's bounded waits after it (0.3 s each) by a margin
+    # a loaded machine cannot eat up
+    pe.store.faults = _SlowReads(3.0)
     pe.settings = dataclasses.replace(pe.settings, timeout_s=0.3)
     rows = Deployment.true_rows(14, 21)
     pe_req, de_req = d.request("pe0", "de0", rows, 2, "pe")
@@ -341,7 +343,7 @@ def test_a_pe_load_whose_read_outlives_its_wait_quarantines_its_lease(deploy):
     _, failed = d.finish("de0", {de_req.req_id})
     assert failed == set()
     assert_caches_equal(d.instances["de0"].caches, expected_de_caches([(de_req, rows)]))
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 20
     while pe.read_queue.stats().requests and time.monotonic() < deadline:
         time.sleep(0.05)
     assert bool((probe.tensor == POISON).all()), "a late read of the failed load landed in another lease"
@@ -367,7 +369,6 @@ def test_a_failed_load_keeps_its_window_slots_while_the_des_pushes_may_still_lan
     nic.set_paused(True)  # the DE's pushes into the PE's slots are posted and wait there
     try:
         assert d.prefill("pe0", pe_req, check_layers=False) == set(pe_req.block_ids[:2])  # recomputed instead
-        xfer = de.decode._xfers[de_req.xfer.xfer_id]
         link = pe._peers[d.instances["de0"].address].link
         nbytes = 2 * 2 * BLOCK * LAYOUT.token_bytes  # both slots' bytes: where first fit puts them once freed
         probe = link.window_alloc(nbytes)
@@ -377,8 +378,10 @@ def test_a_failed_load_keeps_its_window_slots_while_the_des_pushes_may_still_lan
         assert pe.status()["reclaimed_slots"] == 0
     finally:
         nic.set_paused(False)
-    xfer.pusher.join(10)
-    assert xfer.pushes_ended  # the late pushes landed while the pusher still waited for them
+    deadline = time.monotonic() + 10  # the DE's pusher ends and its late pushes land
+    while not de.decode.handlers()["pushes_ended"]({"xfer_id": de_req.xfer.xfer_id})["ended"]:
+        assert time.monotonic() < deadline, "the DE's pushes did not end after its NIC resumed"
+        time.sleep(0.05)
     assert bytes(view) == bytes([POISON]) * nbytes, "a late DE push landed in a buffer allocated after the load"
     link.window_free(probe)
     assert pe.status()["quarantined_slots"] == 1
