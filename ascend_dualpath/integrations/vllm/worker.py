@@ -475,7 +475,8 @@ class DualPathWorker:
     def _retire_slots(self, load: _Load) -> None:
         """Free the load's window slots and notify group, unless a DE push may still land there: a load that failed
         before its pushes arrived frees them only on the DE's word that none is in flight (its fallback reply);
-        otherwise they stay out of the pool for good (``quarantined_slots``), so no later buffer gets the bytes."""
+        otherwise they are quarantined (``quarantined_slots``), so no later buffer gets the bytes, until the DE
+        answers ``pushes_ended`` for the request."""
         link, slots, notify_base = load.peer.link, list(load.slots), load.notify_base
         message, address = {"op": "pushes_ended", "xfer_id": load.spec.xfer.xfer_id}, load.peer.client.address
 
