@@ -17,6 +17,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from ascend_dualpath.errors import ConfigError
+
 log = logging.getLogger(__name__)
 SWEEP_S = 1.0  # how often the sweeper tests what is held: its tests may ask a peer over the side channel
 KINDS = ("leases", "slots")
@@ -63,7 +65,7 @@ class Quarantine:
     ) -> None:
         """Give ``what`` back now (``release()``) if ``safe``, else hold it until ``ended()`` is true at a sweep."""
         if kind not in KINDS:
-            raise ValueError(f"quarantine kind {kind!r} is not one of {KINDS}")
+            raise ConfigError(f"quarantine kind {kind!r} is not one of {KINDS}")
         if safe:
             release()
             return

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from ascend_dualpath.errors import ConfigError
 from ascend_dualpath.integrations.vllm.quarantine import Quarantine
 
 
@@ -59,5 +60,5 @@ def test_the_sweeper_gives_memory_back_on_its_own_and_stops_at_close():
 
 
 def test_an_unknown_kind_is_refused():
-    with pytest.raises(ValueError, match="'buffers' is not one of"):
+    with pytest.raises(ConfigError, match="'buffers' is not one of"):
         Quarantine(_Counters()).retire("buffers", "x", 1, lambda: None, True, lambda: True, "")
