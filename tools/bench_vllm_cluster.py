@@ -29,12 +29,12 @@ from pathlib import Path
 from bench_vllm_serving import (
     ENV,
     ROOT,
-    _api_server,
     _stop,
     _stream,
     _wait,
     add_workload_arguments,
     conversations,
+    plain_server,
     run_agents,
 )
 
@@ -103,18 +103,8 @@ def snic_read_bytes(metrics: str) -> dict[str, float]:
 
 def plain_reference(model: str, port: int, convs, gen: int) -> list[list[str]]:
     """Greedy texts of one plain vLLM server, one agent at a time (vLLM's CPU output is batch-variant)."""
-    with tempfile.TemporaryDirectory(prefix="adp-bench-plain-") as tmp:
-        proc = _api_server(model, port, f"{tmp}/plain.log")
-        try:
-            _wait(f"http://127.0.0.1:{port}/health", proc, f"{tmp}/plain.log")
-
-            async def target(session, body):
-                text, ttft, _ = await _stream(session, f"http://127.0.0.1:{port}/v1/completions", body)
-                return text, ttft
-
-            return [asyncio.run(run_agents(target, model, [c], gen))["texts"][0] for c in convs]
-        finally:
-            _stop(proc)
+    with plain_server(model, port) as target:
+        return [asyncio.run(run_agents(target, model, [c], gen))["texts"][0] for c in convs]
 
 
 def report(results: dict, reference: list[list[str]], args) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -191,8 +192,9 @@ def _api_server(model: str, port: int, log: str, extra: list[str] = (), env: dic
     )
 
 
-def bench_plain(model: str, args, port: int, convs) -> dict:
-    """One plain vLLM server, no P/D and no connector: the reference text."""
+@contextlib.contextmanager
+def plain_server(model: str, port: int):
+    """One plain vLLM server, no P/D and no connector, for as long as the block runs; yields the agents' target."""
     with tempfile.TemporaryDirectory(prefix="adp-bench-plain-") as tmp:
         proc = _api_server(model, port, f"{tmp}/plain.log")
         try:
@@ -202,9 +204,15 @@ def bench_plain(model: str, args, port: int, convs) -> dict:
                 text, ttft, _ = await _stream(session, f"http://127.0.0.1:{port}/v1/completions", body)
                 return text, ttft
 
-            return asyncio.run(run_agents(target, model, convs, args.gen))
+            yield target
         finally:
             _stop(proc)
+
+
+def bench_plain(model: str, args, port: int, convs) -> dict:
+    """One plain vLLM server: the floor of the job's time."""
+    with plain_server(model, port) as target:
+        return asyncio.run(run_agents(target, model, convs, args.gen))
 
 
 def _snic_bytes(metrics: str) -> dict[str, float]:
