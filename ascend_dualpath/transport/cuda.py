@@ -7,7 +7,8 @@
   builds and uploads the tile table once per pattern, :meth:`DeviceCopier.run` is one kernel launch per
   request with no other host work, and :meth:`DeviceCopier.capture` records that launch in a CUDA graph
   whose replays publish successive flag values. The same program then writes the value into a pinned
-  :class:`HostWord` of the plan (of the graph, for replays), so the host sees completion in its own memory.
+  :class:`HostWord` of the plan (asked for at :meth:`DeviceCopier.plan`) or of the graph, so the host sees
+  completion in its own memory.
 - :class:`StagingCopy` (the ``staging`` analogue): pinned host buffer -> device staging slot -> destination in
   chunks, double-buffered so that the H2D copy of one chunk overlaps the device-initiated scatter of the previous
   one.
@@ -175,8 +176,8 @@ class CopyPlan:
         Element width (16/8/4/1), bytes per tile, programs in the grid, warps per program.
     state : torch.Tensor
         int64[2] on the GPU: programs arrived in the running launch, last published graph epoch.
-    host_word : HostWord
-        Where the plan's launches (not its graph replays) publish their flag value for the host.
+    host_word : HostWord or None
+        Where the plan's launches (not its graph replays) publish their flag value for the host (None: nowhere).
     constexprs : dict
         The kernel's compile-time switches for this plan (``FROM_EPOCH`` excluded).
     site : LaunchSite
@@ -199,7 +200,7 @@ class CopyPlan:
     site: object
     args: tuple
     fast_args: tuple
-    host_word: HostWord
+    host_word: HostWord | None = None
 
 
 def enable_peer_access(device_a, device_b) -> None:
@@ -246,7 +247,9 @@ class DeviceCopier:
             enable_peer_access(self.device, flag.device)
         self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
 
-    def plan(self, src_addrs, dst_addrs, nbytes, config: KernelConfig | None = None, flag=None) -> CopyPlan:
+    def plan(
+        self, src_addrs, dst_addrs, nbytes, config: KernelConfig | None = None, flag=None, host_word: bool = False
+    ) -> CopyPlan:
         """Build the tile table for one segment pattern and enqueue its upload (host work, once per pattern).
 
         The upload goes on the current stream: run the plan on that stream, or synchronize first.
@@ -263,6 +266,9 @@ class DeviceCopier:
         flag : torch.Tensor or None
             This plan's ready flag (an int64 CUDA tensor; its first element is written), e.g. a notify slot on the
             destination GPU; None: the copier's flag.
+        host_word : bool
+            Give the plan a :class:`HostWord` that its launches publish into after the flag (for a caller that learns
+            completion from it; the staging chunks and the benchmark's primitives do not).
         """
         flag = self.flag if flag is None else self._checked_flag(flag)
         sizes = np.asarray(nbytes, np.int64)
@@ -270,7 +276,10 @@ class DeviceCopier:
             config = choose_config(int(sizes.sum()), self.sm_count)
             if self.programs_per_sm is not None:
                 config = KernelConfig(config.tile_bytes, self.programs_per_sm, config.num_warps, config.streaming)
-        return self._plan_tiles(src_addrs, dst_addrs, sizes, config, flag)
+        plan = self._plan_tiles(src_addrs, dst_addrs, sizes, config, flag)
+        if host_word:
+            plan.host_word = HostWord(self.torch)
+        return plan
 
     def _checked_flag(self, flag):
         """``flag`` if it can be a ready flag (int64, CUDA, at least one element), with peer access to its GPU."""
@@ -336,12 +345,11 @@ class DeviceCopier:
             ),
             args=(device_table, int(table.shape[0]), state, flag),
             fast_args=(device_table.data_ptr(), int(table.shape[0]), state.data_ptr(), flag.data_ptr()),
-            host_word=HostWord(torch),
         )
 
     def run(self, plan: CopyPlan, flag_value: int) -> None:
-        """Enqueue ``plan`` on the current stream; the flag, then ``plan.host_word``, becomes ``flag_value`` after
-        every byte landed.
+        """Enqueue ``plan`` on the current stream; the flag, then ``plan.host_word`` (if any), becomes ``flag_value``
+        after every byte landed.
 
         ``flag_value`` must be in [1, 2**63 - 1] (0 is the flag's idle value) and above the plan's earlier values
         (its host word only grows). After the plan's first run this is one call of the compiled binary's launcher
@@ -350,7 +358,8 @@ class DeviceCopier:
         if not 0 < flag_value <= FLAG_MAX:
             raise E.ConfigError(f"flag_value {flag_value} is outside [1, {FLAG_MAX}]")
         site = plan.site
-        site(*(plan.fast_args if site.bound else plan.args), flag_value, plan.host_word.addr)
+        word = plan.host_word
+        site(*(plan.fast_args if site.bound else plan.args), flag_value, 0 if word is None else word.addr)
 
     def copy(self, src_addrs, dst_addrs, nbytes, flag_value: int) -> CopyPlan:
         """Plan and run a pattern seen once (table built and uploaded on every call); returns the plan."""

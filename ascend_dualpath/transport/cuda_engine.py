@@ -436,7 +436,7 @@ class CudaTransferEngine(TransferEngine):
     def _aiv_work(self, work: _Work, pieces, notify_slot: int | None) -> None:
         """One device-copy plan over every piece; with a notify slot, that slot is the plan's ready flag."""
         flag = None if notify_slot is None else self.notify[notify_slot : notify_slot + 1]
-        work.plans.append(self._device_copier().plan(*_columns(pieces), flag=flag))
+        work.plans.append(self._device_copier().plan(*_columns(pieces), flag=flag, host_word=True))
         work.graphable = True
 
     def _staging_work(self, work: _Work, pieces, notify_slot: int | None) -> None:

@@ -74,7 +74,6 @@ class _DeXfer:
     reads: list = dataclasses.field(default_factory=list)  # the pusher's storage read tickets
     reads_ended: bool = True  # under the lock, once the pusher is done: none of its reads or pushes is in flight
     pushes: list = dataclasses.field(default_factory=list)  # the pusher's push tickets (appended by the pusher)
-    pushes_ended: bool = True  # set before quiet: none of the pusher's pushes into the PE's slots is in flight
     peer_done: bool | None = None  # under the lock: the request let go of read_lease; whether the PE writes no more
 
     def __post_init__(self) -> None:
@@ -235,7 +234,8 @@ class DecodeSide:
             xfer.full_rows, xfer.received_end, xfer.reads_ok, xfer.hits_ok = True, 0, True, True
             self.counters.fallbacks += 1
         self._let_go(xfer, old, bool(message.get("settled")), "the PE's writes into it may not have ended")
-        return {"op": "ok", "lease_addr": int(lease.addr), "pushes_ended": xfer.pushes_ended}
+        pushes_ended = all(t.future.done() for t in xfer.pushes)  # quiet: the pusher appends no more
+        return {"op": "ok", "lease_addr": int(lease.addr), "pushes_ended": pushes_ended}
 
     def _on_abort(self, message: dict) -> dict:
         xfer = self._xfer(message)
@@ -282,11 +282,10 @@ class DecodeSide:
                 pass
         finally:
             self._settle(xfer.link, pushes)
-            xfer.pushes_ended = all(t.future.done() for t in pushes)
             xfer.quiet.set()
             with self._lock:
                 xfer.pusher_done = True
-                if xfer.pushes_ended:
+                if all(t.future.done() for t in pushes):
                     self._pushing.pop(plan["xfer_id"], None)
                 xfer.reads_ended = _reads_ended(xfer)
                 peer_done = xfer.peer_done
