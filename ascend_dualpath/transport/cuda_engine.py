@@ -20,9 +20,13 @@ Every request is enqueued on the current stream of the engine's GPU, like a torc
 a side stream joined to it, since it refuses the legacy default stream). Remote-ready is a fresh magic in the
 ``notify`` slot after every byte landed, known at submit (``Ticket.notify_magic``; a receiver may poll the slot instead
 of waiting on the ticket): for ``aiv`` the copy kernel's last program releases it into the slot itself, for the
-other kinds one driver call of stream writes follows the copies. The same value then lands in a pinned host word
-(:class:`~.cuda.HostWord`), and ``wait`` polls that word in host memory, bounded by the timeout: completion costs no
-event record and no driver query.
+other kinds one driver call of stream writes follows the copies on a tail stream (:class:`~.cudart.TailStream`), so
+the current stream goes on as soon as the bytes landed (any stream operation after a copy-engine copy holds the
+stream ~2.7 µs on H200; an event costs nothing). Work enqueued on the current stream after a submission is ordered
+after the request's bytes, not after its notify; a kernel that publishes into a slot whose tail write is still in
+flight waits for it, so each slot ends with the value published last. The same value then lands in a pinned host
+word (:class:`~.cuda.HostWord`), and ``wait`` polls that word in host memory, bounded by the timeout: completion costs
+no event record and no driver query.
 Plans (tile tables, staging slots, batch arrays) are built once per piece pattern and kept for the last
 ``PLAN_CACHE`` patterns: DualPath moves the same layer pattern every request. An ``aiv`` pattern is captured in a
 CUDA graph at :meth:`~CudaTransferEngine.prepare`, or at its second plain :meth:`~CudaTransferEngine.submit`, and
@@ -42,6 +46,7 @@ from collections.abc import Sequence
 from ascend_dualpath import errors as E
 from ascend_dualpath._checks import check_bound
 from ascend_dualpath._triton_launch import raw_stream_getter
+from ascend_dualpath.transport import cudart
 from ascend_dualpath.transport.engine import PreparedTransfer, Ticket, TransferEngine, TransferResult
 from ascend_dualpath.transport.kinds import (
     AIV_DATAPLANE_BIT,
@@ -150,6 +155,8 @@ class CudaTransferEngine(TransferEngine):
         self._graph_magic = GRAPH_FIRST_MAGIC
         self._batch_stream = torch.cuda.Stream(self.device)
         self._notify_stream = torch.cuda.Stream(self.peer_device)
+        self._tail = None  # cudart.TailStream of the copy-engine kinds' writes, made at their first request
+        self._tail_notify: dict = {}  # notify slot -> (host word, value) of its last write on the tail stream
         self._done = torch.zeros(1, dtype=torch.int64, device=self.device)  # the device kinds' ready flag
         self._copier = None
         self._host_buffers: dict[int, object] = {}  # data_ptr -> registered pinned uint8 tensor
@@ -363,7 +370,10 @@ class CudaTransferEngine(TransferEngine):
 
     def _replay(self, ticket: Ticket, graph) -> None:
         """Replay a prepared request's graph on the current stream (the engine's GPU is current)."""
-        value = graph.replay(self._raw_stream(self.device.index))
+        stream = self._raw_stream(self.device.index)
+        if ticket.notify_slot is not None:
+            self._after_tail_notify(ticket.notify_slot, stream)
+        value = graph.replay(stream)
         ticket.state["done"] = (graph.host_word, value)
         if ticket.notify_slot is not None:
             ticket.notify_magic = value
@@ -376,6 +386,8 @@ class CudaTransferEngine(TransferEngine):
         value = next(self._magics)
         if ticket.notify_slot is not None:
             ticket.notify_magic = value
+        if work.graphable and ticket.notify_slot is not None:
+            self._after_tail_notify(ticket.notify_slot, stream)
         for plan in work.plans:  # an aiv plan's flag is the notify slot: the kernel releases the magic itself
             self._copier.run(plan, value)
         for copy in work.staging_copies:
@@ -386,14 +398,29 @@ class CudaTransferEngine(TransferEngine):
             work.batch(self._batch_stream.cuda_stream)
             current.wait_stream(self._batch_stream)
         if work.each:
-            from ascend_dualpath.transport.cudart import memcpy_each
-
-            memcpy_each(work.each, stream)
+            cudart.memcpy_each(work.each, stream)
         if work.graphable:
             ticket.state["done"] = (work.plans[0].host_word, value)
         else:
-            self._writes_of(work, ticket.notify_slot)(stream, value)
-            ticket.state["done"] = (work.host_word, value)
+            self._tail_writes(ticket, work, stream, value)
+
+    def _tail_writes(self, ticket: Ticket, work: _Work, stream: int, value: int) -> None:
+        """End a request of the kinds without a publishing kernel: the writes of ``value`` (:meth:`_writes_of`) on
+        the tail stream, after the request's copies on ``stream``, which goes on at once (stream order covers the
+        bytes, not the notify)."""
+        if self._tail is None:
+            self._tail = cudart.TailStream(self.torch, self.device)
+        self._writes_of(work, ticket.notify_slot)(self._tail.follow(stream), value)
+        ticket.state["done"] = (work.host_word, value)
+        if ticket.notify_slot is not None:
+            self._tail_notify[ticket.notify_slot] = (work.host_word, value)
+
+    def _after_tail_notify(self, slot: int | None, stream: int) -> None:
+        """Before a kernel publishes into notify ``slot`` from ``stream``: if the slot's last value went through the
+        tail stream and has not landed, ``stream`` waits for it (the slot's values only grow)."""
+        pending = self._tail_notify.pop(slot, None) if self._tail_notify else None
+        if pending is not None and not pending[0].reached(pending[1]):
+            self._tail.join(stream)
 
     def _writes_of(self, work: _Work, slot: int | None):
         """The stream writes that end a request of the kinds without a publishing kernel (``staging``, ``aicpu``,
@@ -401,12 +428,11 @@ class CudaTransferEngine(TransferEngine):
         writes = work.writes.get(slot)
         if writes is None:
             from ascend_dualpath.transport.cuda import HostWord
-            from ascend_dualpath.transport.cudart import StreamWrites
 
             if work.host_word is None:
                 work.host_word = HostWord(self.torch)
             notify = [] if slot is None else [self.notify.data_ptr() + slot * self.notify.element_size()]
-            writes = work.writes[slot] = StreamWrites([*notify, work.host_word.addr])
+            writes = work.writes[slot] = cudart.StreamWrites([*notify, work.host_word.addr])
         return writes
 
     def _work(self, kind: TransferKind, pieces, remote: RemoteSlot, notify_slot: int | None) -> _Work:
@@ -450,10 +476,8 @@ class CudaTransferEngine(TransferEngine):
 
     def _aicpu_work(self, work: _Work, pieces, notify_slot: int | None) -> None:
         """One batched runtime copy of every piece."""
-        from ascend_dualpath.transport.cudart import MemcpyBatch
-
         dsts, srcs, sizes = zip(*_copies(pieces), strict=True)
-        work.batch = MemcpyBatch(dsts, srcs, sizes)
+        work.batch = cudart.MemcpyBatch(dsts, srcs, sizes)
 
     def _host_work(self, work: _Work, pieces, notify_slot: int | None) -> None:
         """One cudaMemcpyAsync per piece."""
@@ -496,8 +520,6 @@ class CudaTransferEngine(TransferEngine):
     def _check_ranges(self, pieces, remote: RemoteSlot) -> None:
         """NotRegistered for host bytes outside every registered buffer, BoundsError for device sources off this GPU
         or a remote slot off the destination GPU."""
-        from ascend_dualpath.transport.cudart import memory_devices
-
         for i, p in enumerate(pieces):
             buffer = self._host_buffer(p.local_addr)
             if buffer is None:
@@ -509,13 +531,13 @@ class CudaTransferEngine(TransferEngine):
                 )
         device = [p for p in pieces if self._host_buffer(p.local_addr) is None]
         if device:
-            found = memory_devices([p.local_addr for p in device], [p.nbytes for p in device])
+            found = cudart.memory_devices([p.local_addr for p in device], [p.nbytes for p in device])
             if found != {self.device.index}:
                 raise E.NotRegistered(
                     f"sources must be memory of {self.device} or of a registered host buffer; the unregistered "
                     f"sources lie in {_where(found)} (first at {device[0].local_addr:#x})"
                 )
-        found = memory_devices([remote.addr], [remote.nbytes])
+        found = cudart.memory_devices([remote.addr], [remote.nbytes])
         if found != {self.peer_device.index}:
             raise E.BoundsError(
                 f"remote slot [{remote.addr:#x}, +{remote.nbytes}) must lie in memory of "
@@ -602,7 +624,7 @@ class _Work:
         self.graph = None  # its GraphedCopy, shared by every submission of the pattern
         self.sightings = 0  # plain submissions so far, before the graph
         self.host_word = None  # HostWord of the copy-engine and runtime kinds, made at their first submission
-        self.writes: dict = {}  # notify slot (or None) -> StreamWrites ending those kinds' requests
+        self.writes: dict = {}  # notify slot (or None) -> cudart.StreamWrites ending those kinds' requests
 
 
 def _submission_key(sources, remote, notify_slot, kind):
@@ -635,7 +657,5 @@ def _indexed(torch, device):
 
 
 def _where(devices: set[int]) -> str:
-    from ascend_dualpath.transport.cudart import NOT_DEVICE_MEMORY
-
-    names = sorted("host or unknown memory" if d == NOT_DEVICE_MEMORY else f"cuda:{d}" for d in devices)
+    names = sorted("host or unknown memory" if d == cudart.NOT_DEVICE_MEMORY else f"cuda:{d}" for d in devices)
     return ", ".join(names)

@@ -1,6 +1,7 @@
 """The CUDA calls the transfer engine makes through ctypes, on the libraries torch loaded: ``cudaMemcpyBatchAsync``
 (CUDA >= 12.8), ``cudaGraphLaunch`` (:func:`graph_launcher`), stream-ordered writes (:class:`StreamWrites`,
-``cuStreamBatchMemOp``) and where device addresses live (:func:`memory_devices`).
+``cuStreamBatchMemOp``), a side stream that follows another (:class:`TailStream`) and where device addresses live
+(:func:`memory_devices`).
 
 The batch call enqueues many pointer-to-pointer copies with one runtime call. Its signature changed:
 
@@ -288,16 +289,56 @@ class StreamWrites:
         for op, addr in zip(self._ops, self.addrs, strict=True):
             op.write.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64
             op.write.address = addr
+        self._writes = [op.write for op in self._ops]  # views into the array: one attribute set per value
         self._call = _batch_mem_op()
 
     def __call__(self, stream: int, value: int) -> None:
         """Enqueue the writes of ``value`` on ``stream``; QueueError naming the addresses when the driver refuses."""
-        for op in self._ops:
-            op.write.value64 = value
+        for write in self._writes:
+            write.value64 = value
         code = self._call(stream, len(self._ops), self._ops, 0)
         if code:
             where = ", ".join(f"{a:#x}" for a in self.addrs)
             raise E.QueueError(f"cuStreamBatchMemOp writing {where} failed: CUDA driver error {code}")
+
+
+class TailStream:
+    """A side stream for work that must follow another stream's work without holding that stream: an event
+    recorded there and waited on here, two runtime calls.
+
+    On H200 any stream operation after a copy-engine copy (a stream write, a kernel, another copy) held the
+    stream ~2.7 µs longer than the copy alone, while an event record cost nothing (docs/transfer.md): the tail
+    writes of the copy-engine kinds run here, so the caller's next work starts when the bytes landed."""
+
+    def __init__(self, torch, device):
+        rt = runtime()
+        self.stream = torch.cuda.Stream(device)
+        self.handle = self.stream.cuda_stream
+        self._events = [torch.cuda.Event() for _ in range(2)]  # torch owns (and destroys) them
+        for event in self._events:
+            event.record(self.stream)  # creates the event
+        self._followed, self._joined = (event.cuda_event for event in self._events)
+        self._record, self._wait = rt.lib.cudaEventRecord, rt.lib.cudaStreamWaitEvent
+        self._record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        self._wait.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+        self._record.restype = self._wait.restype = ctypes.c_int
+        self._error = rt.error
+
+    def follow(self, stream: int) -> int:
+        """The tail stream's handle, its later work ordered after everything enqueued on ``stream`` so far.
+
+        One event serves every call: a wait binds the event's latest record when it is enqueued."""
+        self._order(self._followed, stream, self.handle, "the tail stream following")
+        return self.handle
+
+    def join(self, stream: int) -> None:
+        """Order ``stream``'s later work after everything enqueued on the tail stream so far."""
+        self._order(self._joined, self.handle, stream, "a stream joining the tail stream")
+
+    def _order(self, event: int, first: int, then: int, what: str) -> None:
+        code = self._record(event, first) or self._wait(then, event, 0)
+        if code:
+            raise E.QueueError(f"{what} failed: {self._error(code)}")
 
 
 def memory_devices(addrs: Sequence[int], nbytes: Sequence[int]) -> set[int]:

@@ -62,6 +62,16 @@ class FakeCopier:
         return FakeGraph(self, plan, first)
 
 
+class FakeTail:
+    """The tail stream's ordering calls, counted."""
+
+    def __init__(self):
+        self.joins = 0
+
+    def join(self, stream: int) -> None:
+        self.joins += 1
+
+
 class _Device:
     index = 0
 
@@ -86,6 +96,7 @@ def fake_engine(publish: bool = True, graphs: bool = True, timeout_s: float = 10
     e._registrations, e._raw_stream, e._copier = 0, lambda index: 0, FakeCopier(publish)
     e._routes, e._plans, e._submissions = {}, OrderedDict(), OrderedDict()
     e._host_buffers, e._magics = {}, itertools.count(1)
+    e._tail, e._tail_notify = FakeTail(), {}
     e._check_request = lambda remote, slot: None
     e._check_ranges = lambda pieces, remote: None
 

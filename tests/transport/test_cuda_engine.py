@@ -368,3 +368,26 @@ def test_requests_without_a_notify_slot_complete_and_publish_nothing(kind):
         result = engine.submit(segments, engine.slot(dst), kind=kind).wait()
         assert result.notify_magic is None and torch.equal(dst.cpu(), expected)
     assert (notify.cpu() == -1).all()
+
+
+@pytest.mark.cuda
+def test_kinds_mixed_on_one_slot_leave_the_last_magic_and_order_the_callers_stream_after_the_bytes():
+    """The copy-engine kinds write their notify on a tail stream: a kernel publishing into the same slot right after
+    must not be overtaken by it, and work the caller enqueues after a submission still sees every byte."""
+    torch = cuda_torch()
+    engine, notify, src_dev, dst_dev = _setup(torch)
+    segments, expected = _sources(torch, engine, src_dev, host_share=False)
+    dst = torch.full((expected.numel(),), 0xA5, dtype=torch.uint8, device=dst_dev)
+    big = torch.randint(0, 256, (16 << 20,), dtype=torch.uint8, device=src_dev)  # the copy engine's gate
+    big_dst = torch.full_like(big, 0xA5, device=dst_dev)
+    torch.cuda.synchronize()
+    for _ in range(20):
+        large = engine.submit([engine.segment(big)], engine.slot(big_dst), notify_slot=1)
+        seen = big_dst[-4096:].clone() if dst_dev == src_dev else None  # stream order, no wait
+        small = engine.submit(segments, engine.slot(dst), notify_slot=1)
+        small_result, large_result = small.wait(), large.wait()
+        assert (large_result.kind, small_result.kind) == (TransferKind.HOST, TransferKind.AIV)
+        assert int(notify[1].item()) == small_result.notify_magic > large_result.notify_magic
+        assert seen is None or torch.equal(seen.cpu(), big[-4096:].cpu())
+        assert torch.equal(dst.cpu(), expected) and torch.equal(big_dst, big)
+        big_dst.fill_(0xA5)

@@ -9,7 +9,7 @@ from ascend_dualpath import errors
 from ascend_dualpath.transport import TransferKind
 from ascend_dualpath.transport.cuda_engine import GRAPH_FIRST_MAGIC, GRAPH_MAGIC_STRIDE
 from ascend_dualpath.transport.engine import TransferResult
-from tests.transport.fake_cuda import blocks, fake_engine
+from tests.transport.fake_cuda import FakeWord, blocks, fake_engine
 
 
 def _work(engine, ticket):
@@ -78,6 +78,21 @@ def test_a_new_capture_replaces_the_patterns_graph_and_submissions_follow_it():
     assert prepared.submit().wait().notify_magic == 1001
     other = engine.prepare(blocks(4, 4096, base=0x80_0000)[0], slot, notify_slot=0)
     assert other.submit().wait().notify_magic == GRAPH_FIRST_MAGIC + GRAPH_MAGIC_STRIDE  # its own range
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_a_kernel_publishing_into_a_slot_waits_for_a_tail_write_to_it_that_has_not_landed(graphs):
+    engine = fake_engine(graphs=graphs)
+    sources, slot = blocks(4, 4096)
+    pending, landed = FakeWord(), FakeWord()
+    landed._view[0] = 9
+    engine._tail_notify.update({0: (pending, 5), 1: (landed, 9)})
+    for _ in range(3):  # eager, then (with graphs) capture and replays
+        engine.submit(sources, slot, notify_slot=0).wait()
+    engine.submit(sources, slot, notify_slot=1).wait()
+    engine.submit(sources, slot).wait()
+    assert engine._tail.joins == 1  # once, for the write still in flight; then the slot's order is the stream's
+    assert engine._tail_notify == {}
 
 
 def test_a_wait_for_a_value_that_never_lands_is_bounded_and_names_the_ticket():
