@@ -12,12 +12,16 @@ Steps, each bounded and each failure recorded without stopping the others (the w
    the cost of a plain ``submit`` per segment), 256 x 1 MiB, one piece of 1 to 64 MiB (the copy-engine gate
    against the kernel and ``copy_``), CUDA-graph replay of a prepared request; every row bit-exact
    (``bench.json``, a table on stdout);
-4. a cProfile of prepared 61 x 42 KiB requests (``profile.txt``);
-5. the issue's targets, met or not (``summary.json``).
+4. what a stream operation right after a 64 MiB copy-engine copy adds to the stream's GPU time (an event, a stream
+   write, a kernel, a second copy, the engine's tail stream), the reason the copy-engine kinds end on a tail stream
+   (``tail.json``, a table on stdout);
+5. a cProfile of prepared 61 x 42 KiB requests (``profile.txt``);
+6. the issue's targets, met or not (``summary.json``).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import platform
@@ -217,6 +221,65 @@ def line(r: dict) -> str:
     )
 
 
+def copy_tail() -> list[dict]:
+    """GPU time (CUDA events, the stream held while the work is enqueued, median of 100 interleaved rounds) of one
+    64 MiB ``cudaMemcpyAsync`` followed by each kind of stream operation, against ``copy_`` alone."""
+    import statistics
+
+    import torch
+
+    from ascend_dualpath.bench import cuda_transfer as bench
+    from ascend_dualpath.transport import cudart
+    from ascend_dualpath.transport.cuda import HostWord
+
+    dev = torch.device("cuda:0")
+    stream = torch.cuda.Stream(dev)
+    with torch.cuda.stream(stream):
+        hold = int(bench.sleep_cycles_per_us(torch) * 100)
+        src = torch.randint(0, 256, (64 * MIB,), dtype=torch.uint8, device=dev)
+        dst = torch.empty_like(src)
+        word, flag = HostWord(torch), torch.zeros(1, dtype=torch.int64, device=dev)
+        tail = cudart.TailStream(torch, dev)
+        host_write, both = cudart.StreamWrites([word.addr]), cudart.StreamWrites([flag.data_ptr(), word.addr])
+        event, values = torch.cuda.Event(), itertools.count(1)
+        memcpy = cudart.runtime().lib.cudaMemcpyAsync
+
+        def copy(s, n=64 * MIB, at=0):
+            memcpy(dst.data_ptr() + at, src.data_ptr() + at, n, cudart.MEMCPY_DEFAULT, s)
+
+        variants = {
+            "copy_ alone": lambda s: dst.copy_(src),
+            "cudaMemcpyAsync alone": copy,
+            "+ event record": lambda s: (copy(s), event.record()),
+            "+ stream write to a host word": lambda s: (copy(s), host_write(s, next(values))),
+            "+ stream writes to a flag and a host word": lambda s: (copy(s), both(s, next(values))),
+            "+ a kernel (one add_)": lambda s: (copy(s), flag.add_(1)),
+            "as two copies of 32 MiB": lambda s: (copy(s, 32 * MIB), copy(s, 32 * MIB, 32 * MIB)),
+            "+ the same writes on the engine's tail stream": lambda s: (copy(s), both(tail.follow(s), next(values))),
+        }
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        for round_ in range(110):
+            for name, enqueue in variants.items():
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda._sleep(hold)
+                start.record()
+                enqueue(stream.cuda_stream)
+                end.record()
+                end.synchronize()
+                if round_ >= 10:  # warm-up
+                    times[name].append(start.elapsed_time(end) * 1e3)
+        torch.cuda.synchronize()
+        if not torch.equal(dst, src):
+            raise AssertionError("the copies' destination differs from the source")
+    base = statistics.median(times["copy_ alone"])
+    rows = []
+    for name, values_us in times.items():
+        gpu = statistics.median(values_us)
+        rows.append({"variant": name, "gpu_us_p50": gpu, "copy_over_this": base / gpu})
+        print(f"  {name:<48} {gpu:8.2f} us  copy_ / this {base / gpu:6.3f}", flush=True)
+    return rows
+
+
 def profile() -> str:
     import cProfile
     import io
@@ -327,6 +390,9 @@ def main() -> int:
     result = safe("bench", run_bench, summary)
     rows, failures = result if isinstance(result, tuple) else ([], [str(result)])
     write("bench.json", {"versions": found, "rows": rows, "failures": failures})
+    if left_s() > 30:
+        print("\n64 MiB copy-engine copy, then:")
+        write("tail.json", safe("tail", copy_tail, summary))
     if left_s() > 30:
         text = safe("profile", profile, summary)
         write("profile.txt", str(text))
