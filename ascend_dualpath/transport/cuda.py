@@ -19,6 +19,7 @@ Import needs neither CUDA nor Triton; they are loaded when used.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -71,22 +72,45 @@ def large_threshold(sm_count: int) -> int:
 FLAG_MAX = (1 << 63) - 1
 
 
+# Pinned memory of dropped host words whose last write has not landed: (view, value, tensor). torch's pinned
+# allocator knows nothing of the GPU's writes and would hand the memory to the next pinned tensor at once.
+_PARKED: deque = deque()
+
+
 class HostWord:
     """One pinned int64 in host memory that the GPU writes after a request's last byte (a system-scope release),
     so that the host learns completion by reading its own memory: no event record, no driver query.
 
     The values a word receives only grow (a plan's launches, a graph's replays, one engine counter), so
-    ``reached(v)`` holds once the request that publishes ``v`` or any later one completed."""
+    ``reached(v)`` holds once the request that publishes ``v`` or any later one completed. Whoever enqueues a write
+    sets ``enqueued`` to its value: a word dropped before that value landed keeps its memory until it has
+    (:func:`release_parked`), so a late write never lands in another tensor."""
 
     def __init__(self, torch):
         from ascend_dualpath.transport.cudart import host_device_pointer
 
+        release_parked()
+        self.enqueued = 0
         self.tensor = torch.zeros(1, dtype=torch.int64).pin_memory()
         self.addr = host_device_pointer(self.tensor.data_ptr())  # where the GPU writes it
         self._view = self.tensor.numpy()
 
     def reached(self, value: int) -> bool:
         return self._view[0] >= value
+
+    def __del__(self):
+        view = getattr(self, "_view", None)  # absent when the constructor failed
+        if view is not None and view[0] < self.enqueued:
+            _PARKED.append((view, self.enqueued, self.tensor))
+
+
+def release_parked() -> int:
+    """Let go of the parked memory of dropped host words whose last write has landed; returns how many stay."""
+    for _ in range(len(_PARKED)):
+        parked = _PARKED.popleft()
+        if parked[0][0] < parked[1]:
+            _PARKED.append(parked)
+    return len(_PARKED)
 
 
 def _segment_arrays(src_addrs: Sequence[int], dst_addrs: Sequence[int], nbytes: Sequence[int]):
@@ -359,7 +383,11 @@ class DeviceCopier:
             raise E.ConfigError(f"flag_value {flag_value} is outside [1, {FLAG_MAX}]")
         site = plan.site
         word = plan.host_word
-        site(*(plan.fast_args if site.bound else plan.args), flag_value, 0 if word is None else word.addr)
+        if word is None:
+            site(*(plan.fast_args if site.bound else plan.args), flag_value, 0)
+        else:
+            word.enqueued = flag_value
+            site(*(plan.fast_args if site.bound else plan.args), flag_value, word.addr)
 
     def copy(self, src_addrs, dst_addrs, nbytes, flag_value: int) -> CopyPlan:
         """Plan and run a pattern seen once (table built and uploaded on every call); returns the plan."""
@@ -419,8 +447,9 @@ class GraphedCopy:
 
                 self._launch = graph_launcher(self._exec)
             self._launch(stream)
+        self.host_word.enqueued = value = self.next_value
         self.next_value += 1
-        return self.next_value - 1
+        return value
 
 
 def _graph_exec(graph) -> int | None:

@@ -411,6 +411,7 @@ class CudaTransferEngine(TransferEngine):
         if self._tail is None:
             self._tail = cudart.TailStream(self.torch, self.device)
         self._writes_of(work, ticket.notify_slot)(self._tail.follow(stream), value)
+        work.host_word.enqueued = value
         ticket.state["done"] = (work.host_word, value)
         if ticket.notify_slot is not None:
             self._tail_notify[ticket.notify_slot] = (work.host_word, value)

@@ -251,6 +251,33 @@ def _ptx(tile_bytes, **switches):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
 
 
+def test_a_host_word_dropped_before_its_last_write_landed_keeps_its_memory_until_it_has():
+    import gc
+    import weakref
+
+    torch = pytest.importorskip("torch")
+    cuda.release_parked()
+    before = len(cuda._PARKED)
+    word = cuda.HostWord.__new__(cuda.HostWord)  # its memory as the constructor leaves it, without pinning
+    word.tensor = torch.zeros(1, dtype=torch.int64)
+    word._view, word.enqueued = word.tensor.numpy(), 7
+    memory = weakref.ref(word.tensor)
+    del word
+    gc.collect()
+    assert memory() is not None and cuda.release_parked() == before + 1  # the write of 7 may still come
+    cuda._PARKED[-1][0][0] = 6
+    assert cuda.release_parked() == before + 1
+    cuda._PARKED[-1][0][0] = 7  # it landed
+    assert cuda.release_parked() == before
+    gc.collect()
+    assert memory() is None
+    landed = cuda.HostWord.__new__(cuda.HostWord)
+    landed.tensor = torch.full((1,), 3, dtype=torch.int64)
+    landed._view, landed.enqueued = landed.tensor.numpy(), 3
+    del landed
+    assert len(cuda._PARKED) == before  # nothing pending: freed at once
+
+
 @pytest.mark.parametrize("tile_bytes", [TILE_BYTES, 4 * TILE_BYTES])
 @pytest.mark.parametrize("from_epoch", [False, True])
 def test_copy_kernel_compiles_to_vectorized_ptx_with_a_system_scope_release_flag(monkeypatch, tile_bytes, from_epoch):
@@ -659,3 +686,35 @@ def test_staging_copy_refuses_bad_sources_before_anything_moves():
         StagingCopy(copier, host, [0], [dst.data_ptr()], [16], chunk_bytes=1000)
     torch.cuda.synchronize()
     assert (dst == 0xA5).all() and int(copier.flag.item()) == 0
+
+
+@pytest.mark.cuda
+def test_a_late_write_of_a_dropped_request_lands_in_its_own_parked_word_not_in_the_next_pinned_tensor():
+    """A ticket dropped without a wait, its pattern evicted: the GPU still writes the host word after the host let go
+    of it. The pinned memory must not go back to torch's allocator (which would hand it to the next pinned tensor)
+    before that write landed."""
+    import gc
+
+    torch = cuda_torch()
+    from ascend_dualpath.transport.cuda_engine import CudaTransferEngine
+
+    dev = torch.device("cuda:0")
+    engine = CudaTransferEngine(dev, dev, torch.zeros(2, dtype=torch.int64, device=dev), timeout_s=30)
+    src = torch.randint(0, 256, (16 << 20,), dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    for kind, nbytes, slot in (("aiv", 1 << 20, 0), ("host", 16 << 20, None)):
+        request = ([engine.segment(src, 0, nbytes)], engine.slot(dst, 0, nbytes), slot, kind)
+        engine.submit(*request).wait()  # compiled and warm: the next submission is quick
+        for cache in (engine._plans, engine._submissions):
+            cache.clear()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(1_000_000_000)  # ~0.5 s: the request's writes come long after the drop below
+        engine.submit(*request)
+        for cache in (engine._plans, engine._submissions):
+            cache.clear()
+        gc.collect()
+        assert cuda.release_parked() >= 1, kind
+        others = [torch.full((1,), -5, dtype=torch.int64).pin_memory() for _ in range(64)]
+        torch.cuda.synchronize()
+        assert all(int(t[0]) == -5 for t in others), f"{kind}: a late write landed in another pinned tensor"
+        assert cuda.release_parked() == 0 and torch.equal(dst[:nbytes], src[:nbytes])
