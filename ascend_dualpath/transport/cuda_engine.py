@@ -418,7 +418,7 @@ class CudaTransferEngine(TransferEngine):
 
     def _after_tail_notify(self, slot: int | None, stream: int) -> None:
         """Before a kernel publishes into notify ``slot`` from ``stream``: if the slot's last value went through the
-        tail stream and has not landed, ``stream`` waits for it (the slot's values only grow)."""
+        tail stream and has not landed, ``stream`` waits for it, so the slot ends with the value published last."""
         pending = self._tail_notify.pop(slot, None) if self._tail_notify else None
         if pending is not None and not pending[0].reached(pending[1]):
             self._tail.join(stream)
