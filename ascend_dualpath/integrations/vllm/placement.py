@@ -20,8 +20,10 @@ connector counts, and the connector learns of a request only once vLLM schedules
 sum of its instances' reported queues plus the hit tokens of requests this proxy sent there whose prefill has not
 finished; a DE's free HBM is, in KV blocks, ``num_gpu_blocks - max(used, blocks of this proxy's requests in
 flight there)``, unknown (never a limit) while its ``/metrics`` does not answer. A request's needs are estimated
-without a tokenizer (:func:`estimated_tokens`): its prompt tokens, all taken as storage hits (the proxy does not
-know the store), and ``ceil((prompt + max_tokens) / block_size)`` KV blocks on its DE.
+from its prompt tokens (the proxy counts them with a PE's tokenizer, else :func:`estimated_tokens`): the storage hits
+(``cached`` tokens) are the prompt's leading blocks that requests this proxy placed before have left in the store
+(:class:`~.cached_prefixes.CachedPrefixes`; every prompt token when the proxy has no token ids), its read is those
+hits, and its DE holds ``ceil((prompt + max_tokens) / block_size)`` KV blocks.
 
 Compute quota (``compute_quota_s > 0``): a request placed on a PE is held at the proxy until
 :func:`~ascend_dualpath.dualpath.scheduler.plan_prefill_batch` over the PE's in-flight prefills (FIFO) and this
@@ -56,6 +58,7 @@ from ascend_dualpath.dualpath.scheduler import (
     plan_prefill_batch,
 )
 from ascend_dualpath.errors import ConfigError
+from ascend_dualpath.integrations.vllm.cached_prefixes import DEFAULT_CAPACITY_BLOCKS, CachedPrefixes
 from ascend_dualpath.integrations.vllm.cluster import Cluster, Instance
 
 PLACEMENTS = ("scheduler", "round-robin")
@@ -158,13 +161,13 @@ def profile_from_thresholds(alpha: int, beta: int) -> EngineProfile:
 @dataclasses.dataclass
 class Ledger:
     """What this proxy sent and has not seen finish, per instance name (tokens, sequences, DE blocks, the PE's
-    prefill tokens in FIFO order) and per node (hit tokens to read)."""
+    prefills in FIFO order as ``(cached, remaining)`` tokens) and per node (hit tokens to read)."""
 
     tokens: dict[str, int] = dataclasses.field(default_factory=dict)
     seqs: dict[str, int] = dataclasses.field(default_factory=dict)
     blocks: dict[str, int] = dataclasses.field(default_factory=dict)
     reads: dict[str, int] = dataclasses.field(default_factory=dict)
-    prefills: dict[str, dict[int, int]] = dataclasses.field(default_factory=dict)
+    prefills: dict[str, dict[int, tuple[int, int]]] = dataclasses.field(default_factory=dict)
 
     def add(self, name: str, tokens: int, blocks: int = 0, seqs: int = 1) -> None:
         """Count one more request (``seqs=-1`` with negative figures: one fewer) on instance ``name``."""
@@ -186,11 +189,13 @@ class Snapshot:
 
 @dataclasses.dataclass
 class Placement:
-    """One request's place: its PE and DE, read path, the queues the path was chosen on, and the reasons, each
-    ``"<rule> <detail>"`` (the rule, before the first space, labels ``adp_proxy_placements_total``)."""
+    """One request's place: its prompt ``tokens`` of which ``cached`` hit the store, its DE ``blocks``, its PE and
+    DE, read path, the queues the path was chosen on, and the reasons, each ``"<rule> <detail>"`` (the rule, before
+    the first space, labels ``adp_proxy_placements_total``)."""
 
     request_id: int
     tokens: int
+    cached: int
     blocks: int
     pe: Instance
     de: Instance
@@ -208,6 +213,7 @@ class _Waiter:
 
     request: Request | None
     tokens: int
+    cached: int
     max_tokens: int
     future: asyncio.Future
     since: float
@@ -365,6 +371,7 @@ class Placer:
         timeout_s: float = 30.0,
         poll_s: float = 0.25,
         concurrency: int = 16,
+        cached_capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS,
     ) -> None:
         if placement not in PLACEMENTS:
             raise ConfigError(f"placement={placement!r} is not one of {PLACEMENTS}")
@@ -393,6 +400,7 @@ class Placer:
         self._loop_task: asyncio.Task | None = None
         self._last: _Reports | None = None
         self._block_size = DEFAULT_BLOCK_SIZE
+        self.prefixes = CachedPrefixes(DEFAULT_BLOCK_SIZE, cached_capacity_blocks)
         self._init_metrics(registry)
 
     def _init_metrics(self, reg: CollectorRegistry) -> None:
@@ -424,20 +432,27 @@ class Placer:
         for blocks in kv.values():
             if blocks is not None:
                 self._block_size = blocks.block_size
+        if self.prefixes.block_size != self._block_size:  # blocks of another size key nothing the store has
+            self.prefixes = CachedPrefixes(self._block_size, self.prefixes.capacity_blocks)
         return Snapshot(status, kv)
 
     # ------------------------------------------------------------------------------------------ placing
 
-    async def place(self, body: dict, prompt_tokens: int | None = None) -> Placement:
+    async def place(self, body: dict, prompt_ids: list[int] | None = None) -> Placement:
         """The request's :class:`Placement`, its resources counted in the ledger (give them back with
-        :meth:`prefill_done` and :meth:`decode_done`). ``prompt_tokens``: the engines' count (None:
-        :func:`estimated_tokens`). Raises :class:`PlacementTimeout`."""
-        tokens = max(1, estimated_tokens(body) if prompt_tokens is None else prompt_tokens)
+        :meth:`prefill_done` and :meth:`decode_done`). ``prompt_ids``: the prompt's token ids as its engines see
+        them, whose leading stored blocks are its hits (None: :func:`estimated_tokens`, all taken as hits). Raises
+        :class:`PlacementTimeout`."""
+        if prompt_ids is None:
+            tokens = max(1, estimated_tokens(body))
+            cached = tokens
+        else:
+            tokens, cached = max(1, len(prompt_ids)), self.prefixes.cached_tokens(prompt_ids)
         max_tokens = max_new_tokens(body)
         if self.placement == "round-robin":
-            placement = await self._round_robin(tokens, max_tokens)
+            placement = await self._round_robin(tokens, cached, max_tokens)
         else:
-            placement = await self._scheduled(tokens, max_tokens)
+            placement = await self._scheduled(tokens, cached, max_tokens)
         for rule in placement.rules:
             self.placements.labels(rule=rule.split(" ", 1)[0]).inc()
         if self.compute_quota_s > 0:
@@ -447,22 +462,30 @@ class Placer:
     def _count(self, placement: Placement) -> None:
         """Enter a placed request's PE tokens and reads into the ledger (its DE's went in when it was chosen)."""
         self.ledger.add(placement.pe.name, placement.tokens)
-        self.ledger.prefills.setdefault(placement.pe.name, {})[placement.request_id] = placement.tokens
+        # every token a hit is the guess without token ids: for the compute quota, take them all as computed
+        hit_all = placement.cached >= placement.tokens
+        work = (0, placement.tokens) if hit_all else (placement.cached, placement.tokens - placement.cached)
+        self.ledger.prefills.setdefault(placement.pe.name, {})[placement.request_id] = work
         read_node = placement.pe.node if placement.path == "pe" else placement.de.node
-        self.ledger.reads[read_node] = self.ledger.reads.get(read_node, 0) + placement.tokens
+        self.ledger.reads[read_node] = self.ledger.reads.get(read_node, 0) + placement.cached
 
     def prefill_done(self, placement: Placement) -> None:
         """The PE answered (or failed): its tokens and the request's reads leave the ledger."""
         self.ledger.remove(placement.pe.name, placement.tokens)
         self.ledger.prefills.get(placement.pe.name, {}).pop(placement.request_id, None)
         read_node = placement.pe.node if placement.path == "pe" else placement.de.node
-        self.ledger.reads[read_node] -= placement.tokens
+        self.ledger.reads[read_node] -= placement.cached
         self._notify()
 
     def decode_done(self, placement: Placement) -> None:
         """The DE's answer ended (or failed): its tokens and blocks leave the ledger."""
         self.ledger.remove(placement.de.name, placement.tokens, placement.blocks)
         self._notify()
+
+    def stored(self, prompt_ids: list[int]) -> None:
+        """A request's DE answered in full: its connector stores the prompt's full blocks (and the answer's, whose
+        token ids the proxy does not see), which later prompts may hit."""
+        self.prefixes.store(prompt_ids)
 
     def _notify(self) -> None:
         """Wake the rounds and the quota holds: resources came back."""
@@ -477,7 +500,7 @@ class Placer:
             return "pe", "fallback:side-channel"
         return scheduled, path_rule(queues[pe.node], queues[de.node])
 
-    async def _round_robin(self, tokens: int, max_tokens: int) -> Placement:
+    async def _round_robin(self, tokens: int, cached: int, max_tokens: int) -> Placement:
         k = next(self._rr)
         pe, de = self.cluster.prefill[k % len(self.cluster.prefill)], self.cluster.decode[k % len(self.cluster.decode)]
         snap = await self.snapshot(with_kv=False)
@@ -489,20 +512,21 @@ class Placer:
 
         path, rule = decide(self.read_path, node_view(pe), node_view(de))
         blocks = math.ceil((tokens + max_tokens) / self._block_size)
-        placement = self._placement(next(self._ids), tokens, blocks, pe, de, path, rule, snap, queues)
+        placement = self._placement(next(self._ids), (tokens, cached, blocks), pe, de, path, rule, snap, queues)
         placement.rules.insert(0, f"round-robin request {k}: {pe.name}, {de.name}")
         self.ledger.add(de.name, tokens, blocks)
         self._count(placement)
         return placement
 
-    def _placement(self, rid, tokens, blocks, pe, de, path, rule, snap, queues) -> Placement:
+    def _placement(self, rid, needs: tuple[int, int, int], pe, de, path, rule, snap, queues) -> Placement:
+        """``needs``: the request's prompt tokens, cached tokens and DE blocks."""
         pe_q = None if snap.status.get(pe.name) is None else queues[pe.node]
         de_q = None if snap.status.get(de.name) is None else queues[de.node]
-        return Placement(rid, tokens, blocks, pe, de, path, rule, pe_q, de_q, [f"path-{rule} {path}"])
+        return Placement(rid, *needs, pe, de, path, rule, pe_q, de_q, [f"path-{rule} {path}"])
 
-    async def _scheduled(self, tokens: int, max_tokens: int) -> Placement:
+    async def _scheduled(self, tokens: int, cached: int, max_tokens: int) -> Placement:
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(None, tokens, max_tokens, loop.create_future(), time.monotonic())
+        waiter = _Waiter(None, tokens, cached, max_tokens, loop.create_future(), time.monotonic())
         self._new.append(waiter)
         self.waiting.inc()
         self._changed.set()
@@ -580,7 +604,7 @@ class Placer:
             self._pull_decode(snap, group_id)
         for waiter in self._new:
             blocks = math.ceil((waiter.tokens + waiter.max_tokens) / self._block_size)
-            waiter.request = Request(next(self._ids), waiter.tokens, waiter.tokens, blocks)
+            waiter.request = Request(next(self._ids), waiter.tokens, waiter.cached, blocks)
             self._waiting[waiter.request.request_id] = waiter
             self.scheduler.submit(waiter.request)
         self._new.clear()
@@ -637,10 +661,8 @@ class Placer:
             scheduled = "pe" if assignment.read_path is ReadPath.PE else "de"
             path, rule = self._choose_path(pe, de, snap, reports.queues, scheduled)
             request = assignment.request
-            placement = self._placement(
-                request.request_id, request.prompt_tokens, request.decode_hbm_bytes, pe, de, path, rule, snap,
-                reports.queues,
-            )  # fmt: skip
+            needs = (request.prompt_tokens, request.cached_tokens, request.decode_hbm_bytes)
+            placement = self._placement(request.request_id, needs, pe, de, path, rule, snap, reports.queues)
             placement.rules[:0] = waiter.rules + rules
             placement.waited_s = time.monotonic() - waiter.since
             self._count(placement)
@@ -652,8 +674,8 @@ class Placer:
     def _fits_quota(self, placement: Placement) -> bool:
         """Whether the request joins its PE's next forward pass under the quota: in-flight prefills first."""
         queue = []  # FIFO: the PE's prefills placed before this one (dispatched or held), then this one
-        for rid, tokens in self.ledger.prefills.get(placement.pe.name, {}).items():
-            queue.append(PrefillWork(rid, 0, tokens))
+        for rid, (cached, remaining) in self.ledger.prefills.get(placement.pe.name, {}).items():
+            queue.append(PrefillWork(rid, cached, remaining))
             if rid == placement.request_id:
                 break
         batch = plan_prefill_batch(queue, self.profile.attention_time, self.compute_quota_s)
@@ -674,7 +696,7 @@ class Placer:
                     self.release(placement)
                     raise PlacementTimeout(
                         f"request waited {self.timeout_s} s for {placement.pe.name}'s compute quota of "
-                        f"{self.compute_quota_s} s (its in-flight prefill tokens: "
+                        f"{self.compute_quota_s} s (its in-flight prefills as (cached, computed) tokens: "
                         f"{list(self.ledger.prefills.get(placement.pe.name, {}).values())})"
                     )
                 self._released.clear()

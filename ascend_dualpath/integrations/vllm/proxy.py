@@ -29,9 +29,11 @@ what it waited for. A side channel that does not answer within ``status_timeout_
 (rule ``"fallback:side-channel"``): the PE read path needs nothing from the DE's storage NIC. Every upstream
 wait is bounded by ``timeout_s``: the PE's whole answer, the DE's response head and each DE chunk.
 
-A request's prompt tokens (what placement counts) come from a PE's ``/tokenize`` (the model's tokenizer and chat
-template, round robin over the PEs, bounded by ``status_timeout_s``); where it does not answer, the proxy counts
-words (``adp_proxy_tokenize_fallbacks_total``).
+A request's prompt token ids (what placement counts) come from a PE's ``/tokenize`` (the model's tokenizer and chat
+template, round robin over the PEs, bounded by ``status_timeout_s``), or from the prompt when it is ids; where
+``/tokenize`` does not answer, the proxy counts words (``adp_proxy_tokenize_fallbacks_total``) and takes every token
+as a hit. With ids, the hits are the prompt's leading blocks that requests answered in full before have left in the
+store (:class:`~.cached_prefixes.CachedPrefixes`, at most ``cached_capacity_blocks``).
 
 Endpoints: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` (the first DE's), ``/health`` (200 only
 when every instance answers its own), ``/metrics`` (Prometheus text, private registry) and
@@ -46,10 +48,12 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import functools
 import itertools
 import json
 import time
 import uuid
+from collections.abc import Callable
 
 import aiohttp
 import msgspec
@@ -59,7 +63,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ascend_dualpath import _env
+from ascend_dualpath._checks import check_bound
 from ascend_dualpath.errors import ConfigError, ProtocolError, WaitTimeout
+from ascend_dualpath.integrations.vllm.cached_prefixes import DEFAULT_CAPACITY_BLOCKS
 from ascend_dualpath.integrations.vllm.cluster import Cluster, Instance, default_side_channel, make_instance
 from ascend_dualpath.integrations.vllm.placement import (
     PLACEMENTS,
@@ -104,6 +110,7 @@ class ProxyConfig:
     never binding; the CLI measures them at start-up instead, see :func:`measure_thresholds`).
     ``compute_quota_s`` > 0 holds requests to a PE (docs/vllm.md). ``status_timeout_s`` bounds one status or
     ``/metrics`` query; ``timeout_s`` every upstream wait and a request's wait for an engine.
+    ``cached_capacity_blocks`` bounds the blocks the estimate of storage hits remembers.
     """
 
     prefill_url: str = ""
@@ -119,6 +126,7 @@ class ProxyConfig:
     alpha_tokens: int | None = None
     beta_tokens: int | None = None
     compute_quota_s: float = 0.0
+    cached_capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -132,6 +140,7 @@ class ProxyConfig:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and value >= 0):
                 raise ConfigError(f"{name}={value!r} must be an int >= 0 tokens")
+        check_bound("cached_capacity_blocks", self.cached_capacity_blocks, integer=True, where="ProxyConfig")
         cluster = self.cluster
         if cluster is None:
             if not (self.prefill_url and self.decode_url):
@@ -165,8 +174,10 @@ class Decision:
     """One request's placement: PE and DE (instance names), read path and its ``rule``, the two nodes' read queues
     it was chosen on (None when that side channel failed), ``split``, ``rules``: every deciding rule as
     ``"<rule> <detail>"`` (the PE category against alpha, PEs over beta, the DE group, HBM fit, Z, the path), and
-    the ``prompt_tokens`` placement counted, ``tokens_from`` ``"tokenizer"`` (a PE's ``/tokenize``) or
-    ``"words"``."""
+    the ``prompt_tokens`` placement counted, ``tokens_from`` ``"tokenizer"`` (a PE's ``/tokenize``), ``"token ids"``
+    (the prompt is ids) or ``"words"``, and the ``cached_tokens`` taken as storage hits, ``cached_from``
+    ``"prefixes"`` (the prompt's leading blocks that earlier requests left in the store) or ``"assumed"`` (every
+    prompt token, without token ids)."""
 
     xfer_id: str
     endpoint: str
@@ -182,6 +193,8 @@ class Decision:
     waited_s: float = 0.0
     prompt_tokens: int = 0
     tokens_from: str = "words"
+    cached_tokens: int = 0
+    cached_from: str = "assumed"
 
 
 def _with_dualpath(body: dict, params: dict) -> dict:
@@ -351,6 +364,7 @@ class DualPathProxy:
             alpha=UNBOUNDED if cfg.alpha_tokens is None else cfg.alpha_tokens,
             beta=UNBOUNDED if cfg.beta_tokens is None else cfg.beta_tokens,
             compute_quota_s=cfg.compute_quota_s, timeout_s=cfg.timeout_s,
+            cached_capacity_blocks=cfg.cached_capacity_blocks,
         )  # fmt: skip
         self.session: aiohttp.ClientSession | None = None
         self.zmq_ctx: zmq.asyncio.Context | None = None
@@ -401,29 +415,37 @@ class DualPathProxy:
         except (asyncio.TimeoutError, aiohttp.ClientError, OSError, ValueError):
             return None
 
-    async def _prompt_tokens(self, body: dict, endpoint: str) -> int | None:
-        """The prompt tokens of ``body`` from a PE's ``/tokenize``; None (count words) where it cannot say."""
+    async def _prompt_ids(self, body: dict, endpoint: str) -> tuple[list[int] | None, str]:
+        """The token ids of ``body``'s prompt and where they came from: ``"token ids"`` (the prompt is ids),
+        ``"tokenizer"`` (a PE's ``/tokenize``), or None and ``"words"`` where neither can say (placement counts
+        words)."""
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            return prompt, "token ids"
         request = tokenize_request(body, chat=endpoint == "/v1/chat/completions")
         if request is None:
-            return None
+            return None, "words"
         url = next(self._tokenizers).url + "/tokenize"
         try:
             timeout = aiohttp.ClientTimeout(total=self.cfg.status_timeout_s)
             async with self.session.post(url, json=request, timeout=timeout) as resp:
                 if resp.status == 200:
-                    return int((await resp.json())["count"])
+                    ids = (await resp.json())["tokens"]
+                    if isinstance(ids, list) and all(type(t) is int for t in ids):
+                        return ids, "tokenizer"
         except (asyncio.TimeoutError, aiohttp.ClientError, OSError, ValueError, KeyError, TypeError):
             pass
         self.metrics.tokenize_fallbacks.inc()
-        return None
+        return None, "words"
 
-    def _record(self, endpoint: str, placement: Placement, tokens_from: str) -> Decision:
+    def _record(self, endpoint: str, placement: Placement, tokens_from: str, cached_from: str) -> Decision:
         decision = Decision(
             xfer_id=uuid.uuid4().hex, endpoint=endpoint, path=placement.path,
             pe_queue_tokens=placement.pe_queue_tokens, de_queue_tokens=placement.de_queue_tokens,
             rule=placement.path_rule, prefill=placement.pe.name, decode=placement.de.name,
             placement=self.cfg.placement, split=self.cfg.split, rules=tuple(placement.rules),
             waited_s=round(placement.waited_s, 6), prompt_tokens=placement.tokens, tokens_from=tokens_from,
+            cached_tokens=placement.cached, cached_from=cached_from,
         )  # fmt: skip
         self.decisions.append(decision)
         self.metrics.requests.labels(endpoint=endpoint, path=placement.path).inc()
@@ -448,22 +470,31 @@ class DualPathProxy:
             return self._client_error(f"request body is not JSON: {exc}")
         if not isinstance(body, dict):
             return self._client_error(f"request body must be a JSON object, got {type(body).__name__}")
-        tokens = await self._prompt_tokens(body, endpoint)
+        ids, tokens_from = await self._prompt_ids(body, endpoint)
         try:
-            placement = await self.placer.place(body, tokens)
+            placement = await self.placer.place(body, ids)
         except PlacementTimeout as exc:
             self.metrics.errors.labels(source="proxy", status="503").inc()
             return _json_error(503, str(exc), "placement_timeout")
         try:
-            decision = self._record(endpoint, placement, "words" if tokens is None else "tokenizer")
-            return await self._dispatch(request, endpoint, body, placement, decision, start)
+            decision = self._record(endpoint, placement, tokens_from, "assumed" if ids is None else "prefixes")
+            stored = None if ids is None else functools.partial(self.placer.stored, ids)
+            return await self._dispatch(request, endpoint, body, placement, decision, start, stored)
         finally:
             self.placer.decode_done(placement)
 
     async def _dispatch(
-        self, request: web.Request, endpoint: str, body: dict, placement: Placement, decision: Decision, start: float
+        self,
+        request: web.Request,
+        endpoint: str,
+        body: dict,
+        placement: Placement,
+        decision: Decision,
+        start: float,
+        stored: Callable[[], None] | None = None,
     ) -> web.StreamResponse:
-        """Send the placed request to its PE and DE; relay the DE's answer (or the first failure)."""
+        """Send the placed request to its PE and DE; relay the DE's answer (or the first failure). ``stored`` is
+        called once the DE's answer arrived in full (its connector then stores the request's blocks)."""
         pe, de = placement.pe, placement.de
         pe_body = prefill_body(body, decision, de.kv, chat=endpoint == "/v1/chat/completions")
         de_body = decode_body(body, decision, pe.kv)
@@ -476,13 +507,14 @@ class DualPathProxy:
             if failure is not None:
                 self.metrics.errors.labels(source=failure.upstream, status=str(failure.status)).inc()
                 return web.json_response(failure.payload(), status=failure.status)
-            return await self._relay(request, decode, endpoint, start)
+            return await self._relay(request, decode, endpoint, start, stored)
         finally:
             await _cancel(pe_task, de_task)
             decode.discard()
 
-    async def _relay(self, request: web.Request, decode: _DecodeStream, endpoint: str, start: float):
-        """Pass the DE's answer to the client chunk by chunk (each wait bounded by the DE's read timeout)."""
+    async def _relay(self, request: web.Request, decode: _DecodeStream, endpoint: str, start: float, stored=None):
+        """Pass the DE's answer to the client chunk by chunk (each wait bounded by the DE's read timeout); call
+        ``stored`` when it ended without an error."""
         status, content_type = decode.head.result()
         resp = web.StreamResponse(status=status, headers={"Content-Type": content_type})
         await resp.prepare(request)
@@ -496,6 +528,9 @@ class DualPathProxy:
                 self.metrics.ttft.labels(endpoint=endpoint).observe(time.monotonic() - start)
                 first = False
             await resp.write(item)
+        else:
+            if stored is not None and status < 400:
+                stored()
         await resp.write_eof()
         self.metrics.latency.labels(endpoint=endpoint).observe(time.monotonic() - start)
         return resp

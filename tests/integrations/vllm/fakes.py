@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import zlib
 
 import msgspec
 import zmq
@@ -107,8 +108,11 @@ class FakeInstance:
         body = await request.json()
         self.tokenized.append(body)
         text = body["prompt"] if "prompt" in body else " ".join(m["content"] for m in body["messages"])
-        count = 1 + self.tokens_per_word * len(text.split())
-        return web.json_response({"count": count, "max_model_len": 4096, "tokens": list(range(count))})
+        # a BOS token, then tokens_per_word ids that depend on the word: prompts share ids where they share words
+        ids = [1] + [
+            zlib.crc32(f"{word}/{k}".encode()) % 50_000 for word in text.split() for k in range(self.tokens_per_word)
+        ]
+        return web.json_response({"count": len(ids), "max_model_len": 4096, "tokens": ids})
 
     async def metrics(self, request: web.Request) -> web.Response:
         """vLLM 0.32's two KV-cache metrics, as its Prometheus logger writes them."""

@@ -12,6 +12,7 @@ Needs the connector's N x M dataplane (any PE with any DE on one fabric, ``devic
 from __future__ import annotations
 
 import json
+import re
 import signal
 import threading
 import time
@@ -112,6 +113,7 @@ def test_backlogged_node_full_de_and_shorter_queue_with_plain_text(model, plain,
     # X, turn 1 (no hits) then turn 2: ~290 hit tokens read through n0's 0.1 MB/s storage NIC, several seconds
     first = _words(model, 300, seed=1)
     x_prompt = f"{first}{_complete(url, model, first)} {_words(model, 24, seed=2)}"
+    turn_1 = _decisions(url)[-1]
     before = len(_decisions(url))
     x_thread, x_out = _in_thread(_complete, url, model, x_prompt)
     deadline = time.monotonic() + 15
@@ -127,6 +129,12 @@ def test_backlogged_node_full_de_and_shorter_queue_with_plain_text(model, plain,
     x, y, w = _decisions(url)[before:]  # in the order they were placed
     assert {d["tokens_from"] for d in (x, y, w)} == {"tokenizer"}  # the PEs' own /tokenize counted the prompts
     assert y["prompt_tokens"] == _tokens(urls["prefill0"], model, y_prompt)
+    # the estimated hits: X's turn 1 blocks (it was answered in full; one block of slack where its last token may
+    # have merged with the answer's first), nothing for the first turns of Y and W
+    assert turn_1["cached_tokens"] == 0 and x["cached_from"] == "prefixes"
+    size = int(re.search(r'block_size="(\d+)"', blocks).group(1))
+    assert (turn_1["prompt_tokens"] // size - 1) * size <= x["cached_tokens"] <= turn_1["prompt_tokens"]
+    assert y["cached_tokens"] == w["cached_tokens"] == 0
     assert (x["prefill"], x["decode"]) == ("prefill0", "decode0")
     # Y: prefill0's node is over alpha, prefill1's qualifies; decode1 has no room; read on the shorter queue (n1)
     assert y["prefill"] == "prefill1" and _rule(y, "pe-alpha-avoided") == [

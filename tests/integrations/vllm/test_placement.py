@@ -379,9 +379,42 @@ def test_prompt_tokens_come_from_the_pes_tokenizer_else_from_words():
             assert (await c.post(words=5))[0] == 200
             decisions = await c.decisions()
             counted = [(d["prompt_tokens"], d["tokens_from"]) for d in decisions]
-            assert counted == [(16, "tokenizer"), (16, "tokenizer"), (7, "tokenizer"), (9, "words"), (5, "words")]
+            assert counted == [(16, "tokenizer"), (16, "tokenizer"), (7, "tokenizer"), (9, "token ids"), (5, "words")]
             assert sum(len(pe.tokenized) for pe in c.pes) == 3  # the token ids were not sent
             m = await c.metrics()
             assert m[("adp_proxy_tokenize_fallbacks_total", frozenset())] == 1
+
+    run(body())
+
+
+def test_hits_are_the_leading_blocks_that_requests_answered_in_full_left_in_the_store():
+    """With token ids, a prompt's storage hits (what its read counts) are its leading 16-token blocks that an earlier
+    request, answered in full, left in the store; a failed request leaves nothing; without ids every token is a
+    hit, as before."""
+
+    async def body():
+        async with Cluster([("n0", {})], [("n0", 0, {}, FREE)]) as c:
+            c.pes[0].tokens_per_word = 3  # 40 words: 121 tokens, 7 full blocks
+
+            async def post(words: str) -> dict:
+                request = {"model": "tiny", "prompt": words, "max_tokens": 2}
+                async with c.client.post("/v1/completions", json=request) as resp:
+                    assert resp.status == 200
+                return (await c.decisions())[-1]
+
+            first = post_words = " ".join(["w"] * 40)
+            hits = [(d["cached_tokens"], d["cached_from"]) for d in [await post(first), await post(first)]]
+            assert hits == [(0, "prefixes"), (112, "prefixes")]
+            longer = await post(post_words + " x" * 10)  # 151 tokens: its first 7 blocks are the stored ones
+            assert (longer["prompt_tokens"], longer["cached_tokens"]) == (151, 112)
+            assert (await post(" ".join(["v"] * 40)))["cached_tokens"] == 0  # another prompt from its first block
+            c.des[0].mode = "error"
+            async with c.client.post("/v1/completions", json={"model": "tiny", "prompt": "y " * 40}) as resp:
+                assert resp.status == 400
+            c.des[0].mode = "ok"
+            assert (await post("y " * 40))["cached_tokens"] == 0  # the failed request stored nothing
+            c.pes[0].tokens_per_word = None  # no /tokenize: words, every one taken as a hit
+            assert [(d := await post(first))["cached_tokens"], d["cached_from"]] == [40, "assumed"]
+            assert set(c.proxy.placer.ledger.reads.values()) == {0}  # every read went back
 
     run(body())
