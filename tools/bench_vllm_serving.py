@@ -166,6 +166,8 @@ def bench_serve(model: str, policy: str, args, port: int, convs) -> dict:
             import urllib.request
 
             result["metrics"] = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+            decisions = urllib.request.urlopen(f"{url}/debug/decisions", timeout=10).read()
+            result["decisions"] = json.loads(decisions)  # each request's path, the queues it saw, its hits
             return result
         finally:
             _stop(proc)
