@@ -352,7 +352,8 @@ class Placer:
 
     ``status(instance)`` and ``kv_blocks(instance)`` are the proxy's live queries (None: no answer); both are
     awaited at most ``concurrency`` at a time. ``alpha`` / ``beta`` in tokens; ``timeout_s`` bounds a request's
-    wait for an engine and for the compute quota.
+    wait for an engine and for the compute quota; ``cached_capacity_blocks`` the blocks the hit estimate
+    (:class:`~.cached_prefixes.CachedPrefixes`) remembers.
     """
 
     def __init__(
