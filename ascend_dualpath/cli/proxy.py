@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from ascend_dualpath import _env
+from ascend_dualpath.integrations.vllm.cached_prefixes import DEFAULT_CAPACITY_BLOCKS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,9 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV bytes of one token (all layers), for alpha from the storage-NIC caps")  # fmt: skip
     parser.add_argument("--compute-quota", type=float, default=0.0, metavar="S",
                         help="hold requests to a PE over this predicted attention time (paper: 0.3; default 0 = off)")  # fmt: skip
-    parser.add_argument("--cached-capacity-blocks", type=int, default=None, metavar="N",
+    parser.add_argument("--cached-capacity-blocks", type=int, default=DEFAULT_CAPACITY_BLOCKS, metavar="N",
                         help="KV blocks the proxy's estimate of the store's hits remembers, least recently used out "
-                        "(default 262144)")  # fmt: skip
+                        "(default %(default)s)")  # fmt: skip
     parser.add_argument(
         "--timeout", type=float, default=None, metavar="S",
         help="bound of every upstream wait and of a request's wait for an engine (default ADP_TIMEOUT_S or 30)",
@@ -91,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         cluster=_cluster(args), policy=args.policy, placement=args.placement, split=args.split,
         alpha_tokens=args.alpha_tokens, beta_tokens=args.beta_tokens, compute_quota_s=args.compute_quota,
         timeout_s=args.timeout if args.timeout is not None else _env.timeout_s(), status_timeout_s=args.status_timeout,
-        **({} if args.cached_capacity_blocks is None else {"cached_capacity_blocks": args.cached_capacity_blocks}),
+        cached_capacity_blocks=args.cached_capacity_blocks,
     )  # fmt: skip
     how = "thresholds not used by round-robin"
     if cfg.placement == "scheduler":

@@ -17,7 +17,7 @@ The gates are :func:`~.kinds.select_kind`'s, with CUDA meanings: *capability* â€
 A failed capability or protocol gate falls back to ``aicpu`` for device sources, else ``host``.
 
 Every request is enqueued on the current stream of the engine's GPU, like a torch op (the batch call of ``aicpu`` on
-a side stream joined to it, since it refuses the legacy default stream). Remote-ready is a fresh magic in the
+the tail stream below, joined to it, since it refuses the legacy default stream). Remote-ready is a fresh magic in the
 ``notify`` slot after every byte landed, known at submit (``Ticket.notify_magic``; a receiver may poll the slot instead
 of waiting on the ticket): for ``aiv`` the copy kernel's last program releases it into the slot itself, for the
 other kinds one driver call of stream writes follows the copies on a tail stream (:class:`~.cudart.TailStream`), so
@@ -153,9 +153,10 @@ class CudaTransferEngine(TransferEngine):
         self.notify = notify
         self.graphs = bool(graphs)
         self._graph_magic = GRAPH_FIRST_MAGIC
-        self._batch_stream = torch.cuda.Stream(self.device)
         self._notify_stream = torch.cuda.Stream(self.peer_device)
-        self._tail = None  # cudart.TailStream of the copy-engine kinds' writes, made at their first request
+        self._tail = (
+            None  # cudart.TailStream of the copy-engine kinds (aicpu's batch, the writes), made when first used
+        )
         self._tail_notify: dict = {}  # notify slot -> (host word, value) of its last write on the tail stream
         self._done = torch.zeros(1, dtype=torch.int64, device=self.device)  # the device kinds' ready flag
         self._copier = None
@@ -381,7 +382,6 @@ class CudaTransferEngine(TransferEngine):
     def _enqueue(self, ticket: Ticket, work: _Work) -> None:
         """Enqueue ``work`` for ``ticket`` on the current stream (the engine's GPU is current): the copies, then the
         value that says they landed (notify slot, host word), known now."""
-        torch = self.torch
         stream = self._raw_stream(self.device.index)
         value = next(self._magics)
         if ticket.notify_slot is not None:
@@ -392,11 +392,9 @@ class CudaTransferEngine(TransferEngine):
             self._copier.run(plan, value)
         for copy in work.staging_copies:
             copy.run(value)
-        if work.batch is not None:  # on a side stream: the batch call refuses the legacy default stream
-            current = torch.cuda.current_stream(self.device)
-            self._batch_stream.wait_stream(current)
-            work.batch(self._batch_stream.cuda_stream)
-            current.wait_stream(self._batch_stream)
+        if work.batch is not None:  # on the tail stream: the batch call refuses the legacy default stream
+            work.batch(self._tail_stream().follow(stream))
+            self._tail.join(stream)  # the caller's later work sees the bytes
         if work.each:
             cudart.memcpy_each(work.each, stream)
         if work.graphable:
@@ -408,13 +406,16 @@ class CudaTransferEngine(TransferEngine):
         """End a request of the kinds without a publishing kernel: the writes of ``value`` (:meth:`_writes_of`) on
         the tail stream, after the request's copies on ``stream``, which goes on at once (stream order covers the
         bytes, not the notify)."""
-        if self._tail is None:
-            self._tail = cudart.TailStream(self.torch, self.device)
-        self._writes_of(work, ticket.notify_slot)(self._tail.follow(stream), value)
+        self._writes_of(work, ticket.notify_slot)(self._tail_stream().follow(stream), value)
         work.host_word.enqueued = value
         ticket.state["done"] = (work.host_word, value)
         if ticket.notify_slot is not None:
             self._tail_notify[ticket.notify_slot] = (work.host_word, value)
+
+    def _tail_stream(self):
+        if self._tail is None:
+            self._tail = cudart.TailStream(self.torch, self.device)
+        return self._tail
 
     def _after_tail_notify(self, slot: int | None, stream: int) -> None:
         """Before a kernel publishes into notify ``slot`` from ``stream``: if the slot's last value went through the
@@ -555,7 +556,7 @@ class CudaTransferEngine(TransferEngine):
         if prepared.engine is not self:
             raise E.ProtocolError("the prepared transfer belongs to another engine")
         work = prepared.state["work"]
-        if prepared.selection.kind is not TransferKind.AIV or len(work.plans) != 1:
+        if not work.graphable:
             raise E.ConfigError(
                 f"only an aiv request can be captured in a CUDA graph; this one is "
                 f"{prepared.selection.kind.value!r} ({prepared.selection.decided_by})"
@@ -579,8 +580,8 @@ class CudaTransferEngine(TransferEngine):
         )
 
     def _publish_ready(self, ticket: Ticket, timeout_s: float) -> int:
-        """Never called: every notified request publishes at submit, in stream order (the copy kernel, or
-        :meth:`_notify_in_order`), so its result already carries the magic."""
+        """Never called: every notified request publishes at submit, in stream order (the copy kernel, or the tail
+        stream's writes), so its result already carries the magic."""
         raise E.ProtocolError(f"ticket {ticket.id} reached the wait without a published notify")
 
     def _write_notify(self, slot: int, magic: int, timeout_s: float, what: str) -> None:

@@ -1,9 +1,11 @@
-"""What the proxy knows of the KV store: the prompt blocks its PEs have prefilled, by the hash chain of their tokens.
+"""What the proxy knows of the KV store: the prompt blocks of requests answered in full, by the hash chain of their
+tokens.
 
-The connector stores every full block of a prompt once its PE has prefilled it, keyed by the prefix up to that
-block. A later prompt hits the store for its longest run of leading blocks whose prefixes were stored: that many
-tokens are read from storage, the rest computed. The proxy sees every request it routes and every prefill that
-succeeded, so it can estimate a request's hits before placing it instead of taking every prompt token as a hit.
+When a request finishes, the DE's connector stores its full blocks, keyed by the prefix up to each block. A later
+prompt hits the store for its longest run of leading blocks whose prefixes were stored: that many tokens are read
+from storage, the rest computed. The proxy sees every request it routes and whether its answer arrived in full, so it
+can estimate a request's hits before placing it instead of taking every prompt token as a hit (the answer's own
+blocks are stored too, but the proxy does not see their token ids).
 
 The proxy's own hash chain (Python's tuple hash, in this process only) keys the blocks: it need not match the
 store's block ids, only tell prompts apart. At most ``capacity_blocks`` blocks are kept, the least recently used
@@ -47,8 +49,8 @@ class CachedPrefixes:
         return found * self.block_size
 
     def store(self, token_ids: Sequence[int]) -> None:
-        """Remember every full block of the prefilled prompt ``token_ids`` (forgetting the oldest beyond the
-        capacity)."""
+        """Remember every full block of ``token_ids``, the prompt of a request answered in full (forgetting the oldest
+        beyond the capacity)."""
         for digest in self._chain(token_ids):
             self._blocks[digest] = None
             self._blocks.move_to_end(digest)

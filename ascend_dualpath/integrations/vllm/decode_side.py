@@ -37,7 +37,7 @@ from ascend_dualpath.errors import ChecksumMismatch, ProtocolError, WaitTimeout
 from ascend_dualpath.integrations.vllm.dataplane import PE_RANK, Dataplane, PairLink
 from ascend_dualpath.integrations.vllm.metadata import RecvSpec
 from ascend_dualpath.integrations.vllm.protocol import request_once
-from ascend_dualpath.integrations.vllm.quarantine import Quarantine
+from ascend_dualpath.integrations.vllm.quarantine import Quarantine, tickets_ended
 from ascend_dualpath.integrations.vllm.settings import ConnectorSettings
 from ascend_dualpath.kv.layout import KVLayout
 from ascend_dualpath.kv.read_queue import ReadQueue
@@ -287,7 +287,7 @@ class DecodeSide:
                 xfer.pusher_done = True
                 if all(t.future.done() for t in pushes):
                     self._pushing.pop(plan["xfer_id"], None)
-                xfer.reads_ended = _reads_ended(xfer)
+                xfer.reads_ended = tickets_ended(xfer.reads, xfer.pushes)
                 peer_done = xfer.peer_done
             if peer_done is not None:  # the request let go of the lease while this pusher still used it
                 why = "the PE may still write into it" if xfer.reads_ended else "reads or pushes outlived their wait"
@@ -388,7 +388,7 @@ class DecodeSide:
         xfer_id, pe, timeout_s = xfer.plan["xfer_id"], str(xfer.plan.get("pe")), self.settings.timeout_s
 
         def ended() -> bool:
-            if mine and not _reads_ended(xfer):
+            if mine and not tickets_ended(xfer.reads, xfer.pushes):
                 return False
             return peer_done or bool(request_once(pe, {"op": "writes_ended", "xfer_id": xfer_id}, timeout_s)["ended"])
 
@@ -467,8 +467,3 @@ class DecodeSide:
             if xfer.pusher is not None:
                 xfer.pusher.join(self.settings.timeout_s)
             self._let_go(xfer, xfer.lease, False, "unfinished at shutdown: the PE may still write into it")
-
-
-def _reads_ended(xfer: _DeXfer) -> bool:
-    """Whether none of the pusher's storage reads into its lease or pushes from it is in flight."""
-    return all(t.done for t in xfer.reads) and all(t.future.done() for t in xfer.pushes)

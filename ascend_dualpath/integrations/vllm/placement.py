@@ -21,7 +21,7 @@ sum of its instances' reported queues plus the hit tokens of requests this proxy
 finished; a DE's free HBM is, in KV blocks, ``num_gpu_blocks - max(used, blocks of this proxy's requests in
 flight there)``, unknown (never a limit) while its ``/metrics`` does not answer. A request's needs are estimated
 from its prompt tokens (the proxy counts them with a PE's tokenizer, else :func:`estimated_tokens`): the storage hits
-(``cached`` tokens) are the prompt's leading blocks that requests this proxy placed before have left in the store
+(``cached`` tokens) are the prompt's leading blocks that requests this proxy had answered in full left in the store
 (:class:`~.cached_prefixes.CachedPrefixes`; every prompt token when the proxy has no token ids), its read is those
 hits, and its DE holds ``ceil((prompt + max_tokens) / block_size)`` KV blocks.
 

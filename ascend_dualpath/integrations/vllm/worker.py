@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -59,7 +60,7 @@ from ascend_dualpath.integrations.vllm.decode_side import DecodeSide
 from ascend_dualpath.integrations.vllm.metadata import DualPathMetadata, LoadSpec, PersistSpec, SaveSpec
 from ascend_dualpath.integrations.vllm.persisting import PersistAnnouncements
 from ascend_dualpath.integrations.vllm.protocol import PeerClient, SideChannel, XferParams, request_once
-from ascend_dualpath.integrations.vllm.quarantine import Quarantine
+from ascend_dualpath.integrations.vllm.quarantine import Quarantine, tickets_ended
 from ascend_dualpath.integrations.vllm.settings import ConnectorSettings
 from ascend_dualpath.kv.layout import KVLayout
 from ascend_dualpath.kv.read_queue import ReadQueue
@@ -464,7 +465,7 @@ class DualPathWorker:
                 load.lease.nbytes,
                 load.lease.release,
                 settled,
-                _all_ended(load.tickets, sends),
+                functools.partial(tickets_ended, list(load.tickets), sends),
                 why,
             )
             load.lease = None
@@ -767,9 +768,3 @@ class DualPathWorker:
         recving, de.finished_recving = de.finished_recving, set()
         failed, de.failed_recving = de.failed_recving, set()
         return sending, recving, failed
-
-
-def _all_ended(reads: list, sends: list):
-    """``ended()`` of a PE lease: its storage reads and its sends out of it ended."""
-    reads, sends = list(reads), list(sends)
-    return lambda: all(t.done for t in reads) and all(t.future.done() for t in sends)
