@@ -308,7 +308,8 @@ class TailStream:
 
     On H200 any stream operation after a copy-engine copy (a stream write, a kernel, another copy) held the
     stream ~2.7 µs longer than the copy alone, while an event record cost nothing (docs/transfer.md): the tail
-    writes of the copy-engine kinds run here, so the caller's next work starts when the bytes landed."""
+    writes of the copy-engine kinds (and aicpu's batch call) run here, so the caller's next work starts when the bytes
+    landed."""
 
     def __init__(self, torch, device):
         rt = runtime()
