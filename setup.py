@@ -167,7 +167,8 @@ setup(
     python_requires=">=3.10",
     # torch is not pinned here: a range that admits a newer release would pull a CUDA build on a
     # CPU machine. Install torch first (README); any torch >= 2.4 works.
-    install_requires=["numpy", "rich", "matplotlib"],
+    # msgspec and pyzmq carry the DualPath side channel's typed messages (the core's, not only vLLM's).
+    install_requires=["numpy", "rich", "matplotlib", "msgspec", "pyzmq"],
     extras_require={"test": ["pytest", "hypothesis", "radon", "ruff==0.17.6"]},
     ext_modules=extensions(),
     cmdclass=cmdclass(),
