@@ -160,10 +160,14 @@ class DecodeSide:
             raise ProtocolError(
                 f"plan of request {message['xfer_id']!r} from {message.get('pe')!r}, which sent no hello"
             )
-        P, H = message["prompt_tokens"], message["hit_tokens"]
+        P, H, xfer_id = message["prompt_tokens"], message["hit_tokens"], message["xfer_id"]
         full = message["path"] == ReadPath.PE.value or H == message["load_start"]
+        with self._lock:
+            in_use = xfer_id in self._xfers
+        if in_use:  # refused, never overwritten: the earlier plan's lease may be written into right now
+            raise ProtocolError(f"plan of request {xfer_id!r}: that transfer id is already planned here")
         lease = self.dataplane.host.allocate(
-            message["xfer_id"], max(1, self.layout.kv_bytes(P)), timeout_s=self.settings.timeout_s
+            xfer_id, max(1, self.layout.kv_bytes(P)), timeout_s=self.settings.timeout_s
         )
         xfer = _DeXfer(
             message,
@@ -176,7 +180,10 @@ class DecodeSide:
             hits_ok=full or not message.get("pe_blocks", 0),
         )
         with self._lock:
-            self._xfers[message["xfer_id"]] = xfer
+            if xfer_id in self._xfers:  # a second plan of the id won the race: this one takes nothing
+                lease.release()
+                raise ProtocolError(f"plan of request {xfer_id!r}: that transfer id is already planned here")
+            self._xfers[xfer_id] = xfer
         if not full:
             xfer.consumed, xfer.read_lease, xfer.reads_ended = queue.Queue(), lease, False
             with self._lock:
@@ -402,10 +409,23 @@ class DecodeSide:
 
     # -- receives and the merge ------------------------------------------------------------------------------------
     def add_recv(self, spec: RecvSpec) -> None:
-        self._recvs[spec.xfer.xfer_id] = spec
-        self._recv_since[spec.xfer.xfer_id] = time.monotonic()
+        """Take a request's receive; a second request on a transfer id that has one fails at once (vLLM then
+        recomputes it or fails it): two requests must never read one lease's rows."""
+        xfer_id = spec.xfer.xfer_id
+        with self._lock:
+            taken = xfer_id in self._recvs
+            if not taken:
+                self._recvs[xfer_id] = spec
+                self._recv_since[xfer_id] = time.monotonic()
+        if taken:
+            log.warning("DualPath: request %s refused: transfer id %r is already in use here", spec.req_id, xfer_id)
+            if spec.report:
+                self.counters.failures += 1
+                self.failed_recving.add(spec.req_id)
+                self.finished_recving.add(spec.req_id)
 
     def complete_recvs(self) -> None:
+        """End every receive whose rows all arrived (merge), failed or timed out; then expire orphan plans."""
         now = time.monotonic()
         for xfer_id, spec in list(self._recvs.items()):
             with self._lock:
@@ -414,20 +434,54 @@ class DecodeSide:
                 if now - self._recv_since[xfer_id] > self.settings.timeout_s:
                     self._end_recv(xfer_id, spec, None, failed=True)
                 continue
+            if xfer.plan["prompt_tokens"] != spec.prompt_tokens:
+                xfer.error = (
+                    f"the plan is for {xfer.plan['prompt_tokens']} prompt tokens, the request has {spec.prompt_tokens}"
+                )
             if xfer.error is not None or now - xfer.created > self.settings.timeout_s:
                 self._end_recv(xfer_id, spec, xfer, failed=True)
             elif xfer.reads_ok and xfer.hits_ok and xfer.received_end >= xfer.plan["prompt_tokens"]:
-                self._merge(spec, xfer)
+                if spec.report:
+                    self._merge(spec, xfer)
                 self._end_recv(xfer_id, spec, xfer, failed=False)
+        self.expire_plans()
+
+    def expire_plans(self) -> int:
+        """Let go of plans no request took within ``timeout_s`` of their arrival (the DE refused the request, or
+        the client went away before vLLM scheduled it); returns how many. Called each step and on ``status``, so an
+        idle DE gives their leases back too."""
+        now = time.monotonic()
+        with self._lock:
+            expired = [
+                x
+                for xfer_id, x in self._xfers.items()
+                if xfer_id not in self._recvs and now - x.created > self.settings.timeout_s
+            ]
+            for xfer in expired:
+                del self._xfers[xfer.plan["xfer_id"]]
+        for xfer in expired:
+            log.warning("DualPath: plan of request %s expired: no request took it", xfer.plan["xfer_id"])
+            self.counters.expired_plans += 1
+            xfer.stop.set()
+            self._let_go(xfer, xfer.lease, self._rows_ended(xfer), "no request took it: the PE may still write")
+        return len(expired)
+
+    @staticmethod
+    def _rows_ended(xfer: _DeXfer) -> bool:
+        """Every row the PE sends has arrived: it writes nothing more into the lease."""
+        return xfer.error is None and xfer.hits_ok and xfer.received_end >= xfer.plan["prompt_tokens"]
 
     def _end_recv(self, xfer_id: str, spec: RecvSpec, xfer: _DeXfer | None, *, failed: bool) -> None:
-        self._recvs.pop(xfer_id)
-        self._recv_since.pop(xfer_id)
-        if xfer is not None:
-            with self._lock:
+        with self._lock:
+            self._recvs.pop(xfer_id)
+            self._recv_since.pop(xfer_id)
+            if xfer is not None:
                 self._xfers.pop(xfer_id, None)
+        if xfer is not None:
             xfer.stop.set()
             self._let_go(xfer, xfer.lease, not failed, "its receive failed: the PE may still write into it")
+        if not spec.report:
+            return  # vLLM waits for nothing here
         if failed:
             why = "no plan from the PE" if xfer is None else (xfer.error or "timed out")
             log.warning("DualPath: receive of request %s failed: %s", spec.req_id, why)

@@ -42,13 +42,21 @@ class SaveSpec:
 
 @dataclasses.dataclass
 class RecvSpec:
-    """An asynchronous receive on the DE: tokens ``[computed, end)`` arrive into ``block_ids``."""
+    """An asynchronous receive on the DE: tokens ``[computed, end)`` of a ``prompt_tokens``-token prompt arrive into
+    ``block_ids``.
+
+    ``report`` False: the request takes nothing from its PE (its prompt ends inside the first block, or the DE's
+    own prefix cache holds every row the PE would send) and vLLM does not wait for it; the PE still plans and
+    sends, so the plan's lease is released once its rows ended, and vLLM is told nothing.
+    """
 
     req_id: str
     xfer: XferParams
     computed: int
     end: int
     block_ids: list[int]
+    prompt_tokens: int
+    report: bool = True
 
 
 @dataclasses.dataclass

@@ -410,8 +410,10 @@ class Placer:
         )
         self.waiting = Gauge("adp_proxy_waiting_requests", "requests waiting for an engine or the quota", registry=reg)
         self.quota_holds = Counter("adp_proxy_quota_holds", "requests held for a PE's compute quota", registry=reg)
-        Gauge("adp_proxy_alpha_tokens", "alpha: node read-queue threshold in tokens", registry=reg).set(self.alpha)
-        Gauge("adp_proxy_beta_tokens", "beta: PE unfinished-token threshold in tokens", registry=reg).set(self.beta)
+        # an unbounded threshold is +Inf, the value Prometheus gives "never binds"
+        for name, value, what in (("alpha", self.alpha, "node read-queue"), ("beta", self.beta, "PE unfinished-token")):
+            gauge = Gauge(f"adp_proxy_{name}_tokens", f"{name}: {what} threshold in tokens (+Inf: none)", registry=reg)
+            gauge.set(math.inf if value >= UNBOUNDED else value)
 
     # ------------------------------------------------------------------------------------------ live state
 

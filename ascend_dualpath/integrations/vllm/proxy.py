@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import dataclasses
 import functools
 import itertools
@@ -65,6 +64,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from ascend_dualpath import _env
 from ascend_dualpath._checks import check_bound
 from ascend_dualpath.errors import ConfigError, ProtocolError, WaitTimeout
+from ascend_dualpath.integrations.vllm import fanout
 from ascend_dualpath.integrations.vllm.cached_prefixes import DEFAULT_CAPACITY_BLOCKS
 from ascend_dualpath.integrations.vllm.cluster import Cluster, Instance, default_side_channel, make_instance
 from ascend_dualpath.integrations.vllm.placement import (
@@ -77,6 +77,16 @@ from ascend_dualpath.integrations.vllm.placement import (
     decide,
     parse_kv_blocks,
     tokenize_request,
+)
+from ascend_dualpath.integrations.vllm.upstream import (
+    DecodeStream,
+    UpstreamError,
+    answered_error,
+    error_json,
+    federated_metrics,
+    instance_metrics,
+    pass_through,
+    transport_error,
 )
 
 POLICIES = ("dual", "pe", "de")
@@ -96,6 +106,23 @@ STATUS_GAUGES = {
     "checksum_errors": "stored blocks whose checksum did not match",
 }
 REQUIRED_STATUS_KEYS = ("node", "read_queue_tokens", "snic_read_blocks")
+# Fields of vLLM's completion and chat requests that shape the sampled answer, not the prompt's KV: the PE's one-token
+# copy drops them (vLLM's defaults apply). What shapes the prompt (model, prompt / messages, chat template fields,
+# tools, add_special_tokens, truncate_prompt_tokens, cache_salt, ...) and anything unknown stays.
+ANSWER_FIELDS = frozenset(
+    {
+        "n", "best_of", "min_tokens", "max_completion_tokens", "stop", "stop_token_ids", "include_stop_str_in_output",
+        "ignore_eos", "logprobs", "top_logprobs", "prompt_logprobs", "echo", "suffix", "stream_options",
+        "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+        "repetition_penalty", "length_penalty", "use_beam_search", "logit_bias", "allowed_token_ids", "bad_words",
+        "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+        "guided_decoding_backend", "guided_whitespace_pattern", "return_tokens_as_token_ids", "return_token_ids",
+        "skip_special_tokens", "spaces_between_special_tokens", "logits_processors", "vllm_xargs",
+        "thinking_token_budget", "reasoning_effort",
+    }
+)  # fmt: skip
+TOKENIZER_ROUTES = ("/tokenize", "/detokenize")  # answered by a PE, round robin (every instance has the tokenizer)
+STANDALONE_ROUTES = ("/v1/responses",)  # no DualPath plan: one DE computes it, round robin
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,19 +183,6 @@ class ProxyConfig:
         object.__setattr__(self, "decode_kv", first_de.kv)
 
 
-class UpstreamError(Exception):
-    """An instance failed a request: ``status`` is what the client gets, ``upstream`` names the instance."""
-
-    def __init__(self, upstream: str, status: int, message: str) -> None:
-        super().__init__(message)
-        self.upstream = upstream
-        self.status = status
-
-    def payload(self) -> dict:
-        """The OpenAI-style error body."""
-        return {"error": {"message": str(self), "type": f"{self.upstream}_error", "param": None, "code": self.status}}
-
-
 @dataclasses.dataclass(frozen=True)
 class Decision:
     """One request's placement: PE and DE (instance names), read path and its ``rule``, the two nodes' read queues
@@ -214,11 +228,15 @@ def decode_body(body: dict, decision: Decision, pe_side_channel: str) -> dict:
 
 
 def prefill_body(body: dict, decision: Decision, de_side_channel: str, chat: bool) -> dict:
-    """The PE's request: one token, not streamed, plus its ``kv_transfer_params``."""
-    out = {**body, "max_tokens": 1, "stream": False}
+    """The PE's request: the fields that shape the prompt, one token, not streamed, plus its ``kv_transfer_params``.
+
+    Every field of :data:`ANSWER_FIELDS` is dropped: they shape only the answer, which is discarded, and some
+    conflict with ``max_tokens: 1`` (``min_tokens``) or cost the PE work (structured output, prompt logprobs).
+    """
+    out = {key: value for key, value in body.items() if key not in ANSWER_FIELDS}
+    out.update(max_tokens=1, stream=False)
     if chat:
         out["max_completion_tokens"] = 1
-    out.pop("stream_options", None)
     return _with_dualpath(out, _params(decision, "prefill", de_side_channel))
 
 
@@ -273,6 +291,10 @@ class _Metrics:
         self.side_channel_failures = Counter(
             "adp_proxy_side_channel_failures", "status queries without a valid reply", ["instance"], registry=reg
         )
+        self.metrics_failures = Counter(
+            "adp_proxy_instance_metrics_failures", "instance /metrics queries without an answer", ["instance"],
+            registry=reg,
+        )  # fmt: skip
         self.tokenize_fallbacks = Counter(
             "adp_proxy_tokenize_fallbacks", "requests whose prompt tokens were counted as words", registry=reg
         )
@@ -297,60 +319,6 @@ class _Metrics:
             self.loads.labels(**labels, path=str(path)).set(count)
 
 
-class _DecodeStream:
-    """Reads the DE's answer in a task: ``head`` resolves to ``(status, content type)`` or an UpstreamError;
-    ``chunks`` then yields body chunks, ending with None (done) or an UpstreamError (broken mid-body)."""
-
-    def __init__(self) -> None:
-        self.head: asyncio.Future = asyncio.get_running_loop().create_future()
-        self.chunks: asyncio.Queue = asyncio.Queue(maxsize=64)
-
-    async def run(self, session: aiohttp.ClientSession, url: str, body: dict, timeout_s: float) -> None:
-        timeout = aiohttp.ClientTimeout(total=None, connect=timeout_s, sock_read=timeout_s)
-        try:
-            async with session.post(url, json=body, timeout=timeout) as resp:
-                if resp.status >= 400:
-                    raise UpstreamError("decode", resp.status, await _upstream_message("decode", url, resp))
-                self.head.set_result((resp.status, resp.headers.get("Content-Type", "application/json")))
-                async for chunk in resp.content.iter_any():
-                    await self.chunks.put(chunk)
-            await self.chunks.put(None)
-        except UpstreamError as exc:
-            await self._fail(exc)
-        except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as exc:
-            await self._fail(_transport_error("decode", url, exc, timeout_s))
-
-    async def _fail(self, exc: UpstreamError) -> None:
-        if not self.head.done():
-            self.head.set_exception(exc)
-        else:
-            await self.chunks.put(exc)
-
-    def discard(self) -> None:
-        """Mark an unread head exception as retrieved (the request ended for another reason)."""
-        if self.head.done() and not self.head.cancelled():
-            self.head.exception()
-
-
-def _transport_error(upstream: str, url: str, exc: BaseException, timeout_s: float) -> UpstreamError:
-    if isinstance(exc, asyncio.TimeoutError):
-        return UpstreamError(upstream, 504, f"{upstream} instance {url} did not answer within {timeout_s} s")
-    return UpstreamError(upstream, 502, f"{upstream} instance {url} unreachable: {exc!r}")
-
-
-async def _upstream_message(upstream: str, url: str, resp: aiohttp.ClientResponse) -> str:
-    """``"<upstream> instance <url> answered <status>: <its message>"``, the message from its error JSON."""
-    text = (await resp.content.read(64 * 1024)).decode("utf-8", "replace")
-    with contextlib.suppress(ValueError, AttributeError, TypeError):
-        text = json.loads(text)["error"]["message"]
-    return f"{upstream} instance {url} answered {resp.status}: {text}"
-
-
-def _json_error(status: int, message: str, kind: str) -> web.Response:
-    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
-    return web.json_response(body, status=status)
-
-
 class DualPathProxy:
     """The proxy's state (config, placer, HTTP session, ZMQ context, metrics, recent decisions) and handlers."""
 
@@ -369,6 +337,7 @@ class DualPathProxy:
         self.session: aiohttp.ClientSession | None = None
         self.zmq_ctx: zmq.asyncio.Context | None = None
         self._tokenizers = itertools.cycle(cfg.cluster.prefill)
+        self._standalone = itertools.cycle(cfg.cluster.decode)
 
     def make_app(self) -> web.Application:
         """The aiohttp application; the HTTP session and ZMQ context live as long as it runs."""
@@ -377,6 +346,12 @@ class DualPathProxy:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/version", self.models)
+        for route in TOKENIZER_ROUTES:
+            app.router.add_post(route, self.tokenizer)
+        for route in STANDALONE_ROUTES:
+            app.router.add_route("*", route, self.standalone)
+            app.router.add_route("*", route + "/{tail:.*}", self.standalone)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_text)
         app.router.add_get("/debug/decisions", self.debug_decisions)
@@ -451,105 +426,164 @@ class DualPathProxy:
         self.metrics.requests.labels(endpoint=endpoint, path=placement.path).inc()
         return decision
 
-    async def _prefill(self, url: str, body: dict) -> None:
+    async def _prefill(self, name: str, url: str, body: dict) -> None:
         """Send the PE's request and read its whole answer; raises UpstreamError on any failure."""
         timeout = aiohttp.ClientTimeout(total=self.cfg.timeout_s)
         try:
             async with self.session.post(url, json=body, timeout=timeout) as resp:
                 if resp.status >= 400:
-                    raise UpstreamError("prefill", resp.status, await _upstream_message("prefill", url, resp))
+                    raise await answered_error("prefill", name, resp)
                 await resp.read()
         except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as exc:
-            raise _transport_error("prefill", url, exc, self.cfg.timeout_s) from None
+            raise transport_error("prefill", name, exc, self.cfg.timeout_s) from None
 
     async def _forward(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+        """One client request: split into one engine request per prompt and choice (:mod:`.fanout`), each placed and
+        sent to its PE and DE; the answers relayed (one) or merged (several)."""
         start = time.monotonic()
+        raw = await request.read()
         try:
-            body = await request.json()
-        except ValueError as exc:
-            return self._client_error(f"request body is not JSON: {exc}")
-        if not isinstance(body, dict):
-            return self._client_error(f"request body must be a JSON object, got {type(body).__name__}")
-        ids, tokens_from = await self._prompt_ids(body, endpoint)
+            body = json.loads(raw)
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):  # vLLM's own answer to a malformed request, word for word
+            return await self._standalone_answer(request, request.path, raw)
         try:
-            placement = await self.placer.place(body, ids)
+            subs = fanout.split(body, chat=endpoint == "/v1/chat/completions")
+        except fanout.FanOutLimit as exc:
+            self.metrics.errors.labels(source="proxy", status="400").inc()
+            return web.json_response(error_json(400, str(exc), "n"), status=400)
+        legs: list[_Leg] = []
+        try:
+            for sub in subs:
+                legs.append(await self._start_leg(sub, endpoint, legs))
+            failure = await _first_failure_of(legs, self.cfg.status_timeout_s)
+            if failure is not None:
+                self.metrics.errors.labels(source=failure.source, status=str(failure.status)).inc()
+                return failure.response()
+            if len(legs) == 1:
+                return await self._relay(request, legs[0], endpoint, start)
+            if body.get("stream"):
+                return await self._relay_merged(request, subs, legs, body, endpoint, start)
+            return await self._merged_answer(subs, legs, endpoint, start)
         except PlacementTimeout as exc:
             self.metrics.errors.labels(source="proxy", status="503").inc()
-            return _json_error(503, str(exc), "placement_timeout")
-        try:
-            decision = self._record(endpoint, placement, tokens_from, "assumed" if ids is None else "prefixes")
-            stored = None if ids is None else functools.partial(self.placer.stored, ids)
-            return await self._dispatch(request, endpoint, body, placement, decision, start, stored)
+            return web.json_response(error_json(503, str(exc)), status=503)
         finally:
-            self.placer.decode_done(placement)
+            for leg in legs:
+                await leg.close(self.placer)
 
-    async def _dispatch(
-        self,
-        request: web.Request,
-        endpoint: str,
-        body: dict,
-        placement: Placement,
-        decision: Decision,
-        start: float,
-        stored: Callable[[], None] | None = None,
-    ) -> web.StreamResponse:
-        """Send the placed request to its PE and DE; relay the DE's answer (or the first failure). ``stored`` is
-        called once the DE's answer arrived in full (its connector then stores the request's blocks)."""
+    async def _start_leg(self, sub: fanout.SubRequest, endpoint: str, earlier: list[_Leg]) -> _Leg:
+        """Place one engine request and send it to its PE and DE (a prompt's later choices reuse its token ids)."""
+        same = next((leg for leg in earlier if leg.sub.prompt_index == sub.prompt_index), None)
+        ids, tokens_from = (same.ids, same.tokens_from) if same else await self._prompt_ids(sub.body, endpoint)
+        placement = await self.placer.place(sub.body, ids)
+        decision = self._record(endpoint, placement, tokens_from, "assumed" if ids is None else "prefixes")
         pe, de = placement.pe, placement.de
-        pe_body = prefill_body(body, decision, de.kv, chat=endpoint == "/v1/chat/completions")
-        de_body = decode_body(body, decision, pe.kv)
-        decode = _DecodeStream()
-        pe_task = asyncio.create_task(self._prefill(pe.url + endpoint, pe_body))
+        pe_body = prefill_body(sub.body, decision, de.kv, chat=endpoint == "/v1/chat/completions")
+        decode = DecodeStream(de.name)
+        pe_task = asyncio.create_task(self._prefill(pe.name, pe.url + endpoint, pe_body))
+        de_body = decode_body(sub.body, decision, pe.kv)
         de_task = asyncio.create_task(decode.run(self.session, de.url + endpoint, de_body, self.cfg.timeout_s))
         pe_task.add_done_callback(lambda _: self.placer.prefill_done(placement))
-        try:
-            failure = await _first_failure(pe_task, decode.head)
-            if failure is not None:
-                self.metrics.errors.labels(source=failure.upstream, status=str(failure.status)).inc()
-                return web.json_response(failure.payload(), status=failure.status)
-            return await self._relay(request, decode, endpoint, start, stored)
-        finally:
-            await _cancel(pe_task, de_task)
-            decode.discard()
+        stored = None if ids is None else functools.partial(self.placer.stored, ids)
+        return _Leg(sub, placement, decode, pe_task, de_task, ids, tokens_from, stored)
 
-    async def _relay(self, request: web.Request, decode: _DecodeStream, endpoint: str, start: float, stored=None):
-        """Pass the DE's answer to the client chunk by chunk (each wait bounded by the DE's read timeout); call
-        ``stored`` when it ended without an error."""
-        status, content_type = decode.head.result()
+    async def _relay(self, request: web.Request, leg: _Leg, endpoint: str, start: float) -> web.StreamResponse:
+        """Pass one DE answer to the client chunk by chunk (each wait bounded by the DE's read timeout); a client
+        gone mid-answer ends it quietly, its latency still recorded."""
+        status, content_type = leg.decode.head.result()
         resp = web.StreamResponse(status=status, headers={"Content-Type": content_type})
-        await resp.prepare(request)
-        first = True
-        while (item := await asyncio.wait_for(decode.chunks.get(), self.cfg.timeout_s + 1.0)) is not None:
-            if isinstance(item, UpstreamError):
-                self.metrics.errors.labels(source=item.upstream, status=str(item.status)).inc()
-                await _write_midstream_error(resp, content_type, item)
-                break
-            if first:
-                self.metrics.ttft.labels(endpoint=endpoint).observe(time.monotonic() - start)
-                first = False
-            await resp.write(item)
-        else:
-            if stored is not None and status < 400:
-                stored()
-        await resp.write_eof()
-        self.metrics.latency.labels(endpoint=endpoint).observe(time.monotonic() - start)
+        try:
+            await resp.prepare(request)
+            first = True
+            while (item := await asyncio.wait_for(leg.decode.chunks.get(), self.cfg.timeout_s + 1.0)) is not None:
+                if isinstance(item, UpstreamError):
+                    self.metrics.errors.labels(source=item.source, status=str(item.status)).inc()
+                    await _write_midstream_error(resp, content_type, item)
+                    break
+                if first:
+                    self.metrics.ttft.labels(endpoint=endpoint).observe(time.monotonic() - start)
+                    first = False
+                await resp.write(item)
+            else:
+                leg.answered()
+            await resp.write_eof()
+        except ConnectionResetError:
+            self.metrics.errors.labels(source="client", status="499").inc()
+        finally:
+            self.metrics.latency.labels(endpoint=endpoint).observe(time.monotonic() - start)
         return resp
 
-    def _client_error(self, message: str) -> web.Response:
-        self.metrics.errors.labels(source="client", status="400").inc()
-        return _json_error(400, message, "invalid_request_error")
-
-    async def models(self, request: web.Request) -> web.Response:
-        """The first DE's ``/v1/models`` answer, status and body as they are."""
-        url = self.cfg.decode_url + "/v1/models"
+    async def _merged_answer(self, subs: list, legs: list[_Leg], endpoint: str, start: float) -> web.Response:
+        """The non-streamed answer of a fanned-out request: every DE's whole answer, merged as vLLM answers."""
         try:
-            async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=self.cfg.timeout_s)) as resp:
-                body = await resp.read()
-                return web.Response(body=body, status=resp.status, content_type=resp.content_type)
-        except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as exc:
-            failure = _transport_error("decode", url, exc, self.cfg.timeout_s)
-            self.metrics.errors.labels(source="decode", status=str(failure.status)).inc()
-            return web.json_response(failure.payload(), status=failure.status)
+            answers = [json.loads(await leg.decode.body(self.cfg.timeout_s + 1.0)) for leg in legs]
+        except UpstreamError as failure:
+            self.metrics.errors.labels(source=failure.source, status=str(failure.status)).inc()
+            return failure.response()
+        for leg in legs:
+            leg.answered()
+        self.metrics.latency.labels(endpoint=endpoint).observe(time.monotonic() - start)
+        return web.json_response(fanout.merge(subs, answers))
+
+    async def _relay_merged(
+        self, request: web.Request, subs: list, legs: list[_Leg], body: dict, endpoint: str, start: float
+    ) -> web.StreamResponse:
+        """A fanned-out streamed request: every DE's events as they come, rewritten into one stream."""
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        merger = fanout.StreamMerger(subs, include_usage)
+        events: asyncio.Queue = asyncio.Queue()
+        pumps = [asyncio.create_task(_pump(i, leg, events, self.cfg.timeout_s + 1.0)) for i, leg in enumerate(legs)]
+        resp = web.StreamResponse(status=200, headers={"Content-Type": legs[0].decode.head.result()[1]})
+        try:
+            await resp.prepare(request)
+            open_streams, first = len(legs), True
+            while open_streams:
+                i, item = await events.get()
+                if item is None:
+                    open_streams -= 1
+                    legs[i].answered()
+                    continue
+                if isinstance(item, UpstreamError):
+                    self.metrics.errors.labels(source=item.source, status=str(item.status)).inc()
+                    await _write_midstream_error(resp, "text/event-stream", item)
+                    break
+                if first:
+                    self.metrics.ttft.labels(endpoint=endpoint).observe(time.monotonic() - start)
+                    first = False
+                await resp.write(merger.feed(i, item))
+            else:
+                await resp.write(merger.end())
+            await resp.write_eof()
+        except ConnectionResetError:
+            self.metrics.errors.labels(source="client", status="499").inc()
+        finally:
+            await _cancel(*pumps)
+            self.metrics.latency.labels(endpoint=endpoint).observe(time.monotonic() - start)
+        return resp
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        """``/v1/models`` and ``/version``: the first DE's answer, status and body as they are."""
+        return await pass_through(
+            self.session, request, self.cfg.cluster.decode[0].name, self.cfg.decode_url + request.path, b"",
+            self.cfg.timeout_s,
+        )  # fmt: skip
+
+    async def tokenizer(self, request: web.Request) -> web.StreamResponse:
+        """``/tokenize`` and ``/detokenize``: a PE's answer (round robin)."""
+        pe = next(self._tokenizers)
+        return await pass_through(
+            self.session, request, pe.name, pe.url + request.path, await request.read(), self.cfg.timeout_s
+        )
+
+    async def standalone(self, request: web.Request) -> web.StreamResponse:
+        """Routes without a DualPath plan (``/v1/responses``): one DE computes them itself (round robin)."""
+        return await self._standalone_answer(request, request.path, await request.read())
+
+    async def _standalone_answer(self, request: web.Request, path: str, raw: bytes) -> web.StreamResponse:
+        de = next(self._standalone)
+        return await pass_through(self.session, request, de.name, de.url + path, raw, self.cfg.timeout_s)
 
     async def _instance_health(self, url: str) -> str:
         try:
@@ -570,12 +604,46 @@ class DualPathProxy:
     async def metrics_text(self, request: web.Request) -> web.Response:
         # fresh connector figures: the last request's status predates its own reads
         await self.placer.snapshot(with_kv=False)
-        body = generate_latest(self.metrics.registry)
+        instances = self.cfg.cluster.instances
+        texts = await asyncio.gather(
+            *(instance_metrics(self.session, i.url, self.cfg.status_timeout_s) for i in instances)
+        )
+        for instance, text in zip(instances, texts, strict=True):
+            if text is None:
+                self.metrics.metrics_failures.labels(instance=instance.name).inc()
+        answered = {i.name: text for i, text in zip(instances, texts, strict=True) if text is not None}
+        body = generate_latest(self.metrics.registry) + federated_metrics(answered)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def debug_decisions(self, request: web.Request) -> web.Response:
         """The last :data:`DECISIONS_KEPT` decisions, oldest first."""
         return web.json_response([dataclasses.asdict(d) for d in self.decisions])
+
+
+@dataclasses.dataclass
+class _Leg:
+    """One engine request of a client request on its way: its placement, the PE's and the DE's tasks, and what is
+    stored once its answer arrived in full (``stored``: the proxy's record of the prompt's blocks)."""
+
+    sub: fanout.SubRequest
+    placement: Placement
+    decode: DecodeStream
+    pe_task: asyncio.Task
+    de_task: asyncio.Task
+    ids: list[int] | None
+    tokens_from: str
+    stored: Callable[[], None] | None = None
+
+    def answered(self) -> None:
+        """Its DE answered in full without an error: its connector stores the request's blocks."""
+        if self.stored is not None:
+            self.stored()
+            self.stored = None
+
+    async def close(self, placer: Placer) -> None:
+        await _cancel(self.pe_task, self.de_task)
+        self.decode.discard()
+        placer.decode_done(self.placement)
 
 
 async def _first_failure(pe_task: asyncio.Task, de_head: asyncio.Future) -> UpstreamError | None:
@@ -595,7 +663,48 @@ async def _first_failure(pe_task: asyncio.Task, de_head: asyncio.Future) -> Upst
     return None
 
 
-async def _cancel(*tasks: asyncio.Task) -> None:
+async def _leg_failure(leg: _Leg, grace_s: float) -> UpstreamError | None:
+    """A leg's first failure; a PE refusing the request (4xx) yields to the DE's own refusal when that comes within
+    ``grace_s``: the DE got the client's body unchanged, so its error is vLLM's answer to the client."""
+    failure = await _first_failure(leg.pe_task, leg.decode.head)
+    if failure is None or failure.source != "prefill" or failure.status >= 500:
+        return failure
+    try:
+        await asyncio.wait_for(asyncio.shield(leg.decode.head), grace_s)
+    except UpstreamError as de_failure:
+        return de_failure
+    except asyncio.TimeoutError:
+        pass
+    return failure
+
+
+async def _first_failure_of(legs: list[_Leg], grace_s: float) -> UpstreamError | None:
+    """The first failure among the legs (the others are cancelled by the caller), or None when all are fine."""
+    waits = [asyncio.ensure_future(_leg_failure(leg, grace_s)) for leg in legs]
+    try:
+        for next_done in asyncio.as_completed(waits):
+            failure = await next_done
+            if failure is not None:
+                return failure
+        return None
+    finally:
+        await _cancel(*waits)
+
+
+async def _pump(index: int, leg: _Leg, events: asyncio.Queue, timeout_s: float) -> None:
+    """Move one DE's chunks into the shared queue as ``(index, chunk)``; ends with None or an UpstreamError."""
+    try:
+        while (item := await asyncio.wait_for(leg.decode.chunks.get(), timeout_s)) is not None:
+            await events.put((index, item))
+            if isinstance(item, UpstreamError):
+                return
+        await events.put((index, None))
+    except asyncio.TimeoutError:
+        message = f"the decode instance {leg.decode.name} sent nothing for {timeout_s} s"
+        await events.put((index, UpstreamError("decode", 504, message)))
+
+
+async def _cancel(*tasks: asyncio.Future) -> None:
     """Cancel what still runs (closing its upstream connection) and wait for it to unwind."""
     for task in tasks:
         if not task.done():

@@ -102,11 +102,14 @@ class DualPathScheduler:
         if xfer is not None and xfer.role == "prefill":
             self._prefill[request.request_id] = (xfer, block_ids, request.num_prompt_tokens)
         if xfer is not None and xfer.role == "decode":
-            if num_external_tokens > 0:
-                self._received.add(request.request_id)
-                self._pending_recvs[request.request_id] = RecvSpec(
-                    request.request_id, xfer, computed, self.received_end(request.num_prompt_tokens), block_ids
-                )
+            if request.request_id in self._received:
+                return  # its receive failed and vLLM recomputes it: the transfer is over
+            self._received.add(request.request_id)
+            prompt, report = request.num_prompt_tokens, num_external_tokens > 0
+            end = self.received_end(prompt) if report else computed
+            self._pending_recvs[request.request_id] = RecvSpec(
+                request.request_id, xfer, computed, end, block_ids, prompt, report
+            )
             return
         hit, ids = self._hits.pop(request.request_id, (0, []))
         if num_external_tokens > 0 or (xfer is not None and xfer.role == "prefill"):

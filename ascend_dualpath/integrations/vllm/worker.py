@@ -102,6 +102,7 @@ class Counters:
     quarantined_slots: int = 0  # a failed load's window slots (and notify group) a late DE push might still reach
     reclaimed_leases: int = 0  # quarantined leases given back once nothing could reach them
     reclaimed_slots: int = 0
+    expired_plans: int = 0  # plans no request took within the timeout (the DE refused it, or its client left)
 
 
 @dataclasses.dataclass
@@ -237,7 +238,7 @@ class DualPathWorker:
         self._loads = [self._start_load(spec) for spec in meta.loads]
         self._saves = []
         for spec in meta.saves:
-            xfer = self._pe_xfers.get(spec.xfer.xfer_id)
+            xfer = self._pe_xfer(spec.req_id)
             if xfer is not None:
                 self._saves.append((spec, xfer, []))
         for spec in meta.recvs:
@@ -355,7 +356,7 @@ class DualPathWorker:
 
     def _send_own_hits(self, load: _Load) -> None:
         """A split's own half, read, goes once into the DE lease's hit-block area (blocks ``first ..``)."""
-        fb, xfer = self.layout.full_block_bytes, self._pe_xfers[load.spec.xfer.xfer_id]
+        fb, xfer = self.layout.full_block_bytes, self._pe_xfer(load.spec.req_id)
         nbytes = load.own_blocks * fb
         load.hits_ticket = load.peer.link.leg.submit(
             0, [Segment(load.lease.addr, nbytes, 0)], DE_RANK, xfer.lease_addr + load.first * fb
@@ -393,7 +394,7 @@ class DualPathWorker:
             first_bad = self._drop_corrupt(load)
         self._invalid_blocks.update(spec.block_ids[first_bad : load.last])
         self.counters.fallbacks += 1
-        xfer = self._pe_xfers.get(spec.xfer.xfer_id) if spec.xfer is not None else None
+        xfer = self._pe_xfer(spec.req_id)
         if xfer is not None:
             xfer.full_rows, xfer.first_save = True, True
             if load.slots:  # the DE must stop pushing before the slots are freed
@@ -526,9 +527,24 @@ class DualPathWorker:
     def _peer_request(peer: _Peer, message: dict, timeout_s: float | None = None) -> dict:
         return peer.client.request(message, timeout_s)
 
+    def _pe_xfer(self, req_id: str) -> _PeXfer | None:
+        """The transfer this PE request planned (None: it planned none, or its plan was refused)."""
+        return self._pe_xfers.get(self._pe_xfer_of.get(req_id))
+
     def _plan(self, load: _Load) -> None:
-        """Tell the DE what is coming (and, when it pushes hit layers, where); take its lease."""
+        """Tell the DE what is coming (and, when it pushes hit layers, where); take its lease.
+
+        A transfer id already planned by another request is refused before anything is sent: vLLM gives every
+        engine request of one HTTP request (a prompt list, ``n > 1``) the same ``kv_transfer_params``, and two
+        requests on one transfer would write into one lease.
+        """
         spec, link, C = load.spec, load.peer.link, self.layout.token_bytes
+        if spec.xfer.xfer_id in self._pe_xfers:
+            owner = next((r for r, x in self._pe_xfer_of.items() if x == spec.xfer.xfer_id), "?")
+            raise ProtocolError(
+                f"request {spec.req_id}: transfer id {spec.xfer.xfer_id!r} is already in use by request {owner} "
+                "(each engine request needs its own transfer id); it is computed here without a transfer"
+            )
         message = {
             "op": "plan",
             "pe": self.side.address,
@@ -694,6 +710,7 @@ class DualPathWorker:
 
     def status(self) -> dict:
         """The instance's live state: its read queue and storage NIC, what it holds unfinished, its counters."""
+        self.decode.expire_plans()
         stats = self.read_queue.stats()
         token_bytes = self.layout.kv_bytes(1)
         unfinished = self.decode.unfinished_tokens() + [x.prompt_tokens for x in list(self._pe_xfers.values())]
@@ -722,6 +739,7 @@ class DualPathWorker:
             "quarantined_slots": c.quarantined_slots,
             "reclaimed_leases": c.reclaimed_leases,
             "reclaimed_slots": c.reclaimed_slots,
+            "expired_plans": c.expired_plans,
             "quarantined_bytes": self.quarantine.held_bytes,
         }
 

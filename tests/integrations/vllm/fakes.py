@@ -132,7 +132,11 @@ class FakeInstance:
         return web.Response(text=text, content_type="text/plain")
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
+        try:
+            body = await request.json()
+        except ValueError:  # vLLM's answer to a body that is not JSON (its words differ; the shape is the same)
+            error = {"message": "JSON decode error", "type": "BadRequestError", "param": None, "code": 400}
+            return web.json_response({"error": error}, status=400)
         self.bodies.append(body)
         if self.mode == "error":
             await asyncio.sleep(self.error_delay_s)

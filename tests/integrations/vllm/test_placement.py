@@ -183,7 +183,7 @@ def test_a_request_that_fits_nowhere_fails_clearly_at_its_timeout():
             start = time.monotonic()
             status, answer = await c.post(words=5, max_tokens=27)
             assert 1.0 <= time.monotonic() - start < 3.0
-            assert status == 503 and answer["error"]["type"] == "placement_timeout"
+            assert status == 503 and answer["error"]["type"] == "ServiceUnavailableError"
             message = answer["error"]["message"]
             assert "waited 1.0 s for a DE with 2 free KV blocks" in message and "'decode0': 0" in message
             assert c.pes[0].bodies == [] and c.des[0].bodies == []

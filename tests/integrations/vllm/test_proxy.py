@@ -87,7 +87,9 @@ def test_unknown_fields_pass_through_and_prefill_body_is_rewritten():
             de_params, pe_params = de_body.pop("kv_transfer_params"), pe_body.pop("kv_transfer_params")
             client = {k: v for k, v in COMPLETION.items() if k != "kv_transfer_params"}
             assert de_body == client
-            assert pe_body == {**client, "max_tokens": 1, "stream": False}
+            # what shapes only the answer is dropped (the PE's token is discarded); the rest, unknown fields too, stays
+            kept = {k: v for k, v in client.items() if k not in ("temperature", "seed", "ignore_eos")}
+            assert pe_body == {**kept, "max_tokens": 1, "stream": False}
             xfer_id = de_params["dualpath"]["xfer_id"]
             assert de_params == {
                 "other": "kept",
@@ -131,7 +133,7 @@ def test_chat_prefill_gets_one_completion_token_and_no_stream_options():
                 await resp.read()
             pe_body = h.pe.bodies[0]
             assert pe_body["max_tokens"] == 1 and pe_body["max_completion_tokens"] == 1
-            assert pe_body["stream"] is False and "stream_options" not in pe_body and pe_body["top_k"] == 3
+            assert pe_body["stream"] is False and "stream_options" not in pe_body and "top_k" not in pe_body
             de_body = h.de.bodies[0]
             assert de_body["stream"] is True and de_body["stream_options"] == {"include_usage": True}
             assert de_body["max_completion_tokens"] == 9 and "max_tokens" not in de_body
@@ -258,9 +260,9 @@ def test_prefill_error_reaches_the_client_and_cancels_the_decode_request():
             start = time.monotonic()
             status, answer = await h.post("/v1/completions", COMPLETION)
             assert time.monotonic() - start < 2.0  # well before the 5 s timeout: cancelled, not timed out
+            # vLLM's error, word for word (no proxy wording, no internal address)
             assert status == 422
-            assert answer["error"]["code"] == 422 and answer["error"]["type"] == "prefill_error"
-            assert "prefill instance" in answer["error"]["message"] and "prefill refuses" in answer["error"]["message"]
+            assert answer == {"error": {"message": "prefill refuses", "type": "BadRequestError", "code": 422}}
             await asyncio.wait_for(h.de.disconnected.wait(), 1)
 
     run(body())
@@ -273,7 +275,10 @@ def test_decode_error_reaches_the_client_and_cancels_the_prefill_request():
             start = time.monotonic()
             status, answer = await h.post("/v1/chat/completions", {"messages": [], "stream": True})
             assert time.monotonic() - start < 2.0  # well before the 5 s timeout: cancelled, not timed out
-            assert status == 500 and answer["error"]["type"] == "decode_error" and "decode refuses" in str(answer)
+            assert (status, answer) == (
+                500,
+                {"error": {"message": "decode refuses", "type": "BadRequestError", "code": 500}},
+            )
             await asyncio.wait_for(h.pe.disconnected.wait(), 1)
 
     run(body())
@@ -321,14 +326,16 @@ def test_health_needs_both_instances_and_models_come_from_the_decode_instance():
     run(body())
 
 
-def test_a_body_that_is_not_a_json_object_is_a_400():
+def test_a_body_that_is_not_a_json_object_gets_vllms_own_answer():
+    """No DualPath plan for it: one DE answers it (vLLM's validation error), relayed as it is."""
+
     async def body():
         async with Harness() as h:
             async with h.client.post("/v1/completions", data=b"{not json") as resp:
-                assert resp.status == 400 and "not JSON" in (await resp.json())["error"]["message"]
-            status, answer = await h.post("/v1/completions", [1, 2])
-            assert status == 400 and "JSON object" in answer["error"]["message"]
-            assert h.pe.bodies == [] and h.de.bodies == []
+                assert resp.status == 400 and (await resp.json())["error"]["message"] == "JSON decode error"
+            async with h.client.post("/v1/completions", json=[1, 2]) as resp:
+                assert resp.status == 500  # the fake DE fails on a list (vLLM answers 400): its answer goes on
+            assert h.pe.bodies == [] and h.de.bodies == [[1, 2]]
 
     run(body())
 

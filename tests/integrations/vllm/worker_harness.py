@@ -157,7 +157,7 @@ class Deployment:
         blocks = -(-prompt // BLOCK)
         pe_req = PeRequest(f"p{n}", pe_xfer, prompt, hit_blocks * BLOCK, ids, pe_inst.take_blocks(blocks), rows)
         de_end = (prompt - 1) // BLOCK * BLOCK
-        de_req = RecvSpec(f"d{n}", de_xfer, 0, de_end, de_inst.take_blocks(blocks))
+        de_req = RecvSpec(f"d{n}", de_xfer, 0, de_end, de_inst.take_blocks(blocks), prompt, de_end > 0)
         return pe_req, de_req
 
     def expect_recv(self, de: str, spec: RecvSpec) -> None:
@@ -209,6 +209,20 @@ class Deployment:
                 if req_ids <= inst.finished:
                     return req_ids & inst.finished, req_ids & inst.failed
             assert time.monotonic() < deadline, f"receives {sorted(req_ids - inst.finished)} on {de} did not end"
+            time.sleep(0.005)
+
+    def drain(self, de: str, spec: RecvSpec, timeout_s: float = TIMEOUT_S) -> None:
+        """Poll the DE (as vLLM's steps do) until a receive that vLLM does not wait for (``report`` False) let go of
+        its plan; asserts vLLM is never told of it."""
+        inst = self.instances[de]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with inst.lock:
+                _, recving, failed = inst.worker.get_finished(set())
+                assert spec.req_id not in recving | failed, f"{spec.req_id} was reported to vLLM"
+                if spec.xfer.xfer_id not in inst.worker.decode._recvs:
+                    return
+            assert time.monotonic() < deadline, f"the plan of {spec.req_id} on {de} was not let go"
             time.sleep(0.005)
 
     def done(self, pe: str, req: PeRequest) -> None:

@@ -1,0 +1,138 @@
+"""Every transfer ends with nothing held: whatever way a request ends, the DE's plan, lease and counters go back.
+
+vLLM gives every engine request of one HTTP request (a prompt list, ``n > 1``) the same ``kv_transfer_params``; a
+prompt ending inside the first block takes nothing from its PE; a request the DE refuses never reaches its
+connector while the PE's copy was planned. Worker harness, no vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ascend_dualpath.integrations.vllm.dataplane import SHM_DIR
+from tests.integrations.vllm.worker_harness import (
+    BLOCK,
+    Deployment,
+    assert_caches_equal,
+    expected_de_caches,
+)
+
+# a deployment is expensive to start, so the hypothesis examples share one
+_SHARED = settings(max_examples=12, suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None)
+
+
+@pytest.fixture
+def deploy(tmp_path):
+    made = []
+
+    def make(num_pe, num_de, **kwargs):
+        made.append(Deployment(tmp_path / f"store{len(made)}", num_pe, num_de, **kwargs))
+        return made[-1]
+
+    yield make
+    for deployment in made:
+        deployment.close()
+        assert not [n for n in os.listdir(SHM_DIR) if n.startswith(f"adp.{deployment.fabric}")]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    deployment = Deployment(tmp_path_factory.mktemp("endings"), 1, 1)
+    yield deployment
+    deployment.close()
+
+
+def _held(d: Deployment, name: str) -> tuple[int, int, int]:
+    """``(unfinished_requests, unfinished_tokens, live host leases)`` of one instance once its quarantine swept."""
+    worker = d.instances[name].worker
+    worker.quarantine.sweep()
+    status = worker.status()
+    return status["unfinished_requests"], status["unfinished_tokens"], worker.dataplane.host.stats().live_leases
+
+
+def _until_nothing_held(d: Deployment, name: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (held := _held(d, name)) != (0, 0, 0):
+        assert time.monotonic() < deadline, f"{name} still holds (requests, tokens, leases) = {held}"
+        time.sleep(0.02)
+
+
+def test_two_requests_on_one_transfer_id_never_share_rows(deploy):
+    """The reported crash: a prompt list's two engine requests carry one transfer id. The second plan is refused
+    on the PE before anything moves, the second receive is refused on the DE, the first request is bit-exact and
+    the second's DE blocks keep their poison; nothing stays held."""
+    d = deploy(1, 1)
+    rows_a, rows_b = Deployment.true_rows(1, 3 * BLOCK + 2), Deployment.true_rows(2, 5 * BLOCK + 1)
+    pe_a, de_a = d.request("pe0", "de0", rows_a, 2, "pe")
+    pe_b, de_b = d.request("pe0", "de0", rows_b, 3, "de")
+    pe_b = dataclasses.replace(pe_b, xfer=pe_a.xfer)
+    de_b = dataclasses.replace(de_b, xfer=de_a.xfer)
+    d.expect_recv("de0", de_a)
+    d.expect_recv("de0", de_b)
+    assert d.prefill("pe0", pe_a) == set()
+    bad_b = d.prefill("pe0", pe_b, check_layers=False)
+    assert bad_b == set(pe_b.block_ids[:3])  # its plan was refused: vLLM recomputes its hit blocks
+    _, failed = d.finish("de0", {de_a.req_id, de_b.req_id})
+    assert failed == {de_b.req_id}
+    assert_caches_equal(d.instances["de0"].caches, expected_de_caches([(de_a, rows_a)]))
+    d.done("pe0", pe_a)
+    d.done("pe0", pe_b)
+    _until_nothing_held(d, "de0")
+    _until_nothing_held(d, "pe0")
+
+
+def test_a_second_plan_of_a_transfer_id_is_refused_and_the_first_lease_kept(deploy):
+    d = deploy(1, 1)
+    de = d.instances["de0"].worker.decode
+    de_rows = Deployment.true_rows(3, 2 * BLOCK + 3)
+    pe_req, de_req = d.request("pe0", "de0", de_rows, 0, "pe")
+    d.expect_recv("de0", de_req)
+    d.prefill("pe0", pe_req)
+    d.finish("de0", {de_req.req_id})
+    plan = {"op": "plan", "pe": d.instances["pe0"].address, "xfer_id": "dup", "path": "pe", "pe_blocks": 0}
+    plan.update(hit_tokens=0, prompt_tokens=5, load_start=0, store_ids=[])
+    de._on_plan(plan)
+    lease = de._xfers["dup"].lease
+    with pytest.raises(Exception, match="'dup'.*already planned"):
+        de._on_plan({**plan, "prompt_tokens": 9})
+    assert de._xfers["dup"].lease is lease and de._xfers["dup"].plan["prompt_tokens"] == 5
+
+
+@_SHARED
+@given(prompt=st.integers(1, 3 * BLOCK + 1), path=st.sampled_from(["pe", "de"]), hit_blocks=st.integers(0, 2))
+def test_every_prompt_length_leaves_nothing_held(pair, prompt, path, hit_blocks):
+    """Around the block boundaries: a prompt ending inside the first block takes nothing from the PE (vLLM waits
+    for no receive), longer ones a receive; either way the DE's plan, lease and unfinished counts go back."""
+    hit_blocks = min(hit_blocks, (prompt - 1) // BLOCK)
+    rows = Deployment.true_rows(prompt * 7 + hit_blocks, prompt)
+    pe_req, de_req = pair.request("pe0", "de0", rows, hit_blocks, path)
+    assert de_req.report == (prompt > BLOCK)
+    pair.expect_recv("de0", de_req)
+    assert pair.prefill("pe0", pe_req) == set()
+    if de_req.report:
+        assert pair.finish("de0", {de_req.req_id})[1] == set()
+    else:
+        pair.drain("de0", de_req)
+    pair.done("pe0", pe_req)
+    _until_nothing_held(pair, "de0")
+    _until_nothing_held(pair, "pe0")
+
+
+def test_a_plan_no_request_takes_expires_and_gives_its_lease_back(deploy):
+    """The DE refused the request (vLLM answered 400, say) while the PE's copy was valid: the PE plans and sends
+    its rows, no receive ever comes. The plan expires after the timeout, also on an idle DE (``status`` sweeps)."""
+    d = deploy(1, 1)
+    de = d.instances["de0"].worker
+    de.decode.settings = dataclasses.replace(de.decode.settings, timeout_s=0.3)
+    pe_req, _ = d.request("pe0", "de0", Deployment.true_rows(4, 4 * BLOCK + 1), 2, "pe")
+    assert d.prefill("pe0", pe_req) == set()
+    d.done("pe0", pe_req)
+    assert _held(d, "de0")[0] == 1
+    _until_nothing_held(d, "de0")
+    assert de.status()["expired_plans"] == 1
