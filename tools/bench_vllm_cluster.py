@@ -34,6 +34,7 @@ from bench_vllm_serving import (
     _wait,
     add_workload_arguments,
     conversations,
+    model_dir,
     plain_server,
     run_agents,
 )
@@ -129,10 +130,13 @@ def main() -> int:
     parser.add_argument("--skew", type=float, default=4.0, help="how many times lower its cap is on the skewed load")
     parser.add_argument("--loads", default="even,skewed", help="which loads to run (even, skewed)")
     args = parser.parse_args()
-    from ascend_dualpath.integrations.vllm.serve import pick_instance_ports
-    from ascend_dualpath.models.tiny_hf import make_tiny_model
+    with model_dir(args.model) as model:
+        return run(args, model)
 
-    model = args.model or str(make_tiny_model(tempfile.mkdtemp(prefix="adp-bench-model-")))
+
+def run(args, model: str) -> int:
+    from ascend_dualpath.integrations.vllm.serve import pick_instance_ports
+
     convs = conversations(model, args.agents, args.turns, args.opening, args.append)
     loads = [load.strip() for load in args.loads.split(",")]
     ports = iter(pick_instance_ports(1 + len(loads) * len(DEPLOYMENTS)))

@@ -126,6 +126,20 @@ def _stop(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
+@contextlib.contextmanager
+def model_dir(given: str | None):
+    """The model to serve: ``given``, or a fresh make-tiny-model in a temporary directory that is removed when the
+    run ends, also on an error, Ctrl-C or SIGTERM (turned into ``SystemExit`` so every ``finally`` runs)."""
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+    if given:
+        yield given
+        return
+    from ascend_dualpath.models.tiny_hf import make_tiny_model
+
+    with tempfile.TemporaryDirectory(prefix="adp-bench-model-") as tmp:
+        yield str(make_tiny_model(tmp))
+
+
 def bench_serve(model: str, policy: str, args, port: int, convs) -> dict:
     with tempfile.TemporaryDirectory(prefix="adp-bench-") as tmp:
         argv = [
@@ -146,14 +160,10 @@ def bench_serve(model: str, policy: str, args, port: int, convs) -> dict:
             "--timeout",
             "120",
         ]
-        proc = subprocess.Popen(
-            argv,
-            cwd=ROOT,
-            env={**os.environ, **ENV},
-            stdout=open(f"{tmp}/serve.log", "w"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        with open(f"{tmp}/serve.log", "w") as log:
+            proc = subprocess.Popen(
+                argv, cwd=ROOT, env={**os.environ, **ENV}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         try:
             url = f"http://127.0.0.1:{port}"
             _wait(f"{url}/health", proc)
@@ -290,10 +300,13 @@ def main() -> int:
     parser.add_argument("--skip-example", action="store_true", help="leave out the ExampleConnector baseline")
     parser.add_argument("--policies", default="dual,pe", help="DualPath read-path policies, one deployment each")
     args = parser.parse_args()
-    from ascend_dualpath.integrations.vllm.serve import pick_instance_ports
-    from ascend_dualpath.models.tiny_hf import make_tiny_model
+    with model_dir(args.model) as model:
+        return run(args, model)
 
-    model = args.model or str(make_tiny_model(tempfile.mkdtemp(prefix="adp-bench-model-")))
+
+def run(args, model: str) -> int:
+    from ascend_dualpath.integrations.vllm.serve import pick_instance_ports
+
     convs = conversations(model, args.agents, args.turns, args.opening, args.append)
     policies = args.policies.split(",")
     ports = iter(pick_instance_ports(len(policies) + 3))
