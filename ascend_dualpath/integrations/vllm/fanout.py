@@ -45,7 +45,7 @@ def _prompts(body: dict, chat: bool) -> list[Any] | None:
     if chat:
         return [None]  # chat has one conversation
     prompt = body.get("prompt")
-    if isinstance(prompt, str) or _is_ids(prompt):
+    if isinstance(prompt, str) or (_is_ids(prompt) and prompt):
         return [prompt]
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) or (_is_ids(p) and p) for p in prompt):
         return list(prompt)

@@ -90,12 +90,14 @@ class FakeInstance:
         self.kv: tuple[int, float] | None = None  # (num_gpu_blocks, usage) for /metrics; None: no /metrics
         self.tokens_per_word: int | None = None  # /tokenize counts this many tokens per word; None: no /tokenize
         self.tokenized: list[dict] = []  # the /tokenize bodies it got
+        self.answer = None  # answer(body) -> (JSON answer, SSE chunks): a per-request answer in "ok" mode
 
     def app(self) -> web.Application:
         app = web.Application()
         app.router.add_post("/v1/completions", self.generate)
         app.router.add_post("/v1/chat/completions", self.generate)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/version", self.version)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/tokenize", self.tokenize)
@@ -146,6 +148,11 @@ class FakeInstance:
             return web.json_response(message, status=self.error_status)
         if self.mode == "hang":
             return await self._hang(request)
+        if self.answer is not None:
+            answer, chunks = self.answer(body)
+            if not body.get("stream"):
+                return web.json_response(answer)
+            return await self._stream(request, chunks)
         if body.get("stream"):
             return await self._stream(request)
         await asyncio.sleep(self.prefill_delay_s)
@@ -164,15 +171,18 @@ class FakeInstance:
             self.disconnected.set()
         return web.json_response({})
 
-    async def _stream(self, request: web.Request) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, chunks: list[bytes] | None = None) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        for index, chunk in enumerate(self.stream_chunks):
+        for index, chunk in enumerate(self.stream_chunks if chunks is None else chunks):
             await resp.write(chunk)
             if index == 0 and self.gate is not None:
                 await asyncio.wait_for(self.gate.wait(), 10)
         await resp.write_eof()
         return resp
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": f"fake-{self.name}"})
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": f"model-of-{self.name}"}]})
