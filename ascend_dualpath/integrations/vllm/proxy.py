@@ -1,28 +1,29 @@
 """OpenAI-compatible proxy in front of N vLLM prefill (PE) and M decode (DE) instances.
 
-Per request the proxy places the request (:mod:`ascend_dualpath.integrations.vllm.placement`: the library's
+A client request becomes one engine request per prompt and choice (:mod:`.fanout`: vLLM would give them all one
+transfer); per engine request the proxy places it (:mod:`ascend_dualpath.integrations.vllm.placement`: the library's
 scheduler on the instances' live state, or round robin; the cluster is :mod:`.cluster`'s), and sends,
 concurrently:
 
 - to its DE: the client's body unchanged plus ``kv_transfer_params.dualpath = {xfer_id, role: "decode",
   path, peer: <PE side channel>, split}``;
-- to its PE: the same body with ``max_tokens: 1`` (chat: also ``max_completion_tokens: 1``),
-  ``stream: false``, no ``stream_options``, and ``kv_transfer_params.dualpath`` with ``role: "prefill"``
-  and ``peer: <DE side channel>``. Its answer is discarded; only its status matters.
+- to its PE: the same body less :data:`ANSWER_FIELDS` (what shapes only the answer) with ``max_tokens: 1`` (chat:
+  also ``max_completion_tokens: 1``), ``stream: false``, and ``kv_transfer_params.dualpath`` with
+  ``role: "prefill"`` and ``peer: <DE side channel>``. Its answer is discarded; only its status matters.
 
 The read path (``policy="dual"``: :func:`ascend_dualpath.dualpath.scheduler.choose_read_path` on the two
 nodes' storage read-queue lengths; ``"pe"`` / ``"de"`` force one); ``split`` (true with ``--split``) asks the
 connectors to read the request's hit blocks through both storage NICs.
 
-Every field the proxy does not use passes through unchanged (sampling parameters, ``ignore_eos``, ...).
+Every field the proxy does not use passes through to the DE unchanged (sampling parameters, ``ignore_eos``, ...).
 The client's response starts once the PE has answered successfully and the DE's response head is in:
 the DE cannot produce its first token before the PE's prefill anyway, and this way a PE failure still
 reaches the client as an error status. From then on the DE's body (an SSE stream when ``stream`` is
 true) passes through chunk by chunk.
 
 Failures: a PE or DE error (an HTTP status >= 400, a refused connection, a timeout) ends the client's
-request with an OpenAI-style error JSON carrying the upstream status (502 for a connection failure,
-504 for a timeout) and cancels the other upstream request by closing its connection (vLLM aborts a
+request: an instance's error as vLLM wrote it (:mod:`.upstream`), else an error in vLLM's shape naming the instance
+by name (502 for a connection failure, 504 for a timeout), and cancels the other upstream request by closing its connection (vLLM aborts a
 request whose client went away). A request no engine could take within ``timeout_s`` gets a 503 naming
 what it waited for. A side channel that does not answer within ``status_timeout_s`` is counted
 (``adp_proxy_side_channel_failures_total``) and a request placed on that instance takes the ``pe`` path
@@ -35,9 +36,11 @@ template, round robin over the PEs, bounded by ``status_timeout_s``), or from th
 as a hit. With ids, the hits are the prompt's leading blocks that requests answered in full before have left in the
 store (:class:`~.cached_prefixes.CachedPrefixes`, at most ``cached_capacity_blocks``).
 
-Endpoints: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` (the first DE's), ``/health`` (200 only
-when every instance answers its own), ``/metrics`` (Prometheus text, private registry) and
-``/debug/decisions`` (the last 100 decisions as JSON, each with its deciding rules).
+Endpoints: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` and ``/version`` (the first DE's),
+``/tokenize`` and ``/detokenize`` (a PE's), ``/v1/responses`` (a DE computes it, no DualPath plan), ``/health`` (200
+only when every instance answers its own), ``/metrics`` (the proxy's private registry, then every instance's
+metrics labelled ``instance``) and ``/debug/decisions`` (the last 100 decisions as JSON, each with its deciding
+rules).
 
 aiohttp, zmq, msgspec and prometheus_client are imported here only (all are vLLM dependencies).
 """
