@@ -212,7 +212,7 @@ def reap_stale_shm() -> list[str]:
     process are unlinked. Returns the names removed.
 
     :func:`create_fabric` runs it once per process, so a crash (``kill -9``, a segfault) leaves nothing behind
-    past the next start. Fabrics still in use by a live process keep working: only their name goes when their
+    past the next start. A fabric a live process claimed (:func:`claim_fabric`) is left alone. Fabrics still in use by a live process keep working: only their name goes when their
     creator is dead. Processes sharing a fabric must share a pid namespace (the liveness test is ``kill(pid, 0)``).
     """
     global _stale_shm_reaped
@@ -234,11 +234,32 @@ def create_fabric(name: str | None = None, max_regions: int = 4096, max_qps: int
     return _ext.load().Fabric.create(name or new_fabric_name(), max_regions, max_qps)
 
 
+SHM_DIR = "/dev/shm"
+CLAIM_PREFIX = "adpclaim."  # /dev/shm/adpclaim.<fabric>.<pid>: what reap_stale_shm leaves alone while <pid> lives
+
+
+@contextlib.contextmanager
+def claim_fabric(name: str):
+    """While the block runs, :func:`reap_stale_shm` (any process's) leaves fabric ``name`` and its region objects
+    alone, even if its creator died: a process about to attach to it, or to inspect what a dead one left, is never
+    raced. A claim left by a process that died is removed by the next reap."""
+    check_type("name", name, str, where="claim_fabric")
+    path = os.path.join(SHM_DIR, f"{CLAIM_PREFIX}{name}.{os.getpid()}")
+    os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
 def attach_fabric(name: str, timeout_s: float | None = None):
-    """The fabric another process created as ``name``, waiting up to ``timeout_s`` for it to appear."""
+    """The fabric another process created as ``name``, waiting up to ``timeout_s`` for it to appear (claimed
+    meanwhile, :func:`claim_fabric`)."""
     check_type("name", name, str, where="attach_fabric")
     timeout = _env.timeout_s() if timeout_s is None else check_bound("timeout_s", timeout_s, where="attach_fabric")
-    return _ext.load().Fabric.attach(name, timeout)
+    with claim_fabric(name):
+        return _ext.load().Fabric.attach(name, timeout)
 
 
 # The arbitration weight per service level 0..7 (index = SL) that open_device gives an emulated NIC: the ETS weights

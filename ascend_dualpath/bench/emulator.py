@@ -7,13 +7,14 @@ emulator benchmarks can push work, and that moving bytes through WQEs costs litt
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
 from pathlib import Path
 
 import numpy as np
+
+from ascend_dualpath import _json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -104,5 +105,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"{name:<{width}}  {value:>16}  {target}")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "emulator_bench.json").write_text(json.dumps(results, indent=2))
+        (args.out / "emulator_bench.json").write_text(_json.dumps(results, indent=2))
     return 0

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
 import tempfile
 from dataclasses import dataclass
 from typing import Any
+
+from ascend_dualpath import _json
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
@@ -456,7 +457,7 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+            f.write(_json.dumps(result, indent=1))
     return 0 if finished and all(p.exitcode == 0 for p in procs) else 1
 
 

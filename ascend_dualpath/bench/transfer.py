@@ -15,10 +15,10 @@ primitives under the CUDA engine and their tuning variants instead (:mod:`ascend
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import asdict, dataclass, field
 
+from ascend_dualpath import _json
 from ascend_dualpath.errors import ConfigError
 
 KIB, MIB = 1024, 1024 * 1024
@@ -316,7 +316,7 @@ def run(args: argparse.Namespace) -> int:
         print(_verdict_line(v))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": [asdict(r) for r in rows], "verdicts": decided}, f, indent=1)
+            f.write(_json.dumps({"meta": meta, "rows": [asdict(r) for r in rows], "verdicts": decided}, indent=1))
     if args.plot:
         clock = "measured" if meta["backend"] == "cuda" else meta["clock"]
         plot(rows, args.plot, f"layer-block transfers, {meta['backend']} ({clock} clock)")

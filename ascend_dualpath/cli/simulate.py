@@ -13,10 +13,10 @@ A bad file or a request that can never fit ends the command with one line and ex
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
+from ascend_dualpath import _json
 from ascend_dualpath.cli import steady
 
 DEFAULT_MODES = "basic,layerwise,dualpath,scheduler,oracle"  # the paper's ablation
@@ -163,7 +163,7 @@ def _plan_run(args: argparse.Namespace) -> int:
             console.print(escape(f"verdict ({kind}): {verdict}"))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2))
+        args.json.write_text(_json.dumps(results, indent=2))
         console.print(f"results: {escape(str(args.json))}")
     return 0
 
@@ -268,7 +268,7 @@ def _paper_run(args: argparse.Namespace) -> int:
         written = plot_figures(args.out, sweep, ablation)
         console.print("figures: " + escape(", ".join(map(str, written))))
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    (args.out / "results.json").write_text(_json.dumps(results, indent=2, default=str))
     console.print(f"results: {escape(str(args.out / 'results.json'))}")
     return 0
 

@@ -10,10 +10,11 @@ with ``--json``, every point.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
+
+from ascend_dualpath import _json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,6 +86,6 @@ def steady_run(args: argparse.Namespace) -> int:
     figure = plot_slo_attainment(args.out / f"online_slo_attainment_{name}.png", curves, shape, title)
     console.print(f"figure: {escape(figure)}")
     if args.json is not None:
-        args.json.write_text(json.dumps(results, indent=2, default=str))
+        args.json.write_text(_json.dumps(results, indent=2, default=str))
         console.print(f"results: {escape(str(args.json))}")
     return 0

@@ -9,6 +9,8 @@
 
 #include <cerrno>
 #include <cstring>
+#include <set>
+#include <string>
 
 #include "adp/wqe_hns.h"
 
@@ -363,17 +365,40 @@ uint32_t region_object_pid(const std::string& name) {
     auto digits = [](const std::string& t) { return !t.empty() && t.size() <= 10 && t.find_first_not_of("0123456789") == std::string::npos; };
     return digits(counter) && digits(pid) ? uint32_t(std::stoul(pid)) : 0;
 }
+
+// The fabric part of a region object's name (`adp.<fabric>.<pid>.<counter>`), or "" for any other name.
+std::string region_object_fabric(const std::string& name) {
+    if (region_object_pid(name) == 0) return "";
+    const size_t pid_start = name.rfind('.', name.rfind('.') - 1);
+    return name.substr(4, pid_start - 4);
+}
+
+constexpr const char* kClaimPrefix = "adpclaim.";  // `adpclaim.<fabric>.<pid>`: a live process's claim on a fabric
 }  // namespace
 
 std::vector<std::string> Fabric::reap_stale_shm(const std::string& shm_dir) {
-    std::vector<std::string> names, removed;
+    std::vector<std::string> names, claims, removed;
     if (DIR* dir = opendir(shm_dir.c_str())) {
-        while (const dirent* entry = readdir(dir))
+        while (const dirent* entry = readdir(dir)) {
             if (std::strncmp(entry->d_name, "adp.", 4) == 0) names.emplace_back(entry->d_name);
+            if (std::strncmp(entry->d_name, kClaimPrefix, std::strlen(kClaimPrefix)) == 0) claims.emplace_back(entry->d_name);
+        }
         closedir(dir);
+    }
+    // a fabric a live process claimed (it waits to attach, or works in it) is left alone, its region objects too:
+    // only what is provably dead goes, and never under a live waiter
+    std::set<std::string> claimed;
+    for (const std::string& claim : claims) {
+        const size_t last = claim.rfind('.');
+        const std::string fabric = claim.substr(std::strlen(kClaimPrefix), last - std::strlen(kClaimPrefix));
+        const std::string pid = claim.substr(last + 1);
+        if (pid.empty() || pid.size() > 10 || pid.find_first_not_of("0123456789") != std::string::npos) continue;
+        if (!process_dead(uint32_t(std::stoul(pid)))) claimed.insert(fabric);
+        else if (shm_unlink(shm_path(claim).c_str()) == 0) removed.push_back(claim);
     }
     std::vector<std::string> regions;
     for (const std::string& name : names) {
+        if (claimed.count(name.substr(4)) || claimed.count(region_object_fabric(name))) continue;
         std::shared_ptr<Fabric> fabric;
         try {  // a fabric file, complete and of this layout; anything else is a region object
             fabric = attach(name.substr(4), 0.0);

@@ -645,3 +645,24 @@ class InjectedFailureChecks(Checks):
         recv_x, *_ = self.dispatch(self.xs[self.rank])
         self.expect(recv_x.shape[0] < 0, "injected failure")
         self.expect(True, "a met expectation records nothing")
+
+
+def make_inputs_one_rank_receives_nothing(world: int, seed: int = 0):
+    """Every token of every rank goes to rank 0's experts only, and the last rank has no token: the other ranks
+    receive no row at all (dispatch and combine of empty exchanges)."""
+    xs, idxs, weights, experts = make_inputs(world, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    for idx in idxs:
+        local = torch.stack([torch.randperm(EXPERTS_PER_RANK, generator=g)[:TOPK] for _ in range(idx.shape[0])])
+        idx.copy_(torch.where(idx >= 0, local.reshape(idx.shape), idx))
+    return xs, idxs, weights, experts
+
+
+class EmptyRankChecks(Checks):
+    """Every check with inputs under which only rank 0 receives: a rank with no token to send or receive."""
+
+    def __init__(self, rank: int, world: int, strategy: str = "alltoall", device: str = "cpu") -> None:
+        super().__init__(rank, world, strategy, device)
+        self.xs, self.idxs, self.weights, self.experts = make_inputs_one_rank_receives_nothing(world)
+        self.expected = ref.dispatch(self.xs, self.idxs, self.weights, self.experts)
+        self.mine = self.expected[rank]

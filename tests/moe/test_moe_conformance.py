@@ -49,3 +49,14 @@ def test_a_failed_expectation_leaves_every_other_check_running():
         assert "injected failure" in result["check_aaa_injected_failure"]
         others = {name: value for name, value in result.items() if name != "check_aaa_injected_failure"}
         assert others and all(value == "ok" for value in others.values()), others
+
+
+@pytest.mark.parametrize("strategy", ["alltoall", "aiv"])
+def test_ranks_with_no_tokens_to_send_or_receive(strategy: str) -> None:
+    """Every check (normal and low latency, dispatch and combine) where rank 1 sends nothing and receives nothing."""
+    results = _spawn.run_ranks(2, conformance_worker.run_all, strategy, "cpu", conformance_worker.EmptyRankChecks)
+    assert conformance_worker.make_inputs_one_rank_receives_nothing(2)[0][1].shape[0] == 0
+    for rank, result in enumerate(results):
+        assert "__fatal__" not in result, result.get("__fatal__")
+        failed = {name: value for name, value in result.items() if value != "ok"}
+        assert not failed, f"rank {rank}: {failed}"

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -169,25 +170,59 @@ NEXT_START = """
 """
 
 
-def test_d09_reap_and_the_next_start_remove_a_dead_processs_fabric_file():
+def _d09_scenario() -> None:
+    """A dead process's fabric: a process that attaches to it reaps it, and the next start removes another. The test
+    claims each fabric while it inspects what the dead process left, so other library processes starting meanwhile
+    (their sweep) cannot take it away first."""
     from ascend_dualpath.backends import emulator as emu
 
     name = emu.new_fabric_name("d9r")
     try:
-        run_child(CREATE_AND_DIE.replace("NAME", repr(name)))
-        assert shm_left(name), "the dead process left nothing: the scenario did not happen"
-        seen = run_child(ATTACH_AND_REAP.replace("NAME", repr(name)))
+        with emu.claim_fabric(name):
+            run_child(CREATE_AND_DIE.replace("NAME", repr(name)))
+            assert shm_left(name), "the dead process left nothing: the scenario did not happen"
+            seen = run_child(ATTACH_AND_REAP.replace("NAME", repr(name)))
         assert seen["reaped"] >= 2 and not seen["name_left"], seen  # its region, its QP-less device, its name
         assert shm_left(name) == []
 
         name = emu.new_fabric_name("d9s")
-        run_child(CREATE_AND_DIE.replace("NAME", repr(name)))
-        assert shm_left(name)
+        with emu.claim_fabric(name):
+            run_child(CREATE_AND_DIE.replace("NAME", repr(name)))
+            assert shm_left(name)
         run_child(NEXT_START)
         assert shm_left(name) == [], "the next start left the dead process's fabric behind"
     finally:
         for leftover in shm_left("d9"):
             os.unlink(f"/dev/shm/{leftover}")
+
+
+def test_d09_reap_and_the_next_start_remove_a_dead_processs_fabric_file():
+    _d09_scenario()
+
+
+REAP_LOOP = """
+    import time
+    from ascend_dualpath.backends import emulator as emu
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # another library process starting again and again: each start sweeps
+        emu.reap_stale_shm()
+        time.sleep(0.001)
+"""
+
+
+def test_d09_holds_while_other_library_processes_start_and_sweep():
+    """The race the suite hit: any process that starts the library sweeps every dead process's fabric, the one a
+    test or an engine is about to attach to included, unless it is claimed."""
+    sweeper = subprocess.Popen([sys.executable, "-c", textwrap.dedent(REAP_LOOP)], cwd=ROOT)
+    try:
+        time.sleep(1.0)  # it sweeps by now
+        for _ in range(3):
+            _d09_scenario()
+        assert sweeper.poll() is None, "the sweeping process died: the scenario ran without its sweeps"
+    finally:
+        sweeper.kill()
+        sweeper.wait(10)
 
 
 # -- D14: closed objects used again -----------------------------------------------------------------------------

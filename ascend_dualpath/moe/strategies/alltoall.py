@@ -29,6 +29,8 @@ def _as_byte_rows(part: torch.Tensor) -> torch.Tensor:
 
 
 def _from_byte_rows(data: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    if data.shape[0] == 0:  # a rank that receives no row: a byte view of nothing has no stride to reinterpret
+        return torch.empty((0, *like.shape[1:]), dtype=like.dtype, device=data.device)
     dtype = torch.uint8 if like.dtype == torch.bool else like.dtype
     out = data.contiguous().view(dtype).reshape(data.shape[0], *like.shape[1:])
     return out.to(torch.bool) if like.dtype == torch.bool else out
