@@ -653,6 +653,8 @@ def make_inputs_one_rank_receives_nothing(world: int, seed: int = 0):
     xs, idxs, weights, experts = make_inputs(world, seed)
     g = torch.Generator().manual_seed(seed + 1)
     for idx in idxs:
+        if idx.shape[0] == 0:
+            continue
         local = torch.stack([torch.randperm(EXPERTS_PER_RANK, generator=g)[:TOPK] for _ in range(idx.shape[0])])
         idx.copy_(torch.where(idx >= 0, local.reshape(idx.shape), idx))
     return xs, idxs, weights, experts

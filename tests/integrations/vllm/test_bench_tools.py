@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip("vllm")  # the benchmarks' clients and tiny model need the vLLM install (aiohttp, transformers)
+
 TOOLS = Path(__file__).resolve().parents[3] / "tools"
 
 
