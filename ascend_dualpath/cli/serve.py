@@ -83,6 +83,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="how long every part may take to answer /health (default 300)",
     )
     parser.add_argument(
+        "--log-dir", default=None, metavar="DIR",
+        help="where each part's log goes, kept after exit "
+        "(default: a new directory under $XDG_STATE_HOME or ~/.local/state/ascend_dualpath/serve, printed at start)",
+    )  # fmt: skip
+    parser.add_argument(
         "vllm_args",
         nargs="*",
         metavar="-- VLLM_ARGS",
@@ -126,6 +131,6 @@ def run(args: argparse.Namespace) -> int:
         decode_groups=args.decode_groups, node_snic_mbps=caps,
         instance_args={name: tuple(shlex.split(value)) for name, value in args.instance_args}, layout=args.layout,
         placement=args.placement, split=args.split, alpha_tokens=args.alpha_tokens, beta_tokens=args.beta_tokens,
-        compute_quota_s=args.compute_quota,
+        compute_quota_s=args.compute_quota, log_dir=args.log_dir,
     )  # fmt: skip
     return serve(opts)

@@ -5,10 +5,12 @@ instance its node, DE group, storage-NIC cap, ``device_id`` (its index: PEs 0..N
 machine's cores (``VLLM_CPU_OMP_THREADS_BIND``: contiguous slices when there are enough cores, else one core each,
 round robin), writes the cluster for the proxy (``cluster.json`` in its run directory, the proxy's ``--cluster``
 format), starts the children with working CPU defaults, prints the proxy's URL once every part answers ``/health``
-(bounded start-up wait), then serves until SIGINT or SIGTERM. On the way out it stops every child
-(SIGTERM to its process group, a bounded wait, then SIGKILL), removes the block store when it made a
-temporary one, removes what the emulated fabric may have left in ``/dev/shm`` (``adp.<fabric>*``) and its
-own temporary directory, and exits with 128 + the signal number (130 / 143) after printing one line.
+(bounded start-up wait), then serves until SIGINT or SIGTERM. Each part's output goes to ``<name>.log`` in
+the log directory (``--log-dir``, default :func:`default_log_dir`), which serve prints at start, names again
+when it stops and never removes; a part that dies is named with its log's last error line. On the way out it
+stops every child (SIGTERM to its process group, a bounded wait, then SIGKILL), removes the block store when
+it made a temporary one and what the emulated fabric may have left in ``/dev/shm`` (``adp.<fabric>*``), and
+exits with 128 + the signal number (130 / 143) after printing one line.
 
 Children die with the launcher even when it is killed with SIGKILL: each child is started with
 ``PR_SET_PDEATHSIG`` (Linux ``prctl``) in a process group of its own, and a small watcher process (also
@@ -27,6 +29,7 @@ import ctypes
 import dataclasses
 import json
 import os
+import re
 import secrets
 import shlex
 import shutil
@@ -292,6 +295,11 @@ def stop_watcher(watcher: subprocess.Popen | None) -> None:
         watcher.wait(timeout=5.0)
 
 
+# A line that names what went wrong: an exception's last line, or a log record at ERROR / CRITICAL.
+ERROR_LINE = re.compile(r"\b[A-Z]\w*(Error|Exception|Exit|Interrupt)\b|\b(ERROR|CRITICAL|FATAL)\b")
+LOG_SCAN_BYTES = 1 << 20
+
+
 @dataclasses.dataclass
 class Child:
     """One started child: its name, URL it answers ``/health`` on, process and log file."""
@@ -301,16 +309,32 @@ class Child:
     process: subprocess.Popen
     log_path: str
 
-    def log_tail(self, lines: int = 30) -> str:
-        with contextlib.suppress(OSError), open(self.log_path, errors="replace") as log:
-            return "".join(log.readlines()[-lines:])
-        return f"(no log at {self.log_path})"
+    def last_error_line(self) -> str:
+        """The last line of the log that names an error (the end of a traceback, an ERROR record); else its last
+        line. Reads at most the log's last MiB."""
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(max(0, os.path.getsize(self.log_path) - LOG_SCAN_BYTES))
+                lines = [line.strip() for line in log.read().decode(errors="replace").splitlines() if line.strip()]
+        except OSError as exc:
+            return f"(log unreadable: {exc})"
+        if not lines:
+            return "(its log is empty)"
+        return next((line for line in reversed(lines) if ERROR_LINE.search(line)), lines[-1])
+
+    def ended(self, code: int, when: str) -> str:
+        """One line: which child exited with what ``when``, its last error line and where its log is."""
+        return f"{self.name} exited with {code} {when}; last error line: {self.last_error_line()} (log {self.log_path})"
 
 
 def start_child(name: str, argv: list[str], env: dict[str, str], health_url: str, log_dir: str) -> Child:
-    """Start ``argv`` in its own process group, output to ``<log_dir>/<name>.log``, dying with this process."""
+    """Start ``argv`` in its own process group, output appended to ``<log_dir>/<name>.log`` after a line naming
+    this start, dying with this process."""
     log_path = os.path.join(log_dir, f"{name}.log")
-    with open(log_path, "wb") as log:
+    with open(log_path, "ab") as log:
+        log.write(f"=== serve (pid {os.getpid()}) starts {name} at {time.strftime('%Y-%m-%d %H:%M:%S')}: "
+                  f"{shlex.join(argv)}\n".encode())  # fmt: skip
+        log.flush()
         process = subprocess.Popen(
             argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True, preexec_fn=_die_with_parent,
@@ -329,8 +353,9 @@ def answers_health(url: str, timeout_s: float = 2.0) -> bool:
 def wait_until_healthy(children: list[Child], timeout_s: float, stop_requested=lambda: False) -> None:
     """Poll every child's ``/health`` until all answer 200.
 
-    Raises :class:`WaitTimeout` naming the parts that did not come up within ``timeout_s`` (with their log
-    tails), or ``RuntimeError`` naming a part that exited first. Returns early when ``stop_requested()``.
+    Raises :class:`WaitTimeout` naming the parts that did not come up within ``timeout_s`` (with their last
+    error lines and logs), or ``RuntimeError`` naming a part that exited first. Returns early when
+    ``stop_requested()``.
     """
     deadline = time.monotonic() + timeout_s
     pending = list(children)
@@ -338,13 +363,12 @@ def wait_until_healthy(children: list[Child], timeout_s: float, stop_requested=l
         for child in list(pending):
             code = child.process.poll()
             if code is not None:
-                raise RuntimeError(f"{child.name} exited with {code} during start-up; log tail:\n{child.log_tail()}")
+                raise RuntimeError(child.ended(code, "during start-up"))
             if answers_health(child.health_url):
                 pending.remove(child)
         if pending and time.monotonic() > deadline:
-            tails = "\n".join(f"--- {c.name} ({c.log_path}):\n{c.log_tail()}" for c in pending)
-            names = ", ".join(c.name for c in pending)
-            raise WaitTimeout(f"{names} did not answer /health within {timeout_s} s; log tails:\n{tails}")
+            lines = "; ".join(f"{c.name}: {c.last_error_line()} (log {c.log_path})" for c in pending)
+            raise WaitTimeout(f"{len(pending)} part(s) did not answer /health within {timeout_s} s: {lines}")
         if pending:
             time.sleep(0.5)
 
@@ -423,7 +447,8 @@ class ServeOptions:
     ``decode_groups``: one group per DE (default 0); ``node_snic_mbps``: a storage-NIC cap per node name (each
     instance on it gets that cap; others get ``snic_mbps``); ``instance_args``: vLLM arguments for one instance
     by name (``decode1``), after the common ``vllm_args``; ``layout``: a JSON file with the same per-instance
-    facts (see :func:`load_layout`), which then also gives the counts.
+    facts (see :func:`load_layout`), which then also gives the counts; ``log_dir``: where every part's log goes
+    (default :func:`default_log_dir`).
     """
 
     model: str
@@ -448,6 +473,7 @@ class ServeOptions:
     alpha_tokens: int | None = None
     beta_tokens: int | None = None
     compute_quota_s: float = 0.0
+    log_dir: str | None = None
 
     def validate(self) -> None:
         if not os.path.isdir(self.model):
@@ -579,19 +605,36 @@ def _serve_until_stopped(children: list[Child], stop: _StopSignal) -> int:
         for child in children:
             code = child.process.poll()
             if code is not None:
-                print(f"serve: {child.name} exited with {code}; stopping. Log tail:\n{child.log_tail()}",
-                      file=sys.stderr, flush=True)  # fmt: skip
+                print(f"serve: {child.ended(code, 'while serving')}; stopping", file=sys.stderr, flush=True)
                 return 1
         time.sleep(0.5)
     return 128 + stop.signum
 
 
+def default_log_dir(now: float | None = None) -> str:
+    """``$XDG_STATE_HOME/ascend_dualpath/serve/<YYYYmmdd-HHMMSS>-<pid>`` (``~/.local/state`` without
+    ``XDG_STATE_HOME``): one new directory per run, outside the temporary directory, never removed by serve."""
+    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    return os.path.join(state, "ascend_dualpath", "serve", f"{stamp}-{os.getpid()}")
+
+
 def serve(opts: ServeOptions) -> int:
-    """Run one deployment until SIGINT / SIGTERM; returns the exit code (130 / 143, 1 on a failure)."""
+    """Run one deployment until SIGINT / SIGTERM; returns the exit code (130 / 143, 1 on a failure).
+
+    Every part's output goes to ``<log dir>/<name>.log`` (and the proxy's cluster to ``cluster.json`` there);
+    the log directory is printed to stderr first and named again on every way out, and is never removed.
+    """
     opts.validate()
     instance_layout(opts)  # its errors before anything exists to clean up
-    run_dir = tempfile.mkdtemp(prefix="adp-serve-")
-    store = opts.store or os.path.join(run_dir, "store")
+    log_dir = os.path.abspath(opts.log_dir or default_log_dir())
+    try:
+        os.makedirs(log_dir, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--log-dir {log_dir!r}: cannot create it ({exc.strerror})") from None
+    print(f"serve: logs in {log_dir} (one file per part, kept after exit)", file=sys.stderr, flush=True)
+    temp_store = None if opts.store else tempfile.mkdtemp(prefix="adp-serve-store-")
+    store = opts.store or temp_store
     os.makedirs(store, exist_ok=True)
     plan = make_plan(opts, store)
     children: list[Child] = []
@@ -599,7 +642,7 @@ def serve(opts: ServeOptions) -> int:
     code = 1
     with _StopSignal() as stop:
         try:
-            children = start_all(plan, run_dir)
+            children = start_all(plan, log_dir)
             watcher = start_watcher(children)
             wait_until_healthy(children, opts.startup_timeout_s, lambda: stop.signum is not None)
             if stop.signum is None:
@@ -613,8 +656,13 @@ def serve(opts: ServeOptions) -> int:
             stop_children(children)
             stop_watcher(watcher)
             remove_fabric_shm(plan.fabric)
-            shutil.rmtree(run_dir, ignore_errors=True)  # logs and, without --store, the store
+            if temp_store:
+                shutil.rmtree(temp_store, ignore_errors=True)
+    kept = f"store kept at {store}" if opts.store else "temporary store removed"
     if code > 128:
-        kept = f"store kept at {store}" if opts.store else "temporary store removed"
-        print(f"serve: stopped by {signal.Signals(code - 128).name}; {len(children)} children stopped, {kept}")
+        print(f"serve: stopped by {signal.Signals(code - 128).name}; {len(children)} children stopped, {kept}; "
+              f"logs kept in {log_dir}")  # fmt: skip
+    else:
+        print(f"serve: stopped after a failure; {len(children)} children stopped, {kept}; logs kept in {log_dir}",
+              file=sys.stderr, flush=True)  # fmt: skip
     return code

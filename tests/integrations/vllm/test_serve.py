@@ -48,6 +48,10 @@ class Health(http.server.BaseHTTPRequestHandler):
     def log_message(self, *args):
         pass
 
+if os.environ.get("FAKE_VLLM_FAIL") == str(config["kv_connector_extra_config"]["device_id"]):
+    print("INFO starting", flush=True)
+    print("Traceback (most recent call last):\nValueError: fake vllm cannot start\nINFO shutting down", flush=True)
+    sys.exit(3)
 signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
 http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
 """
@@ -225,17 +229,19 @@ def test_remove_fabric_shm_takes_only_that_fabric(tmp_path):
 class FakeDeployment:
     """``python -m ascend_dualpath serve`` with the fake vllm serve, in a subprocess."""
 
-    def __init__(self, tmp_path, *extra):
+    def __init__(self, tmp_path, *extra, env_extra=None):
+        env_extra = env_extra or {}
         self.records = tmp_path / "records"
         self.records.mkdir()
         self.tmp = tmp_path / "tmp"  # serve's run directory goes here: a serve killed with -9 cannot remove it
         self.tmp.mkdir()
+        self.state = tmp_path / "state"  # XDG_STATE_HOME: where serve's default log directory goes
         (tmp_path / "model").mkdir()
         fake = tmp_path / "fake_vllm.py"
         fake.write_text(FAKE_VLLM)
         self.port = serve_mod.pick_instance_ports(1)[0]
         env = {**os.environ, "ADP_VLLM_SERVE_CMD": f"{shlex.quote(sys.executable)} {shlex.quote(str(fake))}",
-               "FAKE_VLLM_DIR": str(self.records), "TMPDIR": str(self.tmp)}  # fmt: skip
+               "FAKE_VLLM_DIR": str(self.records), "TMPDIR": str(self.tmp), "XDG_STATE_HOME": str(self.state), **env_extra}  # fmt: skip
         argv = [sys.executable, "-m", "ascend_dualpath", "serve", "--model", str(tmp_path / "model"),
                 "--port", str(self.port), "--startup-timeout", "60", *extra]  # fmt: skip
         self.process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -274,8 +280,8 @@ def deploy(tmp_path):
     """Start a FakeDeployment (at most one per test); whatever it leaves running is killed at the end."""
     started = []
 
-    def start(*extra) -> FakeDeployment:
-        started.append(FakeDeployment(tmp_path, *extra))
+    def start(*extra, env_extra=None) -> FakeDeployment:
+        started.append(FakeDeployment(tmp_path, *extra, env_extra=env_extra))
         return started[-1]
 
     yield start
@@ -312,6 +318,10 @@ def test_serve_stops_on_signal_and_leaves_nothing_behind(deploy, signum, code):
     lines = out.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"serve: stopped by {signal.Signals(signum).name}"), out
     assert "temporary store removed" in lines[0]
+    (log_dir,) = (deployment.state / "ascend_dualpath" / "serve").iterdir()  # the default: one per run
+    assert err.startswith(f"serve: logs in {log_dir} ") and lines[0].endswith(f"logs kept in {log_dir}")
+    assert sorted(os.listdir(log_dir)) == ["cluster.json", "decode0.log", "prefill0.log", "proxy.log"]
+    assert (log_dir / "proxy.log").read_text().startswith("=== serve (pid ")
     assert _wait_dead(deployment.known_pids) == []
     assert not any(n.startswith(f"adp.{fabric}") for n in os.listdir("/dev/shm"))
     assert os.path.dirname(store).startswith(str(deployment.tmp))
@@ -336,8 +346,40 @@ def test_a_child_that_dies_stops_serve_with_its_name(deploy):
     os.kill(decode["pid"], signal.SIGKILL)
     out, err = deployment.process.communicate(timeout=60)
     assert deployment.process.returncode == 1
-    assert "serve: decode0 exited with -9" in err
+    (log_dir,) = (deployment.state / "ascend_dualpath" / "serve").iterdir()
+    assert "serve: decode0 exited with -9 while serving; last error line: " in err
+    assert f"(log {log_dir / 'decode0.log'})" in err and f"logs kept in {log_dir}" in err
     assert _wait_dead(deployment.known_pids) == []
+    assert (log_dir / "decode0.log").is_file()
+
+
+def test_a_child_failing_at_start_up_is_named_with_its_last_error_line_and_the_given_log_dir(deploy, tmp_path):
+    deployment = deploy("--log-dir", str(tmp_path / "logs"), env_extra={"FAKE_VLLM_FAIL": "1"})
+    out, err = deployment.process.communicate(timeout=60)
+    assert deployment.process.returncode == 1 and out == "", (out, err)
+    log = tmp_path / "logs" / "decode0.log"
+    assert (
+        f"serve: decode0 exited with 3 during start-up; last error line: ValueError: fake vllm cannot start (log {log})"
+        in err
+    ), err
+    assert err.splitlines()[0] == f"serve: logs in {tmp_path / 'logs'} (one file per part, kept after exit)"
+    assert err.splitlines()[-1].endswith(f"logs kept in {tmp_path / 'logs'}")
+    assert list(deployment.tmp.iterdir()) == []  # the temporary store went; the logs stay
+    assert "ValueError: fake vllm cannot start" in log.read_text()
+
+
+def test_last_error_line_prefers_the_end_of_a_traceback_or_an_error_record(tmp_path):
+    log = tmp_path / "x.log"
+    child = serve_mod.Child("x", "http://unused", None, str(log))
+    assert child.last_error_line().startswith("(log unreadable")
+    log.write_text("")
+    assert child.last_error_line() == "(its log is empty)"
+    log.write_text("INFO a\nTraceback (most recent call last):\n  File x\nRuntimeError: shape is invalid\nINFO bye\n\n")
+    assert child.last_error_line() == "RuntimeError: shape is invalid"
+    log.write_text("INFO a\nERROR 12-04 engine core died\nINFO b\n")
+    assert child.last_error_line() == "ERROR 12-04 engine core died"
+    log.write_text("INFO a\nINFO the last line\n")
+    assert child.last_error_line() == "INFO the last line"
 
 
 def test_two_by_two_deployment_gives_every_instance_its_node_group_device_and_the_proxy_all(deploy):

@@ -119,6 +119,8 @@ def _serve(model: str, tmp: Path, *args: str, env: dict | None = None) -> tuple[
         str(tmp / "store"),
         "--timeout",
         "20",
+        "--log-dir",
+        str(tmp / "logs"),
         *args,
     ]
     proc = subprocess.Popen(
@@ -299,5 +301,8 @@ def test_killing_an_instance_mid_request_fails_it_and_serve_exits_cleanly(model,
         assert proc.wait(60) == 1, log.read_text()[-3000:]  # a child that died stops the whole deployment
     finally:
         _stop(proc)
-    assert victim in log.read_text()
+    text = log.read_text()
+    assert f"{victim}0 exited with -9 while serving; last error line: " in text, text[-3000:]
+    assert f"(log {tmp_path / 'logs' / victim}0.log)" in text and f"logs kept in {tmp_path / 'logs'}" in text
+    assert {"prefill0.log", "decode0.log", "proxy.log", "cluster.json"} <= set(os.listdir(tmp_path / "logs"))
     _assert_nothing_left()
