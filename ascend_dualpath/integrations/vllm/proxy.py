@@ -107,6 +107,8 @@ STATUS_GAUGES = {
     "fallbacks": "loads that fell back to the other read path or to recompute",
     "failures": "loads that failed",
     "checksum_errors": "stored blocks whose checksum did not match",
+    "host_leases": "host-buffer leases the instance holds (plans, receives, quarantine)",
+    "quarantined_bytes": "host-buffer bytes kept out of use until late writes into them are ruled out",
 }
 REQUIRED_STATUS_KEYS = ("node", "read_queue_tokens", "snic_read_blocks")
 # Fields of vLLM's completion and chat requests that shape the sampled answer, not the prompt's KV: the PE's one-token

@@ -741,6 +741,7 @@ class DualPathWorker:
             "reclaimed_slots": c.reclaimed_slots,
             "expired_plans": c.expired_plans,
             "quarantined_bytes": self.quarantine.held_bytes,
+            "host_leases": self.dataplane.host.stats().live_leases if self.dataplane is not None else 0,
         }
 
     def _on_status(self, message: dict) -> dict:
