@@ -410,13 +410,9 @@ def _collect(queue: Any, procs: list, deadline_s: float, result: dict) -> bool:
 
 def _stop(procs: list, finished: bool, store: str) -> None:
     """Join the ranks; after a failure, the deadline or an interrupt stop them together, quietly."""
-    if not finished:
-        for p in procs:
-            p.terminate()
-    for p in procs:
-        p.join(timeout=30 if finished else 5)
-        if p.is_alive():
-            p.kill()
+    from ascend_dualpath._process import stop
+
+    stop([(p, False) for p in procs], grace_s=5.0, exit_wait_s=30.0 if finished else 0.0)
     # destroy_process_group deletes the rendezvous file, but a rank that failed or was killed never calls it
     with contextlib.suppress(FileNotFoundError):
         os.unlink(store)

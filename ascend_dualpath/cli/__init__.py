@@ -2,7 +2,7 @@
 
 Each command lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``; only
 the chosen command's module is imported, so ``info`` never pays for the simulator's imports. Every command runs
-inside :func:`~ascend_dualpath.cli._signals.handle_signals`: SIGINT or SIGTERM stops the command's children and
+inside :func:`~ascend_dualpath._process.handle_signals`: SIGINT or SIGTERM stops the command's children and
 ends it with one line on stderr and exit status 130 or 143.
 """
 
@@ -12,7 +12,7 @@ import argparse
 import importlib
 import sys
 
-from ascend_dualpath.cli._signals import handle_signals
+from ascend_dualpath._process import handle_signals
 
 COMMANDS = {
     "info": ("ascend_dualpath.cli.info", "version, backends and the emulated device profile"),

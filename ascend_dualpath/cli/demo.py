@@ -114,18 +114,6 @@ def _engine_child(parent_pid: int, rank: int, port: int, fabric_name: str, confi
     engine_process(rank, port, fabric_name, config, job, events)
 
 
-def _stop_engines(procs: list, finishing: bool) -> None:
-    """Wait (bounded) for engines that are ``finishing`` their job; SIGTERM right away otherwise (an interrupt)."""
-    if not finishing:
-        for p in procs:
-            p.terminate()
-    for p in procs:
-        p.join(10 if finishing else 5)
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-
-
 class _JobWatch:
     """The parent's view of a running job, from the engines' events: the DE summary, the first error, turns."""
 
@@ -176,7 +164,7 @@ def run_job(config, job: dict, on_event, kill_pe_after: int | None = None) -> di
     """
     import multiprocessing as mp
 
-    from ascend_dualpath._process import sigint_blocked
+    from ascend_dualpath._process import sigint_blocked, stop
     from ascend_dualpath.backends.emulator import new_fabric_name
 
     ctx = mp.get_context("spawn")
@@ -206,7 +194,8 @@ def run_job(config, job: dict, on_event, kill_pe_after: int | None = None) -> di
             watch.handle(event)
         ended = True
     finally:
-        _stop_engines(procs, finishing=ended)
+        # a finished job's engines exit on their own (bounded); after an error or an interrupt they are stopped
+        stop([(p, False) for p in procs], grace_s=5.0, exit_wait_s=10.0 if ended else 0.0)
         _remove_run_files(fabric_name, None)
     summary, error = watch.summary, watch.error
     if error is not None:

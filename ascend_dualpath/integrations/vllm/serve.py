@@ -5,18 +5,18 @@ instance its node, DE group, storage-NIC cap, ``device_id`` (its index: PEs 0..N
 machine's cores (``VLLM_CPU_OMP_THREADS_BIND``: contiguous slices when there are enough cores, else one core each,
 round robin), writes the cluster for the proxy (``cluster.json`` in its run directory, the proxy's ``--cluster``
 format), starts the children with working CPU defaults, prints the proxy's URL once every part answers ``/health``
-(bounded start-up wait), then serves until SIGINT or SIGTERM. Each part's output goes to ``<name>.log`` in
+(bounded start-up wait), then serves until a part exits (exit 1) or, under the command line's
+:func:`~ascend_dualpath._process.handle_signals`, SIGINT or SIGTERM. Each part's output goes to ``<name>.log`` in
 the log directory (``--log-dir``, default :func:`default_log_dir`), which serve prints at start, names again
 when it stops and never removes; a part that dies is named with its log's last error line. On the way out it
 stops every child (SIGTERM to its process group, a bounded wait, then SIGKILL), removes the block store when
-it made a temporary one and what the emulated fabric may have left in ``/dev/shm`` (``adp.<fabric>*``), and
-exits with 128 + the signal number (130 / 143) after printing one line.
+it made a temporary one and what the emulated fabric may have left in ``/dev/shm`` (``adp.<fabric>*``); the
+command then exits with 128 + the signal number (130 / 143) after one line naming the log directory.
 
-Children die with the launcher even when it is killed with SIGKILL: each child is started with
-``PR_SET_PDEATHSIG`` (Linux ``prctl``) in a process group of its own, and a small watcher process (also
-``PR_SET_PDEATHSIG``, as SIGTERM) SIGKILLs those groups when the launcher dies: vLLM's engine-core and
-worker processes do not follow a killed API server on their own (checked on vLLM 0.32.0 CPU: they
-outlived it). A child that exits while serving stops the whole deployment (exit 1).
+Children die with the launcher even when it is killed with SIGKILL, by the rules of
+:mod:`ascend_dualpath._process` for programs that are not the library's: each child runs in a process group of
+its own with ``PR_SET_PDEATHSIG``, and a group watcher SIGKILLs those groups when the launcher dies (vLLM's
+engine-core and worker processes do not follow a killed API server on their own; checked on vLLM 0.32.0 CPU).
 
 ``ADP_VLLM_SERVE_CMD`` (tests): the command that replaces ``python -m vllm.entrypoints.openai.api_server``
 (the ``vllm serve`` server; see :func:`vllm_serve_command`).
@@ -25,7 +25,6 @@ outlived it). A child that exits while serving stops the whole deployment (exit 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import json
 import os
@@ -33,7 +32,6 @@ import re
 import secrets
 import shlex
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -43,11 +41,19 @@ import urllib.error
 import urllib.request
 
 from ascend_dualpath import _env
+from ascend_dualpath._process import (
+    Interrupted,
+    die_with_parent,
+    register_child,
+    signals_deferred,
+    start_group_watcher,
+    stop,
+)
 from ascend_dualpath.errors import ConfigError, WaitTimeout
 from ascend_dualpath.integrations.vllm.cluster import NODE_PREFIX, SIDE_PORT_OFFSET
 
 SHM_DIR = "/dev/shm"
-PR_SET_PDEATHSIG = 1
+# How long vLLM gets to shut its engine core down after SIGTERM.
 STOP_GRACE_S = 15.0
 # CPU defaults of each instance; the caller's environment wins except for the thread binding.
 INSTANCE_ENV_DEFAULTS = {
@@ -244,57 +250,6 @@ def child_env(bind: str | None, base: dict[str, str] | None = None) -> dict[str,
     return env
 
 
-def _set_parent_death_signal(signum: int) -> None:
-    """Ask the kernel to send ``signum`` to this process when its parent dies (Linux; elsewhere a no-op)."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
-
-
-def _die_with_parent() -> None:
-    """preexec_fn of every child: SIGKILL it when the launcher dies."""
-    _set_parent_death_signal(signal.SIGKILL)
-
-
-def _watcher_preexec() -> None:
-    """preexec_fn of the watcher: SIGTERM (which it handles) when the launcher dies."""
-    _set_parent_death_signal(signal.SIGTERM)
-
-
-# The watcher: argv = launcher pid, then the process groups to SIGKILL once the launcher is gone. The
-# ppid check covers a launcher that died between the fork and the prctl.
-WATCHER = """
-import os, signal, sys
-launcher, groups = int(sys.argv[1]), [int(g) for g in sys.argv[2:]]
-def kill_groups(*_):
-    for group in groups:
-        try:
-            os.killpg(group, signal.SIGKILL)
-        except OSError:
-            pass
-    os._exit(0)
-signal.signal(signal.SIGTERM, kill_groups)
-if os.getppid() != launcher:
-    kill_groups()
-while True:
-    signal.pause()
-"""
-
-
-def start_watcher(children: list[Child]) -> subprocess.Popen:
-    """Start the watcher that SIGKILLs the children's process groups if this process dies."""
-    argv = [sys.executable, "-c", WATCHER, str(os.getpid()), *(str(c.process.pid) for c in children)]
-    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True, preexec_fn=_watcher_preexec)  # fmt: skip
-
-
-def stop_watcher(watcher: subprocess.Popen | None) -> None:
-    """SIGKILL the watcher (the children are already stopped: nothing for it to do)."""
-    if watcher is not None:
-        watcher.kill()
-        watcher.wait(timeout=5.0)
-
-
 # A line that names what went wrong: an exception's last line, or a log record at ERROR / CRITICAL.
 ERROR_LINE = re.compile(r"\b[A-Z]\w*(Error|Exception|Exit|Interrupt)\b|\b(ERROR|CRITICAL|FATAL)\b")
 LOG_SCAN_BYTES = 1 << 20
@@ -337,8 +292,9 @@ def start_child(name: str, argv: list[str], env: dict[str, str], health_url: str
         log.flush()
         process = subprocess.Popen(
             argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=_die_with_parent,
+            start_new_session=True, preexec_fn=die_with_parent,
         )  # fmt: skip
+    register_child(process, group=True)  # an interrupt that comes before serve's own clean-up still stops it
     return Child(name, health_url, process, log_path)
 
 
@@ -350,16 +306,15 @@ def answers_health(url: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
-def wait_until_healthy(children: list[Child], timeout_s: float, stop_requested=lambda: False) -> None:
+def wait_until_healthy(children: list[Child], timeout_s: float) -> None:
     """Poll every child's ``/health`` until all answer 200.
 
     Raises :class:`WaitTimeout` naming the parts that did not come up within ``timeout_s`` (with their last
-    error lines and logs), or ``RuntimeError`` naming a part that exited first. Returns early when
-    ``stop_requested()``.
+    error lines and logs), or ``RuntimeError`` naming a part that exited first.
     """
     deadline = time.monotonic() + timeout_s
     pending = list(children)
-    while pending and not stop_requested():
+    while pending:
         for child in list(pending):
             code = child.process.poll()
             if code is not None:
@@ -373,39 +328,6 @@ def wait_until_healthy(children: list[Child], timeout_s: float, stop_requested=l
             time.sleep(0.5)
 
 
-def stop_children(children: list[Child], grace_s: float = STOP_GRACE_S) -> None:
-    """SIGTERM every child's process group and give the groups ``grace_s`` in all to empty (vLLM's API
-    server shuts its engine core down on SIGTERM), then SIGKILL what is left of each group."""
-    for child in children:
-        _signal_group(child.process.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        # poll() reaps an exited leader; its group may still hold processes it started.
-        if not any(child.process.poll() is None or _group_exists(child.process.pid) for child in children):
-            break
-        time.sleep(0.1)
-    for child in children:
-        _signal_group(child.process.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            child.process.wait(timeout=5.0)
-
-
-def _group_exists(pgid: int) -> bool:
-    """Whether any process (zombies included, until reaped) is still in group ``pgid``."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # someone else's process took the id: it exists
-    return True
-
-
-def _signal_group(pgid: int, signum: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signum)
-
-
 def remove_fabric_shm(fabric: str, shm_dir: str = SHM_DIR) -> int:
     """Unlink ``<shm_dir>/adp.<fabric>*`` (left by children that were killed); returns how many went."""
     removed = 0
@@ -416,27 +338,6 @@ def remove_fabric_shm(fabric: str, shm_dir: str = SHM_DIR) -> int:
                     os.unlink(os.path.join(shm_dir, name))
                     removed += 1
     return removed
-
-
-class _StopSignal:
-    """SIGINT / SIGTERM handler that records the first signal instead of raising."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._previous = {}
-
-    def __enter__(self) -> _StopSignal:
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            self._previous[signum] = signal.signal(signum, self._handle)
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        if self.signum is None:
-            self.signum = signum
-
-    def __exit__(self, *exc) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
 
 
 @dataclasses.dataclass
@@ -599,16 +500,15 @@ def start_all(plan: ServePlan, log_dir: str) -> list[Child]:
     return children
 
 
-def _serve_until_stopped(children: list[Child], stop: _StopSignal) -> int:
-    """Sleep until a signal (returns 128 + signum) or a child's exit (returns 1, naming it)."""
-    while stop.signum is None:
+def _serve_until_a_child_exits(children: list[Child]) -> None:
+    """Sleep until a child exits (SIGINT / SIGTERM end it sooner, as :class:`Interrupted`); says which."""
+    while True:
         for child in children:
             code = child.process.poll()
             if code is not None:
                 print(f"serve: {child.ended(code, 'while serving')}; stopping", file=sys.stderr, flush=True)
-                return 1
+                return
         time.sleep(0.5)
-    return 128 + stop.signum
 
 
 def default_log_dir(now: float | None = None) -> str:
@@ -620,7 +520,8 @@ def default_log_dir(now: float | None = None) -> str:
 
 
 def serve(opts: ServeOptions) -> int:
-    """Run one deployment until SIGINT / SIGTERM; returns the exit code (130 / 143, 1 on a failure).
+    """Run one deployment until a part exits (returns 1) or SIGINT / SIGTERM (:class:`Interrupted`, with what
+    was stopped, removed and kept in its ``details``, under :func:`~ascend_dualpath._process.handle_signals`).
 
     Every part's output goes to ``<log dir>/<name>.log`` (and the proxy's cluster to ``cluster.json`` there);
     the log directory is printed to stderr first and named again on every way out, and is never removed.
@@ -639,30 +540,29 @@ def serve(opts: ServeOptions) -> int:
     plan = make_plan(opts, store)
     children: list[Child] = []
     watcher = None
-    code = 1
-    with _StopSignal() as stop:
-        try:
-            children = start_all(plan, log_dir)
-            watcher = start_watcher(children)
-            wait_until_healthy(children, opts.startup_timeout_s, lambda: stop.signum is not None)
-            if stop.signum is None:
-                parts = ", ".join(f"{i.name} :{i.port} node {i.node}" for i in plan.instances)
-                print(f"serve: ready at http://127.0.0.1:{plan.port}/v1 ({parts}; proxy {' '.join(plan.proxy_args)}; "
-                      f"store {store})", flush=True)  # fmt: skip
-            code = _serve_until_stopped(children, stop)
-        except (WaitTimeout, RuntimeError, OSError) as exc:
-            print(f"serve: {exc}", file=sys.stderr, flush=True)
-        finally:
-            stop_children(children)
-            stop_watcher(watcher)
+    try:
+        children = start_all(plan, log_dir)
+        watcher = start_group_watcher([c.process.pid for c in children])
+        wait_until_healthy(children, opts.startup_timeout_s)
+        parts = ", ".join(f"{i.name} :{i.port} node {i.node}" for i in plan.instances)
+        print(f"serve: ready at http://127.0.0.1:{plan.port}/v1 ({parts}; proxy {' '.join(plan.proxy_args)}; "
+              f"store {store})", flush=True)  # fmt: skip
+        _serve_until_a_child_exits(children)
+    except (WaitTimeout, RuntimeError, OSError) as exc:
+        print(f"serve: {exc}", file=sys.stderr, flush=True)
+    except Interrupted as interrupted:  # handle_signals prints the one line, with these details
+        kept = f"store kept at {store}" if opts.store else "temporary store removed"
+        interrupted.details += [f"{len(children)} children stopped", kept, f"logs kept in {log_dir}"]
+        raise
+    finally:
+        with signals_deferred():  # a second signal must not cut the clean-up short
+            stop([(c.process, True) for c in children], grace_s=STOP_GRACE_S)
+            if watcher is not None:
+                stop([(watcher, True)])
             remove_fabric_shm(plan.fabric)
             if temp_store:
                 shutil.rmtree(temp_store, ignore_errors=True)
     kept = f"store kept at {store}" if opts.store else "temporary store removed"
-    if code > 128:
-        print(f"serve: stopped by {signal.Signals(code - 128).name}; {len(children)} children stopped, {kept}; "
-              f"logs kept in {log_dir}")  # fmt: skip
-    else:
-        print(f"serve: stopped after a failure; {len(children)} children stopped, {kept}; logs kept in {log_dir}",
-              file=sys.stderr, flush=True)  # fmt: skip
-    return code
+    print(f"serve: stopped after a failure; {len(children)} children stopped, {kept}; logs kept in {log_dir}",
+          file=sys.stderr, flush=True)  # fmt: skip
+    return 1

@@ -25,7 +25,7 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
 
 # preexec_fn of the servers a test starts: SIGTERM (serve and vLLM clean up on it) when pytest dies
-from ascend_dualpath.integrations.vllm.serve import _watcher_preexec as _term_with_pytest  # noqa: E402
+from ascend_dualpath._process import term_with_parent as _term_with_pytest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
 STARTUP_S = 420
@@ -224,7 +224,7 @@ def test_serve_matches_plain_vllm_and_loads_from_storage(model, plain, tmp_path,
     finally:
         code = _stop(proc)
     assert code == 128 + signal.SIGTERM, log.read_text()[-3000:]
-    assert "serve: stopped by SIGTERM" in log.read_text()
+    assert "serve: interrupted by SIGTERM; 3 children stopped" in log.read_text()
     _assert_nothing_left()
 
 
