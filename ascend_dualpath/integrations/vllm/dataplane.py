@@ -26,16 +26,19 @@ import os
 import threading
 
 from ascend_dualpath.backends import Backend, get_backend
+from ascend_dualpath.dualpath import messages as m
 from ascend_dualpath.dualpath.transfer_leg import ABORT_SLOT, KV_COMM_FIELDS, TransportTransferLeg
 from ascend_dualpath.errors import BackendUnavailable, CapacityError, ConfigError
 from ascend_dualpath.integrations.vllm.settings import ConnectorSettings
 from ascend_dualpath.kv.buffers import HostBuffer
+from ascend_dualpath.kv.layout import KVLayout
 from ascend_dualpath.transport.engine import StagingPool
 
 PE_RANK, DE_RANK = 0, 1  # in every pair's communicator
 NOTIFY_SLOTS_PER_XFER = 3  # two layer slots and one abort flag per request whose hit layers the DE pushes
 NUM_NOTIFY_SLOTS = ABORT_SLOT  # slots [0, ABORT_SLOT) are ours; ABORT_SLOT is the engines' own
 SHM_DIR = "/dev/shm"
+ENGINE_KIND = "emulator"  # the transfer engine every instance's dataplane moves KV bytes with
 
 
 def open_fabric(name: str, timeout_s: float):
@@ -149,6 +152,10 @@ class Dataplane:
     @property
     def device_id(self) -> int:
         return self.settings.device_id
+
+    def compat(self, layout: KVLayout) -> m.Compat:
+        """What a peer must share with this instance for ``layout``'s bytes to mean the same (checked at hello)."""
+        return m.Compat.of(layout, ENGINE_KIND)
 
     def host_mem(self) -> tuple[int, int, int]:
         """``(addr, size, rkey)`` of the host region, for a peer's ``add_remote_mem``."""

@@ -31,12 +31,13 @@ import threading
 import time
 from typing import Any
 
+from ascend_dualpath.dualpath import messages as m
 from ascend_dualpath.dualpath.scheduler import ReadPath
 from ascend_dualpath.dualpath.transfer_leg import Segment
 from ascend_dualpath.errors import ChecksumMismatch, ProtocolError, WaitTimeout
 from ascend_dualpath.integrations.vllm.dataplane import PE_RANK, Dataplane, PairLink
 from ascend_dualpath.integrations.vllm.metadata import RecvSpec
-from ascend_dualpath.integrations.vllm.protocol import request_once
+from ascend_dualpath.integrations.vllm.protocol import expect, request_once
 from ascend_dualpath.integrations.vllm.quarantine import Quarantine, tickets_ended
 from ascend_dualpath.integrations.vllm.settings import ConnectorSettings
 from ascend_dualpath.kv.layout import KVLayout
@@ -55,7 +56,7 @@ class _PushStopped(Exception):
 class _DeXfer:
     """DE-side state of one request: the plan from the PE, the pair's link, the lease, what has arrived."""
 
-    plan: dict
+    plan: m.Plan
     link: PairLink
     lease: Any
     full_rows: bool
@@ -125,43 +126,43 @@ class DecodeSide:
     def handlers(self) -> dict:
         """The side-channel ops a DE answers (``status`` is the worker's)."""
         return {
-            "hello": self._on_hello,
-            "plan": self._on_plan,
-            "consumed": self._on_consumed,
-            "hits": self._on_hits,
-            "rows": self._on_rows,
-            "fallback": self._on_fallback,
-            "abort": self._on_abort,
-            "pushes_ended": self._on_pushes_ended,
+            m.Hello: self._on_hello,
+            m.Plan: self._on_plan,
+            m.Consumed: self._on_consumed,
+            m.Hits: self._on_hits,
+            m.Rows: self._on_rows,
+            m.Fallback: self._on_fallback,
+            m.Abort: self._on_abort,
+            m.PushesEnded: self._on_pushes_ended,
         }
 
     def unfinished_tokens(self) -> list[int]:
         """Prompt tokens of each request planned here and not yet received."""
         with self._lock:
-            return [x.plan["prompt_tokens"] for x in self._xfers.values()]
+            return [x.plan.prompt_tokens for x in self._xfers.values()]
 
     # -- handlers --------------------------------------------------------------------------------------------------
-    def _on_hello(self, message: dict) -> dict:
-        """A PE's first message: make (or, after its restart, remake) the pair's communicator."""
+    def _on_hello(self, message: m.Hello) -> m.Welcome:
+        """A PE's first message: check that it speaks this version and moves these bytes, then make (or, after
+        its restart, remake) the pair's communicator."""
         dp = self.dataplane
         if dp is None:
             raise ProtocolError("hello before the DE registered its KV caches")
-        link = dp.new_link(str(message["pe"]), int(message["device_id"]))
-        link.connect(message["rank_info"], tuple(message["host_mem"]))
-        return {"op": "ok", "rank_info": link.local_info(), "host_mem": list(dp.host_mem())}
+        m.check_peer(dp.compat(self.layout), message, f"DE {self.settings.node}", f"PE {message.pe}")
+        link = dp.new_link(message.pe, message.device_id)
+        link.connect(message.rank_info, message.host_mem)
+        return m.Welcome(rank_info=link.local_info(), host_mem=dp.host_mem())
 
-    def _xfer(self, message: dict) -> _DeXfer | None:
+    def _xfer(self, message: m.Message) -> _DeXfer | None:
         with self._lock:
-            return self._xfers.get(message["xfer_id"])
+            return self._xfers.get(message.xfer_id)
 
-    def _on_plan(self, message: dict) -> dict:
-        link = self.dataplane.links.get(str(message.get("pe")))
+    def _on_plan(self, message: m.Plan) -> m.Planned:
+        link = self.dataplane.links.get(message.pe)
         if link is None or not link.connected:
-            raise ProtocolError(
-                f"plan of request {message['xfer_id']!r} from {message.get('pe')!r}, which sent no hello"
-            )
-        P, H, xfer_id = message["prompt_tokens"], message["hit_tokens"], message["xfer_id"]
-        full = message["path"] == ReadPath.PE.value or H == message["load_start"]
+            raise ProtocolError(f"plan of request {message.xfer_id!r} from {message.pe!r}, which sent no hello")
+        P, H, xfer_id = message.prompt_tokens, message.hit_tokens, message.xfer_id
+        full = message.path == ReadPath.PE.value or H == message.load_start
         with self._lock:
             in_use = xfer_id in self._xfers
         if in_use:  # refused, never overwritten: the earlier plan's lease may be written into right now
@@ -177,7 +178,7 @@ class DecodeSide:
             received_end=0 if full else H,
             created=time.monotonic(),
             reads_ok=full,
-            hits_ok=full or not message.get("pe_blocks", 0),
+            hits_ok=full or not message.pe_blocks,
         )
         with self._lock:
             if xfer_id in self._xfers:  # a second plan of the id won the race: this one takes nothing
@@ -187,38 +188,38 @@ class DecodeSide:
         if not full:
             xfer.consumed, xfer.read_lease, xfer.reads_ended = queue.Queue(), lease, False
             with self._lock:
-                self._pushing[message["xfer_id"]] = xfer
+                self._pushing[message.xfer_id] = xfer
             xfer.pusher = threading.Thread(target=self._push_hits, args=(xfer,), name="adp-de-push", daemon=True)
             xfer.pusher.start()
-        return {"op": "ok", "lease_addr": int(lease.addr)}
+        return m.Planned(lease_addr=int(lease.addr))
 
-    def _on_consumed(self, message: dict) -> dict:
+    def _on_consumed(self, message: m.Consumed) -> m.Ok:
         xfer = self._xfer(message)
         if xfer is not None and xfer.consumed is not None:
-            xfer.consumed.put(message["layer"])
-        return {"op": "ok"}
+            xfer.consumed.put(message.layer)
+        return m.Ok()
 
-    def _on_hits(self, message: dict) -> dict:
+    def _on_hits(self, message: m.Hits) -> m.Ok:
         """A split's PE half (its hit blocks) is in the lease."""
         xfer = self._xfer(message)
         if xfer is None:
-            raise ProtocolError(f"hits for unknown request {message['xfer_id']!r}")
+            raise ProtocolError(f"hits for unknown request {message.xfer_id!r}")
         xfer.hits_ok = True
-        return {"op": "ok"}
+        return m.Ok()
 
-    def _on_rows(self, message: dict) -> dict:
+    def _on_rows(self, message: m.Rows) -> m.Ok:
         with self._lock:
-            xfer = self._xfers.get(message["xfer_id"])
+            xfer = self._xfers.get(message.xfer_id)
             if xfer is None:
-                raise ProtocolError(f"rows for unknown request {message['xfer_id']!r}")
-            if message["full"] and not xfer.full_rows:
+                raise ProtocolError(f"rows for unknown request {message.xfer_id!r}")
+            if message.full and not xfer.full_rows:
                 xfer.full_rows, xfer.received_end, xfer.reads_ok, xfer.hits_ok = True, 0, True, True
-            if message["start"] > xfer.received_end:
-                xfer.error = f"rows [{message['start']}, {message['end']}) arrived after only {xfer.received_end} rows"
-            xfer.received_end = max(xfer.received_end, message["end"])
-        return {"op": "ok"}
+            if message.start > xfer.received_end:
+                xfer.error = f"rows [{message.start}, {message.end}) arrived after only {xfer.received_end} rows"
+            xfer.received_end = max(xfer.received_end, message.end)
+        return m.Ok()
 
-    def _on_fallback(self, message: dict) -> dict:
+    def _on_fallback(self, message: m.Fallback) -> m.Planned:
         """The PE's load failed (it recomputes): stop pushing into its slots, then take complete layers.
 
         Replies once no push will start and the pusher's bounded waits for those in flight ended: ``pushes_ended``
@@ -229,36 +230,36 @@ class DecodeSide:
         """
         xfer = self._xfer(message)
         if xfer is None:
-            raise ProtocolError(f"fallback for unknown request {message['xfer_id']!r}")
+            raise ProtocolError(f"fallback for unknown request {message.xfer_id!r}")
         with xfer.push_lock:
             xfer.stop.set()
         if not xfer.quiet.wait(self.settings.timeout_s):
-            raise WaitTimeout(f"pushes of request {message['xfer_id']!r} in flight after {self.settings.timeout_s} s")
-        nbytes = max(1, self.layout.kv_bytes(xfer.plan["prompt_tokens"]))
-        lease = self.dataplane.host.allocate(message["xfer_id"], nbytes, timeout_s=self.settings.timeout_s)
+            raise WaitTimeout(f"pushes of request {message.xfer_id!r} in flight after {self.settings.timeout_s} s")
+        nbytes = max(1, self.layout.kv_bytes(xfer.plan.prompt_tokens))
+        lease = self.dataplane.host.allocate(message.xfer_id, nbytes, timeout_s=self.settings.timeout_s)
         with self._lock:
             old, xfer.lease = xfer.lease, lease
             xfer.full_rows, xfer.received_end, xfer.reads_ok, xfer.hits_ok = True, 0, True, True
             self.counters.fallbacks += 1
-        self._let_go(xfer, old, bool(message.get("settled")), "the PE's writes into it may not have ended")
+        self._let_go(xfer, old, message.settled, "the PE's writes into it may not have ended")
         pushes_ended = all(t.future.done() for t in xfer.pushes)  # quiet: the pusher appends no more
-        return {"op": "ok", "lease_addr": int(lease.addr), "pushes_ended": pushes_ended}
+        return m.Planned(lease_addr=int(lease.addr), pushes_ended=pushes_ended)
 
-    def _on_abort(self, message: dict) -> dict:
+    def _on_abort(self, message: m.Abort) -> m.Ok:
         xfer = self._xfer(message)
         if xfer is not None:
-            self._de_fail(xfer, f"the PE aborted: {message.get('reason')}")
-        return {"op": "ok"}
+            self._de_fail(xfer, f"the PE aborted: {message.reason}")
+        return m.Ok()
 
-    def _on_pushes_ended(self, message: dict) -> dict:
+    def _on_pushes_ended(self, message: m.PushesEnded) -> m.Ended:
         """Whether none of this DE's pushes of the request into the PE's slots is still in flight (a request it never
         pushed for, or whose pushes all ended, has none)."""
         with self._lock:
-            xfer = self._pushing.get(message["xfer_id"])
+            xfer = self._pushing.get(message.xfer_id)
             ended = xfer is None or (xfer.pusher_done and all(t.future.done() for t in xfer.pushes))
             if ended:
-                self._pushing.pop(message["xfer_id"], None)
-        return {"op": "ok", "ended": ended}
+                self._pushing.pop(message.xfer_id, None)
+        return m.Ended(ended=ended)
 
     # -- the pusher --------------------------------------------------------------------------------------------------
     def _push_hits(self, xfer: _DeXfer) -> None:
@@ -277,14 +278,14 @@ class DecodeSide:
             self._settle(xfer.link, pushes)  # nothing may land in the PE's slots once it frees them
             log.warning(
                 "DualPath: DE read path of request %s broke, the PE falls back: %s: %s",
-                plan["xfer_id"],
+                plan.xfer_id,
                 type(error).__name__,
                 error,
             )
             if isinstance(error, ChecksumMismatch):
                 self.counters.checksum_errors += 1
             try:
-                xfer.link.leg.record(PE_RANK, plan["notify_base"] + 2, plan["abort_magic"])
+                xfer.link.leg.record(PE_RANK, plan.notify_base + 2, plan.abort_magic)
             except Exception:  # the PE then times out waiting for the layer, within its bound
                 pass
         finally:
@@ -293,7 +294,7 @@ class DecodeSide:
             with self._lock:
                 xfer.pusher_done = True
                 if all(t.future.done() for t in pushes):
-                    self._pushing.pop(plan["xfer_id"], None)
+                    self._pushing.pop(plan.xfer_id, None)
                 xfer.reads_ended = tickets_ended(xfer.reads, xfer.pushes)
                 peer_done = xfer.peer_done
             if peer_done is not None:  # the request let go of the lease while this pusher still used it
@@ -304,9 +305,9 @@ class DecodeSide:
         """Read every hit block but the PE's half (``[first, first + pe_blocks)``) into the lease's hit area; a
         corrupted block leaves the store. A read whose wait expired may still be landing (``xfer.reads``)."""
         plan, fb = xfer.plan, self.layout.full_block_bytes
-        ids = plan["store_ids"]
-        first = plan["load_start"] // self.block_size
-        mine = [b for b in range(len(ids)) if not first <= b < first + plan.get("pe_blocks", 0)]
+        ids = plan.store_ids
+        first = plan.load_start // self.block_size
+        mine = [b for b in range(len(ids)) if not first <= b < first + plan.pe_blocks]
         self.store.refresh(ids)
         tickets = xfer.reads = [self.read_queue.submit(ids[b], lease.slice(b * fb, fb).view) for b in mine]
         corrupt, first_error = None, None
@@ -326,8 +327,8 @@ class DecodeSide:
     def _push_layers(self, xfer: _DeXfer, lease: Any, pushes: list) -> None:
         plan, fb, lb = xfer.plan, self.layout.full_block_bytes, self.layout.layer_block_bytes
         leg = xfer.link.leg
-        first = plan["load_start"] // self.block_size + plan.get("pe_blocks", 0)
-        last = len(plan["store_ids"])
+        first = plan.load_start // self.block_size + plan.pe_blocks
+        last = len(plan.store_ids)
         for layer in range(self.layout.num_layers):
             if layer >= 2:
                 self._await_consumed(xfer, layer - 2, pushes)
@@ -341,9 +342,9 @@ class DecodeSide:
                         layer,
                         segments,
                         PE_RANK,
-                        plan["slots"][layer % 2],
-                        plan["notify_base"] + layer % 2,
-                        plan["magics"][layer],
+                        plan.slots[layer % 2],
+                        plan.notify_base + layer % 2,
+                        plan.magics[layer],
                     )
                 )
         for ticket in pushes:
@@ -363,7 +364,7 @@ class DecodeSide:
             except queue.Empty:
                 if time.monotonic() > deadline:
                     raise WaitTimeout(
-                        f"the PE did not consume hit layer {layer} of request {xfer.plan['xfer_id']} "
+                        f"the PE did not consume hit layer {layer} of request {xfer.plan.xfer_id} "
                         f"within {self.settings.timeout_s} s"
                     ) from None
 
@@ -392,12 +393,12 @@ class DecodeSide:
         """Release ``lease`` now if nothing can reach it, else quarantine it until the DE's own reads and pushes
         from it ended and (unless ``peer_done``) the PE answers that its writes of the request ended."""
         mine = lease is xfer.read_lease
-        xfer_id, pe, timeout_s = xfer.plan["xfer_id"], str(xfer.plan.get("pe")), self.settings.timeout_s
+        xfer_id, pe, timeout_s = xfer.plan.xfer_id, xfer.plan.pe, self.settings.timeout_s
 
         def ended() -> bool:
             if mine and not tickets_ended(xfer.reads, xfer.pushes):
                 return False
-            return peer_done or bool(request_once(pe, {"op": "writes_ended", "xfer_id": xfer_id}, timeout_s)["ended"])
+            return peer_done or expect(request_once(pe, m.WritesEnded(xfer_id=xfer_id), timeout_s), m.Ended).ended
 
         safe = peer_done and (not mine or xfer.reads_ended)
         self.quarantine.retire("leases", f"lease of request {xfer_id}", lease.nbytes, lease.release, safe, ended, why)
@@ -434,13 +435,13 @@ class DecodeSide:
                 if now - self._recv_since[xfer_id] > self.settings.timeout_s:
                     self._end_recv(xfer_id, spec, None, failed=True)
                 continue
-            if xfer.plan["prompt_tokens"] != spec.prompt_tokens:
+            if xfer.plan.prompt_tokens != spec.prompt_tokens:
                 xfer.error = (
-                    f"the plan is for {xfer.plan['prompt_tokens']} prompt tokens, the request has {spec.prompt_tokens}"
+                    f"the plan is for {xfer.plan.prompt_tokens} prompt tokens, the request has {spec.prompt_tokens}"
                 )
             if xfer.error is not None or now - xfer.created > self.settings.timeout_s:
                 self._end_recv(xfer_id, spec, xfer, failed=True)
-            elif xfer.reads_ok and xfer.hits_ok and xfer.received_end >= xfer.plan["prompt_tokens"]:
+            elif xfer.reads_ok and xfer.hits_ok and xfer.received_end >= xfer.plan.prompt_tokens:
                 if spec.report:
                     self._merge(spec, xfer)
                 self._end_recv(xfer_id, spec, xfer, failed=False)
@@ -458,9 +459,9 @@ class DecodeSide:
                 if xfer_id not in self._recvs and now - x.created > self.settings.timeout_s
             ]
             for xfer in expired:
-                del self._xfers[xfer.plan["xfer_id"]]
+                del self._xfers[xfer.plan.xfer_id]
         for xfer in expired:
-            log.warning("DualPath: plan of request %s expired: no request took it", xfer.plan["xfer_id"])
+            log.warning("DualPath: plan of request %s expired: no request took it", xfer.plan.xfer_id)
             self.counters.expired_plans += 1
             xfer.stop.set()
             self._let_go(xfer, xfer.lease, self._rows_ended(xfer), "no request took it: the PE may still write")
@@ -469,7 +470,7 @@ class DecodeSide:
     @staticmethod
     def _rows_ended(xfer: _DeXfer) -> bool:
         """Every row the PE sends has arrived: it writes nothing more into the lease."""
-        return xfer.error is None and xfer.hits_ok and xfer.received_end >= xfer.plan["prompt_tokens"]
+        return xfer.error is None and xfer.hits_ok and xfer.received_end >= xfer.plan.prompt_tokens
 
     def _end_recv(self, xfer_id: str, spec: RecvSpec, xfer: _DeXfer | None, *, failed: bool) -> None:
         with self._lock:
@@ -496,9 +497,9 @@ class DecodeSide:
         hit Full Blocks ``[H / T, L, T, C]`` (read by the DE, or on a split partly by the PE) then the PE's new
         rows ``[L, P - H, C]``.
         """
-        C, L, P = self.layout.token_bytes, self.layout.num_layers, xfer.plan["prompt_tokens"]
+        C, L, P = self.layout.token_bytes, self.layout.num_layers, xfer.plan.prompt_tokens
         data = xfer.lease.tensor
-        H = 0 if xfer.full_rows else xfer.plan["hit_tokens"]
+        H = 0 if xfer.full_rows else xfer.plan.hit_tokens
         start, end = spec.computed, spec.end
         for layer in range(L):
             cache = self.caches[layer]

@@ -1,14 +1,13 @@
 """What the DualPath connector halves, the peer instance and the proxy say to each other.
 
 - ``kv_transfer_params["dualpath"]`` (proxy -> each instance, per request): :class:`XferParams`.
-- The side channel: a ZMQ ROUTER in each instance's worker on ``127.0.0.1:side_port``. Every message is one
-  msgpack map with an ``op``; every request gets exactly one reply (``{"op": "ok", ...}`` or
-  ``{"op": "error", "error": text}``). The PE worker is the client of the DE worker (``hello``, ``plan``,
-  ``status``, ``plan``, ``consumed``, ``hits``, ``rows``, ``fallback``, ``abort``); the proxy asks every instance
-  for ``status``. Any PE may work with any DE: a PE sends ``hello`` (its side-channel address and device id) to
-  each DE the first time a request names it, and every later message of a request carries its ``xfer_id``.
-
-KV bytes never travel here: they move over the transfer engine's fabric; these are control messages only.
+- The side channel: a ZMQ ROUTER in each instance's worker on ``127.0.0.1:side_port`` carrying the typed
+  messages of :mod:`ascend_dualpath.dualpath.messages`; every request gets exactly one reply. The PE worker is
+  the client of the DE worker (``status``, ``hello``, then per request ``plan``, ``consumed``, ``hits``, ``rows``,
+  ``fallback``, ``abort``, ``pushes_ended``), the DE asks the PE ``writes_ended``, the proxy asks every instance
+  for ``status``. Any PE may work with any DE: a PE sends ``hello`` (its side-channel address, device id,
+  protocol version and compatibility digest) to each DE the first time a request names it, and every later
+  message of a request carries its ``xfer_id``.
 """
 
 from __future__ import annotations
@@ -18,18 +17,15 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
 import zmq
 
+from ascend_dualpath.dualpath import messages as m
 from ascend_dualpath.dualpath.scheduler import ReadPath
 from ascend_dualpath.errors import ConfigError, ProtocolError, WaitTimeout
 
 PARAMS_KEY = "dualpath"
 ROLES = ("prefill", "decode")
 POLL_MS = 50  # the serving thread's poll period: bounds how late it sees a stop request
-
-_encode = msgspec.msgpack.Encoder().encode
-_decode = msgspec.msgpack.Decoder().decode
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,14 +77,14 @@ class XferParams:
 
 
 class SideChannel:
-    """A ROUTER socket served by one thread: ``handler(message) -> reply`` for every request.
+    """A ROUTER socket served by one thread: ``handler(request) -> reply`` for every request.
 
-    The handler runs on the serving thread; an exception becomes an ``error`` reply naming it, so a bad message
-    never kills the channel.
+    The handler runs on the serving thread; a malformed request or an exception becomes an :class:`Error` reply
+    naming it, so a bad message never kills the channel.
     """
 
     def __init__(
-        self, port: int, handler: Callable[[dict], dict], *, host: str = "127.0.0.1", name: str = "adp"
+        self, port: int, handler: Callable[[m.Request], m.Reply], *, host: str = "127.0.0.1", name: str = "adp"
     ) -> None:
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
@@ -113,10 +109,10 @@ class SideChannel:
                 continue
             identity, _, payload = self._socket.recv_multipart()
             try:
-                reply = self._handler(_decode(payload))
+                reply = self._handler(m.decode_request(payload))
             except Exception as error:  # reported to the caller, the channel lives on
-                reply = {"op": "error", "error": f"{type(error).__name__}: {error}"}
-            self._socket.send_multipart([identity, b"", _encode(reply)])
+                reply = m.Error(error=f"{type(error).__name__}: {error}")
+            self._socket.send_multipart([identity, b"", m.encode(reply)])
 
     def close(self) -> None:
         self._stop.set()
@@ -139,19 +135,20 @@ class PeerClient:
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.connect(address)
 
-    def request(self, message: dict, timeout_s: float | None = None) -> dict:
+    def request(self, message: m.Message, timeout_s: float | None = None) -> m.Reply:
         """Send ``message`` and return the reply; WaitTimeout naming the op and the peer, ProtocolError on an
-        ``error`` reply."""
+        :class:`Error` reply or a malformed one."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        self._socket.send_multipart([b"", _encode(message)])
+        op = type(message).__struct_config__.tag
+        self._socket.send_multipart([b"", m.encode(message)])
         if not self._socket.poll(int(timeout * 1000)):
             # the socket now holds a request whose reply may come late: replace it so replies stay paired
             self._reset()
-            raise WaitTimeout(f"no reply to {message.get('op')!r} from {self.address} within {timeout} s")
+            raise WaitTimeout(f"no reply to {op!r} from {self.address} within {timeout} s")
         _, payload = self._socket.recv_multipart()
-        reply = _decode(payload)
-        if reply.get("op") == "error":
-            raise ProtocolError(f"{self.address} refused {message.get('op')!r}: {reply.get('error')}")
+        reply = m.decode_reply(payload)
+        if isinstance(reply, m.Error):
+            raise ProtocolError(f"{self.address} refused {op!r}: {reply.error}")
         return reply
 
     def _reset(self) -> None:
@@ -165,7 +162,14 @@ class PeerClient:
         self._context.term()
 
 
-def request_once(address: str, message: dict, timeout_s: float) -> dict[str, Any]:
+def expect(reply: m.Reply, kind: type) -> Any:
+    """``reply`` if it is a ``kind``; ProtocolError naming both otherwise (a peer of another build)."""
+    if not isinstance(reply, kind):
+        raise ProtocolError(f"expected a {kind.__name__} reply, got {type(reply).__name__}")
+    return reply
+
+
+def request_once(address: str, message: m.Message, timeout_s: float) -> m.Reply:
     """One round trip of ``message`` to the side channel at ``address`` on a client of its own (bounded)."""
     client = PeerClient(address, timeout_s)
     try:
@@ -174,6 +178,6 @@ def request_once(address: str, message: dict, timeout_s: float) -> dict[str, Any
         client.close()
 
 
-def query_status(address: str, timeout_s: float) -> dict[str, Any]:
+def query_status(address: str, timeout_s: float) -> m.Status:
     """One ``status`` round trip to the side channel at ``address``."""
-    return request_once(address, {"op": "status"}, timeout_s)
+    return expect(request_once(address, m.StatusQuery(), timeout_s), m.Status)

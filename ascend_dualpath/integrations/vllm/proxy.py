@@ -66,6 +66,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from ascend_dualpath import _env
 from ascend_dualpath._checks import check_bound
+from ascend_dualpath.dualpath import messages as m
 from ascend_dualpath.errors import ConfigError, ProtocolError, WaitTimeout
 from ascend_dualpath.integrations.vllm import fanout
 from ascend_dualpath.integrations.vllm.cached_prefixes import DEFAULT_CAPACITY_BLOCKS
@@ -110,7 +111,6 @@ STATUS_GAUGES = {
     "host_leases": "host-buffer leases the instance holds (plans, receives, quarantine)",
     "quarantined_bytes": "host-buffer bytes kept out of use until late writes into them are ruled out",
 }
-REQUIRED_STATUS_KEYS = ("node", "read_queue_tokens", "snic_read_blocks")
 # Fields of vLLM's completion and chat requests that shape the sampled answer, not the prompt's KV: the PE's one-token
 # copy drops them (vLLM's defaults apply). What shapes the prompt (model, prompt / messages, chat template fields,
 # tools, add_special_tokens, truncate_prompt_tokens, cache_salt, ...) and anything unknown stays.
@@ -246,7 +246,8 @@ def prefill_body(body: dict, decision: Decision, de_side_channel: str, chat: boo
 
 
 async def query_status(ctx: zmq.asyncio.Context, address: str, timeout_s: float) -> dict:
-    """One status query on a side channel: ``[b"", msgpack({"op": "status"})]`` through a fresh DEALER.
+    """One :class:`~ascend_dualpath.dualpath.messages.StatusQuery` on a side channel through a fresh DEALER; the
+    typed :class:`~ascend_dualpath.dualpath.messages.Status` reply as a dict.
 
     A fresh socket per query keeps a late reply to an earlier, timed-out query from being read as this
     one's. Raises :class:`WaitTimeout` when no reply comes within ``timeout_s`` (ZMQ connects lazily, so a
@@ -256,7 +257,7 @@ async def query_status(ctx: zmq.asyncio.Context, address: str, timeout_s: float)
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(address)
-        await asyncio.wait_for(sock.send_multipart([b"", msgspec.msgpack.encode({"op": "status"})]), timeout_s)
+        await asyncio.wait_for(sock.send_multipart([b"", m.encode(m.StatusQuery())]), timeout_s)
         if not await sock.poll(int(timeout_s * 1000), zmq.POLLIN):
             raise WaitTimeout(f"side channel {address} sent no status reply within {timeout_s} s")
         frames = await sock.recv_multipart()
@@ -267,15 +268,12 @@ async def query_status(ctx: zmq.asyncio.Context, address: str, timeout_s: float)
 
 def _parse_status(address: str, payload: bytes) -> dict:
     try:
-        reply = msgspec.msgpack.decode(payload)
-    except msgspec.DecodeError as exc:
-        raise ProtocolError(f"side channel {address} sent a status reply that is not msgpack: {exc}") from None
-    if not isinstance(reply, dict) or reply.get("op") != "status":
-        raise ProtocolError(f"side channel {address} answered {reply!r:.200} to a status query")
-    missing = [key for key in REQUIRED_STATUS_KEYS if key not in reply]
-    if missing:
-        raise ProtocolError(f"side channel {address} status reply lacks {missing}")
-    return reply
+        reply = m.decode_reply(payload)
+    except ProtocolError as exc:
+        raise ProtocolError(f"side channel {address} sent a malformed status reply: {exc}") from None
+    if not isinstance(reply, m.Status):
+        raise ProtocolError(f"side channel {address} answered {type(reply).__name__} to a status query")
+    return msgspec.to_builtins(reply)
 
 
 class _Metrics:

@@ -265,8 +265,9 @@ class Child:
     log_path: str
 
     def last_error_line(self) -> str:
-        """The last line of the log that names an error (the end of a traceback, an ERROR record); else its last
-        line. Reads at most the log's last MiB."""
+        """The last line of the log that names an error (the end of a traceback, an ERROR record), with the one
+        before it when it only points there ("see root cause above", as vLLM's engine start-up says); else the
+        log's last line. Reads at most the log's last MiB."""
         try:
             with open(self.log_path, "rb") as log:
                 log.seek(max(0, os.path.getsize(self.log_path) - LOG_SCAN_BYTES))
@@ -275,7 +276,14 @@ class Child:
             return f"(log unreadable: {exc})"
         if not lines:
             return "(its log is empty)"
-        return next((line for line in reversed(lines) if ERROR_LINE.search(line)), lines[-1])
+        errors = [line for line in lines if ERROR_LINE.search(line)]
+        if not errors:
+            return lines[-1]
+        if "above" in errors[-1].lower():
+            cause = next((line for line in reversed(errors) if "above" not in line.lower()), None)
+            if cause is not None:
+                return f"{cause} (then: {errors[-1]})"
+        return errors[-1]
 
     def ended(self, code: int, when: str) -> str:
         """One line: which child exited with what ``when``, its last error line and where its log is."""

@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 
+from ascend_dualpath.dualpath import messages as m
 from ascend_dualpath.dualpath.scheduler import ReadPath, split_hit_blocks
 from ascend_dualpath.dualpath.transfer_leg import PeerAborted, Segment
 from ascend_dualpath.errors import AdpError, ChecksumMismatch, ProtocolError, WaitTimeout
@@ -59,7 +60,7 @@ from ascend_dualpath.integrations.vllm.dataplane import DE_RANK, PE_RANK, Datapl
 from ascend_dualpath.integrations.vllm.decode_side import DecodeSide
 from ascend_dualpath.integrations.vllm.metadata import DualPathMetadata, LoadSpec, PersistSpec, SaveSpec
 from ascend_dualpath.integrations.vllm.persisting import PersistAnnouncements
-from ascend_dualpath.integrations.vllm.protocol import PeerClient, SideChannel, XferParams, request_once
+from ascend_dualpath.integrations.vllm.protocol import PeerClient, SideChannel, XferParams, expect, request_once
 from ascend_dualpath.integrations.vllm.quarantine import Quarantine, tickets_ended
 from ascend_dualpath.integrations.vllm.settings import ConnectorSettings
 from ascend_dualpath.kv.layout import KVLayout
@@ -270,14 +271,14 @@ class DualPathWorker:
             return n if xfer.path is ReadPath.PE else 0
         if n == 0:
             return 0
-        de = self._peer_request(load.peer, {"op": "status"})
+        de = self._peer_request(load.peer, m.StatusQuery(), reply=m.Status)
         return split_hit_blocks(
             n,
             self.layout.full_block_bytes,
             float(self.read_queue.stats().bytes),
             self.settings.snic_bytes_per_s,
-            float(de["read_queue_bytes"]),
-            float(de["snic_bytes_per_s"]),
+            float(de.read_queue_bytes),
+            de.snic_bytes_per_s,
         )
 
     def _count(self, load: _Load) -> None:
@@ -352,7 +353,7 @@ class DualPathWorker:
                 cache, spec.block_ids, start, torch.frombuffer(view, dtype=torch.uint8).view(rows, C)
             )
             if layer + 2 < self.layout.num_layers:
-                self._peer_request(load.peer, {"op": "consumed", "xfer_id": spec.xfer.xfer_id, "layer": layer})
+                self._peer_request(load.peer, m.Consumed(xfer_id=spec.xfer.xfer_id, layer=layer))
 
     def _send_own_hits(self, load: _Load) -> None:
         """A split's own half, read, goes once into the DE lease's hit-block area (blocks ``first ..``)."""
@@ -437,10 +438,10 @@ class DualPathWorker:
         this PE sends it nothing more."""
         xfer_id = load.spec.xfer.xfer_id
         try:
-            message = {"op": "fallback", "xfer_id": xfer_id, "reason": reason, "settled": settled}
-            reply = self._peer_request(load.peer, message, 2 * self.settings.timeout_s)
-            xfer.lease_addr = int(reply["lease_addr"])
-            load.slots_settled = bool(reply.get("pushes_ended"))
+            message = m.Fallback(xfer_id=xfer_id, reason=reason, settled=settled)
+            reply = self._peer_request(load.peer, message, 2 * self.settings.timeout_s, m.Planned)
+            xfer.lease_addr = reply.lease_addr
+            load.slots_settled = reply.pushes_ended
         except Exception as exc:
             log.warning("DualPath: the DE did not take the fallback of request %s: %s", load.spec.req_id, exc)
             self._abort_peer(load.peer, load.spec.xfer, f"fallback refused: {exc}")
@@ -480,7 +481,7 @@ class DualPathWorker:
         otherwise they are quarantined (``quarantined_slots``), so no later buffer gets the bytes, until the DE
         answers ``pushes_ended`` for the request."""
         link, slots, notify_base = load.peer.link, list(load.slots), load.notify_base
-        message, address = {"op": "pushes_ended", "xfer_id": load.spec.xfer.xfer_id}, load.peer.client.address
+        message, address = m.PushesEnded(xfer_id=load.spec.xfer.xfer_id), load.peer.client.address
 
         def release() -> None:
             for addr in slots:
@@ -493,7 +494,7 @@ class DualPathWorker:
             len(slots) * load.peer_blocks * self.block_size * self.layout.token_bytes,
             release,
             load.error is None or load.slots_settled,
-            lambda: bool(request_once(address, message, self.settings.timeout_s)["ended"]),
+            lambda: expect(request_once(address, message, self.settings.timeout_s), m.Ended).ended,
             "the DE's pushes may still land there",
         )
 
@@ -506,17 +507,17 @@ class DualPathWorker:
         client = PeerClient(address, self.settings.timeout_s)
         try:
             dp = self.dataplane
-            status = client.request({"op": "status"})
-            link = dp.new_link(address, int(status["device_id"]))
-            hello = {
-                "op": "hello",
-                "pe": self.side.address,
-                "device_id": dp.device_id,
-                "rank_info": link.local_info(),
-                "host_mem": list(dp.host_mem()),
-            }
-            reply = client.request(hello)
-            link.connect(reply["rank_info"], tuple(reply["host_mem"]))
+            status = expect(client.request(m.StatusQuery()), m.Status)
+            link = dp.new_link(address, status.device_id)
+            hello = m.Hello(
+                pe=self.side.address,
+                device_id=dp.device_id,
+                rank_info=link.local_info(),
+                host_mem=dp.host_mem(),
+                **m.hello_fields(dp.compat(self.layout)),
+            )
+            reply = expect(client.request(hello), m.Welcome)  # the DE refuses another version or digest
+            link.connect(reply.rank_info, reply.host_mem)
         except Exception:
             client.close()
             raise
@@ -524,8 +525,9 @@ class DualPathWorker:
         return peer
 
     @staticmethod
-    def _peer_request(peer: _Peer, message: dict, timeout_s: float | None = None) -> dict:
-        return peer.client.request(message, timeout_s)
+    def _peer_request(peer: _Peer, message: m.Message, timeout_s: float | None = None, reply: type = m.Ok) -> Any:
+        """``message`` to the peer; its reply, which must be of type ``reply`` (ProtocolError otherwise)."""
+        return expect(peer.client.request(message, timeout_s), reply)
 
     def _pe_xfer(self, req_id: str) -> _PeXfer | None:
         """The transfer this PE request planned (None: it planned none, or its plan was refused)."""
@@ -545,28 +547,24 @@ class DualPathWorker:
                 f"request {spec.req_id}: transfer id {spec.xfer.xfer_id!r} is already in use by request {owner} "
                 "(each engine request needs its own transfer id); it is computed here without a transfer"
             )
-        message = {
-            "op": "plan",
-            "pe": self.side.address,
-            "xfer_id": spec.xfer.xfer_id,
-            "path": (ReadPath.PE if load.full_rows else ReadPath.DE).value,
-            "pe_blocks": 0 if load.full_rows else load.own_blocks,
-            "hit_tokens": spec.hit_tokens,
-            "prompt_tokens": spec.prompt_tokens,
-            "load_start": spec.computed,
-            "store_ids": spec.store_ids[: load.last],
-        }
+        message = m.Plan(
+            pe=self.side.address,
+            xfer_id=spec.xfer.xfer_id,
+            path=(ReadPath.PE if load.full_rows else ReadPath.DE).value,
+            pe_blocks=0 if load.full_rows else load.own_blocks,
+            hit_tokens=spec.hit_tokens,
+            prompt_tokens=spec.prompt_tokens,
+            load_start=spec.computed,
+            store_ids=spec.store_ids[: load.last],
+        )
         if load.peer_blocks > 0:
-            load.notify_base = link.notify_alloc()
-            load.slots = [link.window_alloc(load.peer_blocks * self.block_size * C) for _ in range(2)]
-            load.magics = [link.comm.next_magic() for _ in range(self.layout.num_layers)]
-            load.abort_magic = link.comm.next_magic()
-            message.update(
-                slots=load.slots, notify_base=load.notify_base, magics=load.magics, abort_magic=load.abort_magic
-            )
-        reply = self._peer_request(load.peer, message)
+            load.notify_base = message.notify_base = link.notify_alloc()
+            load.slots = message.slots = [link.window_alloc(load.peer_blocks * self.block_size * C) for _ in range(2)]
+            load.magics = message.magics = [link.comm.next_magic() for _ in range(self.layout.num_layers)]
+            load.abort_magic = message.abort_magic = link.comm.next_magic()
+        reply = self._peer_request(load.peer, message, reply=m.Planned)
         self._pe_xfers[spec.xfer.xfer_id] = _PeXfer(
-            load.peer, reply["lease_addr"], load.full_rows, spec.hit_tokens, spec.prompt_tokens
+            load.peer, reply.lease_addr, load.full_rows, spec.hit_tokens, spec.prompt_tokens
         )
         self._pe_xfer_of[spec.req_id] = spec.xfer.xfer_id
 
@@ -621,10 +619,10 @@ class DualPathWorker:
                 self._lease_writes.pop(xfer_id, None)
         return bool(pending)
 
-    def _on_writes_ended(self, message: dict) -> dict:
+    def _on_writes_ended(self, message: m.WritesEnded) -> m.Ended:
         """The DE asks before giving a quarantined lease back: none of this PE's writes of the request is in flight
         (a request it never wrote for, or whose writes all ended, has none)."""
-        return {"op": "ok", "ended": not self._writes_pending(message["xfer_id"])}
+        return m.Ended(ended=not self._writes_pending(message.xfer_id))
 
     def wait_for_save(self) -> None:
         for load in self._loads:
@@ -647,7 +645,7 @@ class DualPathWorker:
         ticket, load.hits_ticket = load.hits_ticket, None
         try:
             load.peer.link.leg.wait(ticket, self.settings.timeout_s)
-            self._peer_request(load.peer, {"op": "hits", "xfer_id": load.spec.xfer.xfer_id})
+            self._peer_request(load.peer, m.Hits(xfer_id=load.spec.xfer.xfer_id))
         except Exception as exc:
             log.warning("DualPath: hit blocks of request %s did not reach the DE: %s", load.spec.req_id, exc)
             self.counters.failures += 1
@@ -667,8 +665,9 @@ class DualPathWorker:
         try:
             if error is not None:
                 raise error
-            message = {"op": "rows", "xfer_id": spec.xfer.xfer_id, "start": sends[0][0], "end": spec.end}
-            self._peer_request(xfer.peer, {**message, "full": xfer.full_rows})
+            self._peer_request(
+                xfer.peer, m.Rows(xfer_id=spec.xfer.xfer_id, start=sends[0][0], end=spec.end, full=xfer.full_rows)
+            )
             xfer.first_save = False
         except Exception as exc:
             log.warning("DualPath: saves of request %s failed: %s: %s", spec.req_id, type(exc).__name__, exc)
@@ -687,7 +686,7 @@ class DualPathWorker:
 
     def _abort_peer(self, peer: _Peer, xfer: XferParams, reason: str) -> None:
         try:
-            self._peer_request(peer, {"op": "abort", "xfer_id": xfer.xfer_id, "reason": reason})
+            self._peer_request(peer, m.Abort(xfer_id=xfer.xfer_id, reason=reason))
         except Exception:  # the DE then times out on this request, within its own bound
             pass
 
@@ -696,56 +695,51 @@ class DualPathWorker:
         return bad
 
     # -- the side channel --------------------------------------------------------------------------------------------
-    def _handle(self, message: dict) -> dict:
-        op = message.get("op")
-        if op == "status":
-            handler = self._on_status
-        elif op == "writes_ended":
-            handler = self._on_writes_ended
-        else:
-            handler = self.decode.handlers().get(op)
+    def _handle(self, message: m.Request) -> m.Reply:
+        if isinstance(message, m.StatusQuery):
+            return self.status()
+        if isinstance(message, m.WritesEnded):
+            return self._on_writes_ended(message)
+        handler = self.decode.handlers().get(type(message))
         if handler is None:
-            raise ProtocolError(f"unknown side-channel op {op!r}")
+            raise ProtocolError(f"side-channel op {type(message).__struct_config__.tag!r} is not one a "
+                                f"{self.settings.role} instance answers")  # fmt: skip
         return handler(message)
 
-    def status(self) -> dict:
+    def status(self) -> m.Status:
         """The instance's live state: its read queue and storage NIC, what it holds unfinished, its counters."""
         self.decode.expire_plans()
         stats = self.read_queue.stats()
         token_bytes = self.layout.kv_bytes(1)
         unfinished = self.decode.unfinished_tokens() + [x.prompt_tokens for x in list(self._pe_xfers.values())]
         c = self.counters
-        return {
-            "op": "status",
-            "role": self.settings.role,
-            "node": self.settings.node,
-            "device_id": self.settings.device_id,
-            "snic_bytes_per_s": self.settings.snic_bytes_per_s,
-            "read_queue_tokens": stats.bytes // token_bytes,
-            "read_queue_bytes": stats.bytes,
-            "snic_read_bytes": stats.completed_bytes,
-            "snic_read_blocks": stats.completed_requests,
-            "unfinished_requests": len(unfinished),
-            "unfinished_tokens": sum(unfinished),
-            "loads": {"pe": c.loads_pe, "de": c.loads_de, "split": c.loads_split},
-            "loads_split": c.loads_split,
-            "split_blocks_pe": c.split_blocks_pe,
-            "split_blocks_de": c.split_blocks_de,
-            "fallbacks": c.fallbacks,
-            "failures": c.failures,
-            "checksum_errors": c.checksum_errors,
-            "persisted_blocks": c.persisted_blocks,
-            "quarantined_leases": c.quarantined_leases,
-            "quarantined_slots": c.quarantined_slots,
-            "reclaimed_leases": c.reclaimed_leases,
-            "reclaimed_slots": c.reclaimed_slots,
-            "expired_plans": c.expired_plans,
-            "quarantined_bytes": self.quarantine.held_bytes,
-            "host_leases": self.dataplane.host.stats().live_leases if self.dataplane is not None else 0,
-        }
-
-    def _on_status(self, message: dict) -> dict:
-        return self.status()
+        return m.Status(
+            role=self.settings.role,
+            node=self.settings.node,
+            device_id=self.settings.device_id,
+            snic_bytes_per_s=self.settings.snic_bytes_per_s,
+            read_queue_tokens=stats.bytes // token_bytes,
+            read_queue_bytes=stats.bytes,
+            snic_read_bytes=stats.completed_bytes,
+            snic_read_blocks=stats.completed_requests,
+            unfinished_requests=len(unfinished),
+            unfinished_tokens=sum(unfinished),
+            loads=m.Loads(pe=c.loads_pe, de=c.loads_de, split=c.loads_split),
+            loads_split=c.loads_split,
+            split_blocks_pe=c.split_blocks_pe,
+            split_blocks_de=c.split_blocks_de,
+            fallbacks=c.fallbacks,
+            failures=c.failures,
+            checksum_errors=c.checksum_errors,
+            persisted_blocks=c.persisted_blocks,
+            quarantined_leases=c.quarantined_leases,
+            quarantined_slots=c.quarantined_slots,
+            reclaimed_leases=c.reclaimed_leases,
+            reclaimed_slots=c.reclaimed_slots,
+            expired_plans=c.expired_plans,
+            quarantined_bytes=self.quarantine.held_bytes,
+            host_leases=self.dataplane.host.stats().live_leases if self.dataplane is not None else 0,
+        )
 
     # -- DE and standalone: persist ------------------------------------------------------------------------------------
     def _persist(self, spec: PersistSpec) -> None:

@@ -26,6 +26,7 @@ def status_reply(
         "op": "status",
         "role": role,
         "node": node,
+        "device_id": 0,
         "read_queue_tokens": queue_tokens,
         "read_queue_bytes": queue_tokens * 1024,
         "snic_read_bytes": read_blocks * 65536,

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from ascend_dualpath import _ext
 from ascend_dualpath.backends import emulator as emu
+from ascend_dualpath.dualpath import messages as m
 from ascend_dualpath.errors import ConfigError
 from ascend_dualpath.integrations.vllm.dataplane import SHM_DIR, open_dataplane, open_fabric
 from ascend_dualpath.integrations.vllm.protocol import XferParams
@@ -322,9 +323,9 @@ def test_a_timed_out_receive_keeps_its_lease_from_the_next_requests_while_its_re
     prefill.join(10)
     assert bool((probe.tensor == POISON).all()), "a late read of the timed-out request landed in another lease"
     probe.release()
-    assert de.status()["quarantined_leases"] == 1  # the PE might have been writing into it
+    assert de.status().quarantined_leases == 1  # the PE might have been writing into it
     de.quarantine.sweep()  # its reads ended, and the PE answers that its writes did
-    assert (de.status()["reclaimed_leases"], de.status()["quarantined_bytes"]) == (1, 0)
+    assert (de.status().reclaimed_leases, de.status().quarantined_bytes) == (1, 0)
     assert de.dataplane.host.stats().live_leases == 0
 
 
@@ -351,9 +352,9 @@ def test_a_pe_load_whose_read_outlives_its_wait_quarantines_its_lease(deploy):
         time.sleep(0.05)
     assert bool((probe.tensor == POISON).all()), "a late read of the failed load landed in another lease"
     probe.release()
-    assert pe.status()["quarantined_leases"] == 1
+    assert pe.status().quarantined_leases == 1
     pe.quarantine.sweep()  # the reads ended: the lease goes back
-    assert (pe.status()["reclaimed_leases"], pe.status()["quarantined_bytes"]) == (1, 0)
+    assert (pe.status().reclaimed_leases, pe.status().quarantined_bytes) == (1, 0)
     assert pe.dataplane.host.stats().live_leases == 0
 
 
@@ -378,17 +379,17 @@ def test_a_failed_load_keeps_its_window_slots_while_the_des_pushes_may_still_lan
         view = link.window_view(probe, nbytes)
         view[:] = bytes([POISON]) * nbytes
         pe.quarantine.sweep()  # the DE's pushes are still in flight: nothing goes back
-        assert pe.status()["reclaimed_slots"] == 0
+        assert pe.status().reclaimed_slots == 0
     finally:
         nic.set_paused(False)
     deadline = time.monotonic() + 10  # the DE's pusher ends and its late pushes land
-    while not de.decode.handlers()["pushes_ended"]({"xfer_id": de_req.xfer.xfer_id})["ended"]:
+    while not de.decode.handlers()[m.PushesEnded](m.PushesEnded(xfer_id=de_req.xfer.xfer_id)).ended:
         assert time.monotonic() < deadline, "the DE's pushes did not end after its NIC resumed"
         time.sleep(0.05)
     assert bytes(view) == bytes([POISON]) * nbytes, "a late DE push landed in a buffer allocated after the load"
     link.window_free(probe)
-    assert pe.status()["quarantined_slots"] == 1
+    assert pe.status().quarantined_slots == 1
     pe.quarantine.sweep()
-    assert (pe.status()["reclaimed_slots"], pe.status()["quarantined_bytes"]) == (1, 0)
+    assert (pe.status().reclaimed_slots, pe.status().quarantined_bytes) == (1, 0)
     assert link.window_alloc(nbytes) == link.window.base_addr  # the slots are free again
     d.finish("de0", {de_req.req_id})

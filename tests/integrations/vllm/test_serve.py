@@ -381,6 +381,8 @@ def test_last_error_line_prefers_the_end_of_a_traceback_or_an_error_record(tmp_p
     assert child.last_error_line() == "RuntimeError: shape is invalid"
     log.write_text("INFO a\nERROR 12-04 engine core died\nINFO b\n")
     assert child.last_error_line() == "ERROR 12-04 engine core died"
+    log.write_text("ValueError: bad shape\nERROR x\nRuntimeError: Engine core failed. See root cause above.\n")
+    assert child.last_error_line() == "ERROR x (then: RuntimeError: Engine core failed. See root cause above.)"
     log.write_text("INFO a\nINFO the last line\n")
     assert child.last_error_line() == "INFO the last line"
 

@@ -27,7 +27,7 @@ aiohttp = pytest.importorskip("aiohttp")
 pytestmark = pytest.mark.slow
 
 from ascend_dualpath.integrations.vllm.cluster import SIDE_PORT_OFFSET  # noqa: E402
-from ascend_dualpath.integrations.vllm.protocol import request_once  # noqa: E402
+from ascend_dualpath.integrations.vllm.protocol import query_status  # noqa: E402
 from tests.integrations.vllm import test_serve_e2e as e2e  # noqa: E402
 from tests.integrations.vllm.test_serve_e2e import ENV, ROOT, _get, _serve, _stop, _vocab  # noqa: E402
 
@@ -113,8 +113,8 @@ def _held(sides: dict[str, str]) -> dict:
     """``{instance: {field: value}}`` of every non-zero held-now figure."""
     found = {}
     for name, side in sides.items():
-        status = request_once(side, {"op": "status"}, 10)
-        nonzero = {key: status[key] for key in HELD if status[key]}
+        status = query_status(side, 10)
+        nonzero = {key: getattr(status, key) for key in HELD if getattr(status, key)}
         if nonzero:
             found[name] = nonzero
     return found

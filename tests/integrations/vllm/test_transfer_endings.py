@@ -11,13 +11,20 @@ import dataclasses
 import os
 import time
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ascend_dualpath.dualpath import messages as m
+from ascend_dualpath.errors import ProtocolError
 from ascend_dualpath.integrations.vllm.dataplane import SHM_DIR
+from ascend_dualpath.integrations.vllm.protocol import PeerClient
+from ascend_dualpath.kv.layout import KVLayout
 from tests.integrations.vllm.worker_harness import (
     BLOCK,
+    LAYERS,
+    LAYOUT,
     Deployment,
     assert_caches_equal,
     expected_de_caches,
@@ -53,7 +60,7 @@ def _held(d: Deployment, name: str) -> tuple[int, int, int]:
     worker = d.instances[name].worker
     worker.quarantine.sweep()
     status = worker.status()
-    return status["unfinished_requests"], status["unfinished_tokens"], worker.dataplane.host.stats().live_leases
+    return status.unfinished_requests, status.unfinished_tokens, status.host_leases
 
 
 def _until_nothing_held(d: Deployment, name: str, timeout_s: float = 10.0) -> None:
@@ -95,13 +102,13 @@ def test_a_second_plan_of_a_transfer_id_is_refused_and_the_first_lease_kept(depl
     d.expect_recv("de0", de_req)
     d.prefill("pe0", pe_req)
     d.finish("de0", {de_req.req_id})
-    plan = {"op": "plan", "pe": d.instances["pe0"].address, "xfer_id": "dup", "path": "pe", "pe_blocks": 0}
-    plan.update(hit_tokens=0, prompt_tokens=5, load_start=0, store_ids=[])
+    plan = m.Plan(pe=d.instances["pe0"].address, xfer_id="dup", path="pe", hit_tokens=0, prompt_tokens=5,
+                  load_start=0, store_ids=[])  # fmt: skip
     de._on_plan(plan)
     lease = de._xfers["dup"].lease
     with pytest.raises(Exception, match="'dup'.*already planned"):
-        de._on_plan({**plan, "prompt_tokens": 9})
-    assert de._xfers["dup"].lease is lease and de._xfers["dup"].plan["prompt_tokens"] == 5
+        de._on_plan(msgspec.structs.replace(plan, prompt_tokens=9))
+    assert de._xfers["dup"].lease is lease and de._xfers["dup"].plan.prompt_tokens == 5
 
 
 @_SHARED
@@ -135,4 +142,34 @@ def test_a_plan_no_request_takes_expires_and_gives_its_lease_back(deploy):
     d.done("pe0", pe_req)
     assert _held(d, "de0")[0] == 1
     _until_nothing_held(d, "de0")
-    assert de.status()["expired_plans"] == 1
+    assert de.status().expired_plans == 1
+
+
+def test_a_pe_of_another_protocol_version_is_refused_at_hello_naming_both(deploy):
+    d = deploy(1, 1)
+    pe, de = d.instances["pe0"].worker, d.instances["de0"]
+    compat = pe.dataplane.compat(LAYOUT)
+    hello = m.Hello(pe=pe.side.address, device_id=0, rank_info=b"", host_mem=(0, 0, 0),
+                    compat=compat, compat_digest=compat.digest, version=m.PROTOCOL_VERSION + 1)  # fmt: skip
+    client = PeerClient(de.address, 5.0)
+    try:
+        versions = rf"version {m.PROTOCOL_VERSION} at DE de0, {m.PROTOCOL_VERSION + 1} at PE"
+        with pytest.raises(ProtocolError, match=versions):
+            client.request(hello)
+    finally:
+        client.close()
+    assert not de.worker.dataplane.links  # refused before any link was made
+
+
+def test_a_pe_with_another_kv_layout_is_refused_at_hello_naming_both_digests(deploy, monkeypatch):
+    d = deploy(1, 1)
+    pe, de = d.instances["pe0"].worker, d.instances["de0"]
+    mine, theirs = (
+        pe.dataplane.compat(LAYOUT),
+        m.Compat.of(KVLayout(LAYOUT.kind, LAYERS + 1, LAYOUT.fields, LAYOUT.block_tokens), "emulator"),
+    )
+    monkeypatch.setattr(pe.dataplane, "compat", lambda layout: theirs)
+    facts = rf"digest {mine.digest} at DE de0, {theirs.digest} at PE .*num_layers {LAYERS} here, {LAYERS + 1} there"
+    with pytest.raises(ProtocolError, match=facts):
+        pe._connect_peer(de.address)
+    assert not pe._peers and not de.worker.dataplane.links

@@ -20,6 +20,7 @@ import socket
 import threading
 import time
 
+import msgspec
 import torch
 
 from ascend_dualpath.dualpath.scheduler import ReadPath
@@ -79,7 +80,7 @@ class Instance:
         return ids
 
     def status(self) -> dict:
-        return self.worker.status()
+        return msgspec.to_builtins(self.worker.status())
 
 
 class Deployment:

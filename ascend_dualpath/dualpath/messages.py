@@ -1,0 +1,271 @@
+"""DualPath's control messages between a prefill (PE) and a decode (DE) instance: typed, versioned, msgpack.
+
+Every message is a msgspec ``Struct`` tagged by its ``op`` field, so a message on the wire is one msgpack map
+``{"op": <tag>, ...fields}`` and decoding checks every field's type. The PE asks and the DE answers (how a
+serving stack receives requests); the DE asks the PE one thing, :class:`WritesEnded`. Every request gets exactly
+one reply: its own reply type, :class:`Ok`, or :class:`Error`.
+
+The first message of a pair is :class:`Hello`. It carries :data:`PROTOCOL_VERSION` and the sender's
+:class:`Compat` (everything that decides the bytes on the wire: the KV layout's kind, layer count, block tokens,
+token-row fields and the transfer engine's kind) with its digest; :func:`check_peer` refuses a peer whose version
+or digest differs with one error naming both values and the facts that differ, before any byte moves (as vLLM's
+NIXL handshake checks its compatibility hash).
+
+KV bytes never travel here: they move over the transfer engine's fabric; these are control messages only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+
+from ascend_dualpath.errors import ProtocolError
+from ascend_dualpath.kv.layout import KVLayout
+
+# Bumped whenever a message's fields or meaning change: peers of different versions refuse each other at hello.
+PROTOCOL_VERSION = 1
+
+
+class Compat(msgspec.Struct, frozen=True):
+    """What must be equal on both ends for the bytes to mean the same: the KV layout (``kind``, ``num_layers``,
+    ``block_tokens``, ``row``: each token-row field as ``name:dtype:shape``) and the transfer ``engine`` kind."""
+
+    kind: str
+    num_layers: int
+    block_tokens: int
+    row: str
+    engine: str
+
+    @classmethod
+    def of(cls, layout: KVLayout, engine: str) -> Compat:
+        row = ",".join(f"{f.name}:{str(f.dtype).removeprefix('torch.')}:{list(f.shape)}" for f in layout.fields)
+        return cls(layout.kind, layout.num_layers, layout.block_tokens, row, engine)
+
+    @property
+    def digest(self) -> str:
+        """16 hex digits of SHA-256 over the msgpack of the facts."""
+        return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()[:16]
+
+
+class Message(msgspec.Struct, tag_field="op"):
+    """Base of every control message (``op`` on the wire is the subclass's tag)."""
+
+
+# -- PE -> DE requests -------------------------------------------------------------------------------------------
+class Hello(Message, tag="hello"):
+    """A PE's first message to a DE: who it is (``pe``: its side channel), its ``device_id`` on the fabric, its
+    communicator's ``rank_info``, its host region ``host_mem`` ``(addr, size, rkey)``, and what it speaks."""
+
+    pe: str
+    device_id: int
+    rank_info: bytes
+    host_mem: tuple[int, int, int]
+    compat: Compat
+    compat_digest: str
+    version: int = PROTOCOL_VERSION
+
+
+class StatusQuery(Message, tag="status"):
+    """Asks an instance for its :class:`Status` (the proxy and a PE meeting a DE ask it)."""
+
+
+class Plan(Message, tag="plan"):
+    """What is coming for one transfer ``xfer_id``: ``prompt_tokens`` rows in all, ``hit_tokens`` of them stored
+    (``store_ids``: the full blocks), computing from ``load_start``; ``path`` ``pe`` or ``de`` (who reads the
+    hits); ``pe_blocks`` of the hit blocks the PE reads itself in a split. When the DE pushes hit layers:
+    the PE's two layer ``slots`` (window addresses), ``notify_base`` (slot 0 and 1 per layer parity, +2 abort),
+    one notify value per layer (``magics``) and ``abort_magic``."""
+
+    pe: str
+    xfer_id: str
+    path: str
+    hit_tokens: int
+    prompt_tokens: int
+    load_start: int
+    store_ids: list[bytes]
+    pe_blocks: int = 0
+    slots: list[int] = []
+    notify_base: int = -1
+    magics: list[int] = []
+    abort_magic: int = 0
+
+
+class Consumed(Message, tag="consumed"):
+    """The PE consumed hit layer ``layer`` of ``xfer_id``: its slot may take layer ``layer + 2``."""
+
+    xfer_id: str
+    layer: int
+
+
+class Hits(Message, tag="hits"):
+    """A split's PE half (its hit blocks) is in the DE's lease."""
+
+    xfer_id: str
+
+
+class Rows(Message, tag="rows"):
+    """Token rows ``[start, end)`` of ``xfer_id`` are in the DE's lease (``full``: complete layers, the PE path)."""
+
+    xfer_id: str
+    start: int
+    end: int
+    full: bool = False
+
+
+class Fallback(Message, tag="fallback"):
+    """The PE computes ``xfer_id`` whole (``reason``); ``settled``: its writes into the old lease ended."""
+
+    xfer_id: str
+    reason: str
+    settled: bool = False
+
+
+class Abort(Message, tag="abort"):
+    """The PE gave ``xfer_id`` up (``reason``)."""
+
+    xfer_id: str
+    reason: str
+
+
+class PushesEnded(Message, tag="pushes_ended"):
+    """Asks whether the DE's hit-layer pushes of ``xfer_id`` ended (the PE may then reuse its slots)."""
+
+    xfer_id: str
+
+
+# -- DE -> PE request --------------------------------------------------------------------------------------------
+class WritesEnded(Message, tag="writes_ended"):
+    """Asks whether the PE's writes into ``xfer_id``'s lease ended (the DE may then give the lease back)."""
+
+    xfer_id: str
+
+
+# -- replies -----------------------------------------------------------------------------------------------------
+class Ok(Message, tag="ok"):
+    """The request was done; nothing to say."""
+
+
+class Error(Message, tag="error"):
+    """The request was refused: ``error`` names why."""
+
+    error: str
+
+
+class Welcome(Message, tag="welcome"):
+    """The DE's answer to :class:`Hello`: its communicator's ``rank_info`` and host region ``host_mem``."""
+
+    rank_info: bytes
+    host_mem: tuple[int, int, int]
+
+
+class Planned(Message, tag="planned"):
+    """The DE's answer to :class:`Plan` and :class:`Fallback`: the lease the rows go to (``lease_addr``);
+    ``pushes_ended`` (fallback): the DE's pushes into the PE's slots ended."""
+
+    lease_addr: int
+    pushes_ended: bool = False
+
+
+class Ended(Message, tag="ended"):
+    """The answer to :class:`PushesEnded` and :class:`WritesEnded`."""
+
+    ended: bool
+
+
+class Loads(msgspec.Struct):
+    """Loads per read path since start."""
+
+    pe: int = 0
+    de: int = 0
+    split: int = 0
+
+
+class Status(Message, tag="status"):
+    """An instance's live state (the proxy schedules on it) and its counters since start.
+
+    Live: its storage-NIC cap ``snic_bytes_per_s`` (None: uncapped), its read queue (``read_queue_tokens`` /
+    ``_bytes``), the requests it has not finished (``unfinished_requests`` / ``_tokens``), and what it holds now:
+    ``host_leases`` and ``quarantined_bytes`` (0 once every request ended and late writes are ruled out).
+    """
+
+    role: str
+    node: str
+    device_id: int
+    snic_bytes_per_s: float | None = None
+    read_queue_tokens: int = 0
+    read_queue_bytes: int = 0
+    snic_read_bytes: int = 0
+    snic_read_blocks: int = 0
+    unfinished_requests: int = 0
+    unfinished_tokens: int = 0
+    loads: Loads = msgspec.field(default_factory=Loads)
+    loads_split: int = 0
+    split_blocks_pe: int = 0
+    split_blocks_de: int = 0
+    fallbacks: int = 0
+    failures: int = 0
+    checksum_errors: int = 0
+    persisted_blocks: int = 0
+    quarantined_leases: int = 0
+    quarantined_slots: int = 0
+    reclaimed_leases: int = 0
+    reclaimed_slots: int = 0
+    expired_plans: int = 0
+    quarantined_bytes: int = 0
+    host_leases: int = 0
+
+
+Request = Hello | StatusQuery | Plan | Consumed | Hits | Rows | Fallback | Abort | PushesEnded | WritesEnded
+Reply = Ok | Error | Welcome | Planned | Ended | Status
+
+_encoder = msgspec.msgpack.Encoder()
+_requests = msgspec.msgpack.Decoder(Request)
+_replies = msgspec.msgpack.Decoder(Reply)
+
+
+def encode(message: Message) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_request(payload: bytes) -> Request:
+    """One request; ProtocolError naming what is wrong (unknown ``op``, a missing or mistyped field)."""
+    try:
+        return _requests.decode(payload)
+    except msgspec.ValidationError as error:
+        raise ProtocolError(f"malformed request: {error}") from None
+    except msgspec.DecodeError as error:
+        raise ProtocolError(f"undecodable request ({len(payload)} bytes): {error}") from None
+
+
+def decode_reply(payload: bytes) -> Reply:
+    """One reply; ProtocolError naming what is wrong."""
+    try:
+        return _replies.decode(payload)
+    except (msgspec.ValidationError, msgspec.DecodeError) as error:
+        raise ProtocolError(f"malformed reply: {error}") from None
+
+
+def hello_fields(compat: Compat) -> dict:
+    """The version and compatibility fields of a :class:`Hello` from this end."""
+    return {"version": PROTOCOL_VERSION, "compat": compat, "compat_digest": compat.digest}
+
+
+def check_peer(mine: Compat, hello: Hello, here: str, there: str) -> None:
+    """Refuse a peer that speaks another protocol version or moves other bytes: one ProtocolError naming both
+    values (``here`` / ``there`` name the two ends) and, for a digest, the facts that differ."""
+    if hello.version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"DualPath protocol version {PROTOCOL_VERSION} at {here}, {hello.version} at {there}: "
+            "both ends need the same ascend_dualpath release"
+        )
+    if hello.compat_digest != mine.digest or hello.compat != mine:
+        differ = [
+            f"{name} {getattr(mine, name)!r} here, {getattr(hello.compat, name)!r} there"
+            for name in mine.__struct_fields__
+            if getattr(mine, name) != getattr(hello.compat, name)
+        ]
+        raise ProtocolError(
+            f"KV compatibility digest {mine.digest} at {here}, {hello.compat_digest} at {there}: "
+            f"{'; '.join(differ) or 'the digest was computed differently'}"
+        )

@@ -1,0 +1,132 @@
+"""DualPath's typed control messages: every message survives the wire, a malformed one is refused naming what is
+wrong, and peers of another protocol version or KV layout refuse each other at hello with both values named."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ascend_dualpath.dualpath import messages as m
+from ascend_dualpath.errors import ProtocolError
+from ascend_dualpath.kv.layout import KVLayout
+
+LAYOUT = KVLayout.gqa(2, 2, 16, torch.bfloat16, block_tokens=16)
+COMPAT = m.Compat.of(LAYOUT, "emulator")
+ints = st.integers(0, 2**62)
+ids = st.text(min_size=1, max_size=24)
+
+
+def _hello(**overrides) -> m.Hello:
+    fields = dict(pe="tcp://127.0.0.1:1", device_id=0, rank_info=b"\x01\x02", host_mem=(4096, 65536, 7),
+                  **m.hello_fields(COMPAT))  # fmt: skip
+    return m.Hello(**{**fields, **overrides})
+
+
+REQUESTS = st.one_of(
+    st.builds(_hello, device_id=st.integers(0, 63), rank_info=st.binary(max_size=64)),
+    st.just(m.StatusQuery()),
+    st.builds(
+        m.Plan,
+        pe=ids,
+        xfer_id=ids,
+        path=st.sampled_from(["pe", "de"]),
+        hit_tokens=ints,
+        prompt_tokens=ints,
+        load_start=ints,
+        store_ids=st.lists(st.binary(min_size=16, max_size=16), max_size=8),
+        pe_blocks=ints,
+        slots=st.lists(ints, max_size=2),
+        notify_base=ints,
+        magics=st.lists(ints, max_size=4),
+        abort_magic=ints,
+    ),  # fmt: skip
+    st.builds(m.Consumed, xfer_id=ids, layer=st.integers(0, 200)),
+    st.builds(m.Hits, xfer_id=ids),
+    st.builds(m.Rows, xfer_id=ids, start=ints, end=ints, full=st.booleans()),
+    st.builds(m.Fallback, xfer_id=ids, reason=st.text(max_size=40), settled=st.booleans()),
+    st.builds(m.Abort, xfer_id=ids, reason=st.text(max_size=40)),
+    st.builds(m.PushesEnded, xfer_id=ids),
+    st.builds(m.WritesEnded, xfer_id=ids),
+)
+REPLIES = st.one_of(
+    st.just(m.Ok()),
+    st.builds(m.Error, error=st.text(max_size=40)),
+    st.builds(m.Welcome, rank_info=st.binary(max_size=64), host_mem=st.tuples(ints, ints, ints)),
+    st.builds(m.Planned, lease_addr=ints, pushes_ended=st.booleans()),
+    st.builds(m.Ended, ended=st.booleans()),
+    st.builds(
+        m.Status,
+        role=st.sampled_from(["prefill", "decode"]),
+        node=ids,
+        device_id=st.integers(0, 63),
+        snic_bytes_per_s=st.none() | st.floats(1, 1e12),
+        unfinished_tokens=ints,
+        host_leases=ints,
+    ),  # fmt: skip
+)
+
+
+@given(REQUESTS)
+def test_every_request_survives_the_wire(message):
+    assert m.decode_request(m.encode(message)) == message
+
+
+@given(REPLIES)
+def test_every_reply_survives_the_wire(reply):
+    assert m.decode_reply(m.encode(reply)) == reply
+
+
+def test_the_wire_form_is_a_map_with_its_op():
+    assert msgspec.msgpack.decode(m.encode(m.Consumed(xfer_id="x", layer=3))) == {"op": "consumed", "xfer_id": "x",
+                                                                                 "layer": 3}  # fmt: skip
+    assert msgspec.msgpack.decode(m.encode(m.StatusQuery())) == {"op": "status"}
+
+
+@pytest.mark.parametrize(
+    ("raw", "match"),
+    [
+        ({"op": "launch", "xfer_id": "x"}, "malformed request.*launch"),
+        ({"op": "consumed", "xfer_id": "x"}, "malformed request.*layer"),
+        ({"op": "consumed", "xfer_id": "x", "layer": "3"}, r"malformed request.*int.*layer"),
+        ({"xfer_id": "x"}, "malformed request.*op"),
+    ],
+)
+def test_a_malformed_request_is_refused_naming_what_is_wrong(raw, match):
+    with pytest.raises(ProtocolError, match=match):
+        m.decode_request(msgspec.msgpack.encode(raw))
+    with pytest.raises(ProtocolError, match="undecodable request"):
+        m.decode_request(b"\xc1")
+
+
+def test_a_peer_of_another_protocol_version_is_refused_naming_both():
+    with pytest.raises(ProtocolError, match=rf"version {m.PROTOCOL_VERSION} at DE a, {m.PROTOCOL_VERSION + 1} at PE b"):
+        m.check_peer(COMPAT, _hello(version=m.PROTOCOL_VERSION + 1), "DE a", "PE b")
+
+
+@pytest.mark.parametrize(
+    ("theirs", "fact"),
+    [
+        (m.Compat.of(KVLayout.gqa(4, 2, 16, torch.bfloat16, block_tokens=16), "emulator"), "num_layers 2 here, 4"),
+        (m.Compat.of(KVLayout.gqa(2, 2, 16, torch.float16, block_tokens=16), "emulator"), "bfloat16.*float16"),
+        (m.Compat.of(KVLayout.gqa(2, 2, 16, torch.bfloat16, block_tokens=32), "emulator"), "block_tokens 16 here, 32"),
+        (
+            m.Compat.of(KVLayout.gqa(2, 4, 16, torch.bfloat16, block_tokens=16), "emulator"),
+            r"\[2, 2, 16\].*\[2, 4, 16\]",
+        ),
+        (m.Compat.of(LAYOUT, "cuda"), "engine 'emulator' here, 'cuda' there"),
+    ],
+)
+def test_a_peer_moving_other_bytes_is_refused_naming_both_digests_and_the_fact(theirs, fact):
+    assert theirs.digest != COMPAT.digest
+    hello = _hello(compat=theirs, compat_digest=theirs.digest)
+    with pytest.raises(ProtocolError, match=rf"digest {COMPAT.digest} at DE a, {theirs.digest} at PE b: .*{fact}"):
+        m.check_peer(COMPAT, hello, "DE a", "PE b")
+    m.check_peer(COMPAT, _hello(), "DE a", "PE b")  # the same facts pass
+
+
+def test_a_digest_that_does_not_match_its_facts_is_refused():
+    with pytest.raises(ProtocolError, match="computed differently"):
+        m.check_peer(COMPAT, _hello(compat_digest="0" * 16), "DE a", "PE b")
