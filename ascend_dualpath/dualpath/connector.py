@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from ascend_dualpath.dualpath.read_paths import DE_RANK, PE_RANK, LoadPlan, abort_peer, hit_layer_segments
+from ascend_dualpath.dualpath.lease import LeaseLayout
+from ascend_dualpath.dualpath.read_paths import DE_RANK, PE_RANK, LoadPlan, abort_peer
 from ascend_dualpath.dualpath.scheduler import ReadPath
 from ascend_dualpath.dualpath.transfer_leg import LayerTransferLeg, Segment, TransferTicket, wait_notify
 from ascend_dualpath.errors import CapacityError, ProtocolError
@@ -124,11 +125,12 @@ class PrefillConnector:
         self.read_queue.store.refresh(block_ids)
 
     def _submit_reads(self, request_id: int, block_ids: list[bytes] | tuple, timeout_s: float) -> PrefetchedRead:
-        fb = self.layout.full_block_bytes
+        fb, hits = self.layout.full_block_bytes, LeaseLayout.blocks(self.layout, len(block_ids))
         lease = self.pe_buf.allocate(request_id, len(block_ids) * fb, timeout_s=timeout_s)
         try:
             tickets = [
-                self.read_queue.submit(block_id, lease.slice(b * fb, fb).view) for b, block_id in enumerate(block_ids)
+                self.read_queue.submit(block_id, lease.slice(hits.block_offset(b), fb).view)
+                for b, block_id in enumerate(block_ids)
             ]
         except BaseException:
             lease.release()
@@ -179,7 +181,9 @@ class PrefillConnector:
 
     def _copy(self, layer: int) -> None:
         assert self._read is not None and self._plan is not None
-        segments = hit_layer_segments(self.layout, self._read.lease.addr, len(self._plan.hit_block_ids), layer)
+        segments = LeaseLayout.blocks(self.layout, len(self._plan.hit_block_ids)).hit_layer_segments(
+            self._read.lease.addr, layer
+        )
         self._copies[layer] = self.leg.submit(layer, segments, PE_RANK, self.slots[layer % 2].addr)
 
     def wait_for_layer_load(self, layer: int) -> torch.Tensor:
@@ -210,7 +214,7 @@ class PrefillConnector:
     def save_kv_layer(self, layer: int, miss_rows: torch.Tensor) -> None:
         """Queue layer ``layer``'s new rows ``uint8 [T_miss, C]`` for the DE buffer (with the hit rows: PE path)."""
         plan = self._require_plan()
-        C, hit, L = self.layout.token_bytes, self.hit_tokens, self.layout.num_layers
+        C, hit, lease = self.layout.token_bytes, self.hit_tokens, plan.lease(self.layout)
         miss = len(plan.new_tokens)
         if tuple(miss_rows.shape) != (miss, C) or miss_rows.dtype != torch.uint8:
             raise ProtocolError(
@@ -220,11 +224,10 @@ class PrefillConnector:
             self.stats.vtime_ns = max(self.stats.vtime_ns, self.leg.wait(self._saves[layer - 2], self.timeout_s))
         slot = self.slots[layer % 2]
         slot.tensor[hit * C : (hit + miss) * C].copy_(miss_rows.reshape(-1))  # complete layer = hit ++ miss rows
-        if plan.path is ReadPath.PE:
-            segments, dst = [Segment(slot.addr, (hit + miss) * C, 0)], plan.de_lease_addr + layer * (hit + miss) * C
-        else:
-            miss_area = plan.de_lease_addr + L * hit * C
-            segments, dst = [Segment(slot.addr + hit * C, miss * C, 0)], miss_area + layer * miss * C
+        # the rows the DE's lease takes from this PE: the complete layer (PE path) or its new rows (DE path)
+        first = lease.hit_tokens
+        segments = [Segment(slot.addr + first * C, (hit + miss - first) * C, 0)]
+        dst = plan.de_lease_addr + lease.rows_offset(layer, first)
         self._saves[layer] = self.leg.submit(layer, segments, DE_RANK, dst, layer, plan.save_magics[layer])
 
     def _check_saves(self) -> None:

@@ -34,7 +34,6 @@ from ascend_dualpath.dualpath.read_paths import (
     abort_peer,
     de_side_de_path,
     de_side_pe_path,
-    h2d_segments,
     make_plan,
 )
 from ascend_dualpath.dualpath.scheduler import ReadPath, choose_read_path
@@ -511,7 +510,7 @@ class DecodeEngine(_Node):
             raise PeerAborted(f"prefill engine failed request {rid}: {detail}")
         ttft = time.monotonic() - start
         total = len(prompt)
-        copies = h2d_segments(plan, layout, total, self.hbm_region.addr, cfg.max_tokens)
+        copies = plan.lease(layout).layer_copies(plan.de_lease_addr, self.hbm_region.addr, cfg.max_tokens)
         vtime = self.comm.batch_put(
             DE_RANK, [self.C.OneSideDesc(src, dst, n, 0) for src, dst, n in copies], cfg.timeout_s
         )

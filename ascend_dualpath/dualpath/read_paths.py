@@ -25,8 +25,9 @@ import dataclasses
 import time
 from typing import Any
 
+from ascend_dualpath.dualpath.lease import LeaseLayout
 from ascend_dualpath.dualpath.scheduler import ReadPath
-from ascend_dualpath.dualpath.transfer_leg import ABORT_SLOT, LayerTransferLeg, Segment, wait_notify
+from ascend_dualpath.dualpath.transfer_leg import ABORT_SLOT, LayerTransferLeg, wait_notify
 from ascend_dualpath.kv.layout import KVLayout
 
 PE_RANK, DE_RANK = 0, 1
@@ -55,6 +56,11 @@ class LoadPlan:
     def key(self) -> tuple[int, int]:
         return self.request_id, self.attempt
 
+    def lease(self, layout: KVLayout) -> LeaseLayout:
+        """The DE lease of this attempt: complete layers on the PE path, hit blocks then new rows on the DE path."""
+        hit = len(self.hit_block_ids) * layout.block_tokens
+        return LeaseLayout(layout, hit + len(self.new_tokens), 0 if self.path is ReadPath.PE else hit)
+
 
 def make_plan(
     comm: Any,
@@ -82,12 +88,6 @@ def make_plan(
     )
 
 
-def hit_layer_segments(layout: KVLayout, blocks_addr: int, num_blocks: int, layer: int) -> list[Segment]:
-    """Layer ``layer`` of ``num_blocks`` Full Blocks at ``blocks_addr``, packed as ``[n*T, C]`` rows."""
-    lb, fb = layout.layer_block_bytes, layout.full_block_bytes
-    return [Segment(blocks_addr + b * fb + layer * lb, lb, b * lb) for b in range(num_blocks)]
-
-
 @dataclasses.dataclass
 class PathTimes:
     """Where the DE-side time of one attempt went (wall clock) and the transfers' virtual clock."""
@@ -113,12 +113,12 @@ def de_side_de_path(
     :class:`TransferFailed` or :class:`PeerAborted`; the caller aborts the PE and wipes the lease.
     """
     start = time.monotonic()
-    n, L = len(plan.hit_block_ids), layout.num_layers
+    lease, L = plan.lease(layout), layout.num_layers
 
     def push(layer: int):
         return leg.submit(
             layer,
-            hit_layer_segments(layout, plan.de_lease_addr, n, layer),
+            lease.hit_layer_segments(plan.de_lease_addr, layer),
             PE_RANK,
             pe_slot_addrs[layer % 2],
             layer,
@@ -154,30 +154,6 @@ def de_side_pe_path(plan: LoadPlan, layout: KVLayout, comm: Any, timeout_s: floa
             timeout_s=timeout_s,
         )
     times.layers_s += time.monotonic() - start
-
-
-def h2d_segments(
-    plan: LoadPlan, layout: KVLayout, total_tokens: int, hbm_addr: int, hbm_tokens: int
-) -> list[tuple[int, int, int]]:
-    """``(src_addr, dst_addr, nbytes)`` copies that assemble the lease into DE HBM ``[L, hbm_tokens, C]``.
-
-    PE path: the lease is ``[L, T_all, C]``, one copy per layer. DE path: per layer, the ``n`` hit Layer Blocks
-    then the miss rows (the merge in token order).
-    """
-    C, L, n = layout.token_bytes, layout.num_layers, len(plan.hit_block_ids)
-    hit_tokens = n * layout.block_tokens
-    miss_tokens = total_tokens - hit_tokens
-    copies = []
-    for layer in range(L):
-        dst = hbm_addr + layer * hbm_tokens * C
-        if plan.path is ReadPath.PE:
-            copies.append((plan.de_lease_addr + layer * total_tokens * C, dst, total_tokens * C))
-            continue
-        for seg in hit_layer_segments(layout, plan.de_lease_addr, n, layer):
-            copies.append((seg.src_addr, dst + seg.dst_offset, seg.nbytes))
-        miss_base = plan.de_lease_addr + L * hit_tokens * C
-        copies.append((miss_base + layer * miss_tokens * C, dst + hit_tokens * C, miss_tokens * C))
-    return copies
 
 
 def abort_peer(leg: LayerTransferLeg, peer: int, magic: int) -> str | None:

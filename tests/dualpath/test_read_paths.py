@@ -9,8 +9,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ascend_dualpath.dualpath.engine import KV_BF16_ATOL, EngineConfig, in_process_engines, verify_turn
-from ascend_dualpath.dualpath.read_paths import LoadPlan, h2d_segments, hit_layer_segments
-from ascend_dualpath.dualpath.scheduler import ReadPath
 from ascend_dualpath.dualpath.transfer_leg import (
     ABORT_SLOT,
     PeerAborted,
@@ -19,50 +17,8 @@ from ascend_dualpath.dualpath.transfer_leg import (
     wait_notify,
 )
 from ascend_dualpath.errors import BoundsError, NotRegistered, WaitTimeout
-from ascend_dualpath.kv.layout import KVLayout
 from ascend_dualpath.models.tiny_llama import TinyLlamaConfig
 from tests.dualpath.fast_config import FAST
-
-
-def _plan(path: ReadPath, n_hit: int, base: int) -> LoadPlan:
-    return LoadPlan(0, 0, path, (), tuple(bytes(16) for _ in range(n_hit)), base, (), (), 0, 0)
-
-
-@settings(max_examples=40)
-@given(
-    n_hit=st.integers(0, 4), n_miss=st.integers(1, 20), path=st.sampled_from(list(ReadPath)), seed=st.integers(0, 2**16)
-)
-def test_h2d_merges_hit_and_miss_rows_in_token_and_layer_order(n_hit, n_miss, path, seed):
-    layout = KVLayout.gqa(3, 2, 4, torch.bfloat16, block_tokens=8)
-    L, T, C = layout.num_layers, layout.block_tokens, layout.token_bytes
-    total = n_hit * T + n_miss
-    gen = torch.Generator().manual_seed(seed)
-    complete = torch.randint(0, 256, (L, total, C), dtype=torch.uint8, generator=gen)  # what DE HBM must hold
-    if path is ReadPath.PE:
-        lease = complete.clone().reshape(-1)
-    else:
-        hit = (
-            layout.full_blocks_from_layers([complete[layer, : n_hit * T] for layer in range(L)])
-            if n_hit
-            else torch.empty(0, dtype=torch.uint8)
-        )
-        lease = torch.cat([hit.reshape(-1), complete[:, n_hit * T :].reshape(-1)])
-    hbm_tokens = total + 5
-    hbm = torch.full((L, hbm_tokens, C), 0xA5, dtype=torch.uint8)
-    lease_base, hbm_base = 1 << 40, 1 << 44
-    for src, dst, n in h2d_segments(_plan(path, n_hit, lease_base), layout, total, hbm_base, hbm_tokens):
-        hbm.view(-1)[dst - hbm_base : dst - hbm_base + n] = lease[src - lease_base : src - lease_base + n]
-    assert torch.equal(hbm[:, :total], complete)
-    assert bool((hbm[:, total:] == 0xA5).all()), "H2D wrote past the prompt rows"
-
-
-def test_hit_layer_segments_select_one_layer_of_each_full_block():
-    layout = KVLayout.gqa(4, 2, 4, torch.float32, block_tokens=8)
-    blocks = torch.randint(0, 256, (3, *layout.empty_full_blocks(1).shape[1:]), dtype=torch.uint8)
-    flat = blocks.reshape(-1)
-    for layer in range(4):
-        rows = torch.cat([flat[s.src_addr : s.src_addr + s.nbytes] for s in hit_layer_segments(layout, 0, 3, layer)])
-        assert torch.equal(rows, layout.layer_rows(blocks, layer).reshape(-1))
 
 
 @pytest.fixture

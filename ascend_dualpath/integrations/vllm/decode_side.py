@@ -32,8 +32,8 @@ import time
 from typing import Any
 
 from ascend_dualpath.dualpath import messages as m
+from ascend_dualpath.dualpath.lease import LeaseLayout
 from ascend_dualpath.dualpath.scheduler import ReadPath
-from ascend_dualpath.dualpath.transfer_leg import Segment
 from ascend_dualpath.errors import ChecksumMismatch, ProtocolError, WaitTimeout
 from ascend_dualpath.integrations.vllm.dataplane import PE_RANK, Dataplane, PairLink
 from ascend_dualpath.integrations.vllm.metadata import RecvSpec
@@ -136,6 +136,10 @@ class DecodeSide:
             m.PushesEnded: self._on_pushes_ended,
         }
 
+    def _hit_lease(self, plan: m.Plan) -> LeaseLayout:
+        """The lease of a plan whose hit blocks this DE (or a split's PE half) reads: hit blocks then new rows."""
+        return LeaseLayout(self.layout, plan.prompt_tokens, plan.hit_tokens)
+
     def unfinished_tokens(self) -> list[int]:
         """Prompt tokens of each request planned here and not yet received."""
         with self._lock:
@@ -168,7 +172,7 @@ class DecodeSide:
         if in_use:  # refused, never overwritten: the earlier plan's lease may be written into right now
             raise ProtocolError(f"plan of request {xfer_id!r}: that transfer id is already planned here")
         lease = self.dataplane.host.allocate(
-            xfer_id, max(1, self.layout.kv_bytes(P)), timeout_s=self.settings.timeout_s
+            xfer_id, LeaseLayout.complete(self.layout, P).nbytes, timeout_s=self.settings.timeout_s
         )
         xfer = _DeXfer(
             message,
@@ -235,7 +239,7 @@ class DecodeSide:
             xfer.stop.set()
         if not xfer.quiet.wait(self.settings.timeout_s):
             raise WaitTimeout(f"pushes of request {message.xfer_id!r} in flight after {self.settings.timeout_s} s")
-        nbytes = max(1, self.layout.kv_bytes(xfer.plan.prompt_tokens))
+        nbytes = LeaseLayout.complete(self.layout, xfer.plan.prompt_tokens).nbytes
         lease = self.dataplane.host.allocate(message.xfer_id, nbytes, timeout_s=self.settings.timeout_s)
         with self._lock:
             old, xfer.lease = xfer.lease, lease
@@ -304,12 +308,14 @@ class DecodeSide:
     def _read_hits(self, xfer: _DeXfer, lease: Any) -> None:
         """Read every hit block but the PE's half (``[first, first + pe_blocks)``) into the lease's hit area; a
         corrupted block leaves the store. A read whose wait expired may still be landing (``xfer.reads``)."""
-        plan, fb = xfer.plan, self.layout.full_block_bytes
+        plan, fb, hits = xfer.plan, self.layout.full_block_bytes, self._hit_lease(xfer.plan)
         ids = plan.store_ids
         first = plan.load_start // self.block_size
         mine = [b for b in range(len(ids)) if not first <= b < first + plan.pe_blocks]
         self.store.refresh(ids)
-        tickets = xfer.reads = [self.read_queue.submit(ids[b], lease.slice(b * fb, fb).view) for b in mine]
+        tickets = xfer.reads = [
+            self.read_queue.submit(ids[b], lease.slice(hits.block_offset(b), fb).view) for b in mine
+        ]
         corrupt, first_error = None, None
         for b, ticket in zip(mine, tickets, strict=True):
             try:
@@ -325,14 +331,13 @@ class DecodeSide:
             raise first_error
 
     def _push_layers(self, xfer: _DeXfer, lease: Any, pushes: list) -> None:
-        plan, fb, lb = xfer.plan, self.layout.full_block_bytes, self.layout.layer_block_bytes
-        leg = xfer.link.leg
+        plan, hits, leg = xfer.plan, self._hit_lease(xfer.plan), xfer.link.leg
         first = plan.load_start // self.block_size + plan.pe_blocks
         last = len(plan.store_ids)
         for layer in range(self.layout.num_layers):
             if layer >= 2:
                 self._await_consumed(xfer, layer - 2, pushes)
-            segments = [Segment(lease.addr + b * fb + layer * lb, lb, (b - first) * lb) for b in range(first, last)]
+            segments = hits.hit_layer_segments(lease.addr, layer, first, last)
             with xfer.push_lock:  # a fallback sets stop under it: no push starts after the PE let go of its slots
                 if xfer.stop.is_set():
                     raise _PushStopped()
@@ -497,21 +502,18 @@ class DecodeSide:
         hit Full Blocks ``[H / T, L, T, C]`` (read by the DE, or on a split partly by the PE) then the PE's new
         rows ``[L, P - H, C]``.
         """
-        C, L, P = self.layout.token_bytes, self.layout.num_layers, xfer.plan.prompt_tokens
         data = xfer.lease.tensor
-        H = 0 if xfer.full_rows else xfer.plan.hit_tokens
-        start, end = spec.computed, spec.end
-        for layer in range(L):
-            cache = self.caches[layer]
+        lease = (
+            LeaseLayout.complete(self.layout, xfer.plan.prompt_tokens) if xfer.full_rows else self._hit_lease(xfer.plan)
+        )
+        H, start, end = lease.hit_tokens, spec.computed, spec.end
+        for layer, cache in enumerate(self.caches):
             if start < min(H, end):
-                blocks = xfer.lease.full_blocks(self.layout, H // self.block_size)
-                hit = self.layout.layer_rows(blocks, layer)[start : min(H, end)]
+                hit = lease.hit_rows(data, layer)[start : min(H, end)]
                 self.adapter.write_tokens(cache, spec.block_ids, start, hit)
             new_from = max(start, H)
             if new_from < end:
-                base = L * H * C + layer * (P - H) * C
-                rows = data[base + (new_from - H) * C : base + (end - H) * C].view(end - new_from, C)
-                self.adapter.write_tokens(cache, spec.block_ids, new_from, rows)
+                self.adapter.write_tokens(cache, spec.block_ids, new_from, lease.new_rows(data, layer, new_from, end))
 
     def close(self) -> None:
         with self._lock:

@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 from ascend_dualpath.dualpath import messages as m
+from ascend_dualpath.dualpath.lease import LeaseLayout
 from ascend_dualpath.dualpath.scheduler import ReadPath, split_hit_blocks
 from ascend_dualpath.dualpath.transfer_leg import PeerAborted, Segment
 from ascend_dualpath.errors import AdpError, ChecksumMismatch, ProtocolError, WaitTimeout
@@ -157,6 +158,10 @@ class _PeXfer:
     hit_tokens: int
     prompt_tokens: int
     first_save: bool = True
+
+    def lease(self, layout: KVLayout) -> LeaseLayout:
+        """The DE's lease: complete layers when this PE sends every row, else hit blocks then new rows."""
+        return LeaseLayout(layout, self.prompt_tokens, 0 if self.full_rows else self.hit_tokens)
 
 
 class DualPathWorker:
@@ -299,9 +304,11 @@ class DualPathWorker:
         spec, fb = load.spec, self.layout.full_block_bytes
         first, count = load.first, load.own_blocks
         self.store.refresh(spec.store_ids[: first + count])  # the scheduler half's store saw them; this may not
+        own = LeaseLayout.blocks(self.layout, count)
         load.lease = self._host().allocate(spec.req_id, count * fb, timeout_s=self.settings.timeout_s)
         load.tickets = [
-            self.read_queue.submit(spec.store_ids[first + i], load.lease.slice(i * fb, fb).view) for i in range(count)
+            self.read_queue.submit(spec.store_ids[first + i], load.lease.slice(own.block_offset(i), fb).view)
+            for i in range(count)
         ]
 
     @property
@@ -342,8 +349,8 @@ class DualPathWorker:
                     ticket.wait(self.settings.timeout_s)
                 if not load.full_rows:
                     self._send_own_hits(load)
-            blocks = load.lease.full_blocks(self.layout, load.own_blocks)
-            self.adapter.write_tokens(cache, spec.block_ids, load.first * T, self.layout.layer_rows(blocks, layer))
+            rows = LeaseLayout.blocks(self.layout, load.own_blocks).hit_rows(load.lease.tensor, layer)
+            self.adapter.write_tokens(cache, spec.block_ids, load.first * T, rows)
         if load.slots:  # the DE pushed this layer of its half into slot layer % 2
             self._wait_notify(load, layer)
             rows = load.peer_blocks * T
@@ -359,9 +366,8 @@ class DualPathWorker:
         """A split's own half, read, goes once into the DE lease's hit-block area (blocks ``first ..``)."""
         fb, xfer = self.layout.full_block_bytes, self._pe_xfer(load.spec.req_id)
         nbytes = load.own_blocks * fb
-        load.hits_ticket = load.peer.link.leg.submit(
-            0, [Segment(load.lease.addr, nbytes, 0)], DE_RANK, xfer.lease_addr + load.first * fb
-        )
+        dst = xfer.lease_addr + xfer.lease(self.layout).block_offset(load.first)
+        load.hits_ticket = load.peer.link.leg.submit(0, [Segment(load.lease.addr, nbytes, 0)], DE_RANK, dst)
         self._track_write(load.spec.xfer.xfer_id, load.hits_ticket)
 
     def _wait_notify(self, load: _Load, layer: int) -> None:
@@ -411,9 +417,9 @@ class DualPathWorker:
             if ticket.done and isinstance(getattr(ticket, "_error", None), ChecksumMismatch):
                 self.store.remove(spec.store_ids[load.first + i])
                 if i > 0:
-                    blocks = load.lease.full_blocks(self.layout, i)
+                    good = LeaseLayout.blocks(self.layout, i)
                     for layer, cache in enumerate(self.caches):
-                        rows = self.layout.layer_rows(blocks, layer)
+                        rows = good.hit_rows(load.lease.tensor, layer)
                         self.adapter.write_tokens(cache, spec.block_ids, load.first * T, rows)
                 return load.first + i
         return load.first
@@ -590,16 +596,12 @@ class DualPathWorker:
 
     def _send_rows(self, layer: int, kv_layer: torch.Tensor, spec: SaveSpec, xfer: _PeXfer, start: int) -> tuple:
         """Gather rows ``[start, spec.end)`` of ``layer`` into the window and queue them to the DE lease."""
-        C, L, link = self.layout.token_bytes, self.layout.num_layers, xfer.peer.link
+        link = xfer.peer.link
         rows = self.adapter.read_tokens(kv_layer, spec.block_ids, start, spec.end)
         nbytes = rows.numel()
         addr = link.window_alloc(nbytes)
         torch.frombuffer(link.window_view(addr, nbytes), dtype=torch.uint8).copy_(rows.reshape(-1))
-        if xfer.full_rows:
-            offset = (layer * xfer.prompt_tokens + start) * C
-        else:
-            miss = xfer.prompt_tokens - xfer.hit_tokens
-            offset = L * xfer.hit_tokens * C + (layer * miss + start - xfer.hit_tokens) * C
+        offset = xfer.lease(self.layout).rows_offset(layer, start)
         ticket = link.leg.submit(layer, [Segment(addr, nbytes, 0)], DE_RANK, xfer.lease_addr + offset)
         self._track_write(spec.xfer.xfer_id, ticket)
         return start, addr, ticket
