@@ -623,8 +623,10 @@ class DualPathWorker:
 
     def _on_writes_ended(self, message: m.WritesEnded) -> m.Ended:
         """The DE asks before giving a quarantined lease back: none of this PE's writes of the request is in flight
-        (a request it never wrote for, or whose writes all ended, has none)."""
-        return m.Ended(ended=not self._writes_pending(message.xfer_id))
+        (a request it never wrote for, or whose writes all ended, has none), and none will start: the request that
+        planned it is over here (a later chunk of its prefill would write again)."""
+        xfer_id = message.xfer_id
+        return m.Ended(ended=xfer_id not in self._pe_xfers and not self._writes_pending(xfer_id))
 
     def wait_for_save(self) -> None:
         for load in self._loads:

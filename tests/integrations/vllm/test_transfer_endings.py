@@ -173,3 +173,19 @@ def test_a_pe_with_another_kv_layout_is_refused_at_hello_naming_both_digests(dep
     with pytest.raises(ProtocolError, match=facts):
         pe._connect_peer(de.address)
     assert not pe._peers and not de.worker.dataplane.links
+
+
+def test_the_pe_says_its_writes_ended_only_once_the_request_that_planned_them_is_over(deploy):
+    """A DE gives a quarantined lease back on the PE's word; while the PE's request lives, a later chunk of its
+    prefill would write into the lease again, so the word is no until vLLM reports the request finished."""
+    d = deploy(1, 1)
+    pe = d.instances["pe0"].worker
+    pe_req, de_req = d.request("pe0", "de0", Deployment.true_rows(5, 3 * BLOCK + 1), 0, "pe")
+    d.expect_recv("de0", de_req)
+    d.prefill("pe0", pe_req)
+    asked = m.WritesEnded(xfer_id=pe_req.xfer.xfer_id)
+    assert not pe._writes_pending(pe_req.xfer.xfer_id)  # every write of this step ended ...
+    assert pe._on_writes_ended(asked) == m.Ended(ended=False)  # ... but the request may write again
+    d.done("pe0", pe_req)
+    assert pe._on_writes_ended(asked) == m.Ended(ended=True)
+    d.finish("de0", {de_req.req_id})
