@@ -108,7 +108,7 @@ def reap_dead_runs() -> list[str]:
 def _engine_child(parent_pid: int, rank: int, port: int, fabric_name: str, config, job: dict, events) -> None:
     """An engine process that removes the run's fabric and store and exits if the demo process dies."""
     from ascend_dualpath._process import watch_parent
-    from ascend_dualpath.dualpath.engine import engine_process
+    from ascend_dualpath.dualpath.bootstrap import engine_process
 
     watch_parent(parent_pid, lambda: _remove_run_files(fabric_name, config.store_root))
     engine_process(rank, port, fabric_name, config, job, events)
@@ -233,7 +233,7 @@ def _run_mode(args, mode: str, console) -> dict | None:
     from rich.progress import Progress
     from rich.table import Table
 
-    from ascend_dualpath.dualpath.engine import EngineConfig
+    from ascend_dualpath.dualpath.nodes import EngineConfig
     from ascend_dualpath.dualpath.workload import synthetic_conversations
 
     conversations = synthetic_conversations(

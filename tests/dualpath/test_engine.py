@@ -8,13 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from ascend_dualpath.dualpath.engine import (
-    KV_BF16_ATOL,
-    EngineConfig,
-    EngineLost,
-    in_process_engines,
-    verify_turn,
-)
+from ascend_dualpath.dualpath.bootstrap import in_process_engines
+from ascend_dualpath.dualpath.channels import EngineLost
+from ascend_dualpath.dualpath.nodes import KV_BF16_ATOL, EngineConfig, verify_turn
 from ascend_dualpath.dualpath.workload import synthetic_conversations
 from ascend_dualpath.kv.faults import FaultInjector
 from tests.dualpath.fast_config import FAST

@@ -219,7 +219,8 @@ def test_with_equal_weights_the_collective_loses_the_wire(contention):
 
 
 def test_the_engines_communicators_are_in_the_kv_class(tmp_path):
-    from ascend_dualpath.dualpath.engine import EngineConfig, in_process_engines
+    from ascend_dualpath.dualpath.bootstrap import in_process_engines
+    from ascend_dualpath.dualpath.nodes import EngineConfig
     from tests.dualpath.fast_config import FAST
 
     kv = QosPolicy().kv

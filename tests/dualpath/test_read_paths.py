@@ -8,7 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ascend_dualpath.dualpath.engine import KV_BF16_ATOL, EngineConfig, in_process_engines, verify_turn
+from ascend_dualpath.dualpath.bootstrap import in_process_engines
+from ascend_dualpath.dualpath.nodes import KV_BF16_ATOL, EngineConfig, verify_turn
 from ascend_dualpath.dualpath.transfer_leg import (
     ABORT_SLOT,
     PeerAborted,
