@@ -39,18 +39,20 @@ def free_port() -> int:
 
 def wait_for_line(lines: queue.Queue, prefix: str, timeout_s: float) -> str:
     """The first line of serve's output that starts with ``prefix``; raises TimeoutError naming it after
-    ``timeout_s``, RuntimeError if serve ended first."""
+    ``timeout_s``, RuntimeError if serve ended first (both with serve's last lines)."""
     deadline = time.monotonic() + timeout_s
+    seen: list[str] = []
     while time.monotonic() < deadline:
         try:
             line = lines.get(timeout=deadline - time.monotonic())
         except queue.Empty:
             break
         if line is None:
-            raise RuntimeError(f"serve exited before printing {prefix!r}")
+            raise RuntimeError(f"serve exited before printing {prefix!r}:\n{''.join(seen[-15:])}")
         if line.startswith(prefix):
             return line.rstrip()
-    raise TimeoutError(f"no {prefix!r} line from serve within {timeout_s:.0f} s")
+        seen.append(line)
+    raise TimeoutError(f"no {prefix!r} line from serve within {timeout_s:.0f} s:\n{''.join(seen[-15:])}")
 
 
 def ask(port: int, model: str) -> str:
@@ -63,14 +65,15 @@ def ask(port: int, model: str) -> str:
 
 
 def run(tmp: str) -> int:
+    run_tmp = os.path.join(tmp, "r")  # torch and vLLM leave compile caches and IPC sockets in TMPDIR: keep them in ours
+    os.mkdir(run_tmp)
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", **os.environ, "TMPDIR": run_tmp}  # small KV cache
     model = os.path.join(tmp, "model")
-    subprocess.run([sys.executable, "-m", "ascend_dualpath", "make-tiny-model", model], check=True, timeout=300)
+    make = [sys.executable, "-m", "ascend_dualpath", "make-tiny-model", model]
+    subprocess.run(make, env=env, check=True, timeout=300)
     port = free_port()
     argv = [sys.executable, "-m", "ascend_dualpath", "serve", "--model", model, "--port", str(port),
             "--log-dir", os.path.join(tmp, "logs"), "--startup-timeout", str(STARTUP_S)]  # fmt: skip
-    run_tmp = os.path.join(tmp, "run")  # vLLM leaves IPC sockets and compile caches in TMPDIR: keep them in ours
-    os.mkdir(run_tmp)
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", **os.environ, "TMPDIR": run_tmp}  # small KV cache
     serve = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: queue.Queue = queue.Queue()
 
@@ -108,7 +111,8 @@ def main() -> int:
     if missing:
         print(f"skipped: {' and '.join(missing)} not installed (bash tools/install_vllm.sh)")
         return 0
-    with tempfile.TemporaryDirectory(prefix="adp-example-serve-") as tmp:
+    # a short name: vLLM's IPC socket paths under it must stay within the 107 bytes of a Unix socket address
+    with tempfile.TemporaryDirectory(prefix="adp-ex-") as tmp:
         try:
             return run(tmp)
         except (RuntimeError, TimeoutError, subprocess.SubprocessError) as error:

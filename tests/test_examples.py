@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -50,9 +52,17 @@ def _left_in_shm(before: set[str], pid: int) -> list[str]:
     return left
 
 
-def _run(name: str, tmp_path: Path) -> str:
-    tmp = tmp_path / "tmp"  # the example's TMPDIR: whatever it leaves there shows
-    tmp.mkdir()
+def _run(name: str) -> str:
+    # the example's TMPDIR, where whatever it leaves shows; a short path, as a user's is (vLLM puts Unix sockets,
+    # whose paths are limited to 107 bytes, in it)
+    tmp = Path(tempfile.mkdtemp(prefix="adpx-"))
+    try:
+        return _run_in(name, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _run_in(name: str, tmp: Path) -> str:
     before = {p.name for p in SHM.iterdir()} if SHM.is_dir() else set()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp)}
     proc = subprocess.Popen(
@@ -77,15 +87,15 @@ def _run(name: str, tmp_path: Path) -> str:
 
 
 @pytest.mark.parametrize("name", sorted(FAST))
-def test_example_runs_and_shows_what_it_says(name, tmp_path):
-    out = _run(name, tmp_path)
+def test_example_runs_and_shows_what_it_says(name):
+    out = _run(name)
     assert FAST[name] in out, out
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SLOW))
-def test_slow_example_runs_and_shows_what_it_says(name, tmp_path):
-    out = _run(name, tmp_path)
+def test_slow_example_runs_and_shows_what_it_says(name):
+    out = _run(name)
     if out.startswith("skipped:"):
         pytest.skip(out.strip())
     assert SLOW[name] in out and "serve: ready at" in out, out
