@@ -18,7 +18,8 @@ options) are not paths of the repository. The rules, in order:
    modules) must be the name of some file of the repository.
 
 Data files named without a folder (``cluster.json``, ``table2.jsonl``: what a command writes or an operator
-brings) and build outputs (``build/...``) are not checked.
+brings) and build outputs (``build/...``, compiled ``.so`` / ``.o`` files such as ``ascend_dualpath/_C*.so``) are
+not checked.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ ROOTED_DIRS = ("ascend_dualpath", "csrc", "op_kernels", "tools", "tests", "docs"
 ROOTED_FILES = ("README.md", "setup.py", "pyproject.toml")
 RELATIVE_SUFFIXES = (".py", ".sh", ".cpp", ".h", ".md", ".toml")
 BARE_SUFFIXES = (".py", ".sh", ".cpp", ".h", ".md")
+BUILD_SUFFIXES = (".so", ".o")
 BENCHMARKS_MAX_LINES = 300
 
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
@@ -85,6 +87,8 @@ def _repo_file_names() -> set[str]:
 
 def _missing(doc: Path, token: str, names: set[str]) -> bool:
     """True when ``token`` is a repository path by the rules above and does not exist."""
+    if token.endswith(BUILD_SUFFIXES):
+        return False
     if token.startswith(tuple(d + "/" for d in ROOTED_DIRS)) or token in ROOTED_FILES:
         return not _matches(ROOT, token)
     if "/" in token:
@@ -124,6 +128,7 @@ def test_the_rules_catch_a_missing_path(tmp_path):
     assert not _missing(doc, "integrations/vllm/proxy.py", names)
     assert _missing(doc, "bench_cuda_engine.py", names)
     assert not _missing(doc, "connector.py", names)
+    assert not _missing(doc, "ascend_dualpath/_C*.so", names)  # a build output
     assert _tokens("`x` ascend_dualpath/sim/{plan,online}.py, tests/a.py::test_b") == [
         "x",
         "ascend_dualpath/sim/plan.py",
