@@ -9,7 +9,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIGURES = ROOT / "docs" / "figures"
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # Where a path outside the repository could hide: code, build files, docs, tests, CI.
-SCANNED = ("ascend_dualpath", "csrc", "op_kernels", "tools", "tests", "docs", ".ci")
+SCANNED = ("ascend_dualpath", "csrc", "op_kernels", "tools", "tests", "docs", "examples", ".ci")
 SCANNED_FILES = ("README.md", "setup.py", "pyproject.toml")
 SUFFIXES = {".py", ".md", ".sh", ".cpp", ".h", ".hpp", ".cc", ".txt", ".toml", ".cfg", ".cmake", ".rst", ""}
 FIGURE_REF = re.compile(r"figures/([A-Za-z0-9_.{},-]+)")
