@@ -20,6 +20,9 @@ by SIGKILL runs no clean-up at all, so children must end on their own:
   :func:`die_with_parent` (``PR_SET_PDEATHSIG``: SIGKILL when the parent dies), and :func:`start_group_watcher`
   SIGKILLs their whole process groups then: their own children (vLLM's engine core) do not follow on their own.
 
+**Leftovers.** What a run creates outside itself (shared memory, a temporary directory) carries its pid in its
+name; :func:`reap_dead_owners` removes what a dead process left (one killed together with its children).
+
 **Stopping.** :func:`stop` sends SIGTERM to every process (to its whole group when it leads one), waits a
 bounded grace for processes and groups to empty, SIGKILLs what is left and reaps them.
 """
@@ -156,6 +159,39 @@ def start_group_watcher(groups: list[int]) -> subprocess.Popen:
     argv = [sys.executable, "-c", GROUP_WATCHER, str(os.getpid()), *map(str, groups)]
     return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True, preexec_fn=term_with_parent)  # fmt: skip
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (someone else's included)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def reap_dead_owners(directory: str, prefix: str, sep: str) -> list[str]:
+    """Remove the entries of ``directory`` named ``<prefix><pid>`` or ``<prefix><pid><sep>...`` whose process
+    ``pid`` is dead (files and directory trees); returns their paths. Entries of live processes, and names whose
+    part after ``prefix`` is not a pid, stay."""
+    import shutil
+
+    removed = []
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    for name in names:
+        pid = name[len(prefix) :].split(sep)[0] if name.startswith(prefix) else ""
+        if not pid.isdigit() or pid_alive(int(pid)):
+            continue
+        path = os.path.join(directory, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        removed.append(path)
+    return removed
 
 
 def _alive(process: Any) -> bool:

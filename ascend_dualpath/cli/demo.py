@@ -72,37 +72,15 @@ def _remove_run_files(fabric_name: str, store_root: str | None) -> None:
         shutil.rmtree(store_root, ignore_errors=True)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
-
-
 def reap_dead_runs() -> list[str]:
     """Remove the fabrics and stores of demos whose process is dead (killed with its engines); returns the paths.
 
     Both carry the demo's pid: fabrics are ``adp.demo<pid>x<n>*`` in /dev/shm, stores ``adp-demo-store-<pid>-*``
     in the temporary directory.
     """
-    removed = []
-    for directory, prefix in ((SHM_DIR, "adp.demo"), (tempfile.gettempdir(), STORE_PREFIX)):
-        names = os.listdir(directory) if os.path.isdir(directory) else []
-        for name in filter(lambda n, prefix=prefix: n.startswith(prefix), names):
-            pid = name[len(prefix) :].split("x" if directory == SHM_DIR else "-")[0]
-            if not pid.isdigit() or _pid_alive(int(pid)):
-                continue
-            path = os.path.join(directory, name)
-            if os.path.isdir(path):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-            removed.append(path)
-    return removed
+    from ascend_dualpath._process import reap_dead_owners
+
+    return reap_dead_owners(SHM_DIR, "adp.demo", "x") + reap_dead_owners(tempfile.gettempdir(), STORE_PREFIX, "-")
 
 
 def _engine_child(parent_pid: int, rank: int, port: int, fabric_name: str, config, job: dict, events) -> None:

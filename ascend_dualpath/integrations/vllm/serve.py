@@ -10,7 +10,8 @@ format), starts the children with working CPU defaults, prints the proxy's URL o
 the log directory (``--log-dir``, default :func:`default_log_dir`), which serve prints at start, names again
 when it stops and never removes; a part that dies is named with its log's last error line. On the way out it
 stops every child (SIGTERM to its process group, a bounded wait, then SIGKILL), removes the block store when
-it made a temporary one and what the emulated fabric may have left in ``/dev/shm`` (``adp.<fabric>*``); the
+it made a temporary one, its children's temporary directory (:func:`new_run_dir`) and what the emulated
+fabric may have left in ``/dev/shm`` (``adp.<fabric>*``); the
 command then exits with 128 + the signal number (130 / 143) after one line naming the log directory.
 
 Children die with the launcher even when it is killed with SIGKILL, by the rules of
@@ -44,6 +45,7 @@ from ascend_dualpath import _env
 from ascend_dualpath._process import (
     Interrupted,
     die_with_parent,
+    reap_dead_owners,
     register_child,
     signals_deferred,
     start_group_watcher,
@@ -53,6 +55,8 @@ from ascend_dualpath.errors import ConfigError, WaitTimeout
 from ascend_dualpath.integrations.vllm.cluster import NODE_PREFIX, SIDE_PORT_OFFSET
 
 SHM_DIR = "/dev/shm"
+RUN_PREFIX = "adp-serve-"
+MAX_TMP_PATH = 48
 # How long vLLM gets to shut its engine core down after SIGTERM.
 STOP_GRACE_S = 15.0
 # CPU defaults of each instance; the caller's environment wins except for the thread binding.
@@ -239,13 +243,15 @@ def _package_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
-def child_env(bind: str | None, base: dict[str, str] | None = None) -> dict[str, str]:
+def child_env(bind: str | None, base: dict[str, str] | None = None, tmp: str | None = None) -> dict[str, str]:
     """Environment of a child: CPU defaults under the caller's environment, an instance's thread binding
-    (``bind``; None for the proxy), and this package first on ``PYTHONPATH`` (every child runs the launcher's own
-    copy of the connector)."""
+    (``bind``; None for the proxy), its ``TMPDIR`` (``tmp``: serve's run directory) and this package first on
+    ``PYTHONPATH`` (every child runs the launcher's own copy of the connector)."""
     env = {**INSTANCE_ENV_DEFAULTS, **(os.environ if base is None else base)}
     if bind is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+    if tmp is not None:
+        env["TMPDIR"] = tmp
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_package_root(), env.get("PYTHONPATH", "")) if p)
     return env
 
@@ -493,19 +499,33 @@ def make_plan(opts: ServeOptions, store: str, cores: list[int] | None = None) ->
     )  # fmt: skip
 
 
-def start_all(plan: ServePlan, log_dir: str) -> list[Child]:
+def start_all(plan: ServePlan, log_dir: str, run_dir: str) -> list[Child]:
     """Start every instance, then the proxy with the cluster written to ``<log_dir>/cluster.json`` (all come up
-    concurrently)."""
+    concurrently); every child's temporary files go to ``run_dir``."""
     children = []
     for inst in plan.instances:
-        children.append(start_child(inst.name, instance_argv(plan, inst), child_env(inst.bind),
+        children.append(start_child(inst.name, instance_argv(plan, inst), child_env(inst.bind, tmp=run_dir),
                                     f"{inst.url}/health", log_dir))  # fmt: skip
     cluster_file = os.path.join(log_dir, "cluster.json")
     with open(cluster_file, "w") as f:
         json.dump(cluster_spec(plan), f)
-    children.append(start_child("proxy", proxy_argv(plan, cluster_file), child_env(None),
+    children.append(start_child("proxy", proxy_argv(plan, cluster_file), child_env(None, tmp=run_dir),
                                 f"http://127.0.0.1:{plan.port}/health", log_dir))  # fmt: skip
     return children
+
+
+def _short_tmp() -> str:
+    """The temporary directory, or ``/tmp`` when its path is too long for the Unix sockets vLLM makes there (at
+    most 107 bytes, of which a socket's own name takes about 45)."""
+    tmp = tempfile.gettempdir()
+    return tmp if len(tmp) <= MAX_TMP_PATH else "/tmp"
+
+
+def new_run_dir() -> str:
+    """``<tmp>/adp-serve-<pid>-XXXX``: the children's ``TMPDIR`` (vLLM's IPC sockets, torch's compile caches) and
+    a temporary store, removed at exit; those of serves that died (SIGKILL) are removed first."""
+    reap_dead_owners(_short_tmp(), RUN_PREFIX, "-")
+    return tempfile.mkdtemp(prefix=f"{RUN_PREFIX}{os.getpid()}-", dir=_short_tmp())
 
 
 def _serve_until_a_child_exits(children: list[Child]) -> None:
@@ -542,14 +562,14 @@ def serve(opts: ServeOptions) -> int:
     except OSError as exc:
         raise ConfigError(f"--log-dir {log_dir!r}: cannot create it ({exc.strerror})") from None
     print(f"serve: logs in {log_dir} (one file per part, kept after exit)", file=sys.stderr, flush=True)
-    temp_store = None if opts.store else tempfile.mkdtemp(prefix="adp-serve-store-")
-    store = opts.store or temp_store
+    run_dir = new_run_dir()
+    store = opts.store or os.path.join(run_dir, "store")
     os.makedirs(store, exist_ok=True)
     plan = make_plan(opts, store)
     children: list[Child] = []
     watcher = None
     try:
-        children = start_all(plan, log_dir)
+        children = start_all(plan, log_dir, run_dir)
         watcher = start_group_watcher([c.process.pid for c in children])
         wait_until_healthy(children, opts.startup_timeout_s)
         parts = ", ".join(f"{i.name} :{i.port} node {i.node}" for i in plan.instances)
@@ -568,8 +588,7 @@ def serve(opts: ServeOptions) -> int:
             if watcher is not None:
                 stop([(watcher, True)])
             remove_fabric_shm(plan.fabric)
-            if temp_store:
-                shutil.rmtree(temp_store, ignore_errors=True)
+            shutil.rmtree(run_dir, ignore_errors=True)  # the children's temporary files and a temporary store
     kept = f"store kept at {store}" if opts.store else "temporary store removed"
     print(f"serve: stopped after a failure; {len(children)} children stopped, {kept}; logs kept in {log_dir}",
           file=sys.stderr, flush=True)  # fmt: skip

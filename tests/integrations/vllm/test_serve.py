@@ -40,7 +40,7 @@ open(f"/dev/shm/adp.{fabric}.fake{port}", "w").close()
 with open(os.path.join(out, f"{port}.json"), "w") as f:
     json.dump({"argv": argv, "pid": os.getpid(), "grandchild": grandchild.pid,
                "bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), "host_ip": os.environ.get("VLLM_HOST_IP"),
-               "offline": os.environ.get("HF_HUB_OFFLINE")}, f)
+               "offline": os.environ.get("HF_HUB_OFFLINE"), "tmpdir": os.environ.get("TMPDIR")}, f)
 
 class Health(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
@@ -220,6 +220,24 @@ def test_stop_kills_a_tree_of_sleeps(tmp_path):
     assert _wait_dead([grandchild]) == []
 
 
+def test_a_new_run_directory_is_short_and_removes_those_of_dead_serves(tmp_path, monkeypatch):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    short = tmp_path / "t"
+    short.mkdir()
+    monkeypatch.setattr(serve_mod, "MAX_TMP_PATH", len(str(short)))
+    monkeypatch.setattr(serve_mod.tempfile, "tempdir", str(short))
+    for pid in (int(dead.stdout), os.getpid()):
+        (short / f"adp-serve-{pid}-abc").mkdir()
+        (short / f"adp-serve-{pid}-abc" / "socket").write_text("")
+    (short / "adp-serve-store-x").mkdir()  # not a pid: not the reaper's
+    run_dir = serve_mod.new_run_dir()
+    assert os.path.dirname(run_dir) == str(short) and os.path.basename(run_dir).startswith(f"adp-serve-{os.getpid()}-")
+    assert sorted(os.listdir(short)) == sorted([f"adp-serve-{os.getpid()}-abc", "adp-serve-store-x",
+                                                os.path.basename(run_dir)])  # fmt: skip
+    monkeypatch.setattr(serve_mod, "MAX_TMP_PATH", len(str(short)) - 1)  # too long for vLLM's sockets
+    assert serve_mod._short_tmp() == "/tmp"
+
+
 def test_remove_fabric_shm_takes_only_that_fabric(tmp_path):
     for name in ("adp.fab1", "adp.fab1.12.0", "adp.fab2.0", "other"):
         (tmp_path / name).write_text("")
@@ -327,8 +345,10 @@ def test_serve_stops_on_signal_and_leaves_nothing_behind(deploy, signum, code):
     assert (log_dir / "proxy.log").read_text().startswith("=== serve (pid ")
     assert _wait_dead(deployment.known_pids) == []
     assert not any(n.startswith(f"adp.{fabric}") for n in os.listdir("/dev/shm"))
-    assert os.path.dirname(store).startswith(str(deployment.tmp))
-    assert list(deployment.tmp.iterdir()) == []  # the run directory (logs, store) is gone
+    run_dir = os.path.dirname(store)  # the children's TMPDIR (under /tmp when TMPDIR is too long for sockets)
+    assert os.path.basename(run_dir).startswith(f"adp-serve-{deployment.process.pid}-")
+    assert all(r["tmpdir"] == run_dir for r in records)
+    assert not os.path.exists(run_dir) and list(deployment.tmp.iterdir()) == []
 
 
 def test_children_die_when_serve_is_killed(deploy, tmp_path):
