@@ -208,7 +208,7 @@ def _api_server(model: str, port: int, log: str, extra: list[str] = (), env: dic
 def plain_server(model: str, port: int):
     """One plain vLLM server, no P/D and no connector, for as long as the block runs; yields the agents' target."""
     with tempfile.TemporaryDirectory(prefix="adp-bench-plain-") as tmp:
-        proc = _api_server(model, port, f"{tmp}/plain.log")
+        proc = _api_server(model, port, f"{tmp}/plain.log", env={"TMPDIR": tmp})  # its IPC sockets go with tmp
         try:
             _wait(f"http://127.0.0.1:{port}/health", proc, f"{tmp}/plain.log")
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -88,9 +90,10 @@ def plain(model, tmp_path_factory):
     log = tmp_path_factory.mktemp("plain") / "plain.log"
     from ascend_dualpath.integrations.vllm.serve import server_argv
 
+    tmp = tempfile.mkdtemp(prefix="adp-plain-", dir="/tmp")  # vLLM's IPC sockets: a short path, removed after
     proc = subprocess.Popen(
         server_argv(model, port),
-        env={**os.environ, **ENV},
+        env={**os.environ, **ENV, "TMPDIR": tmp},
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -101,6 +104,7 @@ def plain(model, tmp_path_factory):
         yield f"http://127.0.0.1:{port}"
     finally:
         _stop(proc)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _serve(model: str, tmp: Path, *args: str, env: dict | None = None) -> tuple[subprocess.Popen, str, Path]:
