@@ -63,13 +63,15 @@ def in_process_engines(
 
         thread = threading.Thread(target=serve, name="adp-prefill-engine", daemon=True)
         thread.start()
-        de = DecodeEngine(config, comms[DE_RANK], de_end, de_faults, _bound(engines, comms[DE_RANK]))
-        try:
+        de = None
+        try:  # the DE's set-up may fail (the PE refused it): the PE and the communicators still close
+            de = DecodeEngine(config, comms[DE_RANK], de_end, de_faults, _bound(engines, comms[DE_RANK]))
             yield pe, de
         finally:
-            de.stop_peer()
+            de_end.send(("stop",))  # what DecodeEngine.stop_peer sends
             thread.join(config.timeout_s)
-            de.close()
+            if de is not None:
+                de.close()
             pe.close()
             for comm in comms:
                 comm.close()

@@ -5,11 +5,12 @@ Every message is a msgspec ``Struct`` tagged by its ``op`` field, so a message o
 serving stack receives requests); the DE asks the PE one thing, :class:`WritesEnded`. Every request gets exactly
 one reply: its own reply type, :class:`Ok`, or :class:`Error`.
 
-The first message of a pair is :class:`Hello`. It carries :data:`PROTOCOL_VERSION` and the sender's
-:class:`Compat` (everything that decides the bytes on the wire: the KV layout's kind, layer count, block tokens,
-token-row fields and the transfer engine's kind) with its digest; :func:`check_peer` refuses a peer whose version
-or digest differs with one error naming both values and the facts that differ, before any byte moves (as vLLM's
-NIXL handshake checks its compatibility hash).
+The first message of a pair is :class:`Hello`. It carries what the sender :class:`Speaks`:
+:data:`PROTOCOL_VERSION` and its :class:`Compat` (everything that decides the bytes on the wire: the KV layout's
+kind, layer count, block tokens, token-row fields and the transfer engine's kind) with its digest;
+:func:`check_peer` refuses a peer whose version or digest differs with one error naming both values and the facts
+that differ, before any byte moves (as vLLM's NIXL handshake checks its compatibility hash). The demo engines'
+set-up carries the same :class:`Speaks`.
 
 KV bytes never travel here: they move over the transfer engine's fabric; these are control messages only.
 """
@@ -48,6 +49,18 @@ class Compat(msgspec.Struct, frozen=True):
         return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()[:16]
 
 
+class Speaks(msgspec.Struct, frozen=True):
+    """What one end speaks: the protocol ``version`` and its :class:`Compat` with the ``digest`` of it."""
+
+    version: int
+    compat: Compat
+    digest: str
+
+    @classmethod
+    def of(cls, compat: Compat) -> Speaks:
+        return cls(PROTOCOL_VERSION, compat, compat.digest)
+
+
 class Message(msgspec.Struct, tag_field="op"):
     """Base of every control message (``op`` on the wire is the subclass's tag)."""
 
@@ -61,9 +74,7 @@ class Hello(Message, tag="hello"):
     device_id: int
     rank_info: bytes
     host_mem: tuple[int, int, int]
-    compat: Compat
-    compat_digest: str
-    version: int = PROTOCOL_VERSION
+    speaks: Speaks
 
 
 class StatusQuery(Message, tag="status"):
@@ -246,26 +257,21 @@ def decode_reply(payload: bytes) -> Reply:
         raise ProtocolError(f"malformed reply: {error}") from None
 
 
-def hello_fields(compat: Compat) -> dict:
-    """The version and compatibility fields of a :class:`Hello` from this end."""
-    return {"version": PROTOCOL_VERSION, "compat": compat, "compat_digest": compat.digest}
-
-
-def check_peer(mine: Compat, hello: Hello, here: str, there: str) -> None:
+def check_peer(mine: Compat, theirs: Speaks, here: str, there: str) -> None:
     """Refuse a peer that speaks another protocol version or moves other bytes: one ProtocolError naming both
     values (``here`` / ``there`` name the two ends) and, for a digest, the facts that differ."""
-    if hello.version != PROTOCOL_VERSION:
+    if theirs.version != PROTOCOL_VERSION:
         raise ProtocolError(
-            f"DualPath protocol version {PROTOCOL_VERSION} at {here}, {hello.version} at {there}: "
+            f"DualPath protocol version {PROTOCOL_VERSION} at {here}, {theirs.version} at {there}: "
             "both ends need the same ascend_dualpath release"
         )
-    if hello.compat_digest != mine.digest or hello.compat != mine:
+    if theirs.digest != mine.digest or theirs.compat != mine:
         differ = [
-            f"{name} {getattr(mine, name)!r} here, {getattr(hello.compat, name)!r} there"
+            f"{name} {getattr(mine, name)!r} here, {getattr(theirs.compat, name)!r} there"
             for name in mine.__struct_fields__
-            if getattr(mine, name) != getattr(hello.compat, name)
+            if getattr(mine, name) != getattr(theirs.compat, name)
         ]
         raise ProtocolError(
-            f"KV compatibility digest {mine.digest} at {here}, {hello.compat_digest} at {there}: "
+            f"KV compatibility digest {mine.digest} at {here}, {theirs.digest} at {there}: "
             f"{'; '.join(differ) or 'the digest was computed differently'}"
         )

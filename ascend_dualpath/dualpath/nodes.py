@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ascend_dualpath._checks import check_bound, check_type
+from ascend_dualpath.dualpath import messages as m
 from ascend_dualpath.dualpath.channels import Channel
 from ascend_dualpath.dualpath.connector import HbmSlot, PrefillConnector, wait_reads
 from ascend_dualpath.dualpath.read_paths import (
@@ -117,7 +118,13 @@ class EngineConfig:
     def namespace(self) -> bytes:
         return self.layout.fingerprint() + f"tiny-llama:{self.model}".encode()
 
+    @property
+    def compat(self) -> m.Compat:
+        """What both engines must share for the bytes between them to mean the same (checked at set-up)."""
+        return m.Compat.of(self.layout, ENGINE_KIND)
 
+
+ENGINE_KIND = "emulator"  # the engines' devices and transfer engines (their communicators are emulated)
 EngineFactory = Callable[[int], Any]  # rank -> the TransferEngine writing to that rank
 
 
@@ -207,9 +214,8 @@ class PrefillEngine(_Node):
                 kind = message[0]
                 if kind == "stop":
                     return
-                if kind == "setup":  # the DE buffer, writable by this PE
-                    self.comm.add_remote_mem(DE_RANK, self.C.RemoteMem(*message[1]))
-                    self.channel.send(("ready",))
+                if kind == "setup":  # the DE buffer, writable by this PE, once the DE speaks this protocol
+                    self._setup(*message[1:])
                 elif kind == "prefetch":
                     self.connector.prefetch(*message[1:])
                 elif kind == "drop":
@@ -220,6 +226,16 @@ class PrefillEngine(_Node):
                     raise ProtocolError(f"prefill engine: unknown message {kind!r}")
         finally:
             self.connector.drop_prefetched()
+
+    def _setup(self, host_mem: tuple[int, int, int], speaks: m.Speaks) -> None:
+        """Check what the DE speaks (refused: it hears why, and this engine stops), then take its buffer."""
+        try:
+            m.check_peer(self.config.compat, speaks, "the prefill engine", "the decode engine")
+        except ProtocolError as error:
+            self.channel.send(("refused", str(error)))
+            raise
+        self.comm.add_remote_mem(DE_RANK, self.C.RemoteMem(*host_mem))
+        self.channel.send(("ready",))
 
     def _prefill(self, plan) -> tuple:
         conn, model, layout = self.connector, self.model, self.layout
@@ -319,8 +335,10 @@ class DecodeEngine(_Node):
         self.namespace = config.namespace()
         self._request_ids = iter(range(1 << 62))
         region = self.buffer_region
-        self.channel.send(("setup", (region.addr, region.size, region.rkey)))
-        self.channel.recv(config.timeout_s, "setup reply")
+        self.channel.send(("setup", (region.addr, region.size, region.rkey), m.Speaks.of(config.compat)))
+        reply = self.channel.recv(config.timeout_s, "setup reply")
+        if reply[0] == "refused":
+            raise ProtocolError(f"the prefill engine refused this decode engine: {reply[1]}")
 
     def _regions(self) -> list:
         return [self.buffer_region, self.hbm_region]

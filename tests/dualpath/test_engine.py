@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import numpy as np
 import pytest
 import torch
 
+from ascend_dualpath.dualpath import messages as m
 from ascend_dualpath.dualpath.bootstrap import in_process_engines
 from ascend_dualpath.dualpath.channels import EngineLost
 from ascend_dualpath.dualpath.nodes import KV_BF16_ATOL, EngineConfig, verify_turn
 from ascend_dualpath.dualpath.workload import synthetic_conversations
+from ascend_dualpath.errors import ProtocolError
 from ascend_dualpath.kv.faults import FaultInjector
 from tests.dualpath.fast_config import FAST
 
@@ -189,3 +192,29 @@ def test_killed_prefill_engine_process_is_a_clear_error(tmp_path):
     clear_error = "decode engine: (EngineLost|WaitTimeout): .*(prefill engine|from the PE)"
     with pytest.raises(RuntimeError, match=clear_error):
         run_job(config, {"conversations": conversations, "mode": "dual"}, lambda event: None, kill_pe_after=2)
+
+
+def _speaking(compat: m.Compat) -> m.Speaks:
+    return m.Speaks(m.PROTOCOL_VERSION, compat, compat.digest)
+
+
+@pytest.mark.parametrize(
+    ("speaks", "match"),
+    [
+        (
+            lambda c: m.Speaks(m.PROTOCOL_VERSION + 1, c, c.digest),
+            r"version \d+ at the prefill engine, \d+ at the decode",
+        ),
+        (
+            lambda c: _speaking(msgspec.structs.replace(c, num_layers=c.num_layers + 1)),
+            r"digest \w+ at the prefill engine, \w+ at the decode engine: num_layers",
+        ),
+    ],
+    ids=["version", "layout"],
+)
+def test_a_decode_engine_of_another_version_or_layout_is_refused_at_set_up(tmp_path, monkeypatch, speaks, match):
+    """The demo engines check what the other speaks before the PE takes the DE's buffer; both name both values."""
+    config = EngineConfig(str(tmp_path / "store"), **FAST)
+    monkeypatch.setattr(m.Speaks, "of", classmethod(lambda cls, compat: speaks(compat)))  # what the DE sends
+    with pytest.raises(ProtocolError, match=match), in_process_engines(config):
+        pytest.fail("the engines came up")

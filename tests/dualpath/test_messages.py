@@ -21,7 +21,7 @@ ids = st.text(min_size=1, max_size=24)
 
 def _hello(**overrides) -> m.Hello:
     fields = dict(pe="tcp://127.0.0.1:1", device_id=0, rank_info=b"\x01\x02", host_mem=(4096, 65536, 7),
-                  **m.hello_fields(COMPAT))  # fmt: skip
+                  speaks=m.Speaks.of(COMPAT))  # fmt: skip
     return m.Hello(**{**fields, **overrides})
 
 
@@ -103,7 +103,7 @@ def test_a_malformed_request_is_refused_naming_what_is_wrong(raw, match):
 
 def test_a_peer_of_another_protocol_version_is_refused_naming_both():
     with pytest.raises(ProtocolError, match=rf"version {m.PROTOCOL_VERSION} at DE a, {m.PROTOCOL_VERSION + 1} at PE b"):
-        m.check_peer(COMPAT, _hello(version=m.PROTOCOL_VERSION + 1), "DE a", "PE b")
+        m.check_peer(COMPAT, m.Speaks(m.PROTOCOL_VERSION + 1, COMPAT, COMPAT.digest), "DE a", "PE b")
 
 
 @pytest.mark.parametrize(
@@ -121,12 +121,11 @@ def test_a_peer_of_another_protocol_version_is_refused_naming_both():
 )
 def test_a_peer_moving_other_bytes_is_refused_naming_both_digests_and_the_fact(theirs, fact):
     assert theirs.digest != COMPAT.digest
-    hello = _hello(compat=theirs, compat_digest=theirs.digest)
     with pytest.raises(ProtocolError, match=rf"digest {COMPAT.digest} at DE a, {theirs.digest} at PE b: .*{fact}"):
-        m.check_peer(COMPAT, hello, "DE a", "PE b")
-    m.check_peer(COMPAT, _hello(), "DE a", "PE b")  # the same facts pass
+        m.check_peer(COMPAT, m.Speaks.of(theirs), "DE a", "PE b")
+    m.check_peer(COMPAT, m.Speaks.of(COMPAT), "DE a", "PE b")  # the same facts pass
 
 
 def test_a_digest_that_does_not_match_its_facts_is_refused():
     with pytest.raises(ProtocolError, match="computed differently"):
-        m.check_peer(COMPAT, _hello(compat_digest="0" * 16), "DE a", "PE b")
+        m.check_peer(COMPAT, m.Speaks(m.PROTOCOL_VERSION, COMPAT, "0" * 16), "DE a", "PE b")

@@ -152,7 +152,7 @@ class DecodeSide:
         dp = self.dataplane
         if dp is None:
             raise ProtocolError("hello before the DE registered its KV caches")
-        m.check_peer(dp.compat(self.layout), message, f"DE {self.settings.node}", f"PE {message.pe}")
+        m.check_peer(dp.compat(self.layout), message.speaks, f"DE {self.settings.node}", f"PE {message.pe}")
         link = dp.new_link(message.pe, message.device_id)
         link.connect(message.rank_info, message.host_mem)
         return m.Welcome(rank_info=link.local_info(), host_mem=dp.host_mem())

@@ -520,7 +520,7 @@ class DualPathWorker:
                 device_id=dp.device_id,
                 rank_info=link.local_info(),
                 host_mem=dp.host_mem(),
-                **m.hello_fields(dp.compat(self.layout)),
+                speaks=m.Speaks.of(dp.compat(self.layout)),
             )
             reply = expect(client.request(hello), m.Welcome)  # the DE refuses another version or digest
             link.connect(reply.rank_info, reply.host_mem)

@@ -149,8 +149,8 @@ def test_a_pe_of_another_protocol_version_is_refused_at_hello_naming_both(deploy
     d = deploy(1, 1)
     pe, de = d.instances["pe0"].worker, d.instances["de0"]
     compat = pe.dataplane.compat(LAYOUT)
-    hello = m.Hello(pe=pe.side.address, device_id=0, rank_info=b"", host_mem=(0, 0, 0),
-                    compat=compat, compat_digest=compat.digest, version=m.PROTOCOL_VERSION + 1)  # fmt: skip
+    speaks = m.Speaks(m.PROTOCOL_VERSION + 1, compat, compat.digest)
+    hello = m.Hello(pe=pe.side.address, device_id=0, rank_info=b"", host_mem=(0, 0, 0), speaks=speaks)
     client = PeerClient(de.address, 5.0)
     try:
         versions = rf"version {m.PROTOCOL_VERSION} at DE de0, {m.PROTOCOL_VERSION + 1} at PE"
