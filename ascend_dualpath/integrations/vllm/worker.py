@@ -87,7 +87,7 @@ def _request_amx_state() -> None:
 
 @dataclasses.dataclass
 class Counters:
-    """What the worker reports in ``status`` (and so what the proxy's /metrics shows)."""
+    """What the worker reports in ``status`` and, as increments, to vLLM's metrics (stats.py names each)."""
 
     loads_pe: int = 0
     loads_de: int = 0
@@ -201,6 +201,10 @@ class DualPathWorker:
         self.decode = DecodeSide(settings, layout, store, self.read_queue, self.counters, self.quarantine)
         self._finished_sending: set[str] = set()
         self._writes: list[tuple[str, concurrent.futures.Future]] = []  # persists in flight
+        # vLLM's metrics (stats_since_last): the counters as last handed over, and layer waits not yet handed over
+        self._reported: dict[str, int] = {}
+        self._reported_quarantine: int | None = None
+        self._layer_waits: list[float] = []
 
     # -- set-up ---------------------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any], layer_index) -> None:
@@ -364,17 +368,21 @@ class DualPathWorker:
         self._track_write(load.spec.xfer.xfer_id, load.hits_ticket)
 
     def _wait_notify(self, load: _Load, layer: int) -> None:
-        comm, deadline = load.peer.link.comm, time.monotonic() + self.settings.timeout_s
+        start = time.monotonic()
+        comm, deadline = load.peer.link.comm, start + self.settings.timeout_s
         slot, magic = load.notify_base + layer % 2, load.magics[layer]
-        while comm.notify_value(slot) != magic:
-            if comm.notify_value(load.notify_base + 2) == load.abort_magic:
-                raise PeerAborted(f"the DE aborted its pushes of request {load.spec.xfer.xfer_id}")
-            if time.monotonic() > deadline:
-                raise WaitTimeout(
-                    f"hit layer {layer} of request {load.spec.xfer.xfer_id} not pushed by the DE "
-                    f"within {self.settings.timeout_s} s (notify slot {slot})"
-                )
-            time.sleep(NOTIFY_POLL_S)
+        try:
+            while comm.notify_value(slot) != magic:
+                if comm.notify_value(load.notify_base + 2) == load.abort_magic:
+                    raise PeerAborted(f"the DE aborted its pushes of request {load.spec.xfer.xfer_id}")
+                if time.monotonic() > deadline:
+                    raise WaitTimeout(
+                        f"hit layer {layer} of request {load.spec.xfer.xfer_id} not pushed by the DE "
+                        f"within {self.settings.timeout_s} s (notify slot {slot})"
+                    )
+                time.sleep(NOTIFY_POLL_S)
+        finally:  # a failed wait was waited too: the histogram shows what stalled the forward
+            self._layer_waits.append(time.monotonic() - start)
 
     def _fail_load(self, load: _Load, error: BaseException) -> None:
         """Report the load's hit blocks from the first one that may be wrong; the DE then gets full layers."""
@@ -743,6 +751,24 @@ class DualPathWorker:
             "quarantined_bytes": self.quarantine.held_bytes,
             "host_leases": self.dataplane.host.stats().live_leases if self.dataplane is not None else 0,
         }
+
+    def stats_since_last(self) -> tuple[dict[str, int], list[float], int] | None:
+        """What changed since the last call, for vLLM's metrics: each counter's increment (``Counters`` fields,
+        ``snic_read_bytes``, ``snic_read_blocks``), the layer waits (s) and the quarantined bytes now; None when
+        nothing changed. vLLM's model runner calls it once per step (``get_kv_connector_stats``)."""
+        queue = self.read_queue.stats()
+        now = {
+            **dataclasses.asdict(self.counters),
+            "snic_read_bytes": queue.completed_bytes,
+            "snic_read_blocks": queue.completed_requests,
+        }
+        increments = {k: v - self._reported.get(k, 0) for k, v in now.items() if v != self._reported.get(k, 0)}
+        waits, self._layer_waits = self._layer_waits, []  # the forward's thread, the only one that appends
+        held = self.quarantine.held_bytes
+        if not increments and not waits and held == self._reported_quarantine:
+            return None
+        self._reported, self._reported_quarantine = now, held
+        return increments, waits, held
 
     def _on_status(self, message: dict) -> dict:
         return self.status()
