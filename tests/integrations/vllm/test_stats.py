@@ -165,7 +165,7 @@ def test_served_instances_show_the_counters_in_their_own_metrics(tmp_path_factor
         e2e._complete(url, model, prompt + first)  # the second turn: its prefix is a storage hit
         ready = [x for x in log.read_text().splitlines() if x.startswith("serve: ready at")]
         assert ready, log.read_text()[-3000:]
-        instances = dict(re.findall(r"(\w+) :(\d+) node \w+", ready[0]))
+        instances = {node: port for port, node in re.findall(r":(\d+) node (\w+)", ready[0])}
         assert set(instances) == {"pe0", "de0"}, ready
         own = {name: _metrics_of(f"http://127.0.0.1:{port}") for name, port in instances.items()}
         for text in own.values():
