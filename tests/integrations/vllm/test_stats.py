@@ -73,13 +73,17 @@ def test_bad_counters_are_refused_with_their_names():
         DualPathKVConnectorStats.from_counters({"fallbacks": -1}, [], 0)
 
 
-class _PrivateProm(KVConnectorProm):
-    """vLLM's ``KVConnectorProm`` on a private registry (as the Ray logger swaps the metric classes)."""
-
-    registry = CollectorRegistry()
-    _gauge_cls = functools.partial(Gauge, registry=registry)
-    _counter_cls = functools.partial(Counter, registry=registry)
-    _histogram_cls = functools.partial(Histogram, registry=registry)
+def _private_prom(registry: CollectorRegistry) -> type[KVConnectorProm]:
+    """vLLM's ``KVConnectorProm`` on a private registry (as vLLM's Ray logger swaps the metric classes)."""
+    return type(
+        "PrivateProm",
+        (KVConnectorProm,),
+        {
+            "_gauge_cls": functools.partial(Gauge, registry=registry),
+            "_counter_cls": functools.partial(Counter, registry=registry),
+            "_histogram_cls": functools.partial(Histogram, registry=registry),
+        },
+    )
 
 
 def _samples(text: str) -> dict[tuple, float]:
@@ -91,14 +95,14 @@ def _samples(text: str) -> dict[tuple, float]:
 
 
 def test_vllms_prometheus_logger_path_registers_and_observes_the_metrics():
-    prom = _PrivateProm(
-        types.SimpleNamespace(kv_transfer_config=KV_TRANSFER), ["model_name", "engine"], {0: ["m", "0"]}
-    )
+    registry = CollectorRegistry()
+    config = types.SimpleNamespace(kv_transfer_config=KV_TRANSFER)
+    prom = _private_prom(registry)(config, ["model_name", "engine"], {0: ["m", "0"]})
     first = DualPathKVConnectorStats.from_counters({"loads_de": 2, "snic_read_bytes": 8192}, [0.002, 0.2], 4096)
     second = DualPathKVConnectorStats.from_counters({"loads_split": 1, "checksum_errors": 1}, [], 0)
     for stats in (first, second):
         prom.observe(stats.to_dict(), engine_idx=0)
-    got = _samples(generate_latest(_PrivateProm.registry).decode())
+    got = _samples(generate_latest(registry).decode())
     engine = (("engine", "0"), ("model_name", "m"))
 
     def value(name: str, **labels: str) -> float:
