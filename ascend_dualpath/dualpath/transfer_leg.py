@@ -399,10 +399,13 @@ def wait_notify(
     what: str,
     *,
     abort_magic: int | None = None,
+    abort_slot: int = ABORT_SLOT,
     timeout_s: float | None = None,
     check: Callable[[], None] | None = None,
+    poll_s: float = NOTIFY_POLL_S,
 ) -> None:
-    """Wait until notify ``slot`` holds ``magic``, or the abort slot holds ``abort_magic`` (then PeerAborted).
+    """Wait until notify ``slot`` holds ``magic``, or ``abort_slot`` holds ``abort_magic`` (then PeerAborted),
+    polling every ``poll_s``: the one notify wait of both DualPath hosts.
 
     Parameters
     ----------
@@ -419,7 +422,7 @@ def wait_notify(
     while True:
         if comm.notify_value(slot) == magic:
             return
-        if abort_magic is not None and comm.notify_value(ABORT_SLOT) == abort_magic:
+        if abort_magic is not None and comm.notify_value(abort_slot) == abort_magic:
             raise PeerAborted(f"peer aborted while this rank waited for {what}")
         if check is not None:
             check()
@@ -428,4 +431,4 @@ def wait_notify(
                 f"timed out after {timeout} s waiting for {what} (notify slot {slot}, magic "
                 f"{magic:#x}; slot holds {comm.notify_value(slot):#x})"
             )
-        time.sleep(NOTIFY_POLL_S)
+        time.sleep(poll_s)

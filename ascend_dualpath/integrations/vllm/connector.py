@@ -21,6 +21,7 @@ from ascend_dualpath.errors import ConfigError
 from ascend_dualpath.integrations.vllm.metadata import DualPathMetadata
 from ascend_dualpath.integrations.vllm.scheduler import DualPathScheduler
 from ascend_dualpath.integrations.vllm.settings import ConnectorSettings, store_namespace
+from ascend_dualpath.integrations.vllm.stats import DualPathKVConnectorStats, DualPathPromMetrics
 from ascend_dualpath.kv.layout import KVLayout
 from ascend_dualpath.kv.store import LocalBlockStore
 
@@ -154,6 +155,26 @@ class DualPathConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors()
+
+    # -- vLLM's metrics (stats.py) ----------------------------------------------------------------------------------
+    def get_kv_connector_stats(self) -> DualPathKVConnectorStats | None:
+        """Worker: what was counted since the last call (None when nothing changed); the scheduler side counts none."""
+        changed = self._worker.stats_since_last() if self._worker is not None else None
+        return DualPathKVConnectorStats.from_counters(*changed) if changed is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> DualPathKVConnectorStats:
+        return DualPathKVConnectorStats(data=data) if data is not None else DualPathKVConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> DualPathPromMetrics:
+        return DualPathPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -55,8 +55,8 @@ import torch
 from ascend_dualpath.dualpath import messages as m
 from ascend_dualpath.dualpath.lease import LeaseLayout
 from ascend_dualpath.dualpath.scheduler import ReadPath, split_hit_blocks
-from ascend_dualpath.dualpath.transfer_leg import PeerAborted, Segment
-from ascend_dualpath.errors import AdpError, ChecksumMismatch, ProtocolError, WaitTimeout
+from ascend_dualpath.dualpath.transfer_leg import Segment, wait_notify
+from ascend_dualpath.errors import AdpError, ChecksumMismatch, ProtocolError
 from ascend_dualpath.integrations.vllm.dataplane import DE_RANK, PE_RANK, Dataplane, PairLink, open_dataplane
 from ascend_dualpath.integrations.vllm.decode_side import DecodeSide
 from ascend_dualpath.integrations.vllm.metadata import DualPathMetadata, LoadSpec, PersistSpec, SaveSpec
@@ -89,7 +89,7 @@ def _request_amx_state() -> None:
 
 @dataclasses.dataclass
 class Counters:
-    """What the worker reports in ``status`` (and so what the proxy's /metrics shows)."""
+    """What the worker reports in ``status`` and, as increments, to vLLM's metrics (stats.py names each)."""
 
     loads_pe: int = 0
     loads_de: int = 0
@@ -207,6 +207,10 @@ class DualPathWorker:
         self.decode = DecodeSide(settings, layout, store, self.read_queue, self.counters, self.quarantine)
         self._finished_sending: set[str] = set()
         self._writes: list[tuple[str, concurrent.futures.Future]] = []  # persists in flight
+        # vLLM's metrics (stats_since_last): the counters as last handed over, and layer waits not yet handed over
+        self._reported: dict[str, int] = {}
+        self._reported_quarantine: int | None = None
+        self._layer_waits: list[float] = []
 
     # -- set-up ---------------------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any], layer_index) -> None:
@@ -371,17 +375,22 @@ class DualPathWorker:
         self._track_write(load.spec.xfer.xfer_id, load.hits_ticket)
 
     def _wait_notify(self, load: _Load, layer: int) -> None:
-        comm, deadline = load.peer.link.comm, time.monotonic() + self.settings.timeout_s
-        slot, magic = load.notify_base + layer % 2, load.magics[layer]
-        while comm.notify_value(slot) != magic:
-            if comm.notify_value(load.notify_base + 2) == load.abort_magic:
-                raise PeerAborted(f"the DE aborted its pushes of request {load.spec.xfer.xfer_id}")
-            if time.monotonic() > deadline:
-                raise WaitTimeout(
-                    f"hit layer {layer} of request {load.spec.xfer.xfer_id} not pushed by the DE "
-                    f"within {self.settings.timeout_s} s (notify slot {slot})"
-                )
-            time.sleep(NOTIFY_POLL_S)
+        """Wait (bounded) for the DE's push of hit layer ``layer`` (slot ``notify_base + layer % 2``; its abort flag
+        is ``notify_base + 2``); the wait's length goes to vLLM's metrics, failed waits included."""
+        start = time.monotonic()
+        try:
+            wait_notify(
+                load.peer.link.comm,
+                load.notify_base + layer % 2,
+                load.magics[layer],
+                f"hit layer {layer} of request {load.spec.xfer.xfer_id} from the DE",
+                abort_magic=load.abort_magic,
+                abort_slot=load.notify_base + 2,
+                timeout_s=self.settings.timeout_s,
+                poll_s=NOTIFY_POLL_S,
+            )
+        finally:  # the histogram shows what stalled the forward
+            self._layer_waits.append(time.monotonic() - start)
 
     def _fail_load(self, load: _Load, error: BaseException) -> None:
         """Report the load's hit blocks from the first one that may be wrong; the DE then gets full layers."""
@@ -744,6 +753,24 @@ class DualPathWorker:
             quarantined_bytes=self.quarantine.held_bytes,
             host_leases=self.dataplane.host.stats().live_leases if self.dataplane is not None else 0,
         )
+
+    def stats_since_last(self) -> tuple[dict[str, int], list[float], int] | None:
+        """What changed since the last call, for vLLM's metrics: each counter's increment (``Counters`` fields,
+        ``snic_read_bytes``, ``snic_read_blocks``), the layer waits (s) and the quarantined bytes now; None when
+        nothing changed. vLLM's model runner calls it once per step (``get_kv_connector_stats``)."""
+        queue = self.read_queue.stats()
+        now = {
+            **dataclasses.asdict(self.counters),
+            "snic_read_bytes": queue.completed_bytes,
+            "snic_read_blocks": queue.completed_requests,
+        }
+        increments = {k: v - self._reported.get(k, 0) for k, v in now.items() if v != self._reported.get(k, 0)}
+        waits, self._layer_waits = self._layer_waits, []  # the forward's thread, the only one that appends
+        held = self.quarantine.held_bytes
+        if not increments and not waits and held == self._reported_quarantine:
+            return None
+        self._reported, self._reported_quarantine = now, held
+        return increments, waits, held
 
     # -- DE and standalone: persist ------------------------------------------------------------------------------------
     def _persist(self, spec: PersistSpec) -> None:
