@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ascend_dualpath import _args, _json
+from ascend_dualpath._progress import ProgressLines
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
@@ -221,7 +222,10 @@ def _worker(rank, world, store, args, queue):
         topk_idx=topk_idx,
         topk_weights=topk_weights,
     )
-    for strategy in _runnable_strategies(args.strategies, group, rank, queue):
+    runnable = _runnable_strategies(args.strategies, group, rank, queue)
+    if rank == 0:
+        queue.put(("expected", _row_count(args, runnable, cuda)))
+    for strategy in runnable:
         sm_list = list(args.num_sms) if strategy == "cuda" else [0]
         for num_sms in sm_list:
             # low-latency mode does not take an SM count: measured once per strategy
@@ -230,6 +234,17 @@ def _worker(rank, world, store, args, queue):
         queue.put(("done", None))
     dist.barrier(group)
     dist.destroy_process_group()
+
+
+def _row_count(args: argparse.Namespace, runnable: list[str], cuda: bool) -> int:
+    """Rows the run reports: one per unavailable strategy named, and per runnable one and SM count, the five
+    normal-mode ops, the three graph replays (cuda strategy on a GPU) and, once per strategy, the two LL ops."""
+    named = len(args.strategies.split(",")) if args.strategies != "auto" else len(runnable)
+    rows = named - len(runnable)
+    for strategy in runnable:
+        graphs = strategy == "cuda" and cuda and not args.no_graphs
+        rows += (len(args.num_sms) if strategy == "cuda" else 1) * (5 + 3 * graphs) + 2
+    return rows
 
 
 def _runnable_strategies(names: str, group: Any, rank: int, queue: Any) -> list[str]:
@@ -393,6 +408,7 @@ def _collect(queue: Any, procs: list, deadline_s: float, result: dict) -> bool:
     import time
 
     deadline = time.monotonic() + deadline_s
+    lines, expected = ProgressLines("bench moe", every_s=0.0, on_tty=True), 0
     while time.monotonic() < deadline:
         try:
             kind, payload = queue.get(timeout=2)
@@ -404,9 +420,12 @@ def _collect(queue: Any, procs: list, deadline_s: float, result: dict) -> bool:
             return True
         if kind == "meta":
             result.update(payload)
+        elif kind == "expected":
+            expected = payload
         else:
             result["rows"].append(payload)
             print(_line(payload), flush=True)  # as measured, so a run cut short still shows its rows
+            lines.step("row", len(result["rows"]), max(expected, len(result["rows"])), f" ({payload['op']})")
     return False
 
 

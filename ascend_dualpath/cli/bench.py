@@ -6,8 +6,9 @@ import argparse
 import importlib
 import sys
 
-from ascend_dualpath._args import CliParser
+from ascend_dualpath._args import CliParser, UsageError
 from ascend_dualpath.bench import BENCHES
+from ascend_dualpath.errors import ConfigError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,5 +31,7 @@ def run(args: argparse.Namespace) -> int:
     except ModuleNotFoundError as exc:
         print(f"benchmark {args.name!r} is not available in this build: {exc}", file=sys.stderr)
         return 2
-    bench_args = parser.parse_args(args.rest)
-    return int(importlib.import_module(BENCHES[args.name][0]).run(bench_args) or 0)
+    try:
+        return int(importlib.import_module(BENCHES[args.name][0]).run(parser.parse_args(args.rest)) or 0)
+    except ConfigError as error:  # named after the benchmark, not `bench`
+        raise UsageError(getattr(error, "command", parser.command), str(error)) from None
