@@ -43,21 +43,30 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
-    parser.add_argument("--ll-tokens", type=_args.positive_int(1 << 16), default=128, help="tokens per rank, low-latency mode")
+    parser.add_argument(
+        "--ll-tokens", type=_args.positive_int(1 << 16), default=128, help="tokens per rank, low-latency mode"
+    )
     parser.add_argument(
         "--strategies",
         default="auto",
         help="comma-separated, or auto: every strategy available on this machine (alltoall, the "
         "baseline, always is); an unavailable one named explicitly is reported, not run",
     )
-    parser.add_argument("--ranks", type=_args.nonneg_int(256), default=0, help="processes (default: CUDA GPUs, else 2 on CPU)")
+    parser.add_argument(
+        "--ranks", type=_args.nonneg_int(256), default=0, help="processes (default: CUDA GPUs, else 2 on CPU)"
+    )
     parser.add_argument("--iters", type=_args.positive_int(10**6), default=20)
     parser.add_argument("--warmup", type=_args.nonneg_int(10**6), default=5)
     parser.add_argument(
-        "--num-sms", type=_args.NumberList(_args.nonneg_int(1024)), default="0", help="comma-separated SM counts for cuda; 0 = bandwidth model"
+        "--num-sms",
+        type=_args.NumberList(_args.nonneg_int(1024)),
+        default="0",
+        help="comma-separated SM counts for cuda; 0 = bandwidth model",
     )
     parser.add_argument("--json", default="", help="write all results here")
-    parser.add_argument("--deadline-s", type=_args.TIMEOUT_S, default=540, help="print what was measured by then and stop")
+    parser.add_argument(
+        "--deadline-s", type=_args.TIMEOUT_S, default=540, help="print what was measured by then and stop"
+    )
     parser.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph replay rows")
 
 

@@ -10,7 +10,6 @@ stderr, ``<command>: <what is wrong>``, and exit status 2; every numeric option 
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 

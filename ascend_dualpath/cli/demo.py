@@ -42,8 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="turns per conversation (default 4; 8 with --compare, so the cold first turn, which "
         "has no cached prefix to load, does not dominate the comparison)",
     )
-    parser.add_argument("--first-prompt", type=_args.positive_int(MAX_CONTEXT), default=384, help="tokens of the first turn's prompt")
-    parser.add_argument("--append", type=_args.positive_int(MAX_CONTEXT), default=64, help="mean tokens appended per later turn")
+    parser.add_argument(
+        "--first-prompt", type=_args.positive_int(MAX_CONTEXT), default=384, help="tokens of the first turn's prompt"
+    )
+    parser.add_argument(
+        "--append", type=_args.positive_int(MAX_CONTEXT), default=64, help="mean tokens appended per later turn"
+    )
     parser.add_argument("--gen", type=_args.positive_int(1024), default=4, help="tokens generated per turn")
     parser.add_argument(
         "--snic-mbps",
@@ -58,7 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=_args.SEED, default=0)
     parser.add_argument("--backend", default="emulator", help="only the emulator runs this demo")
     parser.add_argument("--timeout", type=_args.TIMEOUT_S, default=None, help="bound of every wait, seconds")
-    parser.add_argument("--kill-pe-after", type=_args.positive_int(1 << 20), default=None, help=argparse.SUPPRESS)  # fault test
+    parser.add_argument(
+        "--kill-pe-after", type=_args.positive_int(1 << 20), default=None, help=argparse.SUPPRESS
+    )  # fault test
 
 
 def _free_port() -> int:

@@ -13,7 +13,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("directory", help="where to write the model (created if missing)")
     parser.add_argument("--seed", type=_args.SEED, default=defaults.seed, help=f"weight seed (default {defaults.seed})")
     parser.add_argument(
-        "--layers", type=_args.positive_int(64), default=defaults.num_layers, help=f"decoder layers (default {defaults.num_layers})"
+        "--layers",
+        type=_args.positive_int(64),
+        default=defaults.num_layers,
+        help=f"decoder layers (default {defaults.num_layers})",
     )
     parser.add_argument(
         "--dtype",

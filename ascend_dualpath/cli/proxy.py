@@ -37,9 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="read path: dual = shorter storage read queue per request; pe / de force one",
     )  # fmt: skip
     parser.add_argument("--split", action="store_true", help="read each request's hits through both storage NICs")
-    parser.add_argument("--alpha-tokens", type=_args.positive_int(1 << 40), default=None, metavar="T",
+    parser.add_argument("--alpha-tokens", type=_args.positive_int(10**9), default=None, metavar="T",
                         help="alpha: node read-queue threshold (default: the storage-NIC caps' 3 s of reads)")  # fmt: skip
-    parser.add_argument("--beta-tokens", type=_args.positive_int(1 << 40), default=None, metavar="T",
+    parser.add_argument("--beta-tokens", type=_args.positive_int(10**9), default=None, metavar="T",
                         help="beta: PE unfinished-token threshold (default: 5 s of a timed warm-up prefill)")  # fmt: skip
     parser.add_argument("--kv-bytes-per-token", type=_args.positive_int(1 << 30), default=None, metavar="B",
                         help="KV bytes of one token (all layers), for alpha from the storage-NIC caps")  # fmt: skip

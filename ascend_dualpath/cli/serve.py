@@ -14,14 +14,22 @@ from ascend_dualpath import _args, _env
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, metavar="DIR", help="model directory (e.g. from make-tiny-model)")
     parser.add_argument("--port", type=_args.PORT, default=8000, help="the proxy's port (default 8000)")
-    parser.add_argument("--prefill", type=_args.positive_int(64), default=1, metavar="N", help="prefill (PE) instances (default 1)")
-    parser.add_argument("--decode", type=_args.positive_int(64), default=1, metavar="M", help="decode (DE) instances (default 1)")
+    parser.add_argument(
+        "--prefill", type=_args.positive_int(64), default=1, metavar="N", help="prefill (PE) instances (default 1)"
+    )
+    parser.add_argument(
+        "--decode", type=_args.positive_int(64), default=1, metavar="M", help="decode (DE) instances (default 1)"
+    )
     parser.add_argument(
         "--nodes", type=_names, default=(), metavar="A,B,...",
         help="node of each instance, PEs then DEs (default: each its own); a node's instances share its read queue",
     )  # fmt: skip
     parser.add_argument(
-        "--decode-groups", type=_args.NumberList(_args.nonneg_int(1023)), default=(), metavar="G,G,...", help="DE group of each DE (default 0)"
+        "--decode-groups",
+        type=_args.NumberList(_args.nonneg_int(1023)),
+        default=(),
+        metavar="G,G,...",
+        help="DE group of each DE (default 0)",
     )
     parser.add_argument(
         "--node-snic-mbps", action="append", type=_assignment, default=[], metavar="NODE=X",
@@ -38,8 +46,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--placement", choices=["scheduler", "round-robin"], default="scheduler",
                         help="the proxy's placement (default scheduler)")  # fmt: skip
     parser.add_argument("--split", action="store_true", help="read each request's hits through both storage NICs")
-    parser.add_argument("--alpha-tokens", type=_args.positive_int(1 << 40), default=None, metavar="T", help="the proxy's alpha (tokens)")
-    parser.add_argument("--beta-tokens", type=_args.positive_int(1 << 40), default=None, metavar="T", help="the proxy's beta (tokens)")
+    parser.add_argument(
+        "--alpha-tokens", type=_args.positive_int(10**9), default=None, metavar="T", help="the proxy's alpha (tokens)"
+    )
+    parser.add_argument(
+        "--beta-tokens", type=_args.positive_int(10**9), default=None, metavar="T", help="the proxy's beta (tokens)"
+    )
     parser.add_argument("--compute-quota", type=_args.nonneg_float(3600.0), default=0.0, metavar="S",
                         help="the proxy's PE compute quota in seconds (default 0 = off)")  # fmt: skip
     parser.add_argument(
@@ -61,7 +73,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="X",
         help="storage-NIC cap of each instance in MB/s (default: uncapped)",
     )
-    parser.add_argument("--block-size", type=_args.positive_int(1 << 16), default=32, help="vLLM block size (multiple of 32; default 32)")
+    parser.add_argument(
+        "--block-size",
+        type=_args.positive_int(1 << 16),
+        default=32,
+        help="vLLM block size (multiple of 32; default 32)",
+    )
     parser.add_argument(
         "--timeout",
         type=_args.TIMEOUT_S,

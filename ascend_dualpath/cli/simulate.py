@@ -53,8 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--model", default="ds660b", help="ds660b | ds27b | qwen32b (default ds660b)")
     parser.add_argument("--pd", default="2P4D", help="prefill and decode node counts, e.g. 2P4D")
-    parser.add_argument("--max-len", type=_args.positive_int(65536), default=65536, help="Table-2 bucket: 32768, 49152 or 65536")
-    parser.add_argument("--agents", type=_args.positive_int(AGENTS_MAX), default=2048, help="agents in the ablation run")
+    parser.add_argument(
+        "--max-len", type=_args.positive_int(65536), default=65536, help="Table-2 bucket: 32768, 49152 or 65536"
+    )
+    parser.add_argument(
+        "--agents", type=_args.positive_int(AGENTS_MAX), default=2048, help="agents in the ablation run"
+    )
     parser.add_argument(
         "--rounds",
         type=_args.positive_int(AGENTS_MAX),
@@ -62,7 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="replay a window of this many rounds per agent (default: whole trajectories)",
     )
     parser.add_argument(
-        "--sweep", type=_args.NumberList(_args.positive_int(AGENTS_MAX), allow_empty=True), default="256,512,1024,2048", help="agent counts for the JCT sweep ('' skips)"
+        "--sweep",
+        type=_args.NumberList(_args.positive_int(AGENTS_MAX), allow_empty=True),
+        default="256,512,1024,2048",
+        help="agent counts for the JCT sweep ('' skips)",
     )
     parser.add_argument(
         "--mooncake",
@@ -77,8 +84,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --trace: agents arrive at their start_s; else search the online APS capacity (slow)",
     )
-    parser.add_argument("--online-duration", type=_args.positive_float(1e7), default=900.0, help="seconds simulated per online point")
-    parser.add_argument("--online-max-aps", type=_args.positive_float(1e6), default=8.0, help="upper end of the APS bisection")
+    parser.add_argument(
+        "--online-duration", type=_args.positive_float(1e7), default=900.0, help="seconds simulated per online point"
+    )
+    parser.add_argument(
+        "--online-max-aps", type=_args.positive_float(1e6), default=8.0, help="upper end of the APS bisection"
+    )
     steady.add_arguments(parser)
     parser.add_argument("--seed", type=_args.SEED, default=0)
     parser.add_argument("--out", type=Path, default=Path("out/simulate"), help="directory for figures and results")

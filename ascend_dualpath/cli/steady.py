@@ -24,11 +24,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --online: search the APS capacity at steady state (warm-up and drain excluded)",
     )
-    parser.add_argument("--warmup-s", type=_args.nonneg_float(1e7), default=600.0, help="steady state: warm-up excluded (s)")
-    parser.add_argument("--measure-s", type=_args.positive_float(1e7), default=1200.0, help="steady state: measured window (s)")
-    parser.add_argument("--drain-s", type=_args.nonneg_float(1e7), default=300.0, help="steady state: drain after the window (s)")
-    parser.add_argument("--slo-target", type=_args.positive_float(1.0), default=0.9, help="steady state: SLO attainment to reach")
-    parser.add_argument("--online-min-aps", type=_args.positive_float(1e6), default=0.05, help="lower end of the APS bisection")
+    parser.add_argument(
+        "--warmup-s", type=_args.nonneg_float(1e7), default=600.0, help="steady state: warm-up excluded (s)"
+    )
+    parser.add_argument(
+        "--measure-s", type=_args.positive_float(1e7), default=1200.0, help="steady state: measured window (s)"
+    )
+    parser.add_argument(
+        "--drain-s", type=_args.nonneg_float(1e7), default=300.0, help="steady state: drain after the window (s)"
+    )
+    parser.add_argument(
+        "--slo-target", type=_args.positive_float(1.0), default=0.9, help="steady state: SLO attainment to reach"
+    )
+    parser.add_argument(
+        "--online-min-aps", type=_args.positive_float(1e6), default=0.05, help="lower end of the APS bisection"
+    )
     parser.add_argument("--online-iterations", type=_args.positive_int(64), default=6, help="bisection steps")
 
 
