@@ -223,6 +223,7 @@ def _run_mode(args, mode: str, console) -> dict | None:
     from rich.progress import Progress
     from rich.table import Table
 
+    from ascend_dualpath._progress import ProgressLines
     from ascend_dualpath.dualpath.nodes import EngineConfig
     from ascend_dualpath.dualpath.workload import synthetic_conversations
 
@@ -247,6 +248,7 @@ def _run_mode(args, mode: str, console) -> dict | None:
         table = Table(title=f"{mode}: per turn", show_lines=False)
         for column in ("agent", "turn", "path", "prompt", "hit", "PE SNIC KiB", "DE SNIC KiB", "TTFT ms", "fallback"):
             table.add_column(column, justify="right")
+        lines = ProgressLines("demo")  # the live display shows nothing off a terminal
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task(escape(f"[{mode}] turns served"), total=total)
             check_task = progress.add_task(escape(f"[{mode}] turns verified"), total=total, visible=not args.no_verify)
@@ -256,6 +258,7 @@ def _run_mode(args, mode: str, console) -> dict | None:
                     t = event[1]
                     turns.append(t)
                     progress.advance(task)
+                    lines.step(f"[{mode}] turns served", len(turns), total)
                     table.add_row(
                         str(t["agent_id"]),
                         str(t["turn"]),

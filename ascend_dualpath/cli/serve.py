@@ -10,6 +10,8 @@ import argparse
 
 from ascend_dualpath import _args, _env
 
+SNIC_MBPS = _args.positive_float(1e7)  # a storage-NIC cap, MB/s
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, metavar="DIR", help="model directory (e.g. from make-tiny-model)")
@@ -32,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="DE group of each DE (default 0)",
     )
     parser.add_argument(
-        "--node-snic-mbps", action="append", type=_assignment, default=[], metavar="NODE=X",
+        "--node-snic-mbps", action="append", type=_snic_cap, default=[], metavar="NODE=X",
         help="storage-NIC cap of the instances on NODE in MB/s (repeat per node; others get --snic-mbps)",
     )  # fmt: skip
     parser.add_argument(
@@ -68,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--snic-mbps",
-        type=_args.positive_float(1e7),
+        type=SNIC_MBPS,
         default=None,
         metavar="X",
         help="storage-NIC cap of each instance in MB/s (default: uncapped)",
@@ -123,16 +125,18 @@ def _assignment(text: str) -> tuple[str, str]:
     return name, value
 
 
+def _snic_cap(text: str) -> tuple[str, float]:
+    """NODE=X with X a storage-NIC cap in MB/s, bounded as ``--snic-mbps``."""
+    node, value = _assignment(text)
+    return node, SNIC_MBPS(value)
+
+
 def run(args: argparse.Namespace) -> int:
     import shlex
 
-    from ascend_dualpath.errors import ConfigError
     from ascend_dualpath.integrations.vllm.serve import ServeOptions, serve
 
-    try:
-        caps = {node: float(value) for node, value in args.node_snic_mbps}
-    except ValueError:
-        raise ConfigError(f"--node-snic-mbps {args.node_snic_mbps}: each cap must be a number of MB/s") from None
+    caps = dict(args.node_snic_mbps)
     opts = ServeOptions(
         model=args.model, port=args.port, policy=args.policy, store=args.store, snic_mbps=args.snic_mbps,
         block_size=args.block_size, timeout_s=args.timeout if args.timeout is not None else _env.timeout_s(),
