@@ -149,6 +149,17 @@ def test_sizes_and_combinations_are_refused_before_any_work(argv, capsys):
     assert time.monotonic() - start < FAST_S
 
 
+@pytest.mark.parametrize("argv", [["demo", "--backend", "cuda"], ["bench", "transfer", "--backend", "cuda", "--quick"]])
+def test_a_backend_that_cannot_run_here_is_one_line(argv, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA runs here")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err and "CUDA" in err.upper(), err
+
+
 @pytest.mark.parametrize(
     ("argv", "named"),
     [

@@ -4,7 +4,8 @@ Each command lives in its own module exposing ``add_arguments(parser)`` and ``ru
 the chosen command's module is imported, so ``info`` never pays for the simulator's imports. Every command runs
 inside :func:`~ascend_dualpath._process.handle_signals`: SIGINT or SIGTERM stops the command's children and
 ends it with one line on stderr and exit status 130 or 143. A user's mistake (a bad option value, a
-:class:`~ascend_dualpath.errors.ConfigError` raised before or while the command runs) ends it with one line on
+:class:`~ascend_dualpath.errors.ConfigError` raised before or while the command runs, a backend named that
+cannot run here) ends it with one line on
 stderr, ``<command>: <what is wrong>``, and exit status 2; every numeric option is parsed by :mod:`ascend_dualpath._args`.
 """
 
@@ -15,7 +16,7 @@ import sys
 
 from ascend_dualpath._args import CliParser, one_line
 from ascend_dualpath._process import handle_signals
-from ascend_dualpath.errors import ConfigError
+from ascend_dualpath.errors import BackendUnavailable, ConfigError
 
 COMMANDS = {
     "info": ("ascend_dualpath.cli.info", "version, backends and the emulated device profile"),
@@ -59,6 +60,6 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser(name).parse_args(rest)
         with handle_signals(name):
             return int(importlib.import_module(COMMANDS[name][0]).run(args) or 0)
-    except ConfigError as error:
+    except (ConfigError, BackendUnavailable) as error:  # the user asked for what cannot be, or cannot run here
         print(f"{getattr(error, 'command', name)}: {one_line(error)}", file=sys.stderr)
         return 2

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import sys
 
 from ascend_dualpath._args import CliParser, UsageError
 from ascend_dualpath.bench import BENCHES
-from ascend_dualpath.errors import ConfigError
+from ascend_dualpath.errors import BackendUnavailable, ConfigError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,9 +28,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         parser = build_parser(args.name)
     except ModuleNotFoundError as exc:
-        print(f"benchmark {args.name!r} is not available in this build: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(f"bench {args.name}", f"not available in this build: {exc}") from None
     try:
         return int(importlib.import_module(BENCHES[args.name][0]).run(parser.parse_args(args.rest)) or 0)
-    except ConfigError as error:  # named after the benchmark, not `bench`
+    except (ConfigError, BackendUnavailable) as error:  # named after the benchmark, not `bench`
         raise UsageError(getattr(error, "command", parser.command), str(error)) from None

@@ -60,7 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--no-verify", action="store_true", help="skip the no-cache correctness checks")
     parser.add_argument("--seed", type=_args.SEED, default=0)
-    parser.add_argument("--backend", default="emulator", help="only the emulator runs this demo")
+    parser.add_argument(
+        "--backend",
+        choices=("emulator", "auto", "npu", "cuda"),
+        default="emulator",
+        help="only the emulator runs this demo",
+    )
     parser.add_argument("--timeout", type=_args.TIMEOUT_S, default=None, help="bound of every wait, seconds")
     parser.add_argument(
         "--kill-pe-after", type=_args.positive_int(1 << 20), default=None, help=argparse.SUPPRESS
