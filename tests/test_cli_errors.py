@@ -221,3 +221,11 @@ def test_simulate_off_a_terminal_prints_a_progress_line_per_run(tmp_path, capsys
     assert runs == [f"{n}/8" for n in range(1, 9)], err  # 5 ablation modes, 3 sweep modes at one count
     assert "simulate: run 8/8 sweep 2 oracle: 2/2 rounds" in err.splitlines()
     assert "simulate: run" not in out  # stdout keeps only the tables
+
+
+def test_simulate_planning_off_a_terminal_counts_its_runs(tmp_path, capsys):
+    argv = ["simulate", "--cluster", "ds27b_1p1d", "--agents", "2", "--modes", "basic,scheduler"]
+    assert main([*argv, "--json", str(tmp_path / "plan.json")]) == 0
+    err = capsys.readouterr().err.splitlines()
+    runs = dict.fromkeys(line.split(":")[1].strip() for line in err if line.endswith(" rounds"))
+    assert list(runs) == ["run 1/2 basic", "run 2/2 scheduler"], err

@@ -144,7 +144,7 @@ def _plan_run(args: argparse.Namespace) -> int:
     from ascend_dualpath.sim.cluster_file import load_cluster
     from ascend_dualpath.sim.plan import cluster_warnings, parse_modes, run_modes, run_transfer_kinds
     from ascend_dualpath.sim.trace_file import read_agent_trace, table2_trace
-    from ascend_dualpath.sim.transfer import parse_kinds
+    from ascend_dualpath.sim.transfer import TransferKind, parse_kinds
 
     console = Console(width=None if sys.stdout.isatty() else 170)  # files and pipes get whole tables
     spec = load_cluster(args.cluster if args.cluster is not None else "ds660b_2p4d")
@@ -157,11 +157,14 @@ def _plan_run(args: argparse.Namespace) -> int:
     for warning in warnings:
         console.print(f"[yellow]warning:[/yellow] {escape(warning)}")
     lines = ProgressLines("simulate")
+    runs = len(modes) + (len({*kinds, TransferKind.FREE}) if kinds else 0)  # the kinds run against a free one
+    labels: list[str] = []  # each run's label, in the order they start
     with console.status("simulating") as status:
 
         def progress(label: str, done: int, total: int) -> None:
             status.update(f"simulating {label}: {done}/{total} rounds")
-            lines.step(f"simulating {label}:", done, total, " rounds")
+            labels.extend([label] if label not in labels else [])
+            lines.step(f"run {labels.index(label) + 1}/{runs} {label}:", done, total, " rounds")
 
         results: dict = {
             "cluster": spec.source,
