@@ -2,8 +2,9 @@
 one line naming the option, the value and the limit (``demo: --first-prompt -1 must be an integer in [1, 65536]``).
 
 Each numeric option's ``type=`` is one of the parsers below; each refuses what is not a number, NaN, infinity and
-anything outside ``[low, high]``. Every bound has an upper limit, so a size that could not be allocated or a loop
-that would not end within a day is refused before any work starts. :class:`CliParser` turns argparse's own errors
+anything outside ``[low, high]``. Every bound has an upper limit (a cap chosen per option, named in the message),
+so a huge size or repeat count is refused before any work starts; limits that depend on several options or on
+the machine (memory, disk) are checked by the command itself before it starts, as ConfigError. :class:`CliParser` turns argparse's own errors
 (a missing option, an unknown choice, a bad number) into one :class:`UsageError` instead of usage text and
 ``SystemExit``; ``python -m ascend_dualpath`` prints it as one line and exits with status 2.
 """
