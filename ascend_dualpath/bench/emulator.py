@@ -14,14 +14,18 @@ from pathlib import Path
 
 import numpy as np
 
-from ascend_dualpath import _json
+from ascend_dualpath import _args, _json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--wqes", type=int, default=200_000, help="4 KB writes per rate trial")
-    parser.add_argument("--mb-writes", type=int, default=512, help="1 MB writes per bandwidth trial")
-    parser.add_argument("--trials", type=int, default=5, help="trials per measurement (median reported)")
-    parser.add_argument("--depth", type=int, default=4096, help="SQ depth")
+    parser.add_argument("--wqes", type=_args.positive_int(10**8), default=200_000, help="4 KB writes per rate trial")
+    parser.add_argument(
+        "--mb-writes", type=_args.positive_int(10**6), default=512, help="1 MB writes per bandwidth trial"
+    )
+    parser.add_argument(
+        "--trials", type=_args.positive_int(1000), default=5, help="trials per measurement (median reported)"
+    )
+    parser.add_argument("--depth", type=_args.Number(4, 1 << 16, integer=True), default=4096, help="SQ depth")
     parser.add_argument("--out", type=Path, default=None, help="write results.json here")
 
 

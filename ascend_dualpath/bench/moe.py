@@ -29,32 +29,44 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-from ascend_dualpath import _json
+from ascend_dualpath import _args, _json
+from ascend_dualpath._progress import ProgressLines
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     """The normal-mode workload (``--tokens/--hidden/--topk/--experts``), shared with the GPU tools."""
-    parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank, normal mode")
-    parser.add_argument("--hidden", type=int, default=7168)
-    parser.add_argument("--topk", type=int, default=8)
-    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--tokens", type=_args.positive_int(1 << 20), default=4096, help="tokens per rank, normal mode")
+    parser.add_argument("--hidden", type=_args.positive_int(1 << 16), default=7168)
+    parser.add_argument("--topk", type=_args.positive_int(1024), default=8)
+    parser.add_argument("--experts", type=_args.positive_int(1 << 16), default=256)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
-    parser.add_argument("--ll-tokens", type=int, default=128, help="tokens per rank, low-latency mode")
+    parser.add_argument(
+        "--ll-tokens", type=_args.positive_int(1 << 16), default=128, help="tokens per rank, low-latency mode"
+    )
     parser.add_argument(
         "--strategies",
         default="auto",
         help="comma-separated, or auto: every strategy available on this machine (alltoall, the "
         "baseline, always is); an unavailable one named explicitly is reported, not run",
     )
-    parser.add_argument("--ranks", type=int, default=0, help="processes (default: CUDA GPUs, else 2 on CPU)")
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--num-sms", default="0", help="comma-separated SM counts for cuda; 0 = bandwidth model")
+    parser.add_argument(
+        "--ranks", type=_args.nonneg_int(256), default=0, help="processes (default: CUDA GPUs, else 2 on CPU)"
+    )
+    parser.add_argument("--iters", type=_args.positive_int(10**6), default=20)
+    parser.add_argument("--warmup", type=_args.nonneg_int(10**6), default=5)
+    parser.add_argument(
+        "--num-sms",
+        type=_args.NumberList(_args.nonneg_int(1024)),
+        default="0",
+        help="comma-separated SM counts for cuda; 0 = bandwidth model",
+    )
     parser.add_argument("--json", default="", help="write all results here")
-    parser.add_argument("--deadline-s", type=float, default=540, help="print what was measured by then and stop")
+    parser.add_argument(
+        "--deadline-s", type=_args.TIMEOUT_S, default=540, help="print what was measured by then and stop"
+    )
     parser.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph replay rows")
 
 
@@ -219,8 +231,11 @@ def _worker(rank, world, store, args, queue):
         topk_idx=topk_idx,
         topk_weights=topk_weights,
     )
-    for strategy in _runnable_strategies(args.strategies, group, rank, queue):
-        sm_list = [int(s) for s in args.num_sms.split(",")] if strategy == "cuda" else [0]
+    runnable = _runnable_strategies(args.strategies, group, rank, queue)
+    if rank == 0:
+        queue.put(("expected", _row_count(args, runnable, cuda)))
+    for strategy in runnable:
+        sm_list = list(args.num_sms) if strategy == "cuda" else [0]
         for num_sms in sm_list:
             # low-latency mode does not take an SM count: measured once per strategy
             _measure(ctx, strategy, num_sms, with_low_latency=num_sms == sm_list[0])
@@ -228,6 +243,17 @@ def _worker(rank, world, store, args, queue):
         queue.put(("done", None))
     dist.barrier(group)
     dist.destroy_process_group()
+
+
+def _row_count(args: argparse.Namespace, runnable: list[str], cuda: bool) -> int:
+    """Rows the run reports: one per unavailable strategy named, and per runnable one and SM count, the five
+    normal-mode ops, the three graph replays (cuda strategy on a GPU) and, once per strategy, the two LL ops."""
+    named = len(args.strategies.split(",")) if args.strategies != "auto" else len(runnable)
+    rows = named - len(runnable)
+    for strategy in runnable:
+        graphs = strategy == "cuda" and cuda and not args.no_graphs
+        rows += (len(args.num_sms) if strategy == "cuda" else 1) * (5 + 3 * graphs) + 2
+    return rows
 
 
 def _runnable_strategies(names: str, group: Any, rank: int, queue: Any) -> list[str]:
@@ -391,6 +417,7 @@ def _collect(queue: Any, procs: list, deadline_s: float, result: dict) -> bool:
     import time
 
     deadline = time.monotonic() + deadline_s
+    lines, expected = ProgressLines("bench moe", every_s=0.0, on_tty=True), 0
     while time.monotonic() < deadline:
         try:
             kind, payload = queue.get(timeout=2)
@@ -402,9 +429,12 @@ def _collect(queue: Any, procs: list, deadline_s: float, result: dict) -> bool:
             return True
         if kind == "meta":
             result.update(payload)
+        elif kind == "expected":
+            expected = payload
         else:
             result["rows"].append(payload)
             print(_line(payload), flush=True)  # as measured, so a run cut short still shows its rows
+            lines.step("row", len(result["rows"]), max(expected, len(result["rows"])), f" ({payload['op']})")
     return False
 
 
@@ -418,6 +448,26 @@ def _stop(procs: list, finished: bool, store: str) -> None:
         os.unlink(store)
 
 
+def check_sizes(args: argparse.Namespace, world: int, on_cpu: bool) -> None:
+    """Refuse, before any rank starts (ConfigError), a workload the strategies cannot route or the host cannot
+    hold: ``--topk`` over ``--experts``, fewer than 2 ranks, or, on CPU, more memory than is available (each rank
+    may receive every rank's tokens, as bf16 and fp8 copies plus the combine's output: about 4 rows of 2 *
+    ``--hidden`` bytes per received token)."""
+    from ascend_dualpath.errors import ConfigError
+
+    if args.topk > args.experts:
+        raise ConfigError(f"--topk {args.topk} must be <= --experts {args.experts}")
+    if world < 2:
+        raise ConfigError(f"--ranks {world} must be >= 2 (dispatch and combine exchange tokens between ranks)")
+    need = world * world * max(args.tokens, args.ll_tokens) * args.hidden * 2 * 4
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if on_cpu and need > available:
+        raise ConfigError(
+            f"--ranks {world}, --tokens {args.tokens} and --hidden {args.hidden} need about {need / 2**30:.1f} GiB; "
+            f"{available / 2**30:.1f} GiB are available"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
     import torch.multiprocessing as mp
@@ -425,6 +475,7 @@ def run(args: argparse.Namespace) -> int:
     from ascend_dualpath._process import sigint_blocked
 
     world = args.ranks or (torch.cuda.device_count() if torch.cuda.device_count() >= 2 else 2)
+    check_sizes(args, world, on_cpu=torch.cuda.device_count() < world)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     store = tempfile.mktemp(prefix="adp_bench_moe_")

@@ -18,7 +18,7 @@ import argparse
 import time
 from dataclasses import asdict, dataclass, field
 
-from ascend_dualpath import _json
+from ascend_dualpath import _args, _json
 from ascend_dualpath.errors import ConfigError
 
 KIB, MIB = 1024, 1024 * 1024
@@ -290,11 +290,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="cuda: measure the raw copy primitives and their tuning variants instead of the engine",
     )
-    parser.add_argument("--repeats", type=int, default=5, help="runs per case (p50/p99 over them)")
+    parser.add_argument(
+        "--repeats", type=_args.positive_int(10**4), default=5, help="runs per case (p50/p99 over them)"
+    )
     parser.add_argument("--quick", action="store_true", help="a few small cases only (smoke test)")
     parser.add_argument("--cases", default=None, help="comma-separated case names to keep (default: all)")
-    parser.add_argument("--block-dim", type=int, default=8, help="emulated vector cores (emulator)")
-    parser.add_argument("--max-aiv-payload", type=int, default=1 * MIB, help="max single AIV payload in bytes")
+    parser.add_argument(
+        "--block-dim", type=_args.positive_int(1024), default=8, help="emulated vector cores (emulator)"
+    )
+    parser.add_argument(
+        "--max-aiv-payload", type=_args.positive_int(1 << 30), default=1 * MIB, help="max single AIV payload in bytes"
+    )
     parser.add_argument("--json", default=None, help="write results to this JSON file")
     parser.add_argument("--plot", default=None, help="write a figure to this PNG file")
 

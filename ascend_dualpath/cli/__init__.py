@@ -3,16 +3,20 @@
 Each command lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``; only
 the chosen command's module is imported, so ``info`` never pays for the simulator's imports. Every command runs
 inside :func:`~ascend_dualpath._process.handle_signals`: SIGINT or SIGTERM stops the command's children and
-ends it with one line on stderr and exit status 130 or 143.
+ends it with one line on stderr and exit status 130 or 143. A user's mistake (a bad option value, a
+:class:`~ascend_dualpath.errors.ConfigError` raised before or while the command runs, a backend named that
+cannot run here) ends it with one line on
+stderr, ``<command>: <what is wrong>``, and exit status 2; every numeric option is parsed by :mod:`ascend_dualpath._args`.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 
+from ascend_dualpath._args import CliParser, one_line
 from ascend_dualpath._process import handle_signals
+from ascend_dualpath.errors import BackendUnavailable, ConfigError
 
 COMMANDS = {
     "info": ("ascend_dualpath.cli.info", "version, backends and the emulated device profile"),
@@ -34,6 +38,15 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+def build_parser(name: str) -> CliParser:
+    """The argument parser of command ``name`` (a key of :data:`COMMANDS`); imports only that command's module."""
+    module_name, help_text = COMMANDS[name]
+    module = importlib.import_module(module_name)
+    parser = CliParser(prog=f"python -m ascend_dualpath {name}", description=help_text, command=name)
+    module.add_arguments(parser)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -43,10 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module_name, help_text = COMMANDS[name]
-    module = importlib.import_module(module_name)
-    parser = argparse.ArgumentParser(prog=f"python -m ascend_dualpath {name}", description=help_text)
-    module.add_arguments(parser)
-    args = parser.parse_args(rest)
-    with handle_signals(name):
-        return int(module.run(args) or 0)
+    try:
+        args = build_parser(name).parse_args(rest)
+        with handle_signals(name):
+            return int(importlib.import_module(COMMANDS[name][0]).run(args) or 0)
+    except (ConfigError, BackendUnavailable) as error:  # the user asked for what cannot be, or cannot run here
+        print(f"{getattr(error, 'command', name)}: {one_line(error)}", file=sys.stderr)
+        return 2

@@ -23,25 +23,35 @@ import socket
 import tempfile
 import time
 
+from ascend_dualpath import _args
+
 SHM_DIR = "/dev/shm"
+# Tokens one conversation may reach: longer contexts overflow the engines' default transfer buffers (a 32K-token
+# prompt fails its every read path) and take minutes of CPU prefill per turn.
+MAX_CONTEXT = 16384
+MAX_TOTAL_TOKENS = 1 << 22  # tokens of all conversations: this process and both engines hold each as a Python int
 STORE_PREFIX = "adp-demo-store-"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--agents", type=int, default=8, help="concurrent agent conversations")
+    parser.add_argument("--agents", type=_args.positive_int(1024), default=8, help="concurrent agent conversations")
     parser.add_argument(
         "--turns",
-        type=int,
+        type=_args.positive_int(1024),
         default=None,
         help="turns per conversation (default 4; 8 with --compare, so the cold first turn, which "
         "has no cached prefix to load, does not dominate the comparison)",
     )
-    parser.add_argument("--first-prompt", type=int, default=384, help="tokens of the first turn's prompt")
-    parser.add_argument("--append", type=int, default=64, help="mean tokens appended per later turn")
-    parser.add_argument("--gen", type=int, default=4, help="tokens generated per turn")
+    parser.add_argument(
+        "--first-prompt", type=_args.positive_int(MAX_CONTEXT), default=384, help="tokens of the first turn's prompt"
+    )
+    parser.add_argument(
+        "--append", type=_args.positive_int(MAX_CONTEXT), default=64, help="mean tokens appended per later turn"
+    )
+    parser.add_argument("--gen", type=_args.positive_int(1024), default=4, help="tokens generated per turn")
     parser.add_argument(
         "--snic-mbps",
-        type=float,
+        type=_args.positive_float(1e7),
         default=1.0,
         help="storage-NIC read cap of each engine node, MB/s (scaled down with the model)",
     )
@@ -49,10 +59,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare", action="store_true", help="also run the PE-only baseline, side by side")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--no-verify", action="store_true", help="skip the no-cache correctness checks")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--backend", default="emulator", help="only the emulator runs this demo")
-    parser.add_argument("--timeout", type=float, default=None, help="bound of every wait, seconds")
-    parser.add_argument("--kill-pe-after", type=int, default=None, help=argparse.SUPPRESS)  # fault test
+    parser.add_argument("--seed", type=_args.SEED, default=0)
+    parser.add_argument(
+        "--backend",
+        choices=("emulator", "auto", "npu", "cuda"),
+        default="emulator",
+        help="only the emulator runs this demo",
+    )
+    parser.add_argument("--timeout", type=_args.TIMEOUT_S, default=None, help="bound of every wait, seconds")
+    parser.add_argument(
+        "--kill-pe-after", type=_args.positive_int(1 << 20), default=None, help=argparse.SUPPRESS
+    )  # fault test
 
 
 def _free_port() -> int:
@@ -211,6 +228,7 @@ def _run_mode(args, mode: str, console) -> dict | None:
     from rich.progress import Progress
     from rich.table import Table
 
+    from ascend_dualpath._progress import ProgressLines
     from ascend_dualpath.dualpath.nodes import EngineConfig
     from ascend_dualpath.dualpath.workload import synthetic_conversations
 
@@ -235,6 +253,7 @@ def _run_mode(args, mode: str, console) -> dict | None:
         table = Table(title=f"{mode}: per turn", show_lines=False)
         for column in ("agent", "turn", "path", "prompt", "hit", "PE SNIC KiB", "DE SNIC KiB", "TTFT ms", "fallback"):
             table.add_column(column, justify="right")
+        lines = ProgressLines("demo")  # the live display shows nothing off a terminal
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task(escape(f"[{mode}] turns served"), total=total)
             check_task = progress.add_task(escape(f"[{mode}] turns verified"), total=total, visible=not args.no_verify)
@@ -244,6 +263,7 @@ def _run_mode(args, mode: str, console) -> dict | None:
                     t = event[1]
                     turns.append(t)
                     progress.advance(task)
+                    lines.step(f"[{mode}] turns served", len(turns), total)
                     table.add_row(
                         str(t["agent_id"]),
                         str(t["turn"]),
@@ -330,16 +350,49 @@ def _count(result: dict, key: str) -> str:
     return f"{sum(c[key] for c in checks)}/{len(checks)}" if checks else "-"
 
 
+def check_sizes(args: argparse.Namespace) -> None:
+    """Refuse, before any work, a workload whose longest conversation exceeds :data:`MAX_CONTEXT` tokens or whose
+    block store (every agent's KV, in the temporary directory) exceeds the free space there (ConfigError)."""
+    import shutil
+
+    import torch
+
+    from ascend_dualpath.errors import ConfigError
+    from ascend_dualpath.models.tiny_llama import TinyLlamaConfig
+
+    # the synthetic workload appends at most 3/2 of --append per later turn
+    longest = args.first_prompt + (args.turns - 1) * (args.append * 3 // 2) + args.turns * args.gen
+    if longest > MAX_CONTEXT:
+        raise ConfigError(
+            f"--first-prompt {args.first_prompt}, --turns {args.turns}, --append {args.append} and --gen {args.gen} "
+            f"reach {longest} tokens in one conversation; the limit is {MAX_CONTEXT}"
+        )
+    token_bytes = TinyLlamaConfig().kv_layout(getattr(torch, args.dtype)).token_bytes
+    if args.agents * longest > MAX_TOTAL_TOKENS:
+        raise ConfigError(
+            f"--agents {args.agents} conversations of up to {longest} tokens hold {args.agents * longest} tokens; "
+            f"the limit is {MAX_TOTAL_TOKENS}"
+        )
+    store_bytes = args.agents * longest * token_bytes
+    free = shutil.disk_usage(tempfile.gettempdir()).free
+    if store_bytes > free:
+        raise ConfigError(
+            f"--agents {args.agents} conversations of up to {longest} tokens need {store_bytes / 2**20:.0f} MiB of "
+            f"KV in {tempfile.gettempdir()}; {free / 2**20:.0f} MiB are free there"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from ascend_dualpath.backends import Backend, get_backend
+    from ascend_dualpath.errors import ConfigError
 
     if get_backend(args.backend) is not Backend.EMULATOR:
-        print(f"demo: backend {args.backend!r} is not supported by this demo yet; use --backend emulator")
-        return 2
+        raise ConfigError(f"--backend {args.backend} is not supported by this demo yet; use --backend emulator")
     if args.turns is None:
         args.turns = 8 if args.compare else 4
+    check_sizes(args)
     reap_dead_runs()
     console = Console()
     console.print(

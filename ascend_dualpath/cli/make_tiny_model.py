@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import argparse
 
+from ascend_dualpath import _args
 from ascend_dualpath.models.tiny_hf import TinyHFConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = TinyHFConfig()
     parser.add_argument("directory", help="where to write the model (created if missing)")
-    parser.add_argument("--seed", type=int, default=defaults.seed, help=f"weight seed (default {defaults.seed})")
+    parser.add_argument("--seed", type=_args.SEED, default=defaults.seed, help=f"weight seed (default {defaults.seed})")
     parser.add_argument(
-        "--layers", type=int, default=defaults.num_layers, help=f"decoder layers (default {defaults.num_layers})"
+        "--layers",
+        type=_args.positive_int(64),
+        default=defaults.num_layers,
+        help=f"decoder layers (default {defaults.num_layers})",
     )
     parser.add_argument(
         "--dtype",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from ascend_dualpath import _env
+from ascend_dualpath import _args, _env
 from ascend_dualpath.integrations.vllm.cached_prefixes import DEFAULT_CAPACITY_BLOCKS
 
 
@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a decode (DE) instance, e.g. http://127.0.0.1:8200,node=n1,group=0 (repeat for more)",
     )  # fmt: skip
     parser.add_argument("--cluster", default=None, metavar="FILE", help="the instances as a JSON file (docs/vllm.md)")
-    parser.add_argument("--port", type=int, required=True, help="port the proxy listens on")
+    parser.add_argument("--port", type=_args.PORT, required=True, help="port the proxy listens on")
     parser.add_argument("--host", default="127.0.0.1", help="address the proxy listens on (default 127.0.0.1)")
     parser.add_argument("--prefill-kv", default="", metavar="tcp://H:P", help="side channel of the single PE")
     parser.add_argument("--decode-kv", default="", metavar="tcp://H:P", help="side channel of the single DE")
@@ -37,27 +37,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="read path: dual = shorter storage read queue per request; pe / de force one",
     )  # fmt: skip
     parser.add_argument("--split", action="store_true", help="read each request's hits through both storage NICs")
-    parser.add_argument("--alpha-tokens", type=int, default=None, metavar="T",
+    parser.add_argument("--alpha-tokens", type=_args.positive_int(10**9), default=None, metavar="T",
                         help="alpha: node read-queue threshold (default: the storage-NIC caps' 3 s of reads)")  # fmt: skip
-    parser.add_argument("--beta-tokens", type=int, default=None, metavar="T",
+    parser.add_argument("--beta-tokens", type=_args.positive_int(10**9), default=None, metavar="T",
                         help="beta: PE unfinished-token threshold (default: 5 s of a timed warm-up prefill)")  # fmt: skip
-    parser.add_argument("--kv-bytes-per-token", type=int, default=None, metavar="B",
+    parser.add_argument("--kv-bytes-per-token", type=_args.positive_int(1 << 30), default=None, metavar="B",
                         help="KV bytes of one token (all layers), for alpha from the storage-NIC caps")  # fmt: skip
-    parser.add_argument("--compute-quota", type=float, default=0.0, metavar="S",
+    parser.add_argument("--compute-quota", type=_args.nonneg_float(3600.0), default=0.0, metavar="S",
                         help="hold requests to a PE over this predicted attention time (paper: 0.3; default 0 = off)")  # fmt: skip
-    parser.add_argument("--cached-capacity-blocks", type=int, default=DEFAULT_CAPACITY_BLOCKS, metavar="N",
+    parser.add_argument("--cached-capacity-blocks", type=_args.positive_int(1 << 32), default=DEFAULT_CAPACITY_BLOCKS, metavar="N",
                         help="KV blocks the proxy's estimate of the store's hits remembers, least recently used out "
                         "(default %(default)s)")  # fmt: skip
     parser.add_argument(
-        "--timeout", type=float, default=None, metavar="S",
+        "--timeout", type=_args.TIMEOUT_S, default=None, metavar="S",
         help="bound of every upstream wait and of a request's wait for an engine (default ADP_TIMEOUT_S or 30)",
     )  # fmt: skip
     parser.add_argument(
-        "--startup-timeout", type=float, default=300.0, metavar="S",
+        "--startup-timeout", type=_args.TIMEOUT_S, default=300.0, metavar="S",
         help="how long measuring alpha/beta waits for the instances to answer /health (default 300)",
     )  # fmt: skip
     parser.add_argument(
-        "--status-timeout", type=float, default=1.0, metavar="S",
+        "--status-timeout", type=_args.TIMEOUT_S, default=1.0, metavar="S",
         help="bound of one side-channel status or /metrics query (default 1 s; no answer = pe path)",
     )  # fmt: skip
 

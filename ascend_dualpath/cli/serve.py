@@ -8,23 +8,33 @@ from __future__ import annotations
 
 import argparse
 
-from ascend_dualpath import _env
+from ascend_dualpath import _args, _env
+
+SNIC_MBPS = _args.positive_float(1e7)  # a storage-NIC cap, MB/s
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, metavar="DIR", help="model directory (e.g. from make-tiny-model)")
-    parser.add_argument("--port", type=int, default=8000, help="the proxy's port (default 8000)")
-    parser.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill (PE) instances (default 1)")
-    parser.add_argument("--decode", type=int, default=1, metavar="M", help="decode (DE) instances (default 1)")
+    parser.add_argument("--port", type=_args.PORT, default=8000, help="the proxy's port (default 8000)")
+    parser.add_argument(
+        "--prefill", type=_args.positive_int(64), default=1, metavar="N", help="prefill (PE) instances (default 1)"
+    )
+    parser.add_argument(
+        "--decode", type=_args.positive_int(64), default=1, metavar="M", help="decode (DE) instances (default 1)"
+    )
     parser.add_argument(
         "--nodes", type=_names, default=(), metavar="A,B,...",
         help="node of each instance, PEs then DEs (default: each its own); a node's instances share its read queue",
     )  # fmt: skip
     parser.add_argument(
-        "--decode-groups", type=_groups, default=(), metavar="G,G,...", help="DE group of each DE (default 0)"
+        "--decode-groups",
+        type=_args.NumberList(_args.nonneg_int(1023)),
+        default=(),
+        metavar="G,G,...",
+        help="DE group of each DE (default 0)",
     )
     parser.add_argument(
-        "--node-snic-mbps", action="append", type=_assignment, default=[], metavar="NODE=X",
+        "--node-snic-mbps", action="append", type=_snic_cap, default=[], metavar="NODE=X",
         help="storage-NIC cap of the instances on NODE in MB/s (repeat per node; others get --snic-mbps)",
     )  # fmt: skip
     parser.add_argument(
@@ -38,9 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--placement", choices=["scheduler", "round-robin"], default="scheduler",
                         help="the proxy's placement (default scheduler)")  # fmt: skip
     parser.add_argument("--split", action="store_true", help="read each request's hits through both storage NICs")
-    parser.add_argument("--alpha-tokens", type=int, default=None, metavar="T", help="the proxy's alpha (tokens)")
-    parser.add_argument("--beta-tokens", type=int, default=None, metavar="T", help="the proxy's beta (tokens)")
-    parser.add_argument("--compute-quota", type=float, default=0.0, metavar="S",
+    parser.add_argument(
+        "--alpha-tokens", type=_args.positive_int(10**9), default=None, metavar="T", help="the proxy's alpha (tokens)"
+    )
+    parser.add_argument(
+        "--beta-tokens", type=_args.positive_int(10**9), default=None, metavar="T", help="the proxy's beta (tokens)"
+    )
+    parser.add_argument("--compute-quota", type=_args.nonneg_float(3600.0), default=0.0, metavar="S",
                         help="the proxy's PE compute quota in seconds (default 0 = off)")  # fmt: skip
     parser.add_argument(
         "--policy",
@@ -56,15 +70,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--snic-mbps",
-        type=float,
+        type=SNIC_MBPS,
         default=None,
         metavar="X",
         help="storage-NIC cap of each instance in MB/s (default: uncapped)",
     )
-    parser.add_argument("--block-size", type=int, default=32, help="vLLM block size (multiple of 32; default 32)")
+    parser.add_argument(
+        "--block-size",
+        type=_args.positive_int(1 << 16),
+        default=32,
+        help="vLLM block size (multiple of 32; default 32)",
+    )
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=_args.TIMEOUT_S,
         default=None,
         metavar="S",
         help="bound of every wait in the connectors and the proxy (default ADP_TIMEOUT_S or 30)",
@@ -77,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--startup-timeout",
-        type=float,
+        type=_args.TIMEOUT_S,
         default=300.0,
         metavar="S",
         help="how long every part may take to answer /health (default 300)",
@@ -99,13 +118,6 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(","))
 
 
-def _groups(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of ints") from None
-
-
 def _assignment(text: str) -> tuple[str, str]:
     name, sep, value = text.partition("=")
     if not sep or not name:
@@ -113,16 +125,18 @@ def _assignment(text: str) -> tuple[str, str]:
     return name, value
 
 
+def _snic_cap(text: str) -> tuple[str, float]:
+    """NODE=X with X a storage-NIC cap in MB/s, bounded as ``--snic-mbps``."""
+    node, value = _assignment(text)
+    return node, SNIC_MBPS(value)
+
+
 def run(args: argparse.Namespace) -> int:
     import shlex
 
-    from ascend_dualpath.errors import ConfigError
     from ascend_dualpath.integrations.vllm.serve import ServeOptions, serve
 
-    try:
-        caps = {node: float(value) for node, value in args.node_snic_mbps}
-    except ValueError:
-        raise ConfigError(f"--node-snic-mbps {args.node_snic_mbps}: each cap must be a number of MB/s") from None
+    caps = dict(args.node_snic_mbps)
     opts = ServeOptions(
         model=args.model, port=args.port, policy=args.policy, store=args.store, snic_mbps=args.snic_mbps,
         block_size=args.block_size, timeout_s=args.timeout if args.timeout is not None else _env.timeout_s(),

@@ -16,10 +16,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from ascend_dualpath import _json
+from ascend_dualpath import _args, _json
+from ascend_dualpath._progress import ProgressLines
 from ascend_dualpath.cli import steady
 
 DEFAULT_MODES = "basic,layerwise,dualpath,scheduler,oracle"  # the paper's ablation
+AGENTS_MAX = 1 << 20  # agents (and rounds per agent) one run may simulate
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,15 +53,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--model", default="ds660b", help="ds660b | ds27b | qwen32b (default ds660b)")
     parser.add_argument("--pd", default="2P4D", help="prefill and decode node counts, e.g. 2P4D")
-    parser.add_argument("--max-len", type=int, default=65536, help="Table-2 bucket: 32768, 49152 or 65536")
-    parser.add_argument("--agents", type=int, default=2048, help="agents in the ablation run")
+    parser.add_argument(
+        "--max-len", type=_args.positive_int(65536), default=65536, help="Table-2 bucket: 32768, 49152 or 65536"
+    )
+    parser.add_argument(
+        "--agents", type=_args.positive_int(AGENTS_MAX), default=2048, help="agents in the ablation run"
+    )
     parser.add_argument(
         "--rounds",
-        type=int,
+        type=_args.positive_int(AGENTS_MAX),
         default=None,
         help="replay a window of this many rounds per agent (default: whole trajectories)",
     )
-    parser.add_argument("--sweep", default="256,512,1024,2048", help="agent counts for the JCT sweep ('' skips)")
+    parser.add_argument(
+        "--sweep",
+        type=_args.NumberList(_args.positive_int(AGENTS_MAX), allow_empty=True),
+        default="256,512,1024,2048",
+        help="agent counts for the JCT sweep ('' skips)",
+    )
     parser.add_argument(
         "--mooncake",
         nargs="?",
@@ -73,10 +84,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --trace: agents arrive at their start_s; else search the online APS capacity (slow)",
     )
-    parser.add_argument("--online-duration", type=float, default=900.0, help="seconds simulated per online point")
-    parser.add_argument("--online-max-aps", type=float, default=8.0, help="upper end of the APS bisection")
+    parser.add_argument(
+        "--online-duration", type=_args.positive_float(1e7), default=900.0, help="seconds simulated per online point"
+    )
+    parser.add_argument(
+        "--online-max-aps", type=_args.positive_float(1e6), default=8.0, help="upper end of the APS bisection"
+    )
     steady.add_arguments(parser)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=_args.SEED, default=0)
     parser.add_argument("--out", type=Path, default=Path("out/simulate"), help="directory for figures and results")
 
 
@@ -129,7 +144,7 @@ def _plan_run(args: argparse.Namespace) -> int:
     from ascend_dualpath.sim.cluster_file import load_cluster
     from ascend_dualpath.sim.plan import cluster_warnings, parse_modes, run_modes, run_transfer_kinds
     from ascend_dualpath.sim.trace_file import read_agent_trace, table2_trace
-    from ascend_dualpath.sim.transfer import parse_kinds
+    from ascend_dualpath.sim.transfer import TransferKind, parse_kinds
 
     console = Console(width=None if sys.stdout.isatty() else 170)  # files and pipes get whole tables
     spec = load_cluster(args.cluster if args.cluster is not None else "ds660b_2p4d")
@@ -141,10 +156,15 @@ def _plan_run(args: argparse.Namespace) -> int:
     warnings = cluster_warnings(spec)
     for warning in warnings:
         console.print(f"[yellow]warning:[/yellow] {escape(warning)}")
+    lines = ProgressLines("simulate")
+    runs = len(modes) + (len({*kinds, TransferKind.FREE}) if kinds else 0)  # the kinds run against a free one
+    labels: list[str] = []  # each run's label, in the order they start
     with console.status("simulating") as status:
 
         def progress(label: str, done: int, total: int) -> None:
             status.update(f"simulating {label}: {done}/{total} rounds")
+            labels.extend([label] if label not in labels else [])
+            lines.step(f"run {labels.index(label) + 1}/{runs} {label}:", done, total, " rounds")
 
         results: dict = {
             "cluster": spec.source,
@@ -249,7 +269,7 @@ def _paper_run(args: argparse.Namespace) -> int:
     console = Console()
     prefill_nodes, decode_nodes = _parse_pd(args.pd)
     config = ClusterConfig(get_model(args.model), prefill_nodes=prefill_nodes, decode_nodes=decode_nodes)
-    sweep_counts = [int(n) for n in args.sweep.split(",") if n.strip()]
+    sweep_counts = list(args.sweep)
     results: dict = {
         "config": {
             "model": args.model,
@@ -289,29 +309,39 @@ def _paper_simulations(args: argparse.Namespace, config, sweep_counts: list[int]
         TextColumn("{task.completed}/{task.total} rounds"),
         TimeElapsedColumn(),
     )
+    compared = (Mode.BASIC, Mode.SCHEDULER, Mode.ORACLE)  # the sweep's and the Mooncake replay's modes
+    runs = len(PAPER_MODES) + len(compared) * (len(sweep_counts) + (args.mooncake is not None))
+    lines = ProgressLines("simulate")
     with Progress(*columns, console=console) as progress:
+
+        def task(description: str, total: int):
+            """A progress callback (done, total) for the next run, on the live display and as lines."""
+            index = len(progress.tasks) + 1
+            task_id = progress.add_task(description, total=total)
+
+            def update(done: int, total: int) -> None:
+                progress.update(task_id, completed=done)
+                lines.step(f"run {index}/{runs} {description}:", done, total, " rounds")
+
+            return update
+
         agents = agentic_agents(args.agents, args.max_len, args.rounds, seed=args.seed)
-        tasks = {mode: progress.add_task(f"ablation {mode.value}", total=sum(map(len, agents))) for mode in PAPER_MODES}
-        ablation = run_ablation(
-            config, agents, progress=lambda mode, done, total: progress.update(tasks[mode], completed=done)
-        )
-        sweep = {mode: [] for mode in (Mode.BASIC, Mode.SCHEDULER, Mode.ORACLE)}
+        tasks = {mode: task(f"ablation {mode.value}", sum(map(len, agents))) for mode in PAPER_MODES}
+        ablation = run_ablation(config, agents, progress=lambda mode, done, total: tasks[mode](done, total))
+        sweep = {mode: [] for mode in compared}
         for count in sweep_counts:
             sweep_agents = agentic_agents(count, args.max_len, args.rounds, seed=args.seed)
             for mode in sweep:
-                task = progress.add_task(f"sweep {count} {mode.value}", total=sum(map(len, sweep_agents)))
-                result = ClusterSim(config, mode, sweep_agents).run(
-                    progress=lambda done, total, task=task: progress.update(task, completed=done)
-                )
-                sweep[mode].append((count, result.jct_s))
+                update = task(f"sweep {count} {mode.value}", sum(map(len, sweep_agents)))
+                sweep[mode].append((count, ClusterSim(config, mode, sweep_agents).run(progress=update).jct_s))
         mooncake = {}
         if args.mooncake is not None:
             rounds = load_mooncake(args.mooncake or None)
-            for mode in (Mode.BASIC, Mode.SCHEDULER, Mode.ORACLE):
-                task = progress.add_task(f"mooncake {mode.value}", total=len(rounds))
+            for mode in compared:
+                update = task(f"mooncake {mode.value}", len(rounds))
                 mooncake[mode] = ClusterSim(
                     config, mode, [[r] for r in rounds], agent_start_s=[r.arrival_s for r in rounds]
-                ).run(progress=lambda done, total, task=task: progress.update(task, completed=done))
+                ).run(progress=update)
     return ablation, sweep, mooncake
 
 
@@ -394,7 +424,9 @@ def _report_mooncake_and_online(args: argparse.Namespace, config, console, moonc
         console.print(mc_table)
     if args.online:
         results["online_aps"] = {}
-        for mode in (Mode.BASIC, Mode.SCHEDULER):
+        lines = ProgressLines("simulate")
+        for index, mode in enumerate((Mode.BASIC, Mode.SCHEDULER)):
+            lines.step(f"online capacity {mode.value}: mode", index + 1, 2)
             with console.status(f"online capacity {mode.value}"):
                 aps = online_capacity(
                     config,

@@ -14,7 +14,8 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from ascend_dualpath import _json
+from ascend_dualpath import _args, _json
+from ascend_dualpath._progress import ProgressLines
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,12 +24,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --online: search the APS capacity at steady state (warm-up and drain excluded)",
     )
-    parser.add_argument("--warmup-s", type=float, default=600.0, help="steady state: warm-up excluded (s)")
-    parser.add_argument("--measure-s", type=float, default=1200.0, help="steady state: measured window (s)")
-    parser.add_argument("--drain-s", type=float, default=300.0, help="steady state: drain after the window (s)")
-    parser.add_argument("--slo-target", type=float, default=0.9, help="steady state: SLO attainment to reach")
-    parser.add_argument("--online-min-aps", type=float, default=0.05, help="lower end of the APS bisection")
-    parser.add_argument("--online-iterations", type=int, default=6, help="bisection steps")
+    parser.add_argument(
+        "--warmup-s", type=_args.nonneg_float(1e7), default=600.0, help="steady state: warm-up excluded (s)"
+    )
+    parser.add_argument(
+        "--measure-s", type=_args.positive_float(1e7), default=1200.0, help="steady state: measured window (s)"
+    )
+    parser.add_argument(
+        "--drain-s", type=_args.nonneg_float(1e7), default=300.0, help="steady state: drain after the window (s)"
+    )
+    parser.add_argument(
+        "--slo-target", type=_args.positive_float(1.0), default=0.9, help="steady state: SLO attainment to reach"
+    )
+    parser.add_argument(
+        "--online-min-aps", type=_args.positive_float(1e6), default=0.05, help="lower end of the APS bisection"
+    )
+    parser.add_argument("--online-iterations", type=_args.positive_int(64), default=6, help="bisection steps")
 
 
 def steady_run(args: argparse.Namespace) -> int:
@@ -64,7 +75,9 @@ def steady_run(args: argparse.Namespace) -> int:
     )
     results = {"shape": asdict(shape), "run_s": shape.run_s, "modes": {}}
     curves = {}
-    for mode in modes:
+    lines = ProgressLines("simulate")
+    for index, mode in enumerate(modes):
+        lines.step(f"steady-state capacity {mode.value}: mode", index + 1, len(modes))
         with console.status(f"steady-state capacity {mode.value}"):
             capacity = steady_capacity(
                 spec.config, mode, args.online_min_aps, args.online_max_aps, shape, args.online_iterations
