@@ -184,11 +184,8 @@ def bench_serve(model: str, policy: str, args, port: int, convs) -> dict:
 
 
 # vLLM 0.32.0's CPU attention dies with SIGILL on the decode side of a P/D pair unless the process asked Linux for
-# the AMX tile state first (the DualPath worker does, see integrations/vllm/worker.py); give the baseline the same.
-AMX_SITECUSTOMIZE = """import ctypes, platform
-if platform.machine() == "x86_64":
-    ctypes.CDLL(None).syscall(158, 0x1023, 18)  # arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
-"""
+# the AMX tile state first (the DualPath worker does); give the baseline the same.
+AMX_SITECUSTOMIZE = "from ascend_dualpath._platform import request_amx_state\nrequest_amx_state()\n"
 
 
 def _api_server(model: str, port: int, log: str, extra: list[str] = (), env: dict | None = None) -> subprocess.Popen:

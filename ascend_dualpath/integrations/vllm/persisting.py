@@ -10,16 +10,23 @@ most ``wait_s``: an announcement older than that is stale (its writer died) and 
 
 An announcement is an empty file ``<store>/persisting/<block id hex>`` beside the store's blocks, so every
 instance sharing the store sees it.
+
+:class:`Persister` writes the blocks: their bytes are copied out of vLLM's cache when the request finishes (the
+blocks may be reused afterwards), then written in chain order on one writer thread; each written block's
+announcement is withdrawn at once, and the rest when the writing ends however it ends.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 from ascend_dualpath._checks import check_bound
+from ascend_dualpath.errors import AdpError
 
 DIR_NAME = "persisting"
 
@@ -60,3 +67,47 @@ class PersistAnnouncements:
         except FileNotFoundError:
             return False
         return age < self.wait_s
+
+
+class Persister:
+    """Writes finished requests' new full blocks to ``store`` behind the engine, one writer thread.
+
+    ``counters`` gets ``persisted_blocks`` (blocks newly stored) and ``failures`` (a write that failed: the
+    request's later blocks are not written, their chain would be unreachable).
+    """
+
+    def __init__(self, store: Any, announcements: PersistAnnouncements, counters: Any) -> None:
+        self.store, self.announcements, self.counters = store, announcements, counters
+        self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="adp-persist")
+        self._writes: list[tuple[str, concurrent.futures.Future]] = []
+
+    def persist(self, spec: Any, block: Callable[[int], Any]) -> None:
+        """Copy blocks ``[spec.first_block, len(spec.store_ids))`` now (``block(i)``: block ``i``'s bytes, a
+        copy, ``[L, T, C]`` uint8), then write them behind."""
+        payloads = [(i, block(i)) for i in range(spec.first_block, len(spec.store_ids))]
+        self._writes.append((spec.req_id, self._writer.submit(self.write_blocks, spec, payloads)))
+
+    def write_blocks(self, spec: Any, payloads: list) -> None:
+        """Write ``payloads`` ``[(block index, bytes)]`` of ``spec`` in order, each chained to the one before."""
+        try:
+            for i, payload in payloads:
+                parent = spec.store_ids[i - 1] if i > 0 else None
+                try:
+                    if self.store.write_block(spec.store_ids[i], parent, payload):
+                        self.counters.persisted_blocks += 1
+                except AdpError:
+                    self.counters.failures += 1
+                    return  # the chain is broken here: later blocks would be unreachable
+                self.announcements.withdraw([spec.store_ids[i]])
+        finally:
+            self.announcements.withdraw(spec.store_ids[spec.first_block :])  # none is awaited any longer
+
+    def finished(self) -> set[str]:
+        """The requests whose writes ended since the last call (vLLM may then free their blocks)."""
+        done = {req_id for req_id, future in self._writes if future.done()}
+        self._writes = [(req_id, future) for req_id, future in self._writes if not future.done()]
+        return done
+
+    def close(self) -> None:
+        """Let the writes in flight end (each bounded by the store's own waits)."""
+        self._writer.shutdown(wait=True)

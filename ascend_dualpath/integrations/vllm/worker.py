@@ -42,7 +42,6 @@ not yet seen end.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -52,15 +51,16 @@ from typing import Any
 
 import torch
 
+from ascend_dualpath._platform import request_amx_state
 from ascend_dualpath.dualpath import messages as m
 from ascend_dualpath.dualpath.lease import LeaseLayout
 from ascend_dualpath.dualpath.scheduler import ReadPath, split_hit_blocks
 from ascend_dualpath.dualpath.transfer_leg import Segment, wait_notify
-from ascend_dualpath.errors import AdpError, ChecksumMismatch, ProtocolError
+from ascend_dualpath.errors import ChecksumMismatch, ProtocolError
 from ascend_dualpath.integrations.vllm.dataplane import DE_RANK, PE_RANK, Dataplane, PairLink, open_dataplane
 from ascend_dualpath.integrations.vllm.decode_side import DecodeSide
 from ascend_dualpath.integrations.vllm.metadata import DualPathMetadata, LoadSpec, PersistSpec, SaveSpec
-from ascend_dualpath.integrations.vllm.persisting import PersistAnnouncements
+from ascend_dualpath.integrations.vllm.persisting import PersistAnnouncements, Persister
 from ascend_dualpath.integrations.vllm.protocol import PeerClient, SideChannel, XferParams, expect, request_once
 from ascend_dualpath.integrations.vllm.quarantine import Quarantine, tickets_ended
 from ascend_dualpath.integrations.vllm.settings import ConnectorSettings
@@ -70,21 +70,6 @@ from ascend_dualpath.kv.store import LocalBlockStore
 
 NOTIFY_POLL_S = 0.0002
 log = logging.getLogger(__name__)
-
-
-def _request_amx_state() -> None:
-    """Ask Linux for the AMX tile state now, before the connector's threads exist (x86-64 only, best effort).
-
-    Without it, the DE's first forward after the fabric handshake died with SIGILL inside vLLM's CPU attention
-    (vLLM 0.32.0 on Sapphire Rapids): the lazy request made there did not take effect for that process.
-    """
-    import ctypes
-    import platform
-
-    if platform.machine() != "x86_64":
-        return
-    arch_prctl, req_xcomp_perm, xfeature_xtiledata = 158, 0x1023, 18
-    ctypes.CDLL(None, use_errno=True).syscall(arch_prctl, req_xcomp_perm, xfeature_xtiledata)
 
 
 @dataclasses.dataclass
@@ -186,6 +171,7 @@ class DualPathWorker:
         self.read_queue = ReadQueue(store, settings.snic_bytes_per_s, node=settings.node)
         self.announcements = PersistAnnouncements(settings.store, settings.persist_wait_s)
         self.counters = Counters()
+        self.persister = Persister(store, self.announcements, self.counters)
         self.quarantine = Quarantine(self.counters)
         self.caches: list[torch.Tensor] = []
         self._layer_of: dict[str, int] = {}
@@ -194,7 +180,6 @@ class DualPathWorker:
         self._private_host = None
         self.side: SideChannel | None = None
         self._peers: dict[str, _Peer] = {}  # PE: DE side channel -> its peer
-        self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="adp-persist")
         # PE / standalone, per step
         self._loads: list[_Load] = []
         self._saves: list[tuple[SaveSpec, _PeXfer, list]] = []
@@ -206,7 +191,6 @@ class DualPathWorker:
         # DE
         self.decode = DecodeSide(settings, layout, store, self.read_queue, self.counters, self.quarantine)
         self._finished_sending: set[str] = set()
-        self._writes: list[tuple[str, concurrent.futures.Future]] = []  # persists in flight
         # vLLM's metrics (stats_since_last): the counters as last handed over, and layer waits not yet handed over
         self._reported: dict[str, int] = {}
         self._reported_quarantine: int | None = None
@@ -216,7 +200,7 @@ class DualPathWorker:
     def register_kv_caches(self, kv_caches: dict[str, Any], layer_index) -> None:
         """Take vLLM's per-layer caches (``layer_index(name) -> int`` orders them), open the device on the
         fabric (PE and DE) and the side channel."""
-        _request_amx_state()
+        request_amx_state()  # before the connector's threads exist
         names = sorted(kv_caches, key=layer_index)
         self.caches = [kv_caches[name] for name in names]
         self._layer_of = {name: i for i, name in enumerate(names)}
@@ -233,7 +217,7 @@ class DualPathWorker:
         self.quarantine.close(self.settings.timeout_s)  # nothing is given back into a closing dataplane
         for peer in self._peers.values():
             peer.client.close()
-        self._writer.shutdown(wait=True)
+        self.persister.close()
         self.read_queue.close()
         self.decode.close()
         if self.dataplane is not None:
@@ -776,25 +760,12 @@ class DualPathWorker:
     def _persist(self, spec: PersistSpec) -> None:
         """Copy a finished request's new full blocks out of the cache now; write them to the store behind."""
         T = self.block_size
-        payloads = []
-        for i in range(spec.first_block, len(spec.store_ids)):
-            layers = [self.adapter.read_tokens(cache, spec.block_ids, i * T, (i + 1) * T) for cache in self.caches]
-            payloads.append((i, torch.stack(layers).contiguous()))
-        self._writes.append((spec.req_id, self._writer.submit(self._write_blocks, spec, payloads)))
 
-    def _write_blocks(self, spec: PersistSpec, payloads: list) -> None:
-        try:
-            for i, payload in payloads:
-                parent = spec.store_ids[i - 1] if i > 0 else None
-                try:
-                    if self.store.write_block(spec.store_ids[i], parent, payload):
-                        self.counters.persisted_blocks += 1
-                except AdpError:
-                    self.counters.failures += 1
-                    return  # the chain is broken here: later blocks would be unreachable
-                self.announcements.withdraw([spec.store_ids[i]])
-        finally:
-            self.announcements.withdraw(spec.store_ids[spec.first_block :])  # none is awaited any longer
+        def block(i: int) -> torch.Tensor:
+            layers = [self.adapter.read_tokens(cache, spec.block_ids, i * T, (i + 1) * T) for cache in self.caches]
+            return torch.stack(layers).contiguous()
+
+        self.persister.persist(spec, block)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """``(finished_sending, finished_recving, failed_recving)`` since the last call."""
@@ -802,9 +773,7 @@ class DualPathWorker:
         for xfer_id in list(self._lease_writes):  # writes seen ended need no answer any more
             self._writes_pending(xfer_id)
         # a persisted request is reported once its blocks are stored, so its next turn finds them
-        done = [(req_id, f) for req_id, f in self._writes if f.done()]
-        self._writes = [(req_id, f) for req_id, f in self._writes if not f.done()]
-        self._finished_sending.update(req_id for req_id, _ in done)
+        self._finished_sending.update(self.persister.finished())
         for req_id in finished_req_ids:  # a finished PE request sends nothing more
             self._pe_xfers.pop(self._pe_xfer_of.pop(req_id, None), None)
         sending, self._finished_sending = self._finished_sending, set()

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+import time
 from types import SimpleNamespace
 
 import pytest
 
 from ascend_dualpath.errors import AdpError, ArgumentTypeError, ConfigError
 from ascend_dualpath.integrations.vllm.metadata import PersistSpec
-from ascend_dualpath.integrations.vllm.persisting import PersistAnnouncements
+from ascend_dualpath.integrations.vllm.persisting import PersistAnnouncements, Persister
 
 IDS = [bytes([i]) * 16 for i in range(4)]
 
@@ -49,14 +50,20 @@ class _Store:
 
 @pytest.mark.parametrize("failing", [None, IDS[2]])
 def test_the_worker_withdraws_every_announcement_written_or_not(tmp_path, failing):
-    pytest.importorskip("vllm")
-    from ascend_dualpath.integrations.vllm.worker import Counters, DualPathWorker
-
     announcements = PersistAnnouncements(tmp_path, 60.0)
     spec = PersistSpec("r", 1, IDS, [0, 1, 2, 3])
     announcements.announce(IDS[1:])
-    worker = SimpleNamespace(store=_Store(failing), counters=Counters(), announcements=announcements)
-    DualPathWorker._write_blocks(worker, spec, [(i, b"") for i in range(1, 4)])
-    assert worker.store.written == (IDS[1:] if failing is None else IDS[1:2])
-    assert worker.counters.failures == (failing is not None)
+    counters = SimpleNamespace(persisted_blocks=0, failures=0)
+    persister = Persister(_Store(failing), announcements, counters)
+    try:
+        persister.persist(spec, lambda i: b"")
+        deadline = time.monotonic() + 10
+        while not (done := persister.finished()):
+            assert time.monotonic() < deadline, "the writes did not end"
+            time.sleep(0.01)
+    finally:
+        persister.close()
+    assert done == {"r"}
+    assert persister.store.written == (IDS[1:] if failing is None else IDS[1:2])
+    assert (counters.persisted_blocks, counters.failures) == ((3, 0) if failing is None else (1, 1))
     assert not any(announcements.pending(i) for i in IDS)
