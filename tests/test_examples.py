@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from ascend_dualpath._process import pid_alive
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 SHM = Path("/dev/shm")
@@ -30,16 +32,6 @@ SLOW = {"serve_with_vllm.py": "serve stopped cleanly on SIGINT"}
 TIMEOUT_S = {"serve_with_vllm.py": 900}
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _left_in_shm(before: set[str], pid: int) -> list[str]:
     """The library's shared-memory objects (``adp*``) that appeared during the run and that no live process owns:
     their names carry their creator's pid (``adp.fab<pid>x<n>``, ``adp.<fabric>.<pid>.<n>``). Objects of other
@@ -47,7 +39,7 @@ def _left_in_shm(before: set[str], pid: int) -> list[str]:
     left = []
     for name in sorted({p.name for p in SHM.iterdir()} - before if SHM.is_dir() else ()):
         pids = [int(n) for n in re.findall(r"\d{2,}", name)]
-        if name.startswith("adp") and (pid in pids or not any(_alive(p) for p in pids)):
+        if name.startswith("adp") and (pid in pids or not any(pid_alive(p) for p in pids)):
             left.append(name)
     return left
 
