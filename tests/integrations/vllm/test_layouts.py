@@ -241,7 +241,10 @@ def test_bad_block_tables_ranges_and_rows_are_refused():
 # -- against vLLM itself ----------------------------------------------------------------------------------------
 @st.composite
 def cpu_geometries(draw):
-    isa = draw(st.sampled_from(CPU_ISAS))
+    # vLLM's op runs the AMX layout only where the CPU has AMX tiles ("Unsupported CPU attention configuration"
+    # elsewhere); the adapter's AMX layout still round-trips bit-exact in the tests above
+    isas = [isa for isa in CPU_ISAS if isa != "amx" or torch.cpu._is_amx_tile_supported()]
+    isa = draw(st.sampled_from(isas))
     dtype = draw(st.sampled_from(DTYPES))
     head_dims = [32, 64, 80] if isa == "vec16" else [32, 64, 128]
     return isa, dtype, draw(st.integers(1, 4)), draw(st.sampled_from([32, 64])), draw(st.sampled_from(head_dims))
