@@ -54,6 +54,10 @@ class DualPathScheduler:
         self._prefill: dict[str, tuple[XferParams, list[int], int]] = {}  # req_id -> (xfer, block table, prompt)
         self._hits: dict[str, tuple[int, list[bytes]]] = {}  # req_id -> (hit tokens, store ids)
         self._persisting: set[str] = set()  # finished requests whose blocks are being written
+        self._receiving: set[str] = set()  # decode requests vLLM waits for (WAITING_FOR_REMOTE_KVS)
+        # ... of them, those vLLM finished meanwhile (aborted, or ended by an error): vLLM frees them only when the
+        # worker reports the receive, which its steps do, so it must keep stepping until then
+        self._ended_receiving: set[str] = set()
         self._received: set[str] = set()  # decode requests that had their one receive
 
     # -- admission ------------------------------------------------------------------------------------------------
@@ -107,6 +111,8 @@ class DualPathScheduler:
             self._received.add(request.request_id)
             prompt, report = request.num_prompt_tokens, num_external_tokens > 0
             end = self.received_end(prompt) if report else computed
+            if report:
+                self._receiving.add(request.request_id)
             self._pending_recvs[request.request_id] = RecvSpec(
                 request.request_id, xfer, computed, end, block_ids, prompt, report
             )
@@ -153,6 +159,8 @@ class DualPathScheduler:
         """Persist a finished decode/standalone request's new full blocks; True keeps its blocks until written."""
         self._hits.pop(request.request_id, None)
         self._received.discard(request.request_id)
+        if request.request_id in self._receiving:
+            self._ended_receiving.add(request.request_id)
         xfer = XferParams.from_request(request.kv_transfer_params)
         if self._prefill.pop(request.request_id, None) is not None or xfer is not None and xfer.role == "prefill":
             return False, None
@@ -171,8 +179,12 @@ class DualPathScheduler:
 
     def update_connector_output(self, connector_output: Any) -> None:
         self._persisting.difference_update(connector_output.finished_sending or ())
+        received = connector_output.finished_recving or ()
+        self._receiving.difference_update(received)
+        self._ended_receiving.difference_update(received)
 
     def has_pending_push_work(self) -> bool:
-        """True while finished requests' blocks are being persisted: vLLM keeps stepping until they are stored,
-        so a conversation's next turn finds its previous turn's KV."""
-        return bool(self._persisting)
+        """True while finished requests' blocks are being persisted (vLLM keeps stepping until they are stored, so a
+        conversation's next turn finds its previous turn's KV), or a request vLLM finished is still receiving (its
+        receive ends, completed or timed out, only in a step; vLLM frees it only then)."""
+        return bool(self._persisting or self._ended_receiving)

@@ -151,6 +151,7 @@ def test_serve_is_up_and_its_instances_hold_nothing_afterwards(served):
         held = _metric(text, "adp_unfinished_requests") + _metric(text, "adp_unfinished_tokens")
         if held == 0:
             break
-        assert time.monotonic() < deadline, f"unfinished requests/tokens still held: {held}"
+        lines = [x for x in text.splitlines() if x.startswith(("adp_unfinished", "adp_host_leases"))]
+        assert time.monotonic() < deadline, f"unfinished requests/tokens still held: {held}: {lines}"
         time.sleep(1)
     assert _metric(text, "adp_quarantined_leases") == 0 if "adp_quarantined_leases" in text else True

@@ -166,6 +166,24 @@ def test_the_decode_instance_receives_the_prompt_asynchronously(instance):
     assert list(request.output_token_ids) == [SAMPLED_TOKEN]
 
 
+def test_a_request_finished_while_receiving_keeps_vllm_stepping_until_its_receive_is_reported(instance):
+    """vLLM keeps a request it finishes in WAITING_FOR_REMOTE_KVS (an abort, a grammar error) until the worker reports
+    its receive, which happens only in a step: the connector asks vLLM to keep stepping until then."""
+    config, scheduler = instance("kv_consumer")
+    request = make_request(config, "d", prompt(22, 100), kv_transfer_params=dualpath("decode", "de"))
+    scheduler.add_request(request)
+    step(scheduler)
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert not scheduler.connector.has_pending_push_work()  # vLLM steps for a waiting request anyway
+    scheduler.finish_requests("d", RequestStatus.FINISHED_ABORTED)
+    assert not scheduler.has_unfinished_requests() and "d" in scheduler.requests  # its blocks wait for the receive
+    assert scheduler.connector.has_pending_push_work()
+    step(scheduler)
+    assert scheduler.connector.has_pending_push_work()
+    step(scheduler, finished_recving={"d"}, failed_recving={"d"})  # the worker's receive timed out (or completed)
+    assert "d" not in scheduler.requests and not scheduler.connector.has_pending_push_work()
+
+
 # -- load errors -------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_a_bad_block_of_a_store_load(instance, policy):
