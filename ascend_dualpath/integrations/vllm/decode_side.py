@@ -430,10 +430,15 @@ class DecodeSide:
                 self.failed_recving.add(spec.req_id)
                 self.finished_recving.add(spec.req_id)
 
-    def complete_recvs(self) -> None:
-        """End every receive whose rows all arrived (merge), failed or timed out; then expire orphan plans."""
+    def complete_recvs(self, drains_only: bool = False) -> None:
+        """End every receive whose rows all arrived (merge), failed or timed out; then expire orphan plans.
+
+        ``drains_only``: only the receives vLLM waits for nothing from (``report`` False: nothing to merge or
+        report), which ``status`` settles too: vLLM may have no step left to run (the request already ended)."""
         now = time.monotonic()
         for xfer_id, spec in list(self._recvs.items()):
+            if drains_only and spec.report:
+                continue
             with self._lock:
                 xfer = self._xfers.get(xfer_id)
             if xfer is None:
@@ -479,6 +484,8 @@ class DecodeSide:
 
     def _end_recv(self, xfer_id: str, spec: RecvSpec, xfer: _DeXfer | None, *, failed: bool) -> None:
         with self._lock:
+            if self._recvs.get(xfer_id) is not spec:
+                return  # the other thread (a step, or status settling a drain) ended it first
             self._recvs.pop(xfer_id)
             self._recv_since.pop(xfer_id)
             if xfer is not None:

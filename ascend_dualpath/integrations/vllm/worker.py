@@ -705,7 +705,7 @@ class DualPathWorker:
 
     def status(self) -> m.Status:
         """The instance's live state: its read queue and storage NIC, what it holds unfinished, its counters."""
-        self.decode.expire_plans()
+        self.decode.complete_recvs(drains_only=True)  # also expires orphan plans, even on an idle engine
         stats = self.read_queue.stats()
         token_bytes = self.layout.kv_bytes(1)
         unfinished = self.decode.unfinished_tokens() + [x.prompt_tokens for x in list(self._pe_xfers.values())]

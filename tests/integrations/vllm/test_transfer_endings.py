@@ -189,3 +189,23 @@ def test_the_pe_says_its_writes_ended_only_once_the_request_that_planned_them_is
     d.done("pe0", pe_req)
     assert pe._on_writes_ended(asked) == m.Ended(ended=True)
     d.finish("de0", {de_req.req_id})
+
+
+def test_a_receive_vllm_waits_for_nothing_ends_on_status_without_a_step(deploy):
+    """A prompt inside the first block: vLLM computes it on the DE and waits for no receive, and may end the request
+    (a grammar error, an abort) before the PE's rows arrive; with no request left it runs no step, so ``status``
+    (the proxy asks it every few seconds) lets go of the receive, its plan and its lease."""
+    d = deploy(1, 1)
+    de = d.instances["de0"].worker
+    pe_req, de_req = d.request("pe0", "de0", Deployment.true_rows(9, BLOCK - 1), 0, "pe")
+    assert not de_req.report
+    d.expect_recv("de0", de_req)
+    assert d.prefill("pe0", pe_req) == set()
+    d.done("pe0", pe_req)
+    deadline = time.monotonic() + 10  # no step on the DE from here on: only status
+    while (status := de.status()).unfinished_requests or status.host_leases:
+        assert time.monotonic() < deadline, f"still held without a step: {status}"
+        time.sleep(0.05)
+    assert de_req.xfer.xfer_id not in de.decode._recvs
+    _, recving, failed = de.get_finished(set())
+    assert de_req.req_id not in recving | failed  # vLLM waited for nothing: nothing is reported
