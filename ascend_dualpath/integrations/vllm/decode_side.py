@@ -436,13 +436,15 @@ class DecodeSide:
         ``drains_only``: only the receives vLLM waits for nothing from (``report`` False: nothing to merge or
         report), which ``status`` settles too: vLLM may have no step left to run (the request already ended)."""
         now = time.monotonic()
-        for xfer_id, spec in list(self._recvs.items()):
-            if drains_only and spec.report:
-                continue
+        with self._lock:  # a step and status both end receives: each looks at what the other left
+            recvs = [(xfer_id, spec) for xfer_id, spec in self._recvs.items() if not (drains_only and spec.report)]
+        for xfer_id, spec in recvs:
             with self._lock:
-                xfer = self._xfers.get(xfer_id)
+                if self._recvs.get(xfer_id) is not spec:
+                    continue  # the other thread ended it meanwhile
+                xfer, since = self._xfers.get(xfer_id), self._recv_since[xfer_id]
             if xfer is None:
-                if now - self._recv_since[xfer_id] > self.settings.timeout_s:
+                if now - since > self.settings.timeout_s:
                     self._end_recv(xfer_id, spec, None, failed=True)
                 continue
             if xfer.plan.prompt_tokens != spec.prompt_tokens:
