@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 
 import msgspec
@@ -209,3 +210,33 @@ def test_a_receive_vllm_waits_for_nothing_ends_on_status_without_a_step(deploy):
     assert de_req.xfer.xfer_id not in de.decode._recvs
     _, recving, failed = de.get_finished(set())
     assert de_req.req_id not in recving | failed  # vLLM waited for nothing: nothing is reported
+
+
+def test_steps_and_status_ending_receives_together_never_collide(deploy):
+    """The engine's steps and the side channel's ``status`` both end receives vLLM waits for nothing from; run
+    together on many of them, neither raises and nothing stays held."""
+    d = deploy(1, 1)
+    de = d.instances["de0"].worker
+    stop, errors = threading.Event(), []
+
+    def poll_status() -> None:
+        while not stop.is_set():
+            try:
+                de.status()
+            except Exception as error:  # noqa: BLE001 - collected for the assertion below
+                errors.append(error)
+
+    poller = threading.Thread(target=poll_status, daemon=True)
+    poller.start()
+    try:
+        for i in range(12):
+            pe_req, de_req = d.request("pe0", "de0", Deployment.true_rows(i, 1 + i % (BLOCK - 1)), 0, "pe")
+            d.expect_recv("de0", de_req)
+            assert d.prefill("pe0", pe_req) == set()
+            d.drain("de0", de_req)  # the engine's steps, while status settles the same receives
+            d.done("pe0", pe_req)
+    finally:
+        stop.set()
+        poller.join(10)
+    assert errors == []
+    _until_nothing_held(d, "de0")
