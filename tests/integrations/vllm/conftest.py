@@ -3,7 +3,28 @@ about twelve, so every config is built once per session and each test makes its 
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+
+@pytest.fixture
+def deploy(tmp_path):
+    """``deploy(num_pe, num_de, **kwargs)``: a :class:`worker_harness.Deployment` of connector workers, closed at
+    the end of the test, its fabric's shared memory checked gone."""
+    from ascend_dualpath.integrations.vllm.dataplane import SHM_DIR
+    from tests.integrations.vllm.worker_harness import Deployment
+
+    made = []
+
+    def make(num_pe, num_de, **kwargs):
+        made.append(Deployment(tmp_path / f"store{len(made)}", num_pe, num_de, **kwargs))
+        return made[-1]
+
+    yield make
+    for deployment in made:
+        deployment.close()
+        assert not [n for n in os.listdir(SHM_DIR) if n.startswith(f"adp.{deployment.fabric}")]
 
 
 @pytest.fixture(scope="session")

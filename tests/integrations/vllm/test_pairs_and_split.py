@@ -21,7 +21,7 @@ from ascend_dualpath import _ext
 from ascend_dualpath.backends import emulator as emu
 from ascend_dualpath.dualpath import messages as m
 from ascend_dualpath.errors import ConfigError
-from ascend_dualpath.integrations.vllm.dataplane import SHM_DIR, open_dataplane, open_fabric
+from ascend_dualpath.integrations.vllm.dataplane import open_dataplane, open_fabric
 from ascend_dualpath.integrations.vllm.protocol import XferParams
 from ascend_dualpath.integrations.vllm.settings import ConnectorSettings
 from ascend_dualpath.kv.faults import FaultInjector
@@ -37,20 +37,6 @@ from tests.integrations.vllm.worker_harness import (
 )
 
 PATHS = [("pe", False), ("de", False), ("de", True)]
-
-
-@pytest.fixture
-def deploy(tmp_path):
-    made = []
-
-    def make(num_pe, num_de, **kwargs):
-        made.append(Deployment(tmp_path / f"store{len(made)}", num_pe, num_de, **kwargs))
-        return made[-1]
-
-    yield make
-    for deployment in made:
-        deployment.close()
-        assert not [n for n in os.listdir(SHM_DIR) if n.startswith(f"adp.{deployment.fabric}")]
 
 
 def _run(d: Deployment, pe: str, de: str, prompt: int, hit_blocks: int, path: str, split: bool, seed: int):

@@ -8,7 +8,6 @@ connector while the PE's copy was planned. Worker harness, no vLLM.
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 import time
 
@@ -19,7 +18,6 @@ from hypothesis import strategies as st
 
 from ascend_dualpath.dualpath import messages as m
 from ascend_dualpath.errors import ProtocolError
-from ascend_dualpath.integrations.vllm.dataplane import SHM_DIR
 from ascend_dualpath.integrations.vllm.protocol import PeerClient
 from ascend_dualpath.kv.layout import KVLayout
 from tests.integrations.vllm.worker_harness import (
@@ -33,20 +31,6 @@ from tests.integrations.vllm.worker_harness import (
 
 # a deployment is expensive to start, so the hypothesis examples share one
 _SHARED = settings(max_examples=12, suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None)
-
-
-@pytest.fixture
-def deploy(tmp_path):
-    made = []
-
-    def make(num_pe, num_de, **kwargs):
-        made.append(Deployment(tmp_path / f"store{len(made)}", num_pe, num_de, **kwargs))
-        return made[-1]
-
-    yield make
-    for deployment in made:
-        deployment.close()
-        assert not [n for n in os.listdir(SHM_DIR) if n.startswith(f"adp.{deployment.fabric}")]
 
 
 @pytest.fixture(scope="module")
