@@ -408,7 +408,7 @@ class EmulatedTransferEngine(TransferEngine):
         return max(c.vtime_ns for c in completions)
 
     def _publish_ready(self, ticket: Ticket, timeout_s: float) -> int:
-        magic = self.comm.next_magic()
+        magic = self.comm.next_magic() if ticket.notify_value is None else ticket.notify_value
         self.comm.notify_record(self.peer, ticket.notify_slot, magic, timeout_s)
         return magic
 

@@ -78,6 +78,7 @@ class Ticket:
     notify_slot: int | None
     engine: TransferEngine
     state: dict = field(default_factory=dict)  # backend-private progress
+    notify_value: int | None = None  # the caller's value for the notify slot; None: the engine picks a fresh magic
     notify_magic: int | None = None  # known at submit where the device itself publishes remote-ready
     result: TransferResult | None = None
     error: BaseException | None = None
@@ -106,13 +107,28 @@ class PreparedTransfer:
     pieces: list[WirePiece]
     state: dict = field(default_factory=dict)  # backend-private work built once for every submission
 
-    def submit(self) -> Ticket:
-        """Start one transfer of the prepared request; returns its ticket."""
-        return self.engine._submit_prepared(self)
+    def submit(self, notify_value: int | None = None) -> Ticket:
+        """Start one transfer of the prepared request; returns its ticket. ``notify_value`` is written into the
+        notify slot after every byte landed (None: a fresh magic of the engine's choosing)."""
+        return self.engine._submit_prepared(self, notify_value)
 
-    def transfer(self, timeout_s: float | None = None) -> TransferResult:
+    def transfer(self, timeout_s: float | None = None, notify_value: int | None = None) -> TransferResult:
         """``submit`` then ``wait``."""
-        return self.submit().wait(timeout_s)
+        return self.submit(notify_value).wait(timeout_s)
+
+
+NOTIFY_VALUE_MAX = (1 << 63) - 1  # notify slots hold signed 64-bit words; 0 means "nothing published"
+
+
+def check_notify_value(value: int, notify_slot: int | None, where: str) -> int:
+    """``value`` as a caller's notify value: an int in [1, NOTIFY_VALUE_MAX] going with a notify slot;
+    ArgumentTypeError / ProtocolError / BoundsError naming it otherwise."""
+    check_type("notify_value", value, int, where=where)
+    if notify_slot is None:
+        raise E.ProtocolError(f"{where}: notify_value {value} given without a notify_slot to write it into")
+    if not 1 <= value <= NOTIFY_VALUE_MAX:
+        raise E.BoundsError(f"{where}: notify_value {value} is outside [1, {NOTIFY_VALUE_MAX}]")
+    return value
 
 
 class StagingPool:
@@ -223,7 +239,8 @@ class TransferEngine(abc.ABC):
 
     @abc.abstractmethod
     def _publish_ready(self, ticket: Ticket, timeout_s: float) -> int:
-        """Write a fresh magic into the remote notify slot; returns it."""
+        """Write ``ticket.notify_value`` (a fresh magic when it is None) into the remote notify slot; returns the
+        value written."""
 
     @abc.abstractmethod
     def _release(self, ticket: Ticket) -> None:
@@ -251,12 +268,16 @@ class TransferEngine(abc.ABC):
         remote: RemoteSlot,
         notify_slot: int | None = None,
         kind: TransferKind | str | None = None,
+        notify_value: int | None = None,
     ) -> Ticket:
         """Start moving ``sources`` (concatenated) into ``remote``; returns a ticket to ``wait`` on.
 
         ``kind`` overrides the gates (benchmarks); an override the sources do not allow raises ConfigError.
+        ``notify_value`` (with ``notify_slot``) is the caller's value, written into the peer's notify slot only after
+        every byte landed, as Mooncake's batch transfer carries its notify; None lets the engine pick a fresh magic
+        (the result's ``notify_magic`` says which).
         """
-        return self._submit_prepared(self.prepare(sources, remote, notify_slot, kind))
+        return self._submit_prepared(self.prepare(sources, remote, notify_slot, kind), notify_value)
 
     def prepare(
         self,
@@ -280,9 +301,11 @@ class TransferEngine(abc.ABC):
         selection, pieces = self._route(sources, remote, kind)
         return PreparedTransfer(self, sources, remote, notify_slot, selection, pieces)
 
-    def _submit_prepared(self, prepared: PreparedTransfer) -> Ticket:
+    def _submit_prepared(self, prepared: PreparedTransfer, notify_value: int | None = None) -> Ticket:
         if prepared.engine is not self:
             raise E.ProtocolError("the prepared transfer belongs to another engine")
+        if notify_value is not None:
+            check_notify_value(notify_value, prepared.notify_slot, where=f"{type(self).__name__}.submit")
         selection = prepared.selection
         ticket = Ticket(
             next(self._ticket_ids),
@@ -292,6 +315,7 @@ class TransferEngine(abc.ABC):
             prepared.remote,
             prepared.notify_slot,
             self,
+            notify_value=notify_value,
         )
         try:
             self._start(ticket, prepared)
@@ -344,9 +368,10 @@ class TransferEngine(abc.ABC):
         notify_slot: int | None = None,
         kind: TransferKind | str | None = None,
         timeout_s: float | None = None,
+        notify_value: int | None = None,
     ) -> TransferResult:
         """``submit`` then ``wait``."""
-        return self.submit(sources, remote, notify_slot, kind).wait(timeout_s)
+        return self.submit(sources, remote, notify_slot, kind, notify_value).wait(timeout_s)
 
     def _forced(self, selection: Selection, kind: TransferKind, sources: Sequence[MemorySegment]) -> Selection:
         host = [i for i, s in enumerate(sources) if s.memory is MemoryKind.HOST]

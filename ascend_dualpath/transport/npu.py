@@ -440,7 +440,7 @@ class NpuTransferEngine(TransferEngine):
         return TransferResult(ticket.kind, ticket.selection, ticket.nbytes, len(ticket.pieces))
 
     def _publish_ready(self, ticket: Ticket, timeout_s: float) -> int:
-        magic = next(self._magics)
+        magic = next(self._magics) if ticket.notify_value is None else ticket.notify_value
         self._write_notify(ticket.notify_slot, magic, timeout_s, f"ticket {ticket.id}")
         return magic
 
