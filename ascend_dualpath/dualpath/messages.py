@@ -215,6 +215,7 @@ class Status(Message, tag="status"):
     split_blocks_pe: int = 0
     split_blocks_de: int = 0
     fallbacks: int = 0
+    takeovers: int = 0
     failures: int = 0
     checksum_errors: int = 0
     persisted_blocks: int = 0

@@ -30,6 +30,7 @@ COUNTERS: dict[str, tuple[str, str, str | None]] = {
     "snic_read_bytes": ("snic_read_bytes", "bytes this instance's storage NIC read from the block store", None),
     "snic_read_blocks": ("snic_read_blocks", "blocks this instance's storage NIC read from the block store", None),
     "fallbacks": ("fallbacks", "loads that failed and fell back (recompute or the other path)", None),
+    "takeovers": ("takeovers", "loads whose DE half failed and the PE read it itself (the other path)", None),
     "failures": ("failures", "failed loads, pushes and persists", None),
     "checksum_errors": ("checksum_errors", "stored blocks whose checksum did not match", None),
     "persisted_blocks": ("persisted_blocks", "blocks written to the block store", None),

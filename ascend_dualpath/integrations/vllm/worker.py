@@ -21,12 +21,14 @@ Per request and path (docs/vllm.md has the sequence diagrams):
   its paged blocks when every row has arrived, then reports the request in ``finished_recving`` (or
   ``failed_recving``); finished requests' new full blocks are persisted to the store.
 
-A load that fails on the PE (storage read error, checksum mismatch, the DE aborting its pushes, a timeout)
-reports the request's hit blocks from the first failed one in ``get_block_ids_with_load_errors`` (the blocks
-before a corrupted one are written first), so vLLM recomputes them or fails the request
-(``kv_load_failure_policy``); the DE stops pushing (``fallback``) and the PE then sends it complete layers. Either
-half of a split failing does the same. A corrupted block is removed from the store (it is persisted again when
-its request finishes).
+A failure falls back to the other path, then to recompute. When the DE's half fails (its read or push breaks and
+it aborts, or its notify times out), the PE takes it over: the DE stops pushing (``fallback``) and gets complete
+layers, the PE reads the DE's half through its own storage NIC and writes it from the failed layer on, and sends
+the DE again the layers of this step that went into the old lease. A load that fails on the PE (its own storage
+read, a checksum mismatch, a takeover whose read fails too) reports the request's hit blocks from the first failed
+one in ``get_block_ids_with_load_errors`` (the blocks before a corrupted one are written first), so vLLM
+recomputes them or fails the request (``kv_load_failure_policy``); the DE stops pushing and the PE then sends it
+complete layers. A corrupted block is removed from the store (it is persisted again when its request finishes).
 
 A host lease is released only once nothing may write into it or read from it: a PE load's lease after its storage
 reads and its split half's send to the DE ended (bounded waits), else it is quarantined
@@ -82,6 +84,7 @@ class Counters:
     split_blocks_pe: int = 0  # hit blocks of split requests read by the PE (k == n and k == 0 included)
     split_blocks_de: int = 0  # ... and by the DE
     fallbacks: int = 0
+    takeovers: int = 0  # loads whose DE half failed and this PE read it through its own storage NIC instead
     failures: int = 0
     checksum_errors: int = 0
     persisted_blocks: int = 0
@@ -101,11 +104,23 @@ class _Peer:
 
 
 @dataclasses.dataclass
+class _Reads:
+    """Hit blocks ``[first, first + count)`` of a load read through this PE's storage NIC into ``lease``."""
+
+    first: int
+    count: int
+    lease: Any
+    tickets: list
+    waited: bool = False  # every read completed (the first layer written from them waits for them)
+
+
+@dataclasses.dataclass
 class _Load:
     """One request's hit rows arriving during this step's forward (PE or standalone).
 
-    Hit blocks ``[first, last)`` of the request: the PE reads ``[first, first + own_blocks)`` into ``lease``, the
-    DE pushes the rest into the two window ``slots``.
+    Hit blocks ``[first, last)`` of the request: the PE reads ``[first, first + own_blocks)`` (``reads[0]``), the
+    DE pushes the rest into the two window ``slots``; when the DE's half fails, the PE reads that half too
+    (``reads[1]``, the other storage NIC's share taken over).
     """
 
     spec: LoadSpec
@@ -113,8 +128,7 @@ class _Load:
     last: int
     own_blocks: int
     peer: _Peer | None = None
-    lease: Any = None  # the PE's storage reads
-    tickets: list = dataclasses.field(default_factory=list)
+    reads: list[_Reads] = dataclasses.field(default_factory=list)
     slots: list[int] = dataclasses.field(default_factory=list)
     notify_base: int = -1
     magics: list[int] = dataclasses.field(default_factory=list)
@@ -143,6 +157,7 @@ class _PeXfer:
     hit_tokens: int
     prompt_tokens: int
     first_save: bool = True
+    resend_below: int = 0  # after a takeover at layer l: layers [0, l) went to the DE's old lease, send them again
 
     def lease(self, layout: KVLayout) -> LeaseLayout:
         """The DE's lease: complete layers when this PE sends every row, else hit blocks then new rows."""
@@ -250,7 +265,7 @@ class DualPathWorker:
                 load.own_blocks = self._own_blocks(load)
                 self._plan(load)
             if load.own_blocks > 0:
-                self._queue_reads(load)
+                self._queue_reads(load, load.first, load.own_blocks)
             self._count(load)
         except Exception as error:  # a load that cannot even start fails like one that broke later
             self._fail_load(load, error)
@@ -288,16 +303,19 @@ class DualPathWorker:
         else:
             c.loads_split += 1
 
-    def _queue_reads(self, load: _Load) -> None:
+    def _queue_reads(self, load: _Load, first: int, count: int) -> _Reads:
+        """Queue hit blocks ``[first, first + count)`` on this PE's storage read queue into a fresh host lease."""
         spec, fb = load.spec, self.layout.full_block_bytes
-        first, count = load.first, load.own_blocks
         self.store.refresh(spec.store_ids[: first + count])  # the scheduler half's store saw them; this may not
         own = LeaseLayout.blocks(self.layout, count)
-        load.lease = self._host().allocate(spec.req_id, count * fb, timeout_s=self.settings.timeout_s)
-        load.tickets = [
-            self.read_queue.submit(spec.store_ids[first + i], load.lease.slice(own.block_offset(i), fb).view)
+        lease = self._host().allocate(spec.req_id, count * fb, timeout_s=self.settings.timeout_s)
+        reads = _Reads(first, count, lease, [])
+        load.reads.append(reads)  # before the submits: a failing submit leaves the lease to _release_load
+        reads.tickets = [
+            self.read_queue.submit(spec.store_ids[first + i], lease.slice(own.block_offset(i), fb).view)
             for i in range(count)
         ]
+        return reads
 
     @property
     def block_size(self) -> int:
@@ -328,34 +346,74 @@ class DualPathWorker:
 
     def _write_layer(self, load: _Load, layer: int) -> None:
         """Layer ``layer``'s hit rows of both halves into the paged cache: the own half from the lease (after the
-        reads), the DE's half from its window slot (after its notify)."""
-        C, T, spec = self.layout.token_bytes, self.block_size, load.spec
-        cache = self.caches[layer]
-        if load.own_blocks:
-            if layer == 0:
-                for ticket in load.tickets:
-                    ticket.wait(self.settings.timeout_s)
-                if not load.full_rows:
-                    self._send_own_hits(load)
-            rows = LeaseLayout.blocks(self.layout, load.own_blocks).hit_rows(load.lease.tensor, layer)
-            self.adapter.write_tokens(cache, spec.block_ids, load.first * T, rows)
+        reads), the DE's half from its window slot (after its notify). A DE half that fails is read here instead
+        (:meth:`_take_over`)."""
+        for reads in list(load.reads):
+            self._write_reads(load, reads, layer)
+            if reads is load.reads[0] and layer == 0 and not load.full_rows:
+                self._send_own_hits(load)
         if load.slots:  # the DE pushed this layer of its half into slot layer % 2
-            self._wait_notify(load, layer)
-            rows = load.peer_blocks * T
-            view = load.peer.link.window_view(load.slots[layer % 2], rows * C)
-            start = (load.first + load.own_blocks) * T
-            self.adapter.write_tokens(
-                cache, spec.block_ids, start, torch.frombuffer(view, dtype=torch.uint8).view(rows, C)
-            )
-            if layer + 2 < self.layout.num_layers:
-                self._peer_request(load.peer, m.Consumed(xfer_id=spec.xfer.xfer_id, layer=layer))
+            try:
+                self._write_pushed(load, layer)
+            except Exception as error:
+                self._take_over(load, layer, error)
+
+    def _write_reads(self, load: _Load, reads: _Reads, layer: int) -> None:
+        """Layer ``layer``'s rows of the blocks ``reads`` holds, once its storage reads completed (bounded)."""
+        if not reads.waited:
+            for ticket in reads.tickets:
+                ticket.wait(self.settings.timeout_s)
+            reads.waited = True
+        rows = LeaseLayout.blocks(self.layout, reads.count).hit_rows(reads.lease.tensor, layer)
+        self.adapter.write_tokens(self.caches[layer], load.spec.block_ids, reads.first * self.block_size, rows)
+
+    def _write_pushed(self, load: _Load, layer: int) -> None:
+        """Layer ``layer`` of the DE's half from window slot ``layer % 2``, after its notify; then tell the DE the
+        slot is free for layer ``layer + 2``."""
+        C, T, spec = self.layout.token_bytes, self.block_size, load.spec
+        self._wait_notify(load, layer)
+        rows = load.peer_blocks * T
+        view = load.peer.link.window_view(load.slots[layer % 2], rows * C)
+        start = (load.first + load.own_blocks) * T
+        self.adapter.write_tokens(
+            self.caches[layer], spec.block_ids, start, torch.frombuffer(view, dtype=torch.uint8).view(rows, C)
+        )
+        if layer + 2 < self.layout.num_layers:
+            self._peer_request(load.peer, m.Consumed(xfer_id=spec.xfer.xfer_id, layer=layer))
+
+    def _take_over(self, load: _Load, layer: int, error: BaseException) -> None:
+        """The DE's half failed at layer ``layer`` (its read or push broke, it aborted, its notify timed out): the
+        other path is this PE's storage NIC. The DE stops pushing and gets complete layers (``fallback``), this PE
+        reads the DE's half itself and writes it from layer ``layer`` on (the layers before came from the slots);
+        the layers this step already sent to the DE's old lease are sent again at the step's end. If the takeover
+        fails too, the load fails (vLLM recomputes): raises its error."""
+        spec = load.spec
+        log.warning(
+            "DualPath: the DE's half of request %s failed at layer %d, this PE reads it itself: %s: %s",
+            spec.req_id,
+            layer,
+            type(error).__name__,
+            error,
+        )
+        xfer = self._pe_xfer(spec.req_id)
+        if xfer is None:
+            raise error
+        xfer.full_rows, xfer.first_save, xfer.resend_below = True, True, layer
+        self._peer_fallback(load, xfer, f"{type(error).__name__}: {error}", self._quiesce(load))
+        if self._pe_xfer(spec.req_id) is None:  # the DE refused the fallback: its receive is aborted, send it nothing
+            self._saves = [save for save in self._saves if save[0].req_id != spec.req_id]
+        self._retire_slots(load, load.slots_settled)
+        load.slots = []
+        self.counters.takeovers += 1
+        self._write_reads(load, self._queue_reads(load, load.first + load.own_blocks, load.peer_blocks), layer)
 
     def _send_own_hits(self, load: _Load) -> None:
         """A split's own half, read, goes once into the DE lease's hit-block area (blocks ``first ..``)."""
         fb, xfer = self.layout.full_block_bytes, self._pe_xfer(load.spec.req_id)
         nbytes = load.own_blocks * fb
         dst = xfer.lease_addr + xfer.lease(self.layout).block_offset(load.first)
-        load.hits_ticket = load.peer.link.leg.submit(0, [Segment(load.lease.addr, nbytes, 0)], DE_RANK, dst)
+        src = load.reads[0].lease.addr
+        load.hits_ticket = load.peer.link.leg.submit(0, [Segment(src, nbytes, 0)], DE_RANK, dst)
         self._track_write(load.spec.xfer.xfer_id, load.hits_ticket)
 
     def _wait_notify(self, load: _Load, layer: int) -> None:
@@ -391,30 +449,36 @@ class DualPathWorker:
         first_bad = load.first
         if isinstance(error, ChecksumMismatch):
             self.counters.checksum_errors += 1
-            first_bad = self._drop_corrupt(load)
+            first_bad = self._drop_corrupt(load, error)
         self._invalid_blocks.update(spec.block_ids[first_bad : load.last])
         self.counters.fallbacks += 1
         xfer = self._pe_xfer(spec.req_id)
         if xfer is not None:
-            xfer.full_rows, xfer.first_save = True, True
+            xfer.full_rows, xfer.first_save, xfer.resend_below = True, True, 0
             if load.slots:  # the DE must stop pushing before the slots are freed
                 self._peer_fallback(load, xfer, f"{type(error).__name__}: {error}", self._quiesce(load))
         self._release_load(load)
 
-    def _drop_corrupt(self, load: _Load) -> int:
-        """Remove the first corrupted block (and so its descendants) from the store and write every layer of the
-        good blocks before it into the cache (only layer 0's wait sees read errors, before any layer is written);
-        returns the corrupted block's index."""
+    def _drop_corrupt(self, load: _Load, error: ChecksumMismatch) -> int:
+        """Remove the corrupted block whose read raised ``error`` (and so its descendants) from the store and write
+        every layer of the good blocks before it into the cache; returns the corrupted block's index.
+
+        Reads are waited in block order, own half first, so every block before the corrupted one was read whole
+        into a lease of this PE (the DE's half lies after the own one, and is read here only once taken over)."""
         spec, T = load.spec, self.block_size
-        for i, ticket in enumerate(load.tickets):
-            if ticket.done and isinstance(getattr(ticket, "_error", None), ChecksumMismatch):
-                self.store.remove(spec.store_ids[load.first + i])
-                if i > 0:
-                    good = LeaseLayout.blocks(self.layout, i)
-                    for layer, cache in enumerate(self.caches):
-                        rows = good.hit_rows(load.lease.tensor, layer)
-                        self.adapter.write_tokens(cache, spec.block_ids, load.first * T, rows)
-                return load.first + i
+        for reads in load.reads:
+            for i, ticket in enumerate(reads.tickets):
+                if ticket.done and getattr(ticket, "_error", None) is error:
+                    bad = reads.first + i
+                    self.store.remove(spec.store_ids[bad])
+                    for held in load.reads:
+                        count = min(held.count, bad - held.first)
+                        if count > 0:
+                            good = LeaseLayout.blocks(self.layout, count)
+                            for layer, cache in enumerate(self.caches):
+                                rows = good.hit_rows(held.lease.tensor, layer)
+                                self.adapter.write_tokens(cache, spec.block_ids, held.first * T, rows)
+                    return bad
         return load.first
 
     def _quiesce(self, load: _Load) -> bool:
@@ -447,38 +511,38 @@ class DualPathWorker:
             self._pe_xfers.pop(xfer_id, None)
 
     def _release_load(self, load: _Load) -> None:
-        if load.lease is not None:
-            for ticket in load.tickets:  # a read still in flight writes into the lease: let it end first
+        for reads in load.reads:
+            for ticket in reads.tickets:  # a read still in flight writes into the lease: let it end first
                 if not ticket.done:
                     try:
                         ticket.wait(self.settings.timeout_s)
                     except Exception:  # its error is already the load's error or irrelevant now
                         pass
-            settled = all(ticket.done for ticket in load.tickets)
-            sends = [] if load.hits_ticket is None else [load.hits_ticket]
-            if load.hits_ticket is not None:  # and so does the own half going to the DE, read from the lease
+            settled = all(ticket.done for ticket in reads.tickets)
+            sends = []
+            if load.hits_ticket is not None and reads is load.reads[0]:  # the own half going to the DE, from here
+                sends = [load.hits_ticket]
                 settled = self._settle(load.peer.link, None, load.hits_ticket) and settled
                 load.hits_ticket = None
-            why = "its storage reads or its send to the DE outlived their wait"
             self.quarantine.retire(
                 "leases",
                 f"lease of request {load.spec.req_id}",
-                load.lease.nbytes,
-                load.lease.release,
+                reads.lease.nbytes,
+                reads.lease.release,
                 settled,
-                functools.partial(tickets_ended, list(load.tickets), sends),
-                why,
+                functools.partial(tickets_ended, list(reads.tickets), sends),
+                "its storage reads or its send to the DE outlived their wait",
             )
-            load.lease = None
+        load.reads = []
         if load.slots:
-            self._retire_slots(load)
+            self._retire_slots(load, load.error is None or load.slots_settled)
             load.slots = []
 
-    def _retire_slots(self, load: _Load) -> None:
-        """Free the load's window slots and notify group, unless a DE push may still land there: a load that failed
-        before its pushes arrived frees them only on the DE's word that none is in flight (its fallback reply);
-        otherwise they are quarantined (``quarantined_slots``), so no later buffer gets the bytes, until the DE
-        answers ``pushes_ended`` for the request."""
+    def _retire_slots(self, load: _Load, settled: bool) -> None:
+        """Free the load's window slots and notify group, unless a DE push may still land there (``settled``: every
+        push arrived, or the DE's fallback reply said none is in flight); otherwise they are quarantined
+        (``quarantined_slots``), so no later buffer gets the bytes, until the DE answers ``pushes_ended`` for the
+        request."""
         link, slots, notify_base = load.peer.link, list(load.slots), load.notify_base
         message, address = m.PushesEnded(xfer_id=load.spec.xfer.xfer_id), load.peer.client.address
 
@@ -492,7 +556,7 @@ class DualPathWorker:
             f"window slots of request {load.spec.req_id}",
             len(slots) * load.peer_blocks * self.block_size * self.layout.token_bytes,
             release,
-            load.error is None or load.slots_settled,
+            settled,
             lambda: expect(request_once(address, message, self.settings.timeout_s), m.Ended).ended,
             "the DE's pushes may still land there",
         )
@@ -631,6 +695,11 @@ class DualPathWorker:
                 for _, addr, ticket in sends:  # nothing of them is reported
                     self._settle(xfer.peer.link, addr, ticket)
                 sends = []
+            elif xfer.resend_below:  # a takeover's fresh lease lacks the layers sent before it
+                sends[:0] = [
+                    self._send_rows(layer, self.caches[layer], spec, xfer, 0) for layer in range(xfer.resend_below)
+                ]
+                xfer.resend_below = 0
             self._finish_sends(spec, xfer, sends)
         self._saves = []
         for load in self._loads:
@@ -726,6 +795,7 @@ class DualPathWorker:
             split_blocks_pe=c.split_blocks_pe,
             split_blocks_de=c.split_blocks_de,
             fallbacks=c.fallbacks,
+            takeovers=c.takeovers,
             failures=c.failures,
             checksum_errors=c.checksum_errors,
             persisted_blocks=c.persisted_blocks,

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from ascend_dualpath import _ext
 from ascend_dualpath.backends import emulator as emu
 from ascend_dualpath.dualpath import messages as m
+from ascend_dualpath.dualpath.transfer_leg import FaultInjectingLeg
 from ascend_dualpath.errors import ConfigError
 from ascend_dualpath.integrations.vllm.dataplane import open_dataplane, open_fabric
 from ascend_dualpath.integrations.vllm.protocol import XferParams
@@ -28,6 +29,7 @@ from ascend_dualpath.kv.faults import FaultInjector
 from ascend_dualpath.kv.store import HEADER_BYTES
 from tests.integrations.vllm.worker_harness import (
     BLOCK,
+    LAYERS,
     LAYOUT,
     POISON,
     Deployment,
@@ -117,15 +119,16 @@ def _damage(d: Deployment, store_id: bytes, how: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("bad_block", "how", "first_reported", "pe_checksum", "de_checksum"),
+    ("bad_block", "how", "first_reported", "pe_checksum", "de_checksum", "takeovers"),
     [
-        (2, "corrupt", 2, 1, 0),  # the PE's half: blocks 0 and 1 are good and stay
-        (1, "missing", 0, 0, 0),  # the PE's half, a block gone: nothing of the load can be trusted
-        (6, "corrupt", 0, 0, 1),  # the DE's half: the DE aborts, the PE falls back as a whole
+        (2, "corrupt", 2, 1, 0, 0),  # the PE's half: blocks 0 and 1 are good and stay
+        (1, "missing", 0, 0, 0, 0),  # the PE's half, a block gone: nothing of the load can be trusted
+        # the DE's half: the DE aborts (and drops the block), the PE's takeover finds it gone: recompute
+        (6, "corrupt", 0, 0, 1, 1),
     ],
 )
 def test_either_half_failing_falls_back_with_correct_kv(
-    deploy, bad_block, how, first_reported, pe_checksum, de_checksum
+    deploy, bad_block, how, first_reported, pe_checksum, de_checksum, takeovers
 ):
     d = deploy(1, 1)  # uncapped both: 8 hit blocks split 4 / 4
     rows = Deployment.true_rows(7, 37)
@@ -140,6 +143,7 @@ def test_either_half_failing_falls_back_with_correct_kv(
     pe, de = d.instances["pe0"].status(), d.instances["de0"].status()
     assert pe["loads"]["split"] == 1 and (pe["split_blocks_pe"], pe["split_blocks_de"]) == (4, 4)
     assert pe["fallbacks"] == 1 and pe["checksum_errors"] == pe_checksum and de["checksum_errors"] == de_checksum
+    assert pe["takeovers"] == takeovers
     assert de["fallbacks"] == 1  # the DE stopped pushing and took complete layers
     assert not d.store.contains(pe_req.store_ids[bad_block]) or how == "missing"
 
@@ -147,6 +151,69 @@ def test_either_half_failing_falls_back_with_correct_kv(
     de_req2, rows2, bad2 = _run(d, "pe0", "de0", 21, 4, "de", True, 8)
     assert bad2 == set()
     assert_caches_equal(d.instances["de0"].caches, expected_de_caches([(de_req, rows), (de_req2, rows2)]))
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_the_pe_takes_over_the_des_half_when_the_des_storage_read_fails(deploy, split):
+    """The other path before recompute: the DE's own read of one of its hit blocks fails (the PE's read of it would
+    not), the DE aborts, and the PE reads the DE's half through its own storage NIC. Nothing is recomputed: the PE's
+    cache holds every layer's hit rows before its attention, and the DE gets complete layers, bit-exact."""
+    d = deploy(1, 1)
+    rows = Deployment.true_rows(11, 41)
+    pe_req, de_req = d.request("pe0", "de0", rows, 8, "de", split)
+    bad = pe_req.store_ids[6]  # in the DE's half either way (a split of uncapped NICs gives it blocks 4..7)
+    d.instances["de0"].worker.store.faults.fail_next_read(bad)
+    d.expect_recv("de0", de_req)
+    assert d.prefill("pe0", pe_req) == set()  # check_layers: the hit rows are there before each layer
+    _, failed = d.finish("de0", {de_req.req_id})
+    assert failed == set()
+    assert_caches_equal(d.instances["de0"].caches, expected_de_caches([(de_req, rows)]))
+    pe, de = d.instances["pe0"].status(), d.instances["de0"].status()
+    assert (pe["takeovers"], pe["fallbacks"], pe["failures"]) == (1, 0, 0)
+    assert de["fallbacks"] == 1  # the DE stopped pushing and took complete layers
+    own = 4 if split else 0
+    assert pe["snic_read_blocks"] == own + (8 - own)  # its own half, then the DE's half it took over
+    assert d.store.contains(bad)  # the block was fine: nothing dropped
+    d.done("pe0", pe_req)
+    assert pe["quarantined_bytes"] == 0
+
+
+@pytest.mark.parametrize("failing_push", range(LAYERS))
+def test_a_takeover_after_some_pushed_layers_sends_the_de_every_layer_again(deploy, failing_push):
+    """The DE's push of hit layer ``failing_push`` fails after the layers before it arrived: the PE takes over from
+    that layer, and the layers this step had already sent into the DE's old lease go again into the fresh one."""
+    d = deploy(1, 1)
+    first_req, first_rows, _ = _run(d, "pe0", "de0", 17, 2, "de", False, 3)  # the pair's link exists now
+    de = d.instances["de0"].worker
+    link = de.dataplane.links[d.instances["pe0"].address]
+    link.leg = FaultInjectingLeg(link.leg)
+    link.leg.fail_after(failing_push)
+    rows = Deployment.true_rows(12, 37)
+    pe_req, de_req = d.request("pe0", "de0", rows, 8, "de")
+    d.expect_recv("de0", de_req)
+    assert d.prefill("pe0", pe_req) == set()
+    _, failed = d.finish("de0", {de_req.req_id})
+    assert failed == set()
+    assert_caches_equal(d.instances["de0"].caches, expected_de_caches([(first_req, first_rows), (de_req, rows)]))
+    assert d.instances["pe0"].status()["takeovers"] == 1
+
+
+def test_a_failed_takeover_recomputes(deploy):
+    """The other path fails too (the PE's read of the block the DE could not read fails as well): only then does
+    vLLM recompute, from the first hit block, and the DE still gets complete layers."""
+    d = deploy(1, 1)
+    rows = Deployment.true_rows(13, 41)
+    pe_req, de_req = d.request("pe0", "de0", rows, 8, "de")
+    bad = pe_req.store_ids[5]
+    d.instances["de0"].worker.store.faults.fail_next_read(bad)
+    d.instances["pe0"].worker.store.faults.fail_next_read(bad)
+    d.expect_recv("de0", de_req)
+    assert d.prefill("pe0", pe_req) == set(pe_req.block_ids[:8])
+    _, failed = d.finish("de0", {de_req.req_id})
+    assert failed == set()
+    assert_caches_equal(d.instances["de0"].caches, expected_de_caches([(de_req, rows)]))
+    pe = d.instances["pe0"].status()
+    assert (pe["takeovers"], pe["fallbacks"]) == (1, 1)
 
 
 @pytest.fixture(scope="module")
@@ -345,9 +412,10 @@ def test_a_pe_load_whose_read_outlives_its_wait_quarantines_its_lease(deploy):
 
 
 def test_a_failed_load_keeps_its_window_slots_while_the_des_pushes_may_still_land_there(deploy):
-    """The DE's pushes of the hit layers are stuck in its NIC when the PE's wait for them expires: the PE falls
-    back and keeps the two window slots (and their notify group) out of its pool, so a buffer allocated afterwards
-    keeps its bytes when the pushes land at last. Once the DE says they ended, the slots go back to the pool."""
+    """The DE's pushes of the hit layers are stuck in its NIC when the PE's wait for them expires: the PE takes the
+    DE's half over (reading it itself) and keeps the two window slots (and their notify group) out of its pool, so a
+    buffer allocated afterwards keeps its bytes when the pushes land at last. Once the DE says they ended, the slots
+    go back to the pool."""
     d = deploy(1, 1)
     pe, de = d.instances["pe0"].worker, d.instances["de0"].worker
     pe.settings = dataclasses.replace(pe.settings, timeout_s=0.3)
@@ -358,7 +426,8 @@ def test_a_failed_load_keeps_its_window_slots_while_the_des_pushes_may_still_lan
     nic = de.dataplane.device.nic
     nic.set_paused(True)  # the DE's pushes into the PE's slots are posted and wait there
     try:
-        assert d.prefill("pe0", pe_req, check_layers=False) == set(pe_req.block_ids[:2])  # recomputed instead
+        assert d.prefill("pe0", pe_req) == set()  # read by the PE instead, every layer before its attention
+        assert pe.status().takeovers == 1
         link = pe._peers[d.instances["de0"].address].link
         nbytes = 2 * 2 * BLOCK * LAYOUT.token_bytes  # both slots' bytes: where first fit puts them once freed
         probe = link.window_alloc(nbytes)
