@@ -184,20 +184,14 @@ class Ended(Message, tag="ended"):
     ended: bool
 
 
-class Loads(msgspec.Struct):
-    """Loads per read path since start."""
-
-    pe: int = 0
-    de: int = 0
-    split: int = 0
-
-
 class Status(Message, tag="status"):
-    """An instance's live state (the proxy schedules on it) and its counters since start.
+    """An instance's live state, what the proxy schedules on and what it must see come back to zero.
 
-    Live: its storage-NIC cap ``snic_bytes_per_s`` (None: uncapped), its read queue (``read_queue_tokens`` /
-    ``_bytes``), the requests it has not finished (``unfinished_requests`` / ``_tokens``), and what it holds now:
-    ``host_leases`` and ``quarantined_bytes`` (0 once every request ended and late writes are ruled out).
+    Its storage-NIC cap ``snic_bytes_per_s`` (None: uncapped), its read queue (``read_queue_tokens`` / ``_bytes``),
+    what its storage NIC has read so far (``snic_read_bytes`` / ``_blocks``: the read-path rule's tie-break), the
+    requests it has not finished (``unfinished_requests`` / ``_tokens``), and what it holds now: ``host_leases``
+    and ``quarantined_bytes`` (0 once every request ended and late writes are ruled out). The counters (loads per
+    path, fallbacks, takeovers, failures, ...) go through vLLM's metrics (``integrations/vllm/stats.py``).
     """
 
     role: str
@@ -210,20 +204,6 @@ class Status(Message, tag="status"):
     snic_read_blocks: int = 0
     unfinished_requests: int = 0
     unfinished_tokens: int = 0
-    loads: Loads = msgspec.field(default_factory=Loads)
-    loads_split: int = 0
-    split_blocks_pe: int = 0
-    split_blocks_de: int = 0
-    fallbacks: int = 0
-    takeovers: int = 0
-    failures: int = 0
-    checksum_errors: int = 0
-    persisted_blocks: int = 0
-    quarantined_leases: int = 0
-    quarantined_slots: int = 0
-    reclaimed_leases: int = 0
-    reclaimed_slots: int = 0
-    expired_plans: int = 0
     quarantined_bytes: int = 0
     host_leases: int = 0
 

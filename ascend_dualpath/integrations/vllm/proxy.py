@@ -105,9 +105,6 @@ STATUS_GAUGES = {
     "snic_read_blocks": "blocks read through the node's storage NIC since the instance started",
     "unfinished_requests": "requests the instance has not finished",
     "unfinished_tokens": "tokens of the requests the instance has not finished",
-    "fallbacks": "loads that fell back to the other read path or to recompute",
-    "failures": "loads that failed",
-    "checksum_errors": "stored blocks whose checksum did not match",
     "host_leases": "host-buffer leases the instance holds (plans, receives, quarantine)",
     "quarantined_bytes": "host-buffer bytes kept out of use until late writes into them are ruled out",
 }
@@ -307,9 +304,6 @@ class _Metrics:
         self.ttft = Histogram("adp_proxy_ttft_seconds", "time to the DE's first body chunk", ["endpoint"], registry=reg)
         labels = ["node", "instance"]
         self.status = {key: Gauge(f"adp_{key}", text, labels, registry=reg) for key, text in STATUS_GAUGES.items()}
-        self.loads = Gauge(
-            "adp_loads", "loads per read path as counted by the instance's connector", [*labels, "path"], registry=reg
-        )
 
     def observe_status(self, instance: Instance, status: dict) -> None:
         """Mirror one status reply into the gauges (fields it lacks are left as they were); the node label is the
@@ -318,8 +312,6 @@ class _Metrics:
         for key, gauge in self.status.items():
             if isinstance(status.get(key), int | float):
                 gauge.labels(**labels).set(status[key])
-        for path, count in (status.get("loads") or {}).items():
-            self.loads.labels(**labels, path=str(path)).set(count)
 
 
 class DualPathProxy:

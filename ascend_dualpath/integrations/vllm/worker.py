@@ -76,7 +76,7 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class Counters:
-    """What the worker reports in ``status`` and, as increments, to vLLM's metrics (stats.py names each)."""
+    """What the worker counts since start; vLLM's metrics get the increments (stats.py names each)."""
 
     loads_pe: int = 0
     loads_de: int = 0
@@ -773,12 +773,12 @@ class DualPathWorker:
         return handler(message)
 
     def status(self) -> m.Status:
-        """The instance's live state: its read queue and storage NIC, what it holds unfinished, its counters."""
+        """The instance's live state: its read queue and storage NIC, what it holds unfinished and now (the
+        counters go to vLLM's metrics: :meth:`stats_since_last`)."""
         self.decode.complete_recvs(drains_only=True)  # also expires orphan plans, even on an idle engine
         stats = self.read_queue.stats()
         token_bytes = self.layout.kv_bytes(1)
         unfinished = self.decode.unfinished_tokens() + [x.prompt_tokens for x in list(self._pe_xfers.values())]
-        c = self.counters
         return m.Status(
             role=self.settings.role,
             node=self.settings.node,
@@ -790,20 +790,6 @@ class DualPathWorker:
             snic_read_blocks=stats.completed_requests,
             unfinished_requests=len(unfinished),
             unfinished_tokens=sum(unfinished),
-            loads=m.Loads(pe=c.loads_pe, de=c.loads_de, split=c.loads_split),
-            loads_split=c.loads_split,
-            split_blocks_pe=c.split_blocks_pe,
-            split_blocks_de=c.split_blocks_de,
-            fallbacks=c.fallbacks,
-            takeovers=c.takeovers,
-            failures=c.failures,
-            checksum_errors=c.checksum_errors,
-            persisted_blocks=c.persisted_blocks,
-            quarantined_leases=c.quarantined_leases,
-            quarantined_slots=c.quarantined_slots,
-            reclaimed_leases=c.reclaimed_leases,
-            reclaimed_slots=c.reclaimed_slots,
-            expired_plans=c.expired_plans,
             quarantined_bytes=self.quarantine.held_bytes,
             host_leases=self.dataplane.host.stats().live_leases if self.dataplane is not None else 0,
         )

@@ -33,10 +33,8 @@ def status_reply(
         "snic_read_blocks": read_blocks,
         "unfinished_requests": 1,
         "unfinished_tokens": unfinished_tokens,
-        "loads": {"pe": 3, "de": 2},
-        "fallbacks": 1,
-        "failures": 2,
-        "checksum_errors": 0,
+        "host_leases": 2,
+        "quarantined_bytes": 4096,
     }
 
 

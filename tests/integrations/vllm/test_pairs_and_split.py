@@ -83,7 +83,8 @@ def test_every_pe_works_with_every_de_on_every_path(deploy):
     for pe in ("pe0", "pe1"):
         status = d.instances[pe].status()
         assert len(d.instances[pe].worker.dataplane.links) == 2
-        assert sum(status["loads"].values()) == 6 and status["loads"]["pe"] >= 2 and status["loads"]["de"] >= 2
+        loads = (status["loads_pe"], status["loads_de"], status["loads_split"])
+        assert sum(loads) == 6 and loads[0] >= 2 and loads[1] >= 2
         assert status["split_blocks_pe"] + status["split_blocks_de"] == 2 * 6
         assert status["fallbacks"] == status["failures"] == 0
         assert {"node", "role", "snic_bytes_per_s", "read_queue_bytes", "unfinished_tokens"} <= status.keys()
@@ -100,7 +101,7 @@ def test_the_split_follows_the_storage_nic_caps(deploy):
         written.append((de_req, rows))
     assert_caches_equal(d.instances["de0"].caches, expected_de_caches(written))
     pe, de = d.instances["pe0"].status(), d.instances["de0"].status()
-    assert pe["loads"] == {"pe": 0, "de": 0, "split": 3}
+    assert (pe["loads_pe"], pe["loads_de"], pe["loads_split"]) == (0, 0, 3)
     assert (pe["split_blocks_pe"], pe["split_blocks_de"]) == (48, 12)
     assert de["snic_read_blocks"] == 12 and pe["snic_read_blocks"] == 48
     assert de["snic_bytes_per_s"] == 10e6
@@ -141,7 +142,7 @@ def test_either_half_failing_falls_back_with_correct_kv(
     assert failed == set()
     assert_caches_equal(d.instances["de0"].caches, expected_de_caches([(de_req, rows)]))
     pe, de = d.instances["pe0"].status(), d.instances["de0"].status()
-    assert pe["loads"]["split"] == 1 and (pe["split_blocks_pe"], pe["split_blocks_de"]) == (4, 4)
+    assert pe["loads_split"] == 1 and (pe["split_blocks_pe"], pe["split_blocks_de"]) == (4, 4)
     assert pe["fallbacks"] == 1 and pe["checksum_errors"] == pe_checksum and de["checksum_errors"] == de_checksum
     assert pe["takeovers"] == takeovers
     assert de["fallbacks"] == 1  # the DE stopped pushing and took complete layers
@@ -376,9 +377,9 @@ def test_a_timed_out_receive_keeps_its_lease_from_the_next_requests_while_its_re
     prefill.join(10)
     assert bool((probe.tensor == POISON).all()), "a late read of the timed-out request landed in another lease"
     probe.release()
-    assert de.status().quarantined_leases == 1  # the PE might have been writing into it
+    assert de.counters.quarantined_leases == 1  # the PE might have been writing into it
     de.quarantine.sweep()  # its reads ended, and the PE answers that its writes did
-    assert (de.status().reclaimed_leases, de.status().quarantined_bytes) == (1, 0)
+    assert (de.counters.reclaimed_leases, de.status().quarantined_bytes) == (1, 0)
     assert de.dataplane.host.stats().live_leases == 0
 
 
@@ -405,9 +406,9 @@ def test_a_pe_load_whose_read_outlives_its_wait_quarantines_its_lease(deploy):
         time.sleep(0.05)
     assert bool((probe.tensor == POISON).all()), "a late read of the failed load landed in another lease"
     probe.release()
-    assert pe.status().quarantined_leases == 1
+    assert pe.counters.quarantined_leases == 1
     pe.quarantine.sweep()  # the reads ended: the lease goes back
-    assert (pe.status().reclaimed_leases, pe.status().quarantined_bytes) == (1, 0)
+    assert (pe.counters.reclaimed_leases, pe.status().quarantined_bytes) == (1, 0)
     assert pe.dataplane.host.stats().live_leases == 0
 
 
@@ -427,14 +428,14 @@ def test_a_failed_load_keeps_its_window_slots_while_the_des_pushes_may_still_lan
     nic.set_paused(True)  # the DE's pushes into the PE's slots are posted and wait there
     try:
         assert d.prefill("pe0", pe_req) == set()  # read by the PE instead, every layer before its attention
-        assert pe.status().takeovers == 1
+        assert pe.counters.takeovers == 1
         link = pe._peers[d.instances["de0"].address].link
         nbytes = 2 * 2 * BLOCK * LAYOUT.token_bytes  # both slots' bytes: where first fit puts them once freed
         probe = link.window_alloc(nbytes)
         view = link.window_view(probe, nbytes)
         view[:] = bytes([POISON]) * nbytes
         pe.quarantine.sweep()  # the DE's pushes are still in flight: nothing goes back
-        assert pe.status().reclaimed_slots == 0
+        assert pe.counters.reclaimed_slots == 0
     finally:
         nic.set_paused(False)
     deadline = time.monotonic() + 10  # the DE's pusher ends and its late pushes land
@@ -443,8 +444,8 @@ def test_a_failed_load_keeps_its_window_slots_while_the_des_pushes_may_still_lan
         time.sleep(0.05)
     assert bytes(view) == bytes([POISON]) * nbytes, "a late DE push landed in a buffer allocated after the load"
     link.window_free(probe)
-    assert pe.status().quarantined_slots == 1
+    assert pe.counters.quarantined_slots == 1
     pe.quarantine.sweep()
-    assert (pe.status().reclaimed_slots, pe.status().quarantined_bytes) == (1, 0)
+    assert (pe.counters.reclaimed_slots, pe.status().quarantined_bytes) == (1, 0)
     assert link.window_alloc(nbytes) == link.window.base_addr  # the slots are free again
     d.finish("de0", {de_req.req_id})

@@ -154,4 +154,4 @@ def test_serve_is_up_and_its_instances_hold_nothing_afterwards(served):
         lines = [x for x in text.splitlines() if x.startswith(("adp_unfinished", "adp_host_leases"))]
         assert time.monotonic() < deadline, f"unfinished requests/tokens still held: {held}: {lines}"
         time.sleep(1)
-    assert _metric(text, "adp_quarantined_leases") == 0 if "adp_quarantined_leases" in text else True
+    assert "adp_quarantined_bytes" in text and _metric(text, "adp_quarantined_bytes") == 0, text

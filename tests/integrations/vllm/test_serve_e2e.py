@@ -218,11 +218,13 @@ def test_serve_matches_plain_vllm_and_loads_from_storage(model, plain, tmp_path,
         if policy == "de":
             assert read["pe"] == 0 < read["de"]
         if policy == "split":  # both storage NICs idle and uncapped: each request's hits read half and half
-            assert read["pe"] > 0 and read["de"] > 0 and _metric(metrics, "adp_loads", path="split") >= 1, metrics
+            assert (
+                read["pe"] > 0 and read["de"] > 0 and _metric(metrics, "vllm:dualpath_loads_total", path="split") >= 1
+            ), metrics
         # every turn after the first loaded its prefix: one load per such turn, on the chosen path
-        loads = sum(_metric(metrics, "adp_loads", path=p) for p in ("pe", "de", "split"))
+        loads = sum(_metric(metrics, "vllm:dualpath_loads_total", path=p) for p in ("pe", "de", "split"))
         assert loads >= 2 * (TURNS - 1), metrics
-        assert _metric(metrics, "adp_failures") == 0, metrics
+        assert _metric(metrics, "vllm:dualpath_failures_total") == 0, metrics
         if policy == "dual":
             _check_corrupted_block_is_recomputed(url, plain, model, tmp_path / "store")
     finally:
@@ -244,7 +246,7 @@ def _check_corrupted_block_is_recomputed(url: str, plain: str, model: str, store
     prompt = " ".join(_conversation(model, 0)[:2])
     assert _complete(url, model, prompt) == _complete(plain, model, prompt)
     metrics = _get(f"{url}/metrics")
-    assert _metric(metrics, "adp_checksum_errors") >= 1, metrics
+    assert _metric(metrics, "vllm:dualpath_checksum_errors_total") >= 1, metrics
 
 
 def _post_killing(url: str, body: dict, pid: int) -> urllib.error.HTTPError:

@@ -142,7 +142,7 @@ def test_the_worker_hands_over_what_changed_since_its_last_call(tmp_path):
         increments, waits, held = de.stats_since_last()
         assert increments["snic_read_bytes"] == 6 * LAYOUT.full_block_bytes and increments["snic_read_blocks"] == 6
         assert pe.stats_since_last() is None
-        assert pe.status().loads.de == 1  # status keeps the running totals
+        assert pe.counters.loads_de == 1  # the worker keeps the running totals
     finally:
         d.close()
 

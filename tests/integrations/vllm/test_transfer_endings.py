@@ -127,7 +127,7 @@ def test_a_plan_no_request_takes_expires_and_gives_its_lease_back(deploy):
     d.done("pe0", pe_req)
     assert _held(d, "de0")[0] == 1
     _until_nothing_held(d, "de0")
-    assert de.status().expired_plans == 1
+    assert de.counters.expired_plans == 1
 
 
 def test_a_pe_of_another_protocol_version_is_refused_at_hello_naming_both(deploy):

@@ -80,7 +80,8 @@ class Instance:
         return ids
 
     def status(self) -> dict:
-        return msgspec.to_builtins(self.worker.status())
+        """The side channel's status and the worker's counters (what vLLM's metrics get), as one dict."""
+        return {**msgspec.to_builtins(self.worker.status()), **dataclasses.asdict(self.worker.counters)}
 
 
 class Deployment:
