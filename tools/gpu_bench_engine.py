@@ -102,7 +102,7 @@ def run_tests() -> dict:
         "tests/transport",
         "tests/dualpath",
     ]
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH")))))
     try:
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit, check=False)
         output, rc = done.stdout + done.stderr, done.returncode
@@ -127,9 +127,15 @@ H2D_CASES = [("61x42K", 61, 42 * KIB), ("64x1M", 64, MIB), ("4096x4K", 4096, 4 *
 # the zero-copy kernel in other shapes (TILE_KIB:PER_SM:WARPS[:stream]; "-" keeps the size's default)
 ZERO_COPY_SHAPES = ("4:16:2:stream", "4:4:4", "16:8:4", "16:4:8:stream", "2:16:4")
 H2D_ROWS = ("engine", "engine staging") + tuple(f"engine zc {s}" for s in ZERO_COPY_SHAPES)
-H2D_ROWS += ("host-batch", "foreach", "copy")
+H2D_ROWS += ("graph", "host-batch", "foreach", "copy")
 D2D_CASES = [
-    ("61x42K", 61, 42 * KIB, ("engine", "engine side stream", "engine plain", "foreach")),
+    (
+        "61x42K",
+        61,
+        42 * KIB,
+        ("engine", "engine side stream", "engine plain", "foreach", "copy")
+        + ("graph", "graph:8:8:4", "graph:16:4:4", "graph:2:16:4", "graph:4:4:8", "graph:4:16:2"),
+    ),
     ("4096x4K", 4096, 4 * KIB, ("engine", "foreach")),
     ("1x64M", 1, 64 * MIB, ("engine", "copy")),
 ]
@@ -163,8 +169,9 @@ def engine_for(torch, label, case, dev):
 
 def submitter(torch, bench, engine, copier, label, case, buffers):
     """The row's Submitter: the engine (prepared, or ``engine plain``: ``engine.submit`` each time), one
-    ``cudaMemcpyBatchAsync`` (``host-batch``) or a torch baseline, all on the current stream."""
-    if label in ("foreach", "copy", "host-batch"):
+    ``cudaMemcpyBatchAsync`` (``host-batch``), a bare CUDA-graph replay of the copy kernel in a given shape
+    (``graph[:TILE_KIB:PER_SM:WARPS]``) or a torch baseline, all on the current stream."""
+    if label in ("foreach", "copy", "host-batch") or label.startswith("graph"):
         if buffers.src.is_cuda:
             return _baseline(torch, bench, label, case, copier, buffers)
         # from host memory: the helpers take the stream's GPU from the source, so hand them the destination's, then
@@ -182,11 +189,36 @@ def submitter(torch, bench, engine, copier, label, case, buffers):
         return bench.engine_submitter(
             engine, prepared, name, buffers.src, lambda: engine.submit(segments, slot, notify_slot=0)
         )
-    return bench.engine_submitter(engine, prepared, name, buffers.src)
+    made = bench.engine_submitter(engine, prepared, name, buffers.src)
+    made.prepared = prepared  # for the launch probe
+    return made
+
+
+def launch_probe(torch, prepared) -> dict:
+    """Host time of the prepared request's bare ``cudaGraphLaunch`` (after a synchronise, median of 50) against the
+    whole ``submit()``: where the engine's submission time goes."""
+    import statistics
+
+    graph = prepared.state["work"].graph
+    if graph is None:
+        return {}
+    stream = torch.cuda.current_stream(prepared.engine.device).cuda_stream
+    launch, submit = [], []
+    for _ in range(50):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        graph.replay(stream)
+        launch.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        ticket = prepared.submit()
+        submit.append(time.perf_counter() - t0)
+        ticket.wait()
+    return {"graph_replay_us": statistics.median(launch) * 1e6, "submit_us_probe": statistics.median(submit) * 1e6}
 
 
 def _baseline(torch, bench, label, case, copier, buffers):
-    if label == "host-batch":
+    if label == "host-batch" or label.startswith("graph"):
         return bench.primitive_submitter(torch, label, case, copier, buffers)
     return bench.baseline_submitter(torch, label, buffers)
 
@@ -208,6 +240,7 @@ def measure_row(torch, bench, case, label, buffers, direction, cycles, copier, r
             engine = engine_for(torch, label, case, dev) if label.startswith("engine") else None
             made = submitter(torch, bench, engine, copier, label, case, buffers)
             row = bench.measure(torch, label, case, made, buffers, 10 if slow else 100, cycles, warmup=5)
+            probe = launch_probe(torch, made.prepared) if hasattr(made, "prepared") else {}
     except Exception as exc:  # noqa: BLE001 - one failing case must not stop the others
         failures.append(f"{direction} {label} {case.name}: {type(exc).__name__}: {exc}")
         print(f"  FAILED {failures[-1]}\n{traceback.format_exc(limit=4)}", flush=True)
@@ -215,6 +248,7 @@ def measure_row(torch, bench, case, label, buffers, direction, cycles, copier, r
     out = asdict(row)
     out["direction"] = direction
     out["extra"]["wall_gbps"] = case.nbytes / (out["extra"]["wall_us_p50"] * 1e3)
+    out["extra"].update(probe)
     rows.append(out)
     print(line(out), flush=True)
 
@@ -275,6 +309,11 @@ def line(r: dict) -> str:
         f" ({extra['wall_gbps']:6.1f} GB/s)  latency {r['latency_us_p50']:9.1f}  gpu {r['gpu_us_p50']:9.1f} us"
         f" ({r['bandwidth_gbps']:7.1f} GB/s)  submit {r['submit_us']:7.2f} us  {extra.get('kind_chosen', '')}"
         f" {extra.get('decided_by', '')}"
+        + (
+            f"  [replay {extra['graph_replay_us']:.1f} / submit {extra['submit_us_probe']:.1f} us]"
+            if extra.get("graph_replay_us")
+            else ""
+        )
     )
 
 

@@ -381,8 +381,9 @@ class DeviceCopier:
         this is one call of the compiled binary's launcher with the plan's cached arguments.
         """
         word_value = flag_value if word_value is None else word_value
-        if not (0 < flag_value <= FLAG_MAX and 0 < word_value <= FLAG_MAX):
-            raise E.ConfigError(f"flag_value {flag_value} or word_value {word_value} is outside [1, {FLAG_MAX}]")
+        for name, value in (("flag_value", flag_value), ("word_value", word_value)):
+            if not 0 < value <= FLAG_MAX:
+                raise E.ConfigError(f"{name} {value} is outside [1, {FLAG_MAX}]")
         site = plan.site
         word = plan.host_word
         if word is None:

@@ -3,7 +3,8 @@
 ============  ===========================================================================  ======================
 kind          CUDA analogue                                                                issued by
 ============  ===========================================================================  ======================
-``aiv``       :class:`~.cuda.DeviceCopier`: one Triton launch copies every piece             the GPU's own programs
+``aiv``       :class:`~.cuda.DeviceCopier`: one Triton launch copies every piece (host        the GPU's own programs
+              pieces read in place from mapped pinned memory: zero-copy)
 ``staging``   :class:`~.cuda.StagingCopy`: registered pinned host buffer -> device staging    copy engine, then GPU
               slots -> destination, chunk by chunk
 ``aicpu``     one ``cudaMemcpyBatchAsync`` for all pieces (a proxy, the CUDA runtime, issues   the runtime
@@ -13,24 +14,28 @@ kind          CUDA analogue                                                     
 
 The gates are :func:`~.kinds.select_kind`'s, with CUDA meanings: *capability* — device-initiated copies are available
 (Triton imports; bit 0x04 of the engine's bitmap), *protocol* — the GPU reaches the destination with loads and stores
-(``local`` or ``peer access``), *addressable* — every source is device memory (host DRAM goes through ``staging``).
-A failed capability or protocol gate falls back to ``aicpu`` for device sources, else ``host``.
+(``local`` or ``peer access``), *addressable* — every source is device memory (host DRAM goes through ``staging``),
+then *zero-copy* — host sources in registered pinned buffers mapped for the GPU are read in place by the kernel
+(``aiv`` after all), and *copy engine* — one device piece of ``copy_engine_min_bytes`` or more goes to
+``cudaMemcpyAsync``. A failed capability or protocol gate falls back to ``aicpu`` for device sources, else ``host``.
 
 Every request is enqueued on the current stream of the engine's GPU, like a torch op (the batch call of ``aicpu`` on
-the tail stream below, joined to it, since it refuses the legacy default stream). Remote-ready is a fresh magic in the
-``notify`` slot after every byte landed, known at submit (``Ticket.notify_magic``; a receiver may poll the slot instead
-of waiting on the ticket): for ``aiv`` the copy kernel's last program releases it into the slot itself, for the
+the tail stream below, joined to it, since it refuses the legacy default stream). Remote-ready is the caller's
+``notify_value``, else a fresh magic, in the ``notify`` slot after every byte landed, known at submit
+(``Ticket.notify_magic``; a receiver may poll the slot instead of waiting on the ticket): for ``aiv`` the copy
+kernel's last program releases it into the slot itself, for the
 other kinds one driver call of stream writes follows the copies on a tail stream (:class:`~.cudart.TailStream`), so
 the current stream goes on as soon as the bytes landed (any stream operation after a copy-engine copy holds the
 stream ~2.7 µs on H200; an event costs nothing). Work enqueued on the current stream after a submission is ordered
 after the request's bytes, not after its notify; a kernel that publishes into a slot whose tail write is still in
-flight waits for it, so each slot ends with the value published last. The same value then lands in a pinned host
-word (:class:`~.cuda.HostWord`), and ``wait`` polls that word in host memory, bounded by the timeout: completion costs
-no event record and no driver query.
+flight waits for it, so each slot ends with the value published last. Then a pinned host word
+(:class:`~.cuda.HostWord`) gets the request's engine magic (never the caller's value, so its values only grow), and
+``wait`` polls that word in host memory, bounded by the timeout: completion costs no event record and no driver query.
 Plans (tile tables, staging slots, batch arrays) are built once per piece pattern and kept for the last
 ``PLAN_CACHE`` patterns: DualPath moves the same layer pattern every request. An ``aiv`` pattern is captured in a
 CUDA graph at :meth:`~CudaTransferEngine.prepare`, or at its second plain :meth:`~CudaTransferEngine.submit`, and
-replayed from then on.
+replayed from then on; the graph bakes in no notify value (a replay with the caller's value writes it into the plan's
+value cell first, in stream order).
 
 Before anything moves, every range is checked where it lives (one driver query per allocation): device sources in
 the engine's GPU, host sources inside a registered pinned buffer, the remote slot in the destination GPU.

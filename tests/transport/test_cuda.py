@@ -505,6 +505,8 @@ def test_bad_flag_value_is_refused_before_anything_moves():
     for bad in (0, -3, FLAG_MAX + 1):
         with pytest.raises(errors.ConfigError, match=f"flag_value {bad} is outside"):
             copier.run(plan, bad)
+        with pytest.raises(errors.ConfigError, match=f"word_value {bad} is outside"):
+            copier.run(plan, 5, bad)
     with pytest.raises(errors.ConfigError, match="tile_bytes 3000 is not a power of two"):
         copier.plan(s_addrs, d_addrs, [4096] * 4, KernelConfig(3000, 8, 4, False))
     with pytest.raises(errors.ConfigError, match="num_warps 3 is not one of"):

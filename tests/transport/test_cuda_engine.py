@@ -412,8 +412,8 @@ def test_the_callers_notify_value_lands_in_the_slot_after_the_bytes(kind, graphs
     dst = torch.full((expected.numel(),), 0xA5, dtype=torch.uint8, device=dst_dev)
     remote = engine.slot(dst)
     prepared = engine.prepare(segments, remote, notify_slot=2, kind=kind)
-    seen = []
-    for value in (11, 1 << 62, None, 12, 12, None, 7):
+    seen, base = [], 1 << 50  # the caller's values, far from the engine's own magics
+    for value in (base + 11, 1 << 62, None, base + 12, base + 12, None, base + 7):
         for submit in (prepared.submit, lambda v: engine.submit(segments, remote, 2, kind, notify_value=v)):
             dst.fill_(0xA5)
             torch.cuda.synchronize()
@@ -422,7 +422,7 @@ def test_the_callers_notify_value_lands_in_the_slot_after_the_bytes(kind, graphs
             assert value is None or result.notify_magic == value
             assert torch.equal(dst.cpu(), expected) and (notify.cpu()[[0, 1, 3]] == 0).all()
             seen.append(result.notify_magic)
-    fresh = [v for v in seen if v not in (11, 1 << 62, 12, 7)]
+    fresh = [v for v in seen if v not in (base + 11, 1 << 62, base + 12, base + 7)]
     assert len(fresh) == 4 and len(set(fresh)) == 4
     assert (prepared.state["work"].graph is not None) == (graphs and kind == "aiv")
 
