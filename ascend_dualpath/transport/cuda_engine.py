@@ -428,7 +428,7 @@ class CudaTransferEngine(TransferEngine):
     def _replay(self, ticket: Ticket, graph) -> None:
         """Replay a prepared request's graph on the current stream (the engine's GPU is current)."""
         stream = self._raw_stream(self.device.index)
-        if ticket.notify_slot is not None:
+        if ticket.notify_slot is not None and self._tail_notify:  # the call only where a tail write may be pending
             self._after_tail_notify(ticket.notify_slot, stream)
         value = graph.replay(stream, ticket.notify_value)
         ticket.state["done"] = (graph.host_word, value)

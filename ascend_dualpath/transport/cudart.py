@@ -125,6 +125,7 @@ def graph_launcher(graph_exec: int):
     ``torch.cuda.CUDAGraph.replay`` costs ~4 µs in Python. QueueError when the runtime refuses."""
     rt = runtime()
     call = rt.lib.cudaGraphLaunch
+    graph_exec = ctypes.c_void_p(graph_exec)  # converted once, not on every launch
 
     def launch(stream: int) -> None:
         code = call(graph_exec, stream)
