@@ -1,4 +1,4 @@
-"""One GPU run for the transfer engine: versions, the CUDA tests, the engine against torch, a profile.
+"""One GPU run for the transfer engine: versions, the CUDA tests, the engine against torch and the link, a profile.
 
     python3 tools/gpu_bench_engine.py            # results under $OUT (default ./gpu_bench_engine_out)
 
@@ -6,22 +6,21 @@ Steps, each bounded and each failure recorded without stopping the others (the w
 ``TOTAL_S``):
 
 1. versions of python, torch, CUDA, Triton, pytest, hypothesis and the GPU (``versions.json``);
-2. ``pytest -m cuda tests/dualpath tests/transport`` in a subprocess (``pytest.txt``);
-3. on one GPU (source and destination there), through the engine API (``prepare`` once, then ``submit`` /
-   ``wait``) beside torch's baselines in this process: 61 x 42 KiB layer blocks, 256 / 1024 / 4096 x 4 KiB (with
-   the cost of a plain ``submit`` per segment), 256 x 1 MiB, one piece of 1 to 64 MiB (the copy-engine gate
-   against the kernel and ``copy_``), CUDA-graph replay of a prepared request; every row bit-exact
-   (``bench.json``, a table on stdout);
-4. what a stream operation right after a 64 MiB copy-engine copy adds to the stream's GPU time (an event, a stream
-   write, a kernel, a second copy, the engine's tail stream), the reason the copy-engine kinds end on a tail stream
-   (``tail.json``, a table on stdout);
+2. ``pytest -m cuda tests/transport tests/dualpath`` in a subprocess (``pytest.txt``);
+3. host to device from a registered pinned buffer (61 x 42 KiB, 64 x 1 MiB, 4096 x 4 KiB) through the engine API
+   on torch's default stream, timed as a user times it (``torch.cuda.synchronize()``, then ``submit().wait()``,
+   wall clock): the gates' choice, ``staging`` forced, the zero-copy kernel in other shapes, one
+   ``cudaMemcpyBatchAsync``, ``_foreach_copy_`` and one ``copy_`` per segment, against the pinned limit (one
+   256 MiB ``copy_`` from pinned memory) measured in the same run;
+4. device to device on one GPU, the same way: 61 x 42 KiB layer blocks and 4096 x 4 KiB against ``_foreach_copy_``,
+   one 64 MiB piece against ``copy_`` (GPU time: CUDA events behind a sleep that outlasts the submission);
 5. a cProfile of prepared 61 x 42 KiB requests (``profile.txt``);
-6. the issue's targets, met or not (``summary.json``).
+6. the targets, met or not (``summary.json``); every row bit-exact (``bench.json``, a table on stdout).
 """
 
 from __future__ import annotations
 
-import itertools
+import dataclasses
 import json
 import os
 import platform
@@ -34,8 +33,8 @@ from dataclasses import asdict
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 OUT = os.environ.get("OUT") or os.path.join(ROOT, "gpu_bench_engine_out")
-TOTAL_S = 450.0  # the lead's window is 8 minutes
-PYTEST_S = 200.0
+TOTAL_S = 480.0  # a device command may run 10 minutes; this leaves room for the start
+PYTEST_S = 240.0
 START = time.monotonic()
 KIB, MIB = 1024, 1 << 20
 
@@ -100,10 +99,10 @@ def run_tests() -> dict:
         "-m",
         "cuda",
         "-rs",
-        "tests/dualpath",
         "tests/transport",
+        "tests/dualpath",
     ]
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH")))))
     try:
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit, check=False)
         output, rc = done.stdout + done.stderr, done.returncode
@@ -124,160 +123,198 @@ def _text(captured) -> str:
 
 # ---- the benchmark ---------------------------------------------------------------------------------------------
 
-CASES = [  # (name, count, size, rows)
+H2D_CASES = [("61x42K", 61, 42 * KIB), ("64x1M", 64, MIB), ("4096x4K", 4096, 4 * KIB)]
+# the zero-copy kernel in other shapes (TILE_KIB:PER_SM:WARPS[:stream]; "-" keeps the size's default)
+ZERO_COPY_SHAPES = ("4:16:2:stream", "4:4:4", "16:8:4", "16:4:8:stream", "2:16:4")
+H2D_ROWS = ("engine", "engine staging") + tuple(f"engine zc {s}" for s in ZERO_COPY_SHAPES)
+H2D_ROWS += ("graph", "host-batch", "foreach", "copy")
+D2D_CASES = [
     (
-        "61x42K layer blocks",
+        "61x42K",
         61,
         42 * KIB,
-        ("engine", "engine submit", "engine graph", "bare kernel", "foreach", "copy"),
+        ("engine", "engine side stream", "engine plain", "foreach", "copy")
+        + ("graph", "graph:8:8:4", "graph:16:4:4", "graph:2:16:4", "graph:4:4:8", "graph:4:16:2"),
     ),
-    ("256x4K", 256, 4 * KIB, ("engine", "engine submit", "foreach")),
-    ("1024x4K", 1024, 4 * KIB, ("engine", "engine submit", "foreach")),
-    ("4096x4K", 4096, 4 * KIB, ("engine", "engine submit", "foreach", "copy")),
-    ("256x1M", 256, MIB, ("engine", "foreach", "copy")),
-    ("1x64M", 1, 64 * MIB, ("engine", "engine no notify", "engine aiv", "copy")),
-    ("1x16M", 1, 16 * MIB, ("engine", "engine aiv", "copy")),
-    ("1x8M", 1, 8 * MIB, ("engine", "engine aiv", "copy")),
-    ("1x4M", 1, 4 * MIB, ("engine", "engine aiv", "copy")),
-    ("1x1M", 1, MIB, ("engine", "engine aiv", "copy")),
+    ("4096x4K", 4096, 4 * KIB, ("engine", "foreach")),
+    ("1x64M", 1, 64 * MIB, ("engine", "copy")),
 ]
+LIMIT_BYTES = 256 * MIB
+
+
+def host_buffers(torch, bench, case, dev):
+    """A random registered-to-be pinned host source cut into ``case``'s segments, and a device destination."""
+    host = torch.randint(0, 256, (case.nbytes,), dtype=torch.uint8, device=dev).cpu().pin_memory()
+    dst = torch.empty(case.nbytes, dtype=torch.uint8, device=dev)
+
+    def pieces(t):
+        return [t[i * case.size : (i + 1) * case.size] for i in range(case.count)]
+
+    return bench.Buffers(host, host, dst, pieces(host), pieces(host), pieces(dst))
+
+
+def engine_for(torch, label, case, dev):
+    """The engine a row measures: default gates, or the zero-copy kernel in the row's shape."""
+    from ascend_dualpath.bench.cuda_transfer import parse_kind
+    from ascend_dualpath.transport.cuda import choose_config
+    from ascend_dualpath.transport.cuda_engine import CudaTransferEngine
+
+    engine = CudaTransferEngine(dev, dev, torch.zeros(4, dtype=torch.int64, device=dev), timeout_s=30)
+    if label.startswith("engine zc "):
+        fields = parse_kind("device:" + label.split()[-1], primitives=True)[1]["config"]
+        sm = torch.cuda.get_device_properties(dev).multi_processor_count
+        engine.zero_copy_config = dataclasses.replace(choose_config(case.nbytes, sm), **fields)
+    return engine
 
 
 def submitter(torch, bench, engine, copier, label, case, buffers):
-    """The row's Submitter: the engine with its gates, forced to aiv, a plain submit, a graph replay, the bare
-    kernel, or a torch baseline."""
-    if label in ("foreach", "copy"):
-        return bench.baseline_submitter(torch, label, buffers)
-    if label == "bare kernel":
-        return bench.primitive_submitter(torch, "device", case, copier, buffers)
+    """The row's Submitter: the engine (prepared, or ``engine plain``: ``engine.submit`` each time), one
+    ``cudaMemcpyBatchAsync`` (``host-batch``), a bare CUDA-graph replay of the copy kernel in a given shape
+    (``graph[:TILE_KIB:PER_SM:WARPS]``) or a torch baseline, all on the current stream."""
+    if label in ("foreach", "copy", "host-batch") or label.startswith("graph"):
+        if buffers.src.is_cuda:
+            return _baseline(torch, bench, label, case, copier, buffers)
+        # from host memory: the helpers take the stream's GPU from the source, so hand them the destination's, then
+        # check against the real source
+        made = _baseline(torch, bench, label, case, copier, dataclasses.replace(buffers, src=buffers.dst))
+        return dataclasses.replace(made, source=buffers.src)
+    if not buffers.src.is_cuda:
+        engine.register(buffers.src)
     segments = [engine.segment(buffers.src, i * case.size, case.size) for i in range(case.count)]
     slot = engine.slot(buffers.dst)
-    kind = "aiv" if label in ("engine aiv", "engine graph") else None
-    prepared = engine.prepare(segments, slot, notify_slot=None if label == "engine no notify" else 0, kind=kind)
+    kind = "staging" if label == "engine staging" else None
+    prepared = engine.prepare(segments, slot, notify_slot=0, kind=kind)
     name = f"{label} {case.name}"
-    if label == "engine graph":
-        return bench.graph_submitter(torch, engine, prepared, name, buffers.src)
-    if label == "engine submit":  # routed again on every call (its cache): the cost per segment of submit()
+    if label == "engine plain":
         return bench.engine_submitter(
             engine, prepared, name, buffers.src, lambda: engine.submit(segments, slot, notify_slot=0)
         )
-    return bench.engine_submitter(engine, prepared, name, buffers.src)
+    made = bench.engine_submitter(engine, prepared, name, buffers.src)
+    made.prepared = prepared  # for the launch probe
+    return made
 
 
-def run_bench() -> tuple[list[dict], list[str]]:
+def launch_probe(torch, prepared) -> dict:
+    """Host time of the prepared request's bare ``cudaGraphLaunch`` (after a synchronise, median of 50) against the
+    whole ``submit()``: where the engine's submission time goes."""
+    import statistics
+
+    graph = prepared.state["work"].graph
+    if graph is None:
+        return {}
+    stream = torch.cuda.current_stream(prepared.engine.device).cuda_stream
+    launch, submit = [], []
+    for _ in range(50):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        graph.replay(stream)
+        launch.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        ticket = prepared.submit()
+        submit.append(time.perf_counter() - t0)
+        ticket.wait()
+    return {"graph_replay_us": statistics.median(launch) * 1e6, "submit_us_probe": statistics.median(submit) * 1e6}
+
+
+def _baseline(torch, bench, label, case, copier, buffers):
+    if label == "host-batch" or label.startswith("graph"):
+        return bench.primitive_submitter(torch, label, case, copier, buffers)
+    return bench.baseline_submitter(torch, label, buffers)
+
+
+def measure_row(torch, bench, case, label, buffers, direction, cycles, copier, rows, failures):
+    """One row, bit-exact, on the default stream (``host-batch`` and ``side stream`` rows on a side stream: the
+    batch call refuses the legacy default stream)."""
+    import contextlib
+
+    if left_s() < 40:
+        failures.append(f"{direction} {label} {case.name}: skipped, the run's time is up")
+        return
+    dev = buffers.dst.device
+    side = label == "host-batch" or label.endswith("side stream")
+    context = torch.cuda.stream(torch.cuda.Stream(dev)) if side else contextlib.nullcontext()
+    slow = label in ("copy", "foreach") and case.count >= 1024 or case.nbytes >= 64 * MIB
+    try:
+        with context:
+            engine = engine_for(torch, label, case, dev) if label.startswith("engine") else None
+            made = submitter(torch, bench, engine, copier, label, case, buffers)
+            row = bench.measure(torch, label, case, made, buffers, 10 if slow else 100, cycles, warmup=5)
+            probe = launch_probe(torch, made.prepared) if hasattr(made, "prepared") else {}
+    except Exception as exc:  # noqa: BLE001 - one failing case must not stop the others
+        failures.append(f"{direction} {label} {case.name}: {type(exc).__name__}: {exc}")
+        print(f"  FAILED {failures[-1]}\n{traceback.format_exc(limit=4)}", flush=True)
+        return
+    out = asdict(row)
+    out["direction"] = direction
+    out["extra"]["wall_gbps"] = case.nbytes / (out["extra"]["wall_us_p50"] * 1e3)
+    out["extra"].update(probe)
+    rows.append(out)
+    print(line(out), flush=True)
+
+
+def pinned_limit(torch, bench, cycles, dev) -> dict:
+    """The pinned host-to-device limit: one 256 MiB ``copy_`` from pinned memory (GB/s of GPU time and of wall)."""
+    from ascend_dualpath.bench.transfer import Case
+
+    case = Case("1x256M", 1, LIMIT_BYTES)
+    buffers = host_buffers(torch, bench, case, dev)
+    row = bench.measure(
+        torch, "copy", case, submitter(torch, bench, None, None, "copy", case, buffers), buffers, 10, cycles
+    )
+    limit = {
+        "gpu_us_p50": row.gpu_us_p50,
+        "wall_us_p50": row.extra["wall_us_p50"],
+        "gbps": LIMIT_BYTES / (row.gpu_us_p50 * 1e3),
+        "wall_gbps": LIMIT_BYTES / (row.extra["wall_us_p50"] * 1e3),
+    }
+    print(f"pinned H2D limit: {limit['gbps']:.1f} GB/s (GPU time), {limit['wall_gbps']:.1f} GB/s (wall)", flush=True)
+    return limit
+
+
+def run_bench() -> tuple[list[dict], list[str], dict]:
     import torch
 
     from ascend_dualpath.bench import cuda_transfer as bench
     from ascend_dualpath.bench.transfer import Case
     from ascend_dualpath.transport.cuda import DeviceCopier
-    from ascend_dualpath.transport.cuda_engine import CudaTransferEngine
 
     dev = torch.device("cuda:0")
     torch.cuda.set_device(dev)
     rows, failures = [], []
-    stream = torch.cuda.Stream(dev)  # not the legacy default stream (the aicpu kind's batch call refuses it)
-    with torch.cuda.stream(stream):
-        cycles = bench.sleep_cycles_per_us(torch)
-        engine = CudaTransferEngine(dev, dev, torch.zeros(4, dtype=torch.int64, device=dev), timeout_s=30)
-        copier = DeviceCopier(dev, torch.zeros(1, dtype=torch.int64, device=dev))
-        for name, count, size, labels in CASES:
-            case = Case(name, count, size)
-            buffers = bench.make_buffers(torch, case, dev, dev)
-            torch.cuda.synchronize()
-            for label in labels:
-                if left_s() < 40:
-                    failures.append(f"{label} {name}: skipped, the run's time is up")
-                    continue
-                repeats = 10 if (label == "copy" and count >= 1024) else 50
-                try:
-                    row = bench.measure(
-                        torch,
-                        label,
-                        case,
-                        submitter(torch, bench, engine, copier, label, case, buffers),
-                        buffers,
-                        repeats,
-                        cycles,
-                        warmup=10,
-                    )
-                except Exception as exc:  # noqa: BLE001 - one failing case must not stop the others
-                    failures.append(f"{label} {name}: {type(exc).__name__}: {exc}")
-                    print(f"  FAILED {failures[-1]}\n{traceback.format_exc(limit=4)}", flush=True)
-                    continue
-                rows.append(asdict(row))
-                print(line(rows[-1]), flush=True)
-            del buffers
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-    return rows, failures
+    cycles = bench.sleep_cycles_per_us(torch)
+    copier = DeviceCopier(dev, torch.zeros(1, dtype=torch.int64, device=dev))
+    limit = pinned_limit(torch, bench, cycles, dev)
+    for name, count, size in H2D_CASES:
+        case = Case(name, count, size)
+        buffers = host_buffers(torch, bench, case, dev)
+        for label in H2D_ROWS:
+            measure_row(torch, bench, case, label, buffers, "h2d", cycles, copier, rows, failures)
+        del buffers
+    for name, count, size, labels in D2D_CASES:
+        case = Case(name, count, size)
+        buffers = bench.make_buffers(torch, case, dev, dev)
+        for label in labels:
+            measure_row(torch, bench, case, label, buffers, "d2d", cycles, copier, rows, failures)
+        del buffers
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    return rows, failures, limit
 
 
 def line(r: dict) -> str:
     extra = r["extra"]
     return (
-        f"{r['case']:<21} {r['kind']:<14} submit {r['submit_us']:8.2f} us ({r['submit_us_per_segment']:.3f}/seg)"
-        f"  wall {extra['wall_us_p50']:8.1f}  latency {r['latency_us_p50']:8.1f}  gpu {r['gpu_us_p50']:8.1f} us"
-        f"  {extra.get('decided_by', '')}"
+        f"{r['direction']} {r['case']:<8} {r['kind']:<26} wall {extra['wall_us_p50']:9.1f} us"
+        f" ({extra['wall_gbps']:6.1f} GB/s)  latency {r['latency_us_p50']:9.1f}  gpu {r['gpu_us_p50']:9.1f} us"
+        f" ({r['bandwidth_gbps']:7.1f} GB/s)  submit {r['submit_us']:7.2f} us  {extra.get('kind_chosen', '')}"
+        f" {extra.get('decided_by', '')}"
+        + (
+            f"  [replay {extra['graph_replay_us']:.1f} / submit {extra['submit_us_probe']:.1f} us]"
+            if extra.get("graph_replay_us")
+            else ""
+        )
     )
-
-
-def copy_tail() -> list[dict]:
-    """GPU time (CUDA events, the stream held while the work is enqueued, median of 100 interleaved rounds) of one
-    64 MiB ``cudaMemcpyAsync`` followed by each kind of stream operation, against ``copy_`` alone."""
-    import statistics
-
-    import torch
-
-    from ascend_dualpath.bench import cuda_transfer as bench
-    from ascend_dualpath.transport import cudart
-    from ascend_dualpath.transport.cuda import HostWord
-
-    dev = torch.device("cuda:0")
-    stream = torch.cuda.Stream(dev)
-    with torch.cuda.stream(stream):
-        hold = int(bench.sleep_cycles_per_us(torch) * 100)
-        src = torch.randint(0, 256, (64 * MIB,), dtype=torch.uint8, device=dev)
-        dst = torch.empty_like(src)
-        word, flag = HostWord(torch), torch.zeros(1, dtype=torch.int64, device=dev)
-        tail = cudart.TailStream(torch, dev)
-        host_write, both = cudart.StreamWrites([word.addr]), cudart.StreamWrites([flag.data_ptr(), word.addr])
-        event, values = torch.cuda.Event(), itertools.count(1)
-        memcpy = cudart.runtime().lib.cudaMemcpyAsync
-
-        def copy(s, n=64 * MIB, at=0):
-            memcpy(dst.data_ptr() + at, src.data_ptr() + at, n, cudart.MEMCPY_DEFAULT, s)
-
-        variants = {
-            "copy_ alone": lambda s: dst.copy_(src),
-            "cudaMemcpyAsync alone": copy,
-            "+ event record": lambda s: (copy(s), event.record()),
-            "+ stream write to a host word": lambda s: (copy(s), host_write(s, next(values))),
-            "+ stream writes to a flag and a host word": lambda s: (copy(s), both(s, next(values))),
-            "+ a kernel (one add_)": lambda s: (copy(s), flag.add_(1)),
-            "as two copies of 32 MiB": lambda s: (copy(s, 32 * MIB), copy(s, 32 * MIB, 32 * MIB)),
-            "+ the same writes on the engine's tail stream": lambda s: (copy(s), both(tail.follow(s), next(values))),
-        }
-        times: dict[str, list[float]] = {name: [] for name in variants}
-        for round_ in range(110):
-            for name, enqueue in variants.items():
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda._sleep(hold)
-                start.record()
-                enqueue(stream.cuda_stream)
-                end.record()
-                end.synchronize()
-                if round_ >= 10:  # warm-up
-                    times[name].append(start.elapsed_time(end) * 1e3)
-        torch.cuda.synchronize()
-        if not torch.equal(dst, src):
-            raise AssertionError("the copies' destination differs from the source")
-    base = statistics.median(times["copy_ alone"])
-    rows = []
-    for name, values_us in times.items():
-        gpu = statistics.median(values_us)
-        rows.append({"variant": name, "gpu_us_p50": gpu, "copy_over_this": base / gpu})
-        print(f"  {name:<48} {gpu:8.2f} us  copy_ / this {base / gpu:6.3f}", flush=True)
-    return rows
 
 
 def profile() -> str:
@@ -309,66 +346,37 @@ def profile() -> str:
 # ---- targets ---------------------------------------------------------------------------------------------------
 
 
-def targets(rows: list[dict]) -> list[dict]:
-    by = {(r["case"], r["kind"]): r for r in rows}
+def targets(rows: list[dict], limit: dict | None) -> list[dict]:
+    by = {(r["direction"], r["case"], r["kind"]): r for r in rows}
 
-    def get(case, kind, field):
-        r = by.get((case, kind))
+    def get(direction, case, kind, field):
+        r = by.get((direction, case, kind))
         if r is None:
             return None
-        return r["extra"]["wall_us_p50"] if field == "wall" else r[field]
+        return r["extra"][field] if field in r["extra"] else r[field]
 
     def ratio(a, b):
         return None if a is None or b is None or a == 0 else b / a
 
-    lb = "61x42K layer blocks"
-    checks = [
-        ("61x42K engine wall p50 <= 20 us", get(lb, "engine", "wall"), lambda v: v <= 20),
+    checks = []
+    for case, _, _ in H2D_CASES:
+        gbps = get("h2d", case, "engine", "wall_gbps")
+        share = None if gbps is None or not limit else gbps / limit["gbps"]
+        checks.append((f"h2d {case} engine wall / pinned limit >= 0.85", share, lambda v: v >= 0.85))
+    checks += [
+        ("d2d 61x42K engine wall p50 <= 20 us", get("d2d", "61x42K", "engine", "wall_us_p50"), lambda v: v <= 20),
         (
-            "61x42K foreach / engine (wall) >= 2",
-            ratio(get(lb, "engine", "wall"), get(lb, "foreach", "wall")),
+            "d2d 61x42K foreach / engine (wall) >= 2",
+            ratio(get("d2d", "61x42K", "engine", "wall_us_p50"), get("d2d", "61x42K", "foreach", "wall_us_p50")),
             lambda v: v >= 2,
         ),
         (
-            "61x42K foreach / engine (CUDA-event latency) >= 2",
-            ratio(get(lb, "engine", "latency_us_p50"), get(lb, "foreach", "latency_us_p50")),
-            lambda v: v >= 2,
-        ),
-        (
-            "1x64M copy_ / engine (GPU time) >= 0.97",
-            ratio(get("1x64M", "engine", "gpu_us_p50"), get("1x64M", "copy", "gpu_us_p50")),
+            "d2d 1x64M copy_ / engine (GPU time) >= 0.97",
+            ratio(get("d2d", "1x64M", "engine", "gpu_us_p50"), get("d2d", "1x64M", "copy", "gpu_us_p50")),
             lambda v: v >= 0.97,
         ),
-        (
-            "1x64M copy_ / engine without notify (GPU time) (info)",
-            ratio(get("1x64M", "engine no notify", "gpu_us_p50"), get("1x64M", "copy", "gpu_us_p50")),
-            lambda v: True,
-        ),
-        (
-            "256x1M foreach / engine (wall) >= 1.8",
-            ratio(get("256x1M", "engine", "wall"), get("256x1M", "foreach", "wall")),
-            lambda v: v >= 1.8,
-        ),
-        (
-            "256x1M foreach / engine (GPU time) >= 1.8",
-            ratio(get("256x1M", "engine", "gpu_us_p50"), get("256x1M", "foreach", "gpu_us_p50")),
-            lambda v: v >= 1.8,
-        ),
+        ("every measured row bit-exact", all(r["extra"].get("bit_exact") for r in rows) and bool(rows), lambda v: v),
     ]
-    for case in ("256x4K", "1024x4K", "4096x4K"):
-        checks.append(
-            (
-                f"{case} plain submit <= 0.1 us/segment",
-                get(case, "engine submit", "submit_us_per_segment"),
-                lambda v: v <= 0.1,
-            )
-        )
-        checks.append(
-            (f"{case} prepared submit us/segment (info)", get(case, "engine", "submit_us_per_segment"), lambda v: True)
-        )
-    checks.append(
-        ("every measured row bit-exact", all(r["extra"].get("bit_exact") for r in rows) and bool(rows), lambda v: v)
-    )
     return [
         {"target": name, "value": value, "met": None if value is None else bool(test(value))}
         for name, value, test in checks
@@ -388,17 +396,15 @@ def main() -> int:
         print(summary["bench"])
         return 1
     result = safe("bench", run_bench, summary)
-    rows, failures = result if isinstance(result, tuple) else ([], [str(result)])
-    write("bench.json", {"versions": found, "rows": rows, "failures": failures})
-    if left_s() > 30:
-        print("\n64 MiB copy-engine copy, then:")
-        write("tail.json", safe("tail", copy_tail, summary))
+    rows, failures, limit = result if isinstance(result, tuple) else ([], [str(result)], None)
+    write("bench.json", {"versions": found, "pinned_limit": limit, "rows": rows, "failures": failures})
     if left_s() > 30:
         text = safe("profile", profile, summary)
         write("profile.txt", str(text))
-        print("\n".join(str(text).splitlines()[:40]))
+        print("\n".join(str(text).splitlines()[:30]))
     summary["failures"] = failures
-    summary["targets"] = targets(rows)
+    summary["pinned_limit"] = limit
+    summary["targets"] = targets(rows, limit)
     summary["elapsed_s"] = round(time.monotonic() - START, 1)
     write("summary.json", summary)
     print("\ntarget".ljust(60), "value", "met")

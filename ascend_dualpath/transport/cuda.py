@@ -199,7 +199,8 @@ class CopyPlan:
     elem_bytes, tile_bytes, programs, num_warps : int
         Element width (16/8/4/1), bytes per tile, programs in the grid, warps per program.
     state : torch.Tensor
-        int64[2] on the GPU: programs arrived in the running launch, last published graph epoch.
+        int64[3] on the GPU: programs arrived in the running launch, last published graph epoch, and the value cell
+        (the caller's notify value of the next graph replay, 0 for none; written in stream order before it).
     host_word : HostWord or None
         Where the plan's launches (not its graph replays) publish their flag value for the host (None: nowhere).
     constexprs : dict
@@ -352,7 +353,7 @@ class DeviceCopier:
         }
         # pinned source, asynchronous upload: torch's host allocator keeps the block until the copy is done
         device_table = torch.from_numpy(table).pin_memory().to(self.device, non_blocking=True)
-        state = torch.zeros(2, dtype=torch.int64, device=self.device)
+        state = torch.zeros(3, dtype=torch.int64, device=self.device)
         return CopyPlan(
             table=device_table,
             tiles=int(table.shape[0]),
@@ -371,23 +372,25 @@ class DeviceCopier:
             fast_args=(device_table.data_ptr(), int(table.shape[0]), state.data_ptr(), flag.data_ptr()),
         )
 
-    def run(self, plan: CopyPlan, flag_value: int) -> None:
-        """Enqueue ``plan`` on the current stream; the flag, then ``plan.host_word`` (if any), becomes ``flag_value``
-        after every byte landed.
+    def run(self, plan: CopyPlan, flag_value: int, word_value: int | None = None) -> None:
+        """Enqueue ``plan`` on the current stream; the flag becomes ``flag_value``, then ``plan.host_word`` (if any)
+        ``word_value`` (default ``flag_value``), after every byte landed.
 
-        ``flag_value`` must be in [1, 2**63 - 1] (0 is the flag's idle value) and above the plan's earlier values
-        (its host word only grows). After the plan's first run this is one call of the compiled binary's launcher
-        with the plan's cached arguments.
+        Both must be in [1, 2**63 - 1] (0 is the flag's idle value), ``word_value`` above the plan's earlier ones (its
+        host word only grows; the flag may take any value, e.g. a caller's notify value). After the plan's first run
+        this is one call of the compiled binary's launcher with the plan's cached arguments.
         """
-        if not 0 < flag_value <= FLAG_MAX:
-            raise E.ConfigError(f"flag_value {flag_value} is outside [1, {FLAG_MAX}]")
+        word_value = flag_value if word_value is None else word_value
+        for name, value in (("flag_value", flag_value), ("word_value", word_value)):
+            if not 0 < value <= FLAG_MAX:
+                raise E.ConfigError(f"{name} {value} is outside [1, {FLAG_MAX}]")
         site = plan.site
         word = plan.host_word
         if word is None:
-            site(*(plan.fast_args if site.bound else plan.args), flag_value, 0)
+            site(*(plan.fast_args if site.bound else plan.args), flag_value, 0, word_value)
         else:
-            word.enqueued = flag_value
-            site(*(plan.fast_args if site.bound else plan.args), flag_value, word.addr)
+            word.enqueued = word_value
+            site(*(plan.fast_args if site.bound else plan.args), flag_value, word.addr, word_value)
 
     def copy(self, src_addrs, dst_addrs, nbytes, flag_value: int) -> CopyPlan:
         """Plan and run a pattern seen once (table built and uploaded on every call); returns the plan."""
@@ -399,8 +402,9 @@ class DeviceCopier:
 
     def capture(self, plan: CopyPlan, first_flag_value: int) -> GraphedCopy:
         """Record one launch of ``plan`` in a CUDA graph; replay ``k`` (from 0) publishes ``first_flag_value + k`` in
-        the flag and in the graph's own host word. A new capture of a plan retires its earlier graphs (they share
-        the plan's epoch counter)."""
+        the graph's own host word, and in the flag unless the replay carries a caller's value
+        (:meth:`GraphedCopy.replay`). A new capture of a plan retires its earlier graphs (they share the plan's epoch
+        counter and value cell)."""
         from ascend_dualpath._triton_launch import LaunchSite
 
         if not 0 < first_flag_value <= FLAG_MAX:
@@ -414,17 +418,20 @@ class DeviceCopier:
         word = HostWord(torch)
         with torch.cuda.device(self.device):
             # compile outside the capture (the flag value is unspecialised and unused with FROM_EPOCH)
-            fast = site.prepare(*plan.args, 1 << 40, word.addr)
+            fast = site.prepare(*plan.args, 1 << 40, word.addr, 1 << 40)
             plan.state[1].fill_(first_flag_value - 1)
+            plan.state[2].fill_(0)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                site(*(plan.fast_args if fast else plan.args), 1 << 40, word.addr)
+                site(*(plan.fast_args if fast else plan.args), 1 << 40, word.addr, 1 << 40)
         return GraphedCopy(graph, plan, first_flag_value, word, fast_launch=fast)
 
 
 class GraphedCopy:
     """A captured launch of one plan: :meth:`replay` is the whole host work of a request; ``host_word`` receives
-    each replay's value after its last byte."""
+    each replay's epoch after its last byte. The graph bakes in no notify value: a replay that carries one writes it
+    into the plan's value cell first (one stream write, in stream order, so an earlier replay still in flight keeps
+    its own), and the next replay without one clears the cell."""
 
     def __init__(self, graph, plan: CopyPlan, first_flag_value: int, host_word: HostWord, fast_launch: bool):
         self.graph = graph
@@ -434,11 +441,17 @@ class GraphedCopy:
         self.fast_launch = fast_launch  # captured through Triton's compiled launcher (else through the JIT)
         self._exec = _graph_exec(graph)
         self._launch = None  # the runtime's cudaGraphLaunch, bound at the first replay on a raw stream
+        self._cell = None  # cudart.StreamWrites of the plan's value cell, made at the first caller's value
+        self._cell_value = 0  # what the cell holds as of the last replay enqueued
 
-    def replay(self, stream: int | None = None) -> int:
-        """Enqueue the copy on ``stream`` (a raw handle; None: the current stream); returns the flag value it
-        publishes. With a stream, the instantiated graph is launched through the runtime (``cudaGraphLaunch``,
-        ~1 µs of host time against ~4 µs for ``torch.cuda.CUDAGraph.replay``)."""
+    def replay(self, stream: int | None = None, flag_value: int | None = None) -> int:
+        """Enqueue the copy on ``stream`` (a raw handle; None: the current stream); returns the epoch it publishes in
+        the host word, which is also the flag's value unless ``flag_value`` (in [1, 2**63 - 1]) is given. With a
+        stream, the instantiated graph is launched through the runtime (``cudaGraphLaunch``, ~1 µs of host time
+        against ~4 µs for ``torch.cuda.CUDAGraph.replay``)."""
+        cell = 0 if flag_value is None else flag_value
+        if cell != self._cell_value:
+            self._write_cell(stream, cell)
         if stream is None or self._exec is None:
             self.graph.replay()
         else:
@@ -450,6 +463,22 @@ class GraphedCopy:
         self.host_word.enqueued = value = self.next_value
         self.next_value += 1
         return value
+
+    def _write_cell(self, stream: int | None, value: int) -> None:
+        """Enqueue the write of ``value`` into the plan's value cell on ``stream`` (None: the current stream)."""
+        if not 0 <= value <= FLAG_MAX:
+            raise E.ConfigError(f"flag_value {value} is outside [1, {FLAG_MAX}]")
+        if self._cell is None:
+            from ascend_dualpath.transport.cudart import StreamWrites
+
+            state = self.plan.state
+            self._cell = StreamWrites([state.data_ptr() + 2 * state.element_size()])
+        if stream is None:
+            import torch
+
+            stream = torch.cuda.current_stream(self.plan.state.device).cuda_stream
+        self._cell(stream, value)
+        self._cell_value = value
 
 
 def _graph_exec(graph) -> int | None:

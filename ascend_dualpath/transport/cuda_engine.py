@@ -3,7 +3,8 @@
 ============  ===========================================================================  ======================
 kind          CUDA analogue                                                                issued by
 ============  ===========================================================================  ======================
-``aiv``       :class:`~.cuda.DeviceCopier`: one Triton launch copies every piece             the GPU's own programs
+``aiv``       :class:`~.cuda.DeviceCopier`: one Triton launch copies every piece (host        the GPU's own programs
+              pieces read in place from mapped pinned memory: zero-copy)
 ``staging``   :class:`~.cuda.StagingCopy`: registered pinned host buffer -> device staging    copy engine, then GPU
               slots -> destination, chunk by chunk
 ``aicpu``     one ``cudaMemcpyBatchAsync`` for all pieces (a proxy, the CUDA runtime, issues   the runtime
@@ -13,24 +14,28 @@ kind          CUDA analogue                                                     
 
 The gates are :func:`~.kinds.select_kind`'s, with CUDA meanings: *capability* — device-initiated copies are available
 (Triton imports; bit 0x04 of the engine's bitmap), *protocol* — the GPU reaches the destination with loads and stores
-(``local`` or ``peer access``), *addressable* — every source is device memory (host DRAM goes through ``staging``).
-A failed capability or protocol gate falls back to ``aicpu`` for device sources, else ``host``.
+(``local`` or ``peer access``), *addressable* — every source is device memory (host DRAM goes through ``staging``),
+then *zero-copy* — host sources in registered pinned buffers mapped for the GPU are read in place by the kernel
+(``aiv`` after all), and *copy engine* — one device piece of ``copy_engine_min_bytes`` or more goes to
+``cudaMemcpyAsync``. A failed capability or protocol gate falls back to ``aicpu`` for device sources, else ``host``.
 
 Every request is enqueued on the current stream of the engine's GPU, like a torch op (the batch call of ``aicpu`` on
-the tail stream below, joined to it, since it refuses the legacy default stream). Remote-ready is a fresh magic in the
-``notify`` slot after every byte landed, known at submit (``Ticket.notify_magic``; a receiver may poll the slot instead
-of waiting on the ticket): for ``aiv`` the copy kernel's last program releases it into the slot itself, for the
+the tail stream below, joined to it, since it refuses the legacy default stream). Remote-ready is the caller's
+``notify_value``, else a fresh magic, in the ``notify`` slot after every byte landed, known at submit
+(``Ticket.notify_magic``; a receiver may poll the slot instead of waiting on the ticket): for ``aiv`` the copy
+kernel's last program releases it into the slot itself, for the
 other kinds one driver call of stream writes follows the copies on a tail stream (:class:`~.cudart.TailStream`), so
 the current stream goes on as soon as the bytes landed (any stream operation after a copy-engine copy holds the
 stream ~2.7 µs on H200; an event costs nothing). Work enqueued on the current stream after a submission is ordered
 after the request's bytes, not after its notify; a kernel that publishes into a slot whose tail write is still in
-flight waits for it, so each slot ends with the value published last. The same value then lands in a pinned host
-word (:class:`~.cuda.HostWord`), and ``wait`` polls that word in host memory, bounded by the timeout: completion costs
-no event record and no driver query.
+flight waits for it, so each slot ends with the value published last. Then a pinned host word
+(:class:`~.cuda.HostWord`) gets the request's engine magic (never the caller's value, so its values only grow), and
+``wait`` polls that word in host memory, bounded by the timeout: completion costs no event record and no driver query.
 Plans (tile tables, staging slots, batch arrays) are built once per piece pattern and kept for the last
 ``PLAN_CACHE`` patterns: DualPath moves the same layer pattern every request. An ``aiv`` pattern is captured in a
 CUDA graph at :meth:`~CudaTransferEngine.prepare`, or at its second plain :meth:`~CudaTransferEngine.submit`, and
-replayed from then on.
+replayed from then on; the graph bakes in no notify value (a replay with the caller's value writes it into the plan's
+value cell first, in stream order).
 
 Before anything moves, every range is checked where it lives (one driver query per allocation): device sources in
 the engine's GPU, host sources inside a registered pinned buffer, the remote slot in the destination GPU.
@@ -68,6 +73,7 @@ DEFAULT_MAX_SINGLE_PIECE = 1 << 30  # the device kernel tiles any piece; this on
 COPY_ENGINE_MIN_BYTES = 8 << 20
 GRAPH_FIRST_MAGIC = 1 << 40  # graph replays publish from here: far above the magics of eager submissions
 GRAPH_MAGIC_STRIDE = 1 << 32  # each prepared graph publishes in its own range of 2^32 replays
+ZERO_COPY_CONFIG = None  # the device kernel's shape for host sources; None: cuda.choose_config by request size
 PLAN_CACHE = 64
 SPIN_S = 2e-3  # a wait polls without sleeping this long (a layer block lands in tens of µs), then every POLL_S
 POLL_S = 50e-6
@@ -99,6 +105,9 @@ class CudaTransferEngine(TransferEngine):
         A request of one device source of at least this many bytes goes to the copy engine (the *copy engine*
         gate: one ``cudaMemcpyAsync``, kind ``host``) instead of the device kernel; default
         :data:`COPY_ENGINE_MIN_BYTES`.
+    zero_copy : bool
+        Host sources in registered pinned buffers mapped for the GPU are read in place by the device kernel (the
+        *zero-copy* gate, default True); False sends them through ``staging``.
     graphs : bool
         An ``aiv`` pattern is captured in a CUDA graph at :meth:`prepare` (or at its second plain :meth:`submit`,
         which costs one device synchronisation) and each later submission replays it (default True): Triton's
@@ -118,6 +127,7 @@ class CudaTransferEngine(TransferEngine):
         max_single_aiv_payload: int = DEFAULT_MAX_SINGLE_PIECE,
         copy_engine_min_bytes: int = COPY_ENGINE_MIN_BYTES,
         graphs: bool = True,
+        zero_copy: bool = True,
         timeout_s: float | None = None,
     ):
         import torch
@@ -152,6 +162,9 @@ class CudaTransferEngine(TransferEngine):
             )
         self.notify = notify
         self.graphs = bool(graphs)
+        self.zero_copy = bool(zero_copy)
+        self.zero_copy_config = ZERO_COPY_CONFIG  # the kernel's shape where it reads host memory (None: by size)
+        self._zero_copy_buffers: dict[int, bool] = {}  # data_ptr of a registered host buffer -> mapped for the GPU
         self._graph_magic = GRAPH_FIRST_MAGIC
         self._notify_stream = torch.cuda.Stream(self.peer_device)
         self._tail = (
@@ -185,6 +198,8 @@ class CudaTransferEngine(TransferEngine):
                 f"{tuple(buffer.shape)} on {buffer.device} (pinned: {buffer.is_pinned()})"
             )
         self._host_buffers[buffer.data_ptr()] = buffer
+        self._zero_copy_buffers[buffer.data_ptr()] = _mapped_in_place(buffer.data_ptr())
+        self._routes.clear()  # a route through staging may now read in place
 
     def unregister(self, buffer) -> None:
         """Undo :meth:`register`: later requests (prepared ones too) with a source in ``buffer`` raise NotRegistered
@@ -195,6 +210,7 @@ class CudaTransferEngine(TransferEngine):
             raise E.NotRegistered(
                 f"host buffer at {buffer.data_ptr():#x} ({buffer.numel()} bytes) is not registered with this engine"
             )
+        self._zero_copy_buffers.pop(buffer.data_ptr(), None)
         self._plans.clear()  # cached work was checked against the old registrations
         self._routes.clear()
         self._submissions.clear()
@@ -238,10 +254,14 @@ class CudaTransferEngine(TransferEngine):
     # ---- gates -------------------------------------------------------------------------------------
 
     def select(self, sources: Sequence[MemorySegment]) -> Selection:
-        """:func:`~.kinds.select_kind`'s gates, then the *copy engine* gate: where they chose the device kernel for
-        one source of at least ``copy_engine_min_bytes``, one ``cudaMemcpyAsync`` (kind ``host``) moves it faster."""
+        """:func:`~.kinds.select_kind`'s gates, then the *zero-copy* gate (:meth:`_zero_copy_gate`: host sources the
+        GPU can read in place go to the device kernel too), then the *copy engine* gate: where the device kernel was
+        chosen for one source of at least ``copy_engine_min_bytes``, one ``cudaMemcpyAsync`` (kind ``host``) moves it
+        faster."""
         largest = max((s.nbytes for s in sources), default=0)
         selection = select_kind(self.caps, [s.memory for s in sources], largest, DIRECT_PROTOCOLS)
+        if selection.kind is TransferKind.STAGING and selection.decided_by == "addressable":
+            selection = self._zero_copy_gate(selection, sources)
         if selection.kind is not TransferKind.AIV:
             return selection
         large = len(sources) == 1 and largest >= self.copy_engine_min_bytes
@@ -262,6 +282,42 @@ class CudaTransferEngine(TransferEngine):
             gates,
             False,
         )
+
+    def _zero_copy_gate(self, selection: Selection, sources: Sequence[MemorySegment]) -> Selection:
+        """Where the gates chose ``staging`` for host sources: the device kernel reads them in place (kind ``aiv``)
+        when every host source lies in a registered buffer mapped for the GPU (pinned memory under unified
+        addressing) and ``zero_copy`` is on. On H200 the kernel's PCIe reads beat the copy engine's staging copy then
+        a scatter for every shape measured (docs/benchmarks.md), the layer block above all: its staging copy and
+        scatter run one after the other, while the kernel's reads land where they belong."""
+        unmapped = [i for i, s in enumerate(sources) if s.memory is MemoryKind.HOST and not self._mapped(s.addr)]
+        passed = self.zero_copy and not unmapped
+        if passed:
+            detail = "every host source lies in registered pinned memory mapped for the GPU"
+        elif unmapped:
+            detail = f"host source {unmapped[0]} is not in a registered buffer mapped for the GPU"
+        else:
+            detail = "zero-copy reads are switched off (zero_copy=False)"
+        gates = (*selection.gates, GateDecision("zero-copy", passed, detail))
+        if not passed:
+            return Selection(selection.kind, selection.decided_by, selection.reason, gates, selection.segmented)
+        return Selection(
+            TransferKind.AIV,
+            "zero-copy",
+            "the copy kernel reads the host sources in place over PCIe (mapped pinned memory): no staging copy",
+            gates,
+            selection.segmented,
+        )
+
+    def _mapped(self, addr: int) -> bool:
+        buffer = self._host_buffer(addr)
+        return buffer is not None and self._zero_copy_buffers.get(buffer.data_ptr(), False)
+
+    def _forced(self, selection: Selection, kind: TransferKind, sources: Sequence[MemorySegment]) -> Selection:
+        """As the interface's, except that ``aiv`` may read host sources in place where they are mapped."""
+        host = [s for s in sources if s.memory is MemoryKind.HOST]
+        if kind is not TransferKind.AIV or not host or not all(self._mapped(s.addr) for s in host):
+            return super()._forced(selection, kind, sources)
+        return super()._forced(selection, kind, [MemorySegment(s.addr, s.nbytes, MemoryKind.DEVICE) for s in sources])
 
     def _max_piece(self, kind: TransferKind) -> int:
         return self.caps.max_single_aiv_payload if kind in (TransferKind.AIV, TransferKind.STAGING) else 1 << 62
@@ -287,8 +343,8 @@ class CudaTransferEngine(TransferEngine):
         allocation, torch op or synchronisation."""
         return self._prepared(sources, remote, notify_slot, kind, capture=True)
 
-    def submit(self, sources, remote, notify_slot=None, kind=None) -> Ticket:
-        """As the interface's. A request with the sources of the last one to the same slot (DualPath's layer
+    def submit(self, sources, remote, notify_slot=None, kind=None, notify_value=None) -> Ticket:
+        """As the interface's (``notify_value``: the caller's value for the notify slot, else a fresh magic). A request with the sources of the last one to the same slot (DualPath's layer
         patterns) reuses that one's routing and work: the list comparison finds the same segment objects at ~2 ns
         each, so the cost barely grows with the pattern. Its graph is captured at the second submission (a one-off
         request would pay the capture, ~400 µs, for nothing)."""
@@ -300,7 +356,7 @@ class CudaTransferEngine(TransferEngine):
                 self._submissions[key] = prepared
                 if len(self._submissions) > PLAN_CACHE:
                     self._submissions.popitem(last=False)
-        return self._submit_prepared(prepared)
+        return self._submit_prepared(prepared, notify_value)
 
     def _prepared(self, sources, remote, notify_slot, kind, capture: bool) -> PreparedTransfer:
         prepared = super().prepare(sources, remote, notify_slot, kind)
@@ -372,24 +428,25 @@ class CudaTransferEngine(TransferEngine):
     def _replay(self, ticket: Ticket, graph) -> None:
         """Replay a prepared request's graph on the current stream (the engine's GPU is current)."""
         stream = self._raw_stream(self.device.index)
-        if ticket.notify_slot is not None:
+        if ticket.notify_slot is not None and self._tail_notify:  # the call only where a tail write may be pending
             self._after_tail_notify(ticket.notify_slot, stream)
-        value = graph.replay(stream)
+        value = graph.replay(stream, ticket.notify_value)
         ticket.state["done"] = (graph.host_word, value)
         if ticket.notify_slot is not None:
-            ticket.notify_magic = value
+            ticket.notify_magic = value if ticket.notify_value is None else ticket.notify_value
 
     def _enqueue(self, ticket: Ticket, work: _Work) -> None:
         """Enqueue ``work`` for ``ticket`` on the current stream (the engine's GPU is current): the copies, then the
         value that says they landed (notify slot, host word), known now."""
         stream = self._raw_stream(self.device.index)
-        value = next(self._magics)
+        value = next(self._magics)  # the host word's; the notify slot gets the caller's value where one is given
+        notify = value if ticket.notify_value is None else ticket.notify_value
         if ticket.notify_slot is not None:
-            ticket.notify_magic = value
+            ticket.notify_magic = notify
         if work.graphable and ticket.notify_slot is not None:
             self._after_tail_notify(ticket.notify_slot, stream)
-        for plan in work.plans:  # an aiv plan's flag is the notify slot: the kernel releases the magic itself
-            self._copier.run(plan, value)
+        for plan in work.plans:  # an aiv plan's flag is the notify slot: the kernel releases the value itself
+            self._copier.run(plan, notify, value)
         for copy in work.staging_copies:
             copy.run(value)
         if work.batch is not None:  # on the tail stream: the batch call refuses the legacy default stream
@@ -405,8 +462,12 @@ class CudaTransferEngine(TransferEngine):
     def _tail_writes(self, ticket: Ticket, work: _Work, stream: int, value: int) -> None:
         """End a request of the kinds without a publishing kernel: the writes of ``value`` (:meth:`_writes_of`) on
         the tail stream, after the request's copies on ``stream``, which goes on at once (stream order covers the
-        bytes, not the notify)."""
-        self._writes_of(work, ticket.notify_slot)(self._tail_stream().follow(stream), value)
+        bytes, not the notify); the notify slot gets the caller's value where one is given."""
+        writes = self._writes_of(work, ticket.notify_slot)
+        if ticket.notify_value is None or ticket.notify_slot is None:
+            writes(self._tail_stream().follow(stream), value)
+        else:
+            writes(self._tail_stream().follow(stream), ticket.notify_value, value)
         work.host_word.enqueued = value
         ticket.state["done"] = (work.host_word, value)
         if ticket.notify_slot is not None:
@@ -464,7 +525,9 @@ class CudaTransferEngine(TransferEngine):
     def _aiv_work(self, work: _Work, pieces, notify_slot: int | None) -> None:
         """One device-copy plan over every piece; with a notify slot, that slot is the plan's ready flag."""
         flag = None if notify_slot is None else self.notify[notify_slot : notify_slot + 1]
-        work.plans.append(self._device_copier().plan(*_columns(pieces), flag=flag, host_word=True))
+        zero_copy = any(self._host_buffer(p.local_addr) is not None for p in pieces)
+        config = self.zero_copy_config if zero_copy else None
+        work.plans.append(self._device_copier().plan(*_columns(pieces), config=config, flag=flag, host_word=True))
         work.graphable = True
 
     def _staging_work(self, work: _Work, pieces, notify_slot: int | None) -> None:
@@ -656,6 +719,15 @@ def _indexed(torch, device):
     if device.type != "cuda":
         raise E.ConfigError(f"the CUDA transfer engine needs CUDA devices, got {device}")
     return torch.device("cuda", torch.cuda.current_device()) if device.index is None else device
+
+
+def _mapped_in_place(addr: int) -> bool:
+    """Whether the GPU reads pinned host memory at ``addr`` at that same address (mapped, unified addressing): the
+    device kernel's tile table holds host addresses as they are."""
+    try:
+        return cudart.host_device_pointer(addr) == addr
+    except E.BackendUnavailable:
+        return False
 
 
 def _where(devices: set[int]) -> str:

@@ -11,10 +11,13 @@ Compile-time switches (one binary per combination, chosen by the plan):
   system-scope release); the plan sets it where a destination is not the GPU's own memory.
 - ``STREAMING``: loads bypass L1 (``.cg``) and stores are streaming (``.cs``, evict-first in L2): the bytes
   are touched once. (ptxas refuses ``.cg`` combined with an ``evict_first`` hint.)
-- ``FROM_EPOCH``: publish the plan's next epoch instead of ``flag_value`` (CUDA graph replays).
+- ``FROM_EPOCH``: publish the plan's next epoch instead of ``word_value`` (CUDA graph replays, which cannot take a
+  new argument); the flag gets the caller's value in the plan's value cell (``state[2]``, written in stream order
+  before the replay) where that is not 0, else the epoch too.
 
-``host_flag`` (an address, 0 for none) is a pinned host word that receives the same value after the flag, also with
-a system-scope release: the host learns completion by reading its own memory, with no event and no driver call.
+``host_flag`` (an address, 0 for none) is a pinned host word that receives ``word_value`` (or the epoch) after the
+flag, also with a system-scope release: the host learns completion by reading its own memory, with no event and no
+driver call. The flag may get another value (the caller's notify value); the host word's values only grow.
 """
 
 from __future__ import annotations
@@ -24,25 +27,35 @@ import triton.language as tl
 
 
 @triton.jit
-def _release_flag(state, flag, flag_value, host_flag, FROM_EPOCH: tl.constexpr):
+def _release_flag(state, flag, flag_value, host_flag, word_value, FROM_EPOCH: tl.constexpr):
     if FROM_EPOCH:  # graph replays cannot take a new argument: each publishes the plan's next epoch
-        value = tl.atomic_add(state + 1, 1, sem="relaxed", scope="gpu") + 1
+        word = tl.atomic_add(state + 1, 1, sem="relaxed", scope="gpu") + 1
+        cell = tl.load(state + 2, volatile=True)  # the caller's notify value, 0 for none
+        value = tl.where(cell != 0, cell, word)
     else:
+        word = word_value
         value = flag_value
     tl.atomic_xchg(flag, value, sem="release", scope="sys")
     if host_flag != 0:  # after the flag: a host that saw its word may rely on the receiver's flag too
-        tl.atomic_xchg(host_flag.to(tl.pointer_type(tl.int64)), value, sem="release", scope="sys")
+        tl.atomic_xchg(host_flag.to(tl.pointer_type(tl.int64)), word, sem="release", scope="sys")
 
 
 @triton.jit
 def publish(
-    state, flag, flag_value, host_flag, FROM_EPOCH: tl.constexpr, SINGLE: tl.constexpr, ARRIVE_SYS: tl.constexpr
+    state,
+    flag,
+    flag_value,
+    host_flag,
+    word_value,
+    FROM_EPOCH: tl.constexpr,
+    SINGLE: tl.constexpr,
+    ARRIVE_SYS: tl.constexpr,
 ):
     """After this program's stores: count its arrival; the last arrival writes the flag (then the host word) with a
     system-scope release."""
     tl.debug_barrier()  # every thread's stores precede the arrival, so the release covers them
     if SINGLE:
-        _release_flag(state, flag, flag_value, host_flag, FROM_EPOCH)
+        _release_flag(state, flag, flag_value, host_flag, word_value, FROM_EPOCH)
     else:
         if ARRIVE_SYS:
             arrived = tl.atomic_add(state, 1, sem="acq_rel", scope="sys")
@@ -50,7 +63,7 @@ def publish(
             arrived = tl.atomic_add(state, 1, sem="acq_rel", scope="gpu")
         if arrived == tl.num_programs(0) - 1:
             tl.atomic_xchg(state, 0, sem="relaxed", scope="gpu")  # ready for the next launch on the stream
-            _release_flag(state, flag, flag_value, host_flag, FROM_EPOCH)
+            _release_flag(state, flag, flag_value, host_flag, word_value, FROM_EPOCH)
 
 
 @triton.jit
@@ -71,7 +84,7 @@ def _copy_tile(src_addr, dst_addr, elems, offs, ELEM_BYTES: tl.constexpr, STREAM
 
 
 # scalars are not specialised, so one compiled kernel serves every plan, flag address and flag value
-@triton.jit(do_not_specialize=["n_tiles", "flag", "flag_value", "host_flag"])
+@triton.jit(do_not_specialize=["n_tiles", "flag", "flag_value", "host_flag", "word_value"])
 def copy_tiles(
     table,
     n_tiles,
@@ -79,6 +92,7 @@ def copy_tiles(
     flag,
     flag_value: tl.int64,
     host_flag: tl.int64,
+    word_value: tl.int64,
     TILE: tl.constexpr,
     ELEM_BYTES: tl.constexpr,
     FROM_EPOCH: tl.constexpr,
@@ -93,7 +107,7 @@ def copy_tiles(
     for t in range(pid, n_tiles, nprog):
         row = table + t * 3
         _copy_tile(tl.load(row), tl.load(row + 1), tl.load(row + 2), offs, ELEM_BYTES, STREAMING)
-    publish(state, flag, flag_value, host_flag, FROM_EPOCH, SINGLE, ARRIVE_SYS)
+    publish(state, flag, flag_value, host_flag, word_value, FROM_EPOCH, SINGLE, ARRIVE_SYS)
 
 
 @triton.jit

@@ -125,6 +125,7 @@ def graph_launcher(graph_exec: int):
     ``torch.cuda.CUDAGraph.replay`` costs ~4 µs in Python. QueueError when the runtime refuses."""
     rt = runtime()
     call = rt.lib.cudaGraphLaunch
+    graph_exec = ctypes.c_void_p(graph_exec)  # converted once, not on every launch
 
     def launch(stream: int) -> None:
         code = call(graph_exec, stream)
@@ -292,10 +293,18 @@ class StreamWrites:
         self._writes = [op.write for op in self._ops]  # views into the array: one attribute set per value
         self._call = _batch_mem_op()
 
-    def __call__(self, stream: int, value: int) -> None:
-        """Enqueue the writes of ``value`` on ``stream``; QueueError naming the addresses when the driver refuses."""
-        for write in self._writes:
-            write.value64 = value
+    def __call__(self, stream: int, value: int, *values: int) -> None:
+        """Enqueue the writes on ``stream``: ``value`` at every address, or ``value, *values`` one per address (a
+        caller's notify value, then the host word's); QueueError naming the addresses when the driver refuses."""
+        if values:
+            values = (value, *values)
+            if len(values) != len(self._writes):
+                raise E.ConfigError(f"{len(values)} values for {len(self._writes)} stream writes")
+            for write, one in zip(self._writes, values, strict=True):
+                write.value64 = one
+        else:
+            for write in self._writes:
+                write.value64 = value
         code = self._call(stream, len(self._ops), self._ops, 0)
         if code:
             where = ", ".join(f"{a:#x}" for a in self.addrs)

@@ -39,8 +39,10 @@ class FakeGraph:
 
     def __init__(self, copier: FakeCopier, plan: FakePlan, first: int):
         self.copier, self.plan, self.next_value, self.host_word = copier, plan, first, FakeWord()
+        self.flag_values: list[int] = []  # what each replay published in the flag
 
-    def replay(self, stream: int) -> int:
+    def replay(self, stream: int, flag_value: int | None = None) -> int:
+        self.flag_values.append(self.next_value if flag_value is None else flag_value)
         if self.copier.publish:
             self.host_word._view[0] = self.next_value
         self.next_value += 1
@@ -52,10 +54,10 @@ class FakeCopier:
         self.publish = publish
         self.captures = 0
 
-    def run(self, plan: FakePlan, value: int) -> None:
+    def run(self, plan: FakePlan, value: int, word_value: int | None = None) -> None:
         plan.runs.append(value)
         if self.publish:
-            plan.host_word._view[0] = value
+            plan.host_word._view[0] = value if word_value is None else word_value
 
     def capture(self, plan: FakePlan, first: int) -> FakeGraph:
         self.captures += 1
@@ -96,6 +98,7 @@ def fake_engine(publish: bool = True, graphs: bool = True, timeout_s: float = 10
     e._registrations, e._raw_stream, e._copier = 0, lambda index: 0, FakeCopier(publish)
     e._routes, e._plans, e._submissions = {}, OrderedDict(), OrderedDict()
     e._host_buffers, e._magics = {}, itertools.count(1)
+    e.zero_copy, e._zero_copy_buffers, e.zero_copy_config = True, {}, None
     e._tail, e._tail_notify = FakeTail(), {}
     e._check_request = lambda remote, slot: None
     e._check_ranges = lambda pieces, remote: None

@@ -228,6 +228,7 @@ _PTX_SIGNATURE = {
     "flag": "*i64",
     "flag_value": "i64",
     "host_flag": "i64",
+    "word_value": "i64",
     **{name: "constexpr" for name in ("TILE", "ELEM_BYTES", "FROM_EPOCH", "SINGLE", "ARRIVE_SYS", "STREAMING")},
 }
 
@@ -328,24 +329,28 @@ _INTERPRETED = textwrap.dedent(
         tile = 1024
         table = torch.from_numpy(cuda.tile_table(src.data_ptr() + src_offs, dst.data_ptr() + dst_offs, sizes,
                                                  width, tile))
-        state = torch.tensor([0, 40], dtype=torch.int64)
+        state = torch.tensor([0, 40, 0], dtype=torch.int64)  # arrivals, epoch, the caller's value cell
         flag = torch.zeros(1, dtype=torch.int64)
         word = torch.zeros(1, dtype=torch.int64)  # the host word; the last launch passes none (address 0)
         programs = int(rng.integers(1, len(table) + 2))
         switches = dict(ELEM_BYTES=width, TILE=tile if width == 1 else tile // 4, SINGLE=programs == 1,
                         ARRIVE_SYS=bool(trial % 2), STREAMING=trial % 3 == 0)
-        for launch, from_epoch in enumerate((False, True, False)):
+        # (from_epoch, the cell's value, the flag and the host word expected): an eager launch publishes its two
+        # arguments, a replay the next epoch in both, or the cell's caller value in the flag
+        launches = ((False, 0, 77, 5), (True, 0, 41, 41), (True, 9000 + trial, 9000 + trial, 42), (False, 0, 80, 8))
+        for launch, (from_epoch, cell, want_flag, want_word) in enumerate(launches):
             dst[:] = 0xA5
+            state[2] = cell
             K.copy_tiles[(programs,)](table, len(table), state, flag, 77 + launch,
-                                      word.data_ptr() if launch < 2 else 0, FROM_EPOCH=from_epoch,
+                                      word.data_ptr() if launch < 3 else 0, 5 + launch, FROM_EPOCH=from_epoch,
                                       **switches)
             expected = torch.full_like(dst, 0xA5)
             for s, d, n in zip(src_offs, dst_offs, sizes):
                 expected[d : d + n] = src[s : s + n]
             assert torch.equal(dst, expected), (trial, launch)
-            assert int(flag) == (41 if from_epoch else 77 + launch), (trial, launch, int(flag))
-            assert int(word) == (77 if launch == 0 else 41), (trial, launch, int(word))  # after the flag, same value
-            assert int(state[0]) == 0 and int(state[1]) == (40 if launch == 0 else 41), (trial, launch)
+            assert int(flag) == want_flag, (trial, launch, int(flag))
+            assert int(word) == (want_word if launch < 3 else 42), (trial, launch, int(word))
+            assert int(state[0]) == 0 and int(state[1]) == 40 + min(launch, 2), (trial, launch)
     print("interpreted ok")
     """
 )
@@ -354,7 +359,7 @@ _INTERPRETED = textwrap.dedent(
 def test_copy_kernel_under_the_triton_interpreter_is_exact_and_publishes_the_flag():
     """On the CPU (TRITON_INTERPRET=1): the kernel copies scattered segments exactly at every element width and
     switch combination (single program, arrival scope, streaming hints), leaves poisoned gaps alone,
-    publishes the explicit value or the next epoch, and resets the arrival counter."""
+    publishes the explicit values, the next epoch or the caller's value in the plan's cell, and resets the arrival counter."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.getcwd())
     result = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=120)
@@ -500,6 +505,8 @@ def test_bad_flag_value_is_refused_before_anything_moves():
     for bad in (0, -3, FLAG_MAX + 1):
         with pytest.raises(errors.ConfigError, match=f"flag_value {bad} is outside"):
             copier.run(plan, bad)
+        with pytest.raises(errors.ConfigError, match=f"word_value {bad} is outside"):
+            copier.run(plan, 5, bad)
     with pytest.raises(errors.ConfigError, match="tile_bytes 3000 is not a power of two"):
         copier.plan(s_addrs, d_addrs, [4096] * 4, KernelConfig(3000, 8, 4, False))
     with pytest.raises(errors.ConfigError, match="num_warps 3 is not one of"):

@@ -85,7 +85,12 @@ def test_gates_pick_the_device_kernel_for_device_memory_and_staging_for_host_mem
     segments, _ = _sources(torch, engine, src_dev, host_share=True)
     assert engine.caps.protocol in ("local", "peer access")
     assert engine.select([s for s in segments if s.memory is DEV]).kind is TransferKind.AIV
-    assert engine.select(segments).kind is TransferKind.STAGING
+    zero_copy = engine.select(segments)  # registered pinned memory is mapped: the kernel reads it in place
+    assert (zero_copy.kind, zero_copy.decided_by) == (TransferKind.AIV, "zero-copy")
+    staged, _, _, _ = _setup(torch, zero_copy=False)
+    staged.register(_ALIVE[1])
+    assert staged.select(segments).kind is TransferKind.STAGING
+    assert staged.select(segments).gates[-1].gate == "zero-copy" and not staged.select(segments).gates[-1].passed
     fallback, _, _, _ = _setup(torch, capability_bitmap=0)
     assert fallback.select([s for s in segments if s.memory is DEV]).kind is TransferKind.AICPU
     assert fallback.select(segments).kind is TransferKind.HOST
@@ -208,6 +213,7 @@ def _gates_only(copy_engine_min_bytes, protocol="local"):
     engine = object.__new__(CudaTransferEngine)
     engine.caps = ChannelCapabilities(0x04, protocol, 1 << 30)
     engine.copy_engine_min_bytes = copy_engine_min_bytes
+    engine.zero_copy, engine._host_buffers, engine._zero_copy_buffers = True, {}, {}
     return engine
 
 
@@ -223,8 +229,9 @@ def test_one_large_device_piece_goes_to_the_copy_engine_and_the_gate_says_so():
         kept = engine.select(sources)  # below the threshold, or several pieces: the device kernel
         assert (kept.kind, kept.decided_by) == (TransferKind.AIV, "addressable")
         assert kept.gates[-1].gate == "copy engine" and kept.gates[-1].passed
-    host = engine.select([MemorySegment(0x1000, 64 << 20, HOST)])  # the gate only reconsiders the device kernel
+    host = engine.select([MemorySegment(0x1000, 64 << 20, HOST)])  # unregistered host memory: no zero-copy
     assert host.kind is TransferKind.STAGING and all(g.gate != "copy engine" for g in host.gates)
+    assert host.gates[-1].gate == "zero-copy" and "not in a registered buffer" in host.gates[-1].detail
 
 
 @pytest.mark.cuda
@@ -391,3 +398,59 @@ def test_kinds_mixed_on_one_slot_leave_the_last_magic_and_order_the_callers_stre
         assert seen is None or torch.equal(seen.cpu(), big[-4096:].cpu())
         assert torch.equal(dst.cpu(), expected) and torch.equal(big_dst, big)
         big_dst.fill_(0xA5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["aiv", "staging", "aicpu", "host"])
+@pytest.mark.parametrize("graphs", [True, False])
+def test_the_callers_notify_value_lands_in_the_slot_after_the_bytes(kind, graphs):
+    """Plain and repeated prepared submissions with the caller's values, then without one: the notify slot holds
+    each request's value (the caller's, or a fresh magic), a graph replay included (it bakes in no value)."""
+    torch = cuda_torch()
+    engine, notify, src_dev, dst_dev = _setup(torch, graphs=graphs)
+    segments, expected = _sources(torch, engine, src_dev, host_share=kind in ("staging", "host"))
+    dst = torch.full((expected.numel(),), 0xA5, dtype=torch.uint8, device=dst_dev)
+    remote = engine.slot(dst)
+    prepared = engine.prepare(segments, remote, notify_slot=2, kind=kind)
+    seen, base = [], 1 << 50  # the caller's values, far from the engine's own magics
+    for value in (base + 11, 1 << 62, None, base + 12, base + 12, None, base + 7):
+        for submit in (prepared.submit, lambda v: engine.submit(segments, remote, 2, kind, notify_value=v)):
+            dst.fill_(0xA5)
+            torch.cuda.synchronize()
+            result = submit(value).wait()
+            assert int(notify[2].item()) == result.notify_magic, (kind, value)
+            assert value is None or result.notify_magic == value
+            assert torch.equal(dst.cpu(), expected) and (notify.cpu()[[0, 1, 3]] == 0).all()
+            seen.append(result.notify_magic)
+    fresh = [v for v in seen if v not in (base + 11, 1 << 62, base + 12, base + 7)]
+    assert len(fresh) == 4 and len(set(fresh)) == 4
+    assert (prepared.state["work"].graph is not None) == (graphs and kind == "aiv")
+
+
+@pytest.mark.cuda
+def test_zero_copy_reads_the_host_buffer_as_it_is_at_each_submission():
+    """A prepared request from a registered pinned buffer (the kernel reads it in place, from a graph): the host
+    rewrites the buffer between submissions and each request moves the bytes of its own moment; forcing ``aiv`` on
+    host sources works, and an unregistered buffer is still refused."""
+    torch = cuda_torch()
+    engine, notify, src_dev, dst_dev = _setup(torch)
+    sizes = [42 * 1024] * 7 + [4100, 3, 65536 + 7]
+    host = torch.zeros(sum(sizes) + 64 * len(sizes), dtype=torch.uint8).pin_memory()
+    engine.register(host)
+    offsets = [64 * i + sum(sizes[:i]) for i in range(len(sizes))]
+    segments = [engine.segment(host, o, n) for o, n in zip(offsets, sizes, strict=True)]
+    dst = torch.full((sum(sizes),), 0xA5, dtype=torch.uint8, device=dst_dev)
+    prepared = engine.prepare(segments, engine.slot(dst), notify_slot=0)
+    assert (prepared.selection.kind, prepared.selection.decided_by) == (TransferKind.AIV, "zero-copy")
+    forced = engine.prepare(segments, engine.slot(dst), notify_slot=0, kind="aiv")
+    for round_, request in enumerate([prepared] * 3 + [forced]):
+        host.copy_(torch.randint(0, 256, host.shape, dtype=torch.uint8))
+        dst.fill_(0xA5)
+        torch.cuda.synchronize()
+        result = request.submit(100 + round_).wait()
+        want = torch.cat([host[o : o + n] for o, n in zip(offsets, sizes, strict=True)])
+        assert torch.equal(dst.cpu(), want), round_
+        assert int(notify[0].item()) == result.notify_magic == 100 + round_
+    other = torch.zeros(4096, dtype=torch.uint8).pin_memory()
+    with pytest.raises(errors.ConfigError, match="needs device-memory sources"):
+        engine.prepare([engine.segment(other)], engine.slot(dst), kind="aiv")

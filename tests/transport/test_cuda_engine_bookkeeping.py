@@ -112,3 +112,38 @@ def test_a_result_with_its_notify_equals_one_built_whole_and_leaves_the_template
     assert template.notify_magic is None
     with pytest.raises(AttributeError):
         result.notify_magic = 8  # still frozen
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_the_callers_notify_value_reaches_the_kernel_while_the_host_word_keeps_growing(graphs):
+    """Plain and prepared submissions with and without a caller's value: the ticket and result carry the caller's
+    value, the kernel (or the graph replay) is handed exactly it, and the values without one stay fresh."""
+    engine = fake_engine(graphs=graphs)
+    sources, slot = blocks(4, 4096)
+    chosen = [7000, None, 3000, 1 << 62, None, 5000]  # far from the engine's own magics (which count from 1)
+    prepared = engine.prepare(sources, slot, notify_slot=0)
+    published = []
+    for value in chosen:
+        for submit in (lambda v: engine.submit(sources, slot, notify_slot=0, notify_value=v), prepared.submit):
+            ticket = submit(value)
+            result = ticket.wait()
+            assert ticket.notify_value == value and result.notify_magic == ticket.notify_magic
+            assert value is None or result.notify_magic == value
+            published.append(result.notify_magic)
+    work = _work(engine, ticket)
+    handed = work.plans[0].runs + ([] if work.graph is None else work.graph.flag_values)
+    assert sorted(handed) == sorted(published)  # every submission's value went to the device, none other
+    fresh = [p for p, c in zip(published, [c for c in chosen for _ in range(2)], strict=True) if c is None]
+    assert fresh == sorted(fresh) and len(set(fresh)) == len(fresh) and not set(fresh) & set(chosen)
+    assert (work.graph is not None) == graphs
+
+
+def test_a_callers_notify_value_is_checked_before_anything_is_enqueued():
+    engine = fake_engine()
+    sources, slot = blocks(4, 4096)
+    prepared = engine.prepare(sources, slot, notify_slot=0)
+    with pytest.raises(errors.BoundsError, match="notify_value 0 is outside"):
+        prepared.submit(0)
+    with pytest.raises(errors.ProtocolError, match="without a notify_slot"):
+        engine.submit(sources, slot, notify_value=4)
+    assert prepared.state["work"].plans[0].runs == []
