@@ -132,7 +132,8 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
     for row in rows:
         print(f"{row['method']:<14} {row['case']:<12} {row['bytes']:>10} {row['median_us']:>10.0f} {row['gbps']:>6.2f}")
     result = {
-        "command": "sudo PYTHONPATH=. python3 tools/bench_mooncake.py",
+        "command": " ".join(["sudo PYTHONPATH=. python3 tools/bench_mooncake.py", *sys.argv[1:]]),
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "iterations": args.iterations,
         "warmup": args.warmup,
         "mooncake": _mooncake_version(),
@@ -144,10 +145,12 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
 
 
 def _mooncake_version() -> str:
+    import importlib.metadata
+
     from ascend_dualpath.transport.mooncake import installed_version
 
     found = installed_version()
-    return "none" if found is None else f"{found[0]} {'.'.join(map(str, found[1]))}"
+    return "none" if found is None else f"{found[0]} {importlib.metadata.version(found[0])}"
 
 
 # ---- the receiver (namespace 1) ------------------------------------------------------------------------
