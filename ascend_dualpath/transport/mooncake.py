@@ -153,11 +153,11 @@ def load_mooncake() -> Any:
         from mooncake import engine
     except ImportError as error:
         need = (
-            "the system libraries it links (apt-get install -y libibverbs1 libnl-route-3-200)"
+            "install the system libraries it links: apt-get install -y libibverbs1 libnl-route-3-200"
             if ".so" in str(error)
             else INSTALL_HINT
         )
-        raise E.BackendUnavailable(f"the Mooncake Transfer Engine does not import ({error}): install {need}") from error
+        raise E.BackendUnavailable(f"the Mooncake Transfer Engine does not import ({error}): {need}") from error
     version = installed_version()
     if version is not None and version[1] < MIN_VERSION:
         raise E.BackendUnavailable(
@@ -302,7 +302,8 @@ class MooncakeTransferEngine(TransferEngine):
         return MooncakePeer(self.session, self.protocol, buffers, self._notify.ctypes.data, self.notify_slots)
 
     def connect(self, peer: MooncakePeer, probe: bool = True) -> None:
-        """Write to ``peer`` (its :meth:`info`) from now on; with ``probe``, PeerUnreachable unless it answers."""
+        """Write to ``peer`` (its :meth:`info`) from now on; with ``probe``, PeerUnreachable unless it answers and
+        ConfigError unless its handshake matches the info."""
         self._check_open()
         check_type("peer", peer, MooncakePeer, where=f"{self!r}.connect")
         host, _, port = peer.session.rpartition(":")
@@ -314,13 +315,25 @@ class MooncakeTransferEngine(TransferEngine):
         if bad:
             raise E.ConfigError(f"peer {peer.session} published empty or null ranges {bad}")
         if probe:
-            rc = self._te.send_probe(peer.session)
-            if rc != 0:
-                raise PeerUnreachable(
-                    f"Mooncake peer {peer.session} ({self.protocol}) does not answer: send_probe returned "
-                    f"{code_name(rc)}"
-                )
+            self._handshake(peer)
         self._remote = peer
+
+    def _handshake(self, peer: MooncakePeer) -> None:
+        """Probe ``peer``, then run Mooncake's handshake now (a first write would, and would block on a stalled
+        peer for Mooncake's socket timeout); its first buffer must be the notify area the info names."""
+        rc = self._te.send_probe(peer.session)
+        if rc != 0:
+            raise PeerUnreachable(
+                f"Mooncake peer {peer.session} ({self.protocol}) does not answer: send_probe returned {code_name(rc)}"
+            )
+        first = self._te.get_first_buffer_address(peer.session)
+        if first == 0:
+            raise PeerUnreachable(f"Mooncake's handshake with {peer.session} ({self.protocol}) failed")
+        if first != peer.notify_addr:
+            raise E.ConfigError(
+                f"the peer info names the notify area {peer.notify_addr:#x}, but {peer.session} registered "
+                f"{first:#x} first: the info is not that engine's"
+            )
 
     # ---- memory ------------------------------------------------------------------------------------
 
@@ -513,7 +526,8 @@ class MooncakeTransferEngine(TransferEngine):
 
     def _finish(self, ticket: Ticket, timeout_s: float) -> TransferResult:
         self._check_open()
-        what = f"the {len(ticket.pieces)} pieces ({ticket.nbytes} bytes) of ticket {ticket.id} to {self._peer_info().session}"
+        peer = self._peer_info().session
+        what = f"the {len(ticket.pieces)} pieces ({ticket.nbytes} bytes) of ticket {ticket.id} to {peer}"
         self._await(ticket.state["writes"], timeout_s, what)
         return TransferResult(ticket.kind, ticket.selection, ticket.nbytes, len(ticket.pieces))
 

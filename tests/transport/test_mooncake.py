@@ -9,6 +9,7 @@ import hashlib
 import os
 import pathlib
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -284,6 +285,39 @@ def test_a_peer_killed_mid_transfer_ends_the_wait_within_the_bound(tmp_path):
         peer.stop()
 
 
+def test_a_stalled_peer_times_out_and_its_memory_stays_registered_until_mooncake_is_done(tmp_path):
+    """A stopped peer: the bounded wait raises WaitTimeout naming the ticket; the piece Mooncake still runs keeps
+    its source registered; once the peer resumes and the piece ends, unregister goes through."""
+    peer = Peer(BIG, tmp_path / "peer.log")
+    try:
+        with MooncakeTransferEngine(1, timeout_s=BOUND_S) as engine:
+            engine.connect(peer.info)
+            data = np.full(BIG, 9, np.uint8)
+            region = engine.register(data)
+            peer.proc.send_signal(signal.SIGSTOP)  # after connect's handshake: the write itself stalls
+            ticket = engine.submit([engine.locate(data.ctypes.data, BIG)], engine.remote_slot(peer.addr, BIG))
+            start = time.monotonic()
+            with pytest.raises(
+                E.WaitTimeout, match=f"waiting for the 1 pieces \\({BIG} bytes\\) of ticket {ticket.id}"
+            ):
+                ticket.wait(0.5)
+            assert time.monotonic() - start < 0.5 + 1.0
+            with pytest.raises(E.ProtocolError, match="orphan of piece 0"):
+                engine.unregister(region)
+            peer.proc.send_signal(signal.SIGCONT)
+            deadline = time.monotonic() + BOUND_S
+            while True:  # Mooncake finishes the piece once the peer reads again
+                try:
+                    engine.unregister(region)
+                    break
+                except E.ProtocolError:
+                    assert time.monotonic() < deadline, "Mooncake never finished the orphaned piece"
+                    time.sleep(0.01)
+            assert peer.digest(0, BIG) == wire.digest(data)
+    finally:
+        peer.stop()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -314,6 +348,8 @@ def test_bad_protocols_and_bad_peer_info_are_refused():
         assert MooncakePeer.decode(info.encode()) == info
         with pytest.raises(E.ConfigError, match="speaks 'rdma'"):
             engine.connect(MooncakePeer(info.session, "rdma", (), info.notify_addr, 8))
+        with pytest.raises(E.ConfigError, match="is not that engine's"):  # its own session, another's notify area
+            engine.connect(MooncakePeer(info.session, "tcp", (), info.notify_addr + 8, 8))
         with pytest.raises(E.ConfigError, match="not host:port"):
             engine.connect(MooncakePeer("127.0.0.1", "tcp", (), info.notify_addr, 8))
         with pytest.raises(E.ProtocolError, match="connect"):
