@@ -169,7 +169,12 @@ setup(
     # CPU machine. Install torch first (README); any torch >= 2.4 works.
     # msgspec and pyzmq carry the DualPath side channel's typed messages (the core's, not only vLLM's).
     install_requires=["numpy", "rich", "matplotlib", "msgspec", "pyzmq"],
-    extras_require={"test": ["pytest", "hypothesis", "radon", "ruff==0.17.6"]},
+    # mooncake: the Mooncake Transfer Engine's CPU wheel (TCP; CUDA and Ascend have their own wheels, docs/mooncake.md);
+    # >= 0.3.12 completes a TCP write only once the peer applied it, which the engine's notify relies on
+    extras_require={
+        "test": ["pytest", "hypothesis", "radon", "ruff==0.17.6"],
+        "mooncake": ["mooncake-transfer-engine-non-cuda>=0.3.12"],
+    },
     ext_modules=extensions(),
     cmdclass=cmdclass(),
     entry_points={"console_scripts": ["ascend-dualpath=ascend_dualpath.__main__:main"]},
