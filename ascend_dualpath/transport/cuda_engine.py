@@ -43,8 +43,6 @@ the engine's GPU, host sources inside a registered pinned buffer, the remote slo
 
 from __future__ import annotations
 
-import itertools
-import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -52,7 +50,7 @@ from ascend_dualpath import errors as E
 from ascend_dualpath._checks import check_bound
 from ascend_dualpath._triton_launch import raw_stream_getter
 from ascend_dualpath.transport import cudart
-from ascend_dualpath.transport.engine import PreparedTransfer, Ticket, TransferEngine, TransferResult
+from ascend_dualpath.transport.engine import PreparedTransfer, Ticket, TransferEngine, TransferResult, poll_until
 from ascend_dualpath.transport.kinds import (
     AIV_DATAPLANE_BIT,
     ChannelCapabilities,
@@ -75,8 +73,6 @@ GRAPH_FIRST_MAGIC = 1 << 40  # graph replays publish from here: far above the ma
 GRAPH_MAGIC_STRIDE = 1 << 32  # each prepared graph publishes in its own range of 2^32 replays
 ZERO_COPY_CONFIG = None  # the device kernel's shape for host sources; None: cuda.choose_config by request size
 PLAN_CACHE = 64
-SPIN_S = 2e-3  # a wait polls without sleeping this long (a layer block lands in tens of µs), then every POLL_S
-POLL_S = 50e-6
 
 
 def _triton_available() -> bool:
@@ -178,7 +174,6 @@ class CudaTransferEngine(TransferEngine):
         self._routes: dict = {}
         self._submissions: OrderedDict = OrderedDict()  # plain submit: (slot, notify, kind) -> its last request
         # every value the engine publishes outside a graph comes from this one counter, so each host word only grows
-        self._magics = itertools.count(1)
         self._raw_stream = raw_stream_getter()
         self._registrations = 0  # bumped by unregister: prepared work is checked again before its next submission
 
@@ -631,7 +626,9 @@ class CudaTransferEngine(TransferEngine):
     def _finish(self, ticket: Ticket, timeout_s: float) -> TransferResult:
         word, value = ticket.state["done"]
         if not word.reached(value):  # the closures of a bounded wait are built only when there is one
-            self._await(lambda: word.reached(value), timeout_s, lambda: self._waited_for(ticket))
+            poll_until(
+                lambda: word.reached(value), timeout_s, lambda: f"{self._waited_for(ticket)}: the GPU has not finished"
+            )
         result = ticket.state["result"]
         # the notify was published in stream order after every byte: the result carries it, no write follows
         return result if ticket.notify_magic is None else result.with_notify(ticket.notify_magic)
@@ -655,19 +652,9 @@ class CudaTransferEngine(TransferEngine):
             self.notify[slot].fill_(magic)
             event = torch.cuda.Event()
             event.record(self._notify_stream)
-        self._await(event.query, timeout_s, lambda: f"the notify write of {what} (slot {slot})")
-
-    def _await(self, done, timeout_s: float, what) -> None:
-        """Poll ``done()`` until it is true or ``timeout_s`` passed; the first ``SPIN_S`` without sleeping (a sleep,
-        even of 0 s, costs the thread's timer slack: ~50 µs on Linux), then in ``POLL_S`` steps."""
-        start = time.monotonic()
-        deadline = start + timeout_s
-        while not done():
-            now = time.monotonic()
-            if now >= deadline:
-                raise E.WaitTimeout(f"timed out after {timeout_s} s waiting for {what()}: the GPU has not finished")
-            if now - start > SPIN_S:
-                time.sleep(POLL_S)
+        poll_until(
+            event.query, timeout_s, lambda: f"the notify write of {what} (slot {slot}): the GPU has not finished"
+        )
 
     def _release(self, ticket: Ticket) -> None:
         # a ticket holds nothing: staging slots belong to the pattern's cached StagingCopy and are reused only in

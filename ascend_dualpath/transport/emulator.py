@@ -407,10 +407,11 @@ class EmulatedTransferEngine(TransferEngine):
             raise completion_error(first)
         return max(c.vtime_ns for c in completions)
 
-    def _publish_ready(self, ticket: Ticket, timeout_s: float) -> int:
-        magic = self.comm.next_magic() if ticket.notify_value is None else ticket.notify_value
-        self.comm.notify_record(self.peer, ticket.notify_slot, magic, timeout_s)
-        return magic
+    def _fresh_magic(self) -> int:
+        return self.comm.next_magic()  # the communicator's: unique across every engine and notify of the rank
+
+    def _write_notify(self, slot: int, value: int, timeout_s: float, what: str) -> None:
+        self.comm.notify_record(self.peer, slot, value, timeout_s)
 
     def _release(self, ticket: Ticket) -> None:
         addr = ticket.state.pop("staging_addr", None)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import abc
 import itertools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -32,6 +33,22 @@ from ascend_dualpath.transport.kinds import MemoryKind, Selection, TransferKind
 from ascend_dualpath.transport.segments import MemorySegment, RemoteSlot, WirePiece, split_segments
 
 STAGING_ALIGN = 512  # staging buffers start on 512-byte boundaries (full-speed MTE bursts)
+SPIN_S = 2e-3  # a wait polls without sleeping this long (a layer block lands in tens of µs), then every POLL_S
+POLL_S = 50e-6
+
+
+def poll_until(done, timeout_s: float, what) -> None:
+    """Call ``done()`` until it returns true or ``timeout_s`` passed (then WaitTimeout naming ``what()``, a callable so
+    the message is built only on failure). The first ``SPIN_S`` poll without sleeping (a sleep, even of 0 s, costs
+    the thread's timer slack: ~50 µs on Linux), then in ``POLL_S`` steps; ``done`` may raise the waited work's error."""
+    start = time.monotonic()
+    deadline = start + timeout_s
+    while not done():
+        now = time.monotonic()
+        if now >= deadline:
+            raise E.WaitTimeout(f"timed out after {timeout_s} s waiting for {what()}")
+        if now - start > SPIN_S:
+            time.sleep(POLL_S)
 
 
 @dataclass(frozen=True)
@@ -183,7 +200,7 @@ class StagingPool:
 class TransferEngine(abc.ABC):
     """One channel's transfer engine: layer blocks from this rank into a slot of a peer's memory, by the kind its
     gates choose (``aiv``, ``aicpu``, ``staging``, ``host``); :func:`~ascend_dualpath.transport.create_engine`
-    builds the one of a backend. Backends implement ``select``, ``_start``, ``_finish`` and ``_publish_ready``.
+    builds the one of a backend. Backends implement ``select``, ``_start``, ``_finish`` and ``_write_notify``.
 
     Example, on the emulator (two ranks of one process; rank 0 writes three blocks into rank 1's window):
 
@@ -217,6 +234,7 @@ class TransferEngine(abc.ABC):
 
     def __init__(self, timeout_s: float | None = None):
         where = type(self).__name__
+        self._magics = itertools.count(1)  # fresh notify values where the caller gives none
         self.timeout_s = _env.timeout_s() if timeout_s is None else check_bound("timeout_s", timeout_s, where=where)
 
     @abc.abstractmethod
@@ -237,10 +255,21 @@ class TransferEngine(abc.ABC):
         """Wait for every completion of ``ticket`` (bounded) and return its result; its ``notify_magic`` is None
         unless the device itself already published remote-ready (then :meth:`_publish_ready` is not called)."""
 
-    @abc.abstractmethod
     def _publish_ready(self, ticket: Ticket, timeout_s: float) -> int:
         """Write ``ticket.notify_value`` (a fresh magic when it is None) into the remote notify slot; returns the
         value written."""
+        value = self._fresh_magic() if ticket.notify_value is None else ticket.notify_value
+        self._write_notify(ticket.notify_slot, value, timeout_s, f"ticket {ticket.id}")
+        return value
+
+    def _fresh_magic(self) -> int:
+        """A notify value no earlier notify of this engine used."""
+        return next(self._magics)
+
+    @abc.abstractmethod
+    def _write_notify(self, slot: int, value: int, timeout_s: float, what: str) -> None:
+        """Write ``value`` into the peer's notify ``slot`` and wait (bounded) until it landed; ``what`` names the
+        notify in errors. Called only after every byte it follows landed."""
 
     @abc.abstractmethod
     def _release(self, ticket: Ticket) -> None:

@@ -27,7 +27,6 @@ unregister memory it still reads until Mooncake reports it done.
 from __future__ import annotations
 
 import importlib.metadata
-import itertools
 import json
 import os
 import re
@@ -43,11 +42,13 @@ import numpy as np
 from ascend_dualpath import errors as E
 from ascend_dualpath._checks import check_bound, check_type
 from ascend_dualpath.transport.engine import (
+    POLL_S,
     PreparedTransfer,
     Ticket,
     TransferEngine,
     TransferResult,
     check_notify_value,
+    poll_until,
 )
 from ascend_dualpath.transport.kinds import GateDecision, MemoryKind, Selection, TransferKind
 from ascend_dualpath.transport.segments import MemorySegment, RemoteSlot, WirePiece
@@ -56,8 +57,6 @@ PROTOCOLS = ("tcp", "rdma", "ascend")
 NOTIFY_BYTES = 8  # one int64 per notify slot
 NOTIFY_SLOTS = 1024  # as many as the emulated communicator's notify area (DualPath's abort slot is 1023)
 MAX_PIECE = 1 << 40  # Mooncake slices a request itself; the engine does not split
-SPIN_S = 2e-3  # a wait polls without sleeping this long, then every POLL_S
-POLL_S = 50e-6
 MIN_VERSION = (0, 3, 12)  # acknowledged TCP framing: COMPLETED means applied at the destination (Mooncake #2850)
 WHEELS = ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine", "mooncake-transfer-engine-npu")
 INSTALL_HINT = (
@@ -253,7 +252,6 @@ class MooncakeTransferEngine(TransferEngine):
         self._local: list[Region] = []
         self._in_flight: dict[int, Ticket] = {}
         self._orphans: list[_Write] = []  # pieces whose wait ended before Mooncake did: still read their source
-        self._magics = itertools.count(1)
         self._remote: MooncakePeer | None = None
         self._closed = False
         # inbox: the peer's notifies land here; outbox: the source word of each notify this engine writes
@@ -499,30 +497,27 @@ class MooncakeTransferEngine(TransferEngine):
 
     def _await(self, writes: list[_Write], timeout_s: float, what: str) -> None:
         """Poll every write until Mooncake completed it, bounded by ``timeout_s``; the first failure raises."""
-        start = time.monotonic()
-        deadline = start + timeout_s
-        pending = [w for w in writes if not w.done]
-        while pending:
-            for w in pending:
-                status = self._te.transfer_check_status(w.batch)
-                if status in (STATUS_COMPLETED, STATUS_FAILED):
-                    w.done = True  # Mooncake freed the batch
-                if status in (STATUS_FAILED, STATUS_TIMEOUT):
-                    p = w.piece
-                    raise E.DeviceError(
-                        f"Mooncake reported {'FAILED' if status == STATUS_FAILED else 'TIMEOUT'} for {what}: piece "
-                        f"{w.index} [{p.local_addr:#x}, +{p.nbytes}) -> {self._peer_info().session} "
-                        f"[{p.remote_addr:#x}, +{p.nbytes}) (the peer died, closed, or refused the range)"
-                    )
-            pending = [w for w in pending if not w.done]
-            now = time.monotonic()
-            if pending and now >= deadline:
-                raise E.WaitTimeout(
-                    f"timed out after {timeout_s} s waiting for {what}: {len(writes) - len(pending)} of "
-                    f"{len(writes)} pieces completed"
-                )
-            if pending and now - start > SPIN_S:
-                time.sleep(POLL_S)
+
+        def done() -> bool:
+            for w in writes:
+                if not w.done:
+                    self._check_write(w, what)
+            return all(w.done for w in writes)
+
+        poll_until(done, timeout_s, lambda: f"{what}: {sum(w.done for w in writes)} of {len(writes)} pieces completed")
+
+    def _check_write(self, w: _Write, what: str) -> None:
+        """One poll of ``w``: marks it done once Mooncake completed (or failed) it; raises its failure."""
+        status = self._te.transfer_check_status(w.batch)
+        if status in (STATUS_COMPLETED, STATUS_FAILED):
+            w.done = True  # Mooncake freed the batch
+        if status in (STATUS_FAILED, STATUS_TIMEOUT):
+            p = w.piece
+            raise E.DeviceError(
+                f"Mooncake reported {'FAILED' if status == STATUS_FAILED else 'TIMEOUT'} for {what}: piece "
+                f"{w.index} [{p.local_addr:#x}, +{p.nbytes}) -> {self._peer_info().session} "
+                f"[{p.remote_addr:#x}, +{p.nbytes}) (the peer died, closed, or refused the range)"
+            )
 
     def _finish(self, ticket: Ticket, timeout_s: float) -> TransferResult:
         self._check_open()
@@ -530,11 +525,6 @@ class MooncakeTransferEngine(TransferEngine):
         what = f"the {len(ticket.pieces)} pieces ({ticket.nbytes} bytes) of ticket {ticket.id} to {peer}"
         self._await(ticket.state["writes"], timeout_s, what)
         return TransferResult(ticket.kind, ticket.selection, ticket.nbytes, len(ticket.pieces))
-
-    def _publish_ready(self, ticket: Ticket, timeout_s: float) -> int:
-        magic = next(self._magics) if ticket.notify_value is None else ticket.notify_value
-        self._write_notify(ticket.notify_slot, magic, timeout_s, f"ticket {ticket.id}")
-        return magic
 
     def record(self, slot: int, magic: int, timeout_s: float | None = None) -> None:
         self._check_open()

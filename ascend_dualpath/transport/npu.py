@@ -37,22 +37,18 @@ process group (:func:`hccl_comm_handle`) is not known here. If it does not, the 
 
 from __future__ import annotations
 
-import itertools
 import math
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ascend_dualpath import _ext
 from ascend_dualpath import errors as E
-from ascend_dualpath.transport.engine import PreparedTransfer, Ticket, TransferEngine, TransferResult
+from ascend_dualpath.transport.engine import PreparedTransfer, Ticket, TransferEngine, TransferResult, poll_until
 from ascend_dualpath.transport.kinds import GateDecision, MemoryKind, Selection, TransferKind
 from ascend_dualpath.transport.segments import MemorySegment, RemoteSlot, WirePiece
 
 NOTIFY_BYTES = 8  # one int64 magic per notify slot
 MAX_PIECE = 1 << 62  # HcclBatchPut takes any byte count per descriptor (u64); the engine does not split
-SPIN_S = 2e-3  # a wait polls without sleeping this long, then every POLL_S
-POLL_S = 50e-6
 DEFAULT_PREPARE_TIMEOUT_S = 120  # hixl's default for HcclCommPrepare
 # descriptors per HcclBatchPut: hixl's batch size (no limit is documented; larger requests take several calls)
 MAX_DESCS_PER_PUT = 256
@@ -192,7 +188,6 @@ class NpuTransferEngine(TransferEngine):
         self._prepared = False
         self._in_flight: dict[int, Ticket] = {}
         self._orphans: list[int] = []  # events of tickets that timed out: still recorded on a stream, never reused
-        self._magics = itertools.count(1)
         self.notify, self.notify_remote_addr = None, None
         if notify is not None:
             self._set_notify(notify, notify_remote_addr)
@@ -411,22 +406,17 @@ class NpuTransferEngine(TransferEngine):
 
     def _await(self, event: int, timeout_s: float, what) -> None:
         """Poll the event (and the task queue's error slot) until done, bounded by ``timeout_s``."""
-        start = time.monotonic()
-        deadline = start + timeout_s
-        while True:
+
+        def done() -> bool:
             failed = self.native.take_async_error()
             if failed is not None:
                 call, rc = failed
                 raise E.DeviceError(f"{call} returned {code_name(call, rc)} on torch_npu's task queue during {what()}")
-            rc, done = self.native.query_event(event)
+            rc, finished = self.native.query_event(event)
             check("aclrtQueryEventStatus", rc, f"while waiting for {what()}")
-            if done:
-                return
-            now = time.monotonic()
-            if now >= deadline:
-                raise E.WaitTimeout(f"timed out after {timeout_s} s waiting for {what()}: the put has not completed")
-            if now - start > SPIN_S:
-                time.sleep(POLL_S)
+            return finished
+
+        poll_until(done, timeout_s, lambda: f"{what()}: the put has not completed")
 
     def _finish(self, ticket: Ticket, timeout_s: float) -> TransferResult:
         self._await(
@@ -438,11 +428,6 @@ class NpuTransferEngine(TransferEngine):
         )
         ticket.state["done"] = True
         return TransferResult(ticket.kind, ticket.selection, ticket.nbytes, len(ticket.pieces))
-
-    def _publish_ready(self, ticket: Ticket, timeout_s: float) -> int:
-        magic = next(self._magics) if ticket.notify_value is None else ticket.notify_value
-        self._write_notify(ticket.notify_slot, magic, timeout_s, f"ticket {ticket.id}")
-        return magic
 
     def record(self, slot: int, magic: int, timeout_s: float | None = None) -> None:
         self._check_notify_slot(slot)
