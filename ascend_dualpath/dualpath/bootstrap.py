@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ascend_dualpath.dualpath import messages as m
 from ascend_dualpath.dualpath.channels import DistChannel, QueueChannel
 from ascend_dualpath.dualpath.nodes import (
     KV_BF16_ATOL,
@@ -68,7 +69,7 @@ def in_process_engines(
             de = DecodeEngine(config, comms[DE_RANK], de_end, de_faults, _bound(engines, comms[DE_RANK]))
             yield pe, de
         finally:
-            de_end.send(("stop",))  # what DecodeEngine.stop_peer sends
+            de_end.send(m.Stop())  # what DecodeEngine.stop_peer sends
             thread.join(config.timeout_s)
             if de is not None:
                 de.close()

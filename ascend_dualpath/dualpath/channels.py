@@ -1,19 +1,21 @@
 """Control channels between the prefill and the decode engine: load plans and replies, never KV bytes.
 
-:class:`QueueChannel` is a pair of in-process queues (fast tests, one process); :class:`DistChannel` sends pickled
-messages over ``torch.distributed`` point-to-point (gloo on CPU) between engine processes. Every ``recv`` is
-bounded by its ``timeout_s``.
+:class:`QueueChannel` is a pair of in-process queues (fast tests, one process); :class:`DistChannel` sends
+messages over ``torch.distributed`` point-to-point (gloo on CPU) between engine processes. Both carry the typed
+:data:`~ascend_dualpath.dualpath.messages.EngineMessage` s as msgpack (encoded on send, decoded and checked on
+``recv``, so the in-process channel refuses what the process channel would). Every ``recv`` is bounded by its
+``timeout_s``.
 """
 
 from __future__ import annotations
 
 import datetime
-import pickle
 import queue
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
+from ascend_dualpath.dualpath import messages as m
 from ascend_dualpath.errors import ProtocolError, WaitTimeout
 
 
@@ -22,9 +24,9 @@ class EngineLost(ProtocolError):
 
 
 class Channel(Protocol):
-    def send(self, message: Any) -> None: ...
+    def send(self, message: m.EngineMessage) -> None: ...
 
-    def recv(self, timeout_s: float, what: str) -> Any: ...
+    def recv(self, timeout_s: float, what: str) -> m.EngineMessage: ...
 
 
 class QueueChannel:
@@ -39,36 +41,37 @@ class QueueChannel:
         a, b = queue.Queue(), queue.Queue()
         return cls(a, b, "decode engine"), cls(b, a, "prefill engine")
 
-    def send(self, message: Any) -> None:
-        self.outbox.put(message)
+    def send(self, message: m.EngineMessage) -> None:
+        self.outbox.put(m.encode(message))
 
-    def recv(self, timeout_s: float, what: str) -> Any:
+    def recv(self, timeout_s: float, what: str) -> m.EngineMessage:
         try:
-            return self.inbox.get(timeout=timeout_s)
+            payload = self.inbox.get(timeout=timeout_s)
         except queue.Empty:
             raise WaitTimeout(f"no {what} from the {self.peer} within {timeout_s} s") from None
+        return m.decode_engine_message(payload)
 
 
 class DistChannel:
-    """Control messages over ``torch.distributed`` point-to-point (pickled; length then payload)."""
+    """Control messages over ``torch.distributed`` point-to-point (msgpack; length then payload)."""
 
     def __init__(self, peer_rank: int, peer: str) -> None:
         self.peer_rank, self.peer = peer_rank, peer
 
-    def send(self, message: Any) -> None:
+    def send(self, message: m.EngineMessage) -> None:
         import torch.distributed as dist
 
-        payload = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
+        payload = torch.frombuffer(bytearray(m.encode(message)), dtype=torch.uint8)
         try:
             dist.send(torch.tensor([payload.numel()], dtype=torch.int64), self.peer_rank)
             dist.send(payload, self.peer_rank)
         except RuntimeError as error:
             raise EngineLost(
                 f"control channel to the {self.peer} (rank {self.peer_rank}) broke while sending "
-                f"{message[0]!r}: the engine died or hung ({error})"
+                f"{type(message).__struct_config__.tag!r}: the engine died or hung ({error})"
             ) from error
 
-    def recv(self, timeout_s: float, what: str) -> Any:
+    def recv(self, timeout_s: float, what: str) -> m.EngineMessage:
         import torch.distributed as dist
 
         size = torch.zeros(1, dtype=torch.int64)
@@ -85,4 +88,4 @@ class DistChannel:
                 f"control channel to the {self.peer} (rank {self.peer_rank}) broke while waiting for "
                 f"{what}: the engine died ({error})"
             ) from error
-        return pickle.loads(payload.numpy().tobytes())
+        return m.decode_engine_message(payload.numpy().tobytes())

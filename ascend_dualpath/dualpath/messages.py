@@ -9,8 +9,11 @@ The first message of a pair is :class:`Hello`. It carries what the sender :class
 :data:`PROTOCOL_VERSION` and its :class:`Compat` (everything that decides the bytes on the wire: the KV layout's
 kind, layer count, block tokens, token-row fields and the transfer engine's kind) with its digest;
 :func:`check_peer` refuses a peer whose version or digest differs with one error naming both values and the facts
-that differ, before any byte moves (as vLLM's NIXL handshake checks its compatibility hash). The demo engines'
-set-up carries the same :class:`Speaks`.
+that differ, before any byte moves (as vLLM's NIXL handshake checks its compatibility hash).
+
+The demo engines (:mod:`~ascend_dualpath.dualpath.nodes`) speak :data:`EngineMessage` over their
+:class:`~ascend_dualpath.dualpath.channels.Channel`: the DE's :class:`Setup` (with the same :class:`Speaks`), then
+prefetches, prefills (each a :class:`~ascend_dualpath.dualpath.read_paths.LoadPlan`) and their replies.
 
 KV bytes never travel here: they move over the transfer engine's fabric; these are control messages only.
 """
@@ -21,6 +24,7 @@ import hashlib
 
 import msgspec
 
+from ascend_dualpath.dualpath.read_paths import LoadPlan
 from ascend_dualpath.errors import ProtocolError
 from ascend_dualpath.kv.layout import KVLayout
 
@@ -208,12 +212,76 @@ class Status(Message, tag="status"):
     host_leases: int = 0
 
 
+# -- the demo engines: the DE drives, the PE prefills -----------------------------------------------------------
+class Setup(Message, tag="setup"):
+    """The DE's first message to the PE: its host buffer ``host_mem`` ``(addr, size, rkey)`` and what it speaks."""
+
+    host_mem: tuple[int, int, int]
+    speaks: Speaks
+
+
+class Ready(Message, tag="ready"):
+    """The PE took the DE's set-up."""
+
+
+class Refused(Message, tag="refused"):
+    """The PE refused the DE's set-up (``reason`` names both ends' values) and stops."""
+
+    reason: str
+
+
+class Prefetch(Message, tag="prefetch"):
+    """Start reading ``hit_block_ids`` of request ``request_id`` through the PE's storage NIC now (PE path)."""
+
+    request_id: int
+    hit_block_ids: list[bytes]
+
+
+class Drop(Message, tag="drop"):
+    """Request ``request_id`` will not be prefilled: give back its prefetch."""
+
+    request_id: int
+
+
+class Prefill(Message, tag="prefill"):
+    """Prefill one attempt of a request, as its ``plan`` says; answered by :class:`Prefilled`."""
+
+    plan: LoadPlan
+
+
+class Prefilled(Message, tag="prefilled"):
+    """The PE's answer to :class:`Prefill` of attempt ``attempt`` of ``request_id``: ``ok`` with the
+    ``first_token``, or the error's ``detail``; the bytes its storage NIC read, when its reads ran (wall clock,
+    None without reads) and the virtual completion time of its transfers."""
+
+    request_id: int
+    attempt: int
+    ok: bool
+    first_token: int | None = None
+    detail: str | None = None
+    pe_read_bytes: int = 0
+    read_started: float | None = None
+    read_finished: float | None = None
+    vtime_ns: float = 0.0
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return self.request_id, self.attempt
+
+
+class Stop(Message, tag="stop"):
+    """The PE stops serving."""
+
+
+EngineMessage = Setup | Ready | Refused | Prefetch | Drop | Prefill | Prefilled | Stop
+
 Request = Hello | StatusQuery | Plan | Consumed | Hits | Rows | Fallback | Abort | PushesEnded | WritesEnded
 Reply = Ok | Error | Welcome | Planned | Ended | Status
 
 _encoder = msgspec.msgpack.Encoder()
 _requests = msgspec.msgpack.Decoder(Request)
 _replies = msgspec.msgpack.Decoder(Reply)
+_engine_messages = msgspec.msgpack.Decoder(EngineMessage)
 
 
 def encode(message: Message) -> bytes:
@@ -236,6 +304,14 @@ def decode_reply(payload: bytes) -> Reply:
         return _replies.decode(payload)
     except (msgspec.ValidationError, msgspec.DecodeError) as error:
         raise ProtocolError(f"malformed reply: {error}") from None
+
+
+def decode_engine_message(payload: bytes) -> EngineMessage:
+    """One demo-engine message; ProtocolError naming what is wrong."""
+    try:
+        return _engine_messages.decode(payload)
+    except (msgspec.ValidationError, msgspec.DecodeError) as error:
+        raise ProtocolError(f"malformed engine message ({len(payload)} bytes): {error}") from None
 
 
 def check_peer(mine: Compat, theirs: Speaks, here: str, there: str) -> None:

@@ -31,6 +31,7 @@ from ascend_dualpath.dualpath.connector import HbmSlot, PrefillConnector, wait_r
 from ascend_dualpath.dualpath.read_paths import (
     DE_RANK,
     PE_RANK,
+    LoadPlan,
     PathTimes,
     abort_peer,
     de_side_de_path,
@@ -211,19 +212,20 @@ class PrefillEngine(_Node):
         try:
             while True:
                 message = self.channel.recv(self.config.idle_timeout_s, "control message")
-                kind = message[0]
-                if kind == "stop":
+                if isinstance(message, m.Stop):
                     return
-                if kind == "setup":  # the DE buffer, writable by this PE, once the DE speaks this protocol
-                    self._setup(*message[1:])
-                elif kind == "prefetch":
-                    self.connector.prefetch(*message[1:])
-                elif kind == "drop":
-                    self.connector.drop_prefetched(message[1])
-                elif kind == "prefill":
-                    self.channel.send(self._prefill(message[1]))
+                if isinstance(message, m.Setup):  # the DE buffer, writable by this PE, once the DE speaks this protocol
+                    self._setup(message.host_mem, message.speaks)
+                elif isinstance(message, m.Prefetch):
+                    self.connector.prefetch(message.request_id, message.hit_block_ids)
+                elif isinstance(message, m.Drop):
+                    self.connector.drop_prefetched(message.request_id)
+                elif isinstance(message, m.Prefill):
+                    self.channel.send(self._prefill(message.plan))
                 else:
-                    raise ProtocolError(f"prefill engine: unknown message {kind!r}")
+                    raise ProtocolError(
+                        f"prefill engine: {type(message).__struct_config__.tag!r} is not a PE's message"
+                    )
         finally:
             self.connector.drop_prefetched()
 
@@ -232,12 +234,12 @@ class PrefillEngine(_Node):
         try:
             m.check_peer(self.config.compat, speaks, "the prefill engine", "the decode engine")
         except ProtocolError as error:
-            self.channel.send(("refused", str(error)))
+            self.channel.send(m.Refused(reason=str(error)))
             raise
         self.comm.add_remote_mem(DE_RANK, self.C.RemoteMem(*host_mem))
-        self.channel.send(("ready",))
+        self.channel.send(m.Ready())
 
-    def _prefill(self, plan) -> tuple:
+    def _prefill(self, plan: LoadPlan) -> m.Prefilled:
         conn, model, layout = self.connector, self.model, self.layout
         try:
             conn.start_load_kv(plan)
@@ -250,21 +252,19 @@ class PrefillEngine(_Node):
             first_token = int(torch.argmax(model.logits(hidden[-1:])[-1]))
             self.served += 1
             s = conn.stats
-            return (
-                "reply",
-                plan.key,
-                True,
-                first_token,
-                None,
-                s.pe_read_bytes,
-                s.read_started,
-                s.read_finished,
-                s.vtime_ns,
+            return m.Prefilled(
+                *plan.key,
+                ok=True,
+                first_token=first_token,
+                pe_read_bytes=s.pe_read_bytes,
+                read_started=s.read_started,
+                read_finished=s.read_finished,
+                vtime_ns=s.vtime_ns,
             )
         except Exception as error:
             flag_error = conn.abort() if conn._plan is not None else None
             detail = f"{type(error).__name__}: {error}" + (f" (abort flag failed: {flag_error})" if flag_error else "")
-            return ("reply", plan.key, False, None, detail, conn.stats.pe_read_bytes, None, None, 0.0)
+            return m.Prefilled(*plan.key, ok=False, detail=detail, pe_read_bytes=conn.stats.pe_read_bytes)
         finally:
             conn.finish()
 
@@ -335,16 +335,18 @@ class DecodeEngine(_Node):
         self.namespace = config.namespace()
         self._request_ids = iter(range(1 << 62))
         region = self.buffer_region
-        self.channel.send(("setup", (region.addr, region.size, region.rkey), m.Speaks.of(config.compat)))
+        self.channel.send(m.Setup(host_mem=(region.addr, region.size, region.rkey), speaks=m.Speaks.of(config.compat)))
         reply = self.channel.recv(config.timeout_s, "setup reply")
-        if reply[0] == "refused":
-            raise ProtocolError(f"the prefill engine refused this decode engine: {reply[1]}")
+        if isinstance(reply, m.Refused):
+            raise ProtocolError(f"the prefill engine refused this decode engine: {reply.reason}")
+        if not isinstance(reply, m.Ready):
+            raise ProtocolError(f"expected the prefill engine's set-up reply, got {reply!r}")
 
     def _regions(self) -> list:
         return [self.buffer_region, self.hbm_region]
 
     def stop_peer(self) -> None:
-        self.channel.send(("stop",))
+        self.channel.send(m.Stop())
 
     # -- one wave of turns ------------------------------------------------------------------------------------------
     def serve_wave(
@@ -390,7 +392,7 @@ class DecodeEngine(_Node):
             if path is ReadPath.DE:
                 tickets = self._submit_reads(hit_ids, lease)
             elif hit:
-                self.channel.send(("prefetch", rid, hit_ids))
+                self.channel.send(m.Prefetch(request_id=rid, hit_block_ids=hit_ids))
             admitted.append(_AdmittedTurn(rid, agent, turn, prompt, gen, hit_ids, path, lease, tickets))
         results, read_spans = [], []
         pending = collections.deque(admitted)
@@ -436,7 +438,7 @@ class DecodeEngine(_Node):
             for t in pending:
                 self._release(t.lease, t.tickets)
                 if t.path is ReadPath.PE and t.hit_ids:
-                    self.channel.send(("drop", t.rid))
+                    self.channel.send(m.Drop(request_id=t.rid))
         return results, deferred, {"read_spans": read_spans, "wave_s": time.monotonic() - start}
 
     def _release(self, lease, tickets) -> None:
@@ -506,7 +508,7 @@ class DecodeEngine(_Node):
             read_bytes[ReadPath.DE] += len(hit_ids) * layout.full_block_bytes
             read_spans.append((min(t.started_at for t in tickets), max(t.finished_at for t in tickets)))
         plan = make_plan(self.comm, rid, attempt, path, prompt[hit_tokens:], hit_ids, lease.addr, layout.num_layers)
-        self.channel.send(("prefill", plan))
+        self.channel.send(m.Prefill(plan=plan))
         times = PathTimes()
         try:
             if path is ReadPath.DE and hit_ids:
@@ -517,15 +519,15 @@ class DecodeEngine(_Node):
             flag_error = abort_peer(self.leg, PE_RANK, plan.abort_to_pe)
             reply = self._reply(plan)
             raise type(error)(
-                f"{error}; PE said: {reply[4]}" + (f"; abort flag failed: {flag_error}" if flag_error else "")
+                f"{error}; PE said: {reply.detail}" + (f"; abort flag failed: {flag_error}" if flag_error else "")
             ) from error
         reply = self._reply(plan)
-        _, _, ok, first_token, detail, pe_bytes, read_started, read_finished, pe_vtime = reply
-        read_bytes[ReadPath.PE] += pe_bytes
-        if read_started is not None:
-            read_spans.append((read_started, read_finished))
-        if not ok:
-            raise PeerAborted(f"prefill engine failed request {rid}: {detail}")
+        read_bytes[ReadPath.PE] += reply.pe_read_bytes
+        if reply.read_started is not None:
+            read_spans.append((reply.read_started, reply.read_finished))
+        if not reply.ok:
+            raise PeerAborted(f"prefill engine failed request {rid}: {reply.detail}")
+        first_token, pe_vtime = reply.first_token, reply.vtime_ns
         ttft = time.monotonic() - start
         total = len(prompt)
         copies = plan.lease(layout).layer_copies(plan.de_lease_addr, self.hbm_region.addr, cfg.max_tokens)
@@ -553,10 +555,10 @@ class DecodeEngine(_Node):
             sequence,
         )
 
-    def _reply(self, plan) -> tuple:
+    def _reply(self, plan: LoadPlan) -> m.Prefilled:
         reply = self.channel.recv(self.config.timeout_s * 4, f"prefill reply for request {plan.request_id}")
-        if reply[0] != "reply" or reply[1] != plan.key:
-            raise ProtocolError(f"expected the reply to request/attempt {plan.key}, got {reply[:2]}")
+        if not isinstance(reply, m.Prefilled) or reply.key != plan.key:
+            raise ProtocolError(f"expected the reply to request/attempt {plan.key}, got {reply!r}")
         return reply
 
     def _decode(self, total: int, first_token: int, gen: int) -> list[int]:

@@ -10,6 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ascend_dualpath.dualpath import messages as m
+from ascend_dualpath.dualpath.channels import QueueChannel
+from ascend_dualpath.dualpath.read_paths import LoadPlan
+from ascend_dualpath.dualpath.scheduler import ReadPath
 from ascend_dualpath.errors import ProtocolError
 from ascend_dualpath.kv.layout import KVLayout
 
@@ -129,3 +132,62 @@ def test_a_peer_moving_other_bytes_is_refused_naming_both_digests_and_the_fact(t
 def test_a_digest_that_does_not_match_its_facts_is_refused():
     with pytest.raises(ProtocolError, match="computed differently"):
         m.check_peer(COMPAT, m.Speaks(m.PROTOCOL_VERSION, COMPAT, "0" * 16), "DE a", "PE b")
+
+
+PLANS = st.builds(
+    LoadPlan,
+    request_id=ints,
+    attempt=st.integers(0, 3),
+    path=st.sampled_from(list(ReadPath)),
+    new_tokens=st.lists(st.integers(0, 50_000), max_size=8).map(tuple),
+    hit_block_ids=st.lists(st.binary(min_size=16, max_size=16), max_size=4).map(tuple),
+    de_lease_addr=ints,
+    hit_magics=st.lists(ints, max_size=4).map(tuple),
+    save_magics=st.lists(ints, max_size=4).map(tuple),
+    abort_to_pe=ints,
+    abort_to_de=ints,
+)
+ENGINE_MESSAGES = st.one_of(
+    st.builds(m.Setup, host_mem=st.tuples(ints, ints, ints), speaks=st.just(m.Speaks.of(COMPAT))),
+    st.just(m.Ready()),
+    st.builds(m.Refused, reason=st.text(max_size=40)),
+    st.builds(m.Prefetch, request_id=ints, hit_block_ids=st.lists(st.binary(min_size=16, max_size=16), max_size=4)),
+    st.builds(m.Drop, request_id=ints),
+    st.builds(m.Prefill, plan=PLANS),
+    st.builds(
+        m.Prefilled,
+        request_id=ints,
+        attempt=st.integers(0, 3),
+        ok=st.booleans(),
+        first_token=st.none() | st.integers(0, 50_000),
+        detail=st.none() | st.text(max_size=40),
+        pe_read_bytes=ints,
+        read_started=st.none() | st.floats(0, 1e6),
+        vtime_ns=st.floats(0, 1e12),
+    ),
+    st.just(m.Stop()),
+)
+
+
+@given(ENGINE_MESSAGES)
+def test_every_demo_engine_message_survives_both_channels(message):
+    """The in-process channel carries the wire form too: what arrives is what a process channel would decode."""
+    pe_end, de_end = QueueChannel.pair()
+    de_end.send(message)
+    assert pe_end.recv(1.0, "a message") == message
+    assert m.decode_engine_message(m.encode(message)) == message
+
+
+@pytest.mark.parametrize(
+    ("raw", "match"),
+    [
+        ({"op": "prefill"}, "malformed engine message.*plan"),
+        ({"op": "prefetch", "request_id": 1, "hit_block_ids": "x"}, "malformed engine message.*hit_block_ids"),
+        ({"op": "hello"}, "malformed engine message.*hello"),  # a vLLM side-channel op is no demo engine's
+    ],
+)
+def test_a_malformed_demo_engine_message_is_refused_on_receipt(raw, match):
+    pe_end, _ = QueueChannel.pair()
+    pe_end.inbox.put(msgspec.msgpack.encode(raw))
+    with pytest.raises(ProtocolError, match=match):
+        pe_end.recv(1.0, "a message")
