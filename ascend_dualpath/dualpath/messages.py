@@ -193,6 +193,8 @@ class Status(Message, tag="status"):
 
     Its storage-NIC cap ``snic_bytes_per_s`` (None: uncapped), its read queue (``read_queue_tokens`` / ``_bytes``),
     what its storage NIC has read so far (``snic_read_bytes`` / ``_blocks``: the read-path rule's tie-break), the
+    transfers whose storage reads are queued or running now (``reading``: xfer ids, whose tokens the read queue
+    counts; the proxy then drops its own estimate of them; a peer without the field reports none), the
     requests it has not finished (``unfinished_requests`` / ``_tokens``), and what it holds now: ``host_leases``
     and ``quarantined_bytes`` (0 once every request ended and late writes are ruled out). The counters (loads per
     path, fallbacks, takeovers, failures, ...) go through vLLM's metrics (``integrations/vllm/stats.py``).
@@ -210,6 +212,7 @@ class Status(Message, tag="status"):
     unfinished_tokens: int = 0
     quarantined_bytes: int = 0
     host_leases: int = 0
+    reading: list[str] = []
 
 
 # -- the demo engines: the DE drives, the PE prefills -----------------------------------------------------------

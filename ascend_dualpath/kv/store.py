@@ -4,10 +4,10 @@ On disk (see ``docs/kv.md``) each Full Block is one file ``<root>/blocks/<id[:2]
 header (magic, version, layout fingerprint, block id, parent id, payload size, CRC-32 of the payload and of
 the header) followed by the ``[L, T, C]`` payload, zero-padded to a multiple of 4096 bytes so that
 ``O_DIRECT`` reads stay aligned. Writes go to a temporary file in the same directory, are fsync'ed and then
-renamed over the final name (and the directory fsync'ed), so a crash leaves either the whole block or
-nothing visible; temporaries left by a crash are removed when the store is opened. The index follows the disk:
-a block whose file was deleted behind the store's back counts as absent (``contains``, ``longest_prefix``,
-``read_into`` stat or open it) and leaves the index with its descendants.
+renamed over the final name (and the directory fsync'ed, once per directory for a chain written together), so a
+crash leaves either the whole block or nothing visible; temporaries left by a crash are removed when the store is
+opened. The index follows the disk: a block whose file was deleted behind the store's back counts as absent
+(``contains``, ``longest_prefix``, ``read_into`` stat or open it) and leaves the index with its descendants.
 
 :class:`BlockStore` is the seam for other backends (3FS through USRBIO, Mooncake Store): the read paths
 only use that protocol. The read queue that paces reads to a storage NIC is :mod:`ascend_dualpath.kv.read_queue`
@@ -137,6 +137,8 @@ class BlockStore(Protocol):
     def refresh(self, block_ids: Sequence[bytes]) -> int: ...
 
     def write_block(self, block_id: bytes, parent_id: bytes | None, payload: Any) -> bool: ...
+
+    def write_blocks(self, chain: Sequence[tuple[bytes, bytes | None, Any]]) -> list[bool]: ...
 
     def read_into(self, block_id: bytes, dest: Any) -> None: ...
 
@@ -312,7 +314,8 @@ class LocalBlockStore:
 
     # -- writes ---------------------------------------------------------------------------------------------------
     def write_block(self, block_id: bytes, parent_id: bytes | None, payload: Any) -> bool:
-        """Persist one Full Block durably and atomically; returns False if the block was already stored.
+        """Persist one Full Block durably and atomically (:meth:`write_blocks` of one block); returns False if the
+        block was already stored.
 
         Parameters
         ----------
@@ -321,29 +324,74 @@ class LocalBlockStore:
         payload : buffer or torch.Tensor
             ``full_block_bytes`` bytes of a ``[L, T, C]`` block.
         """
+        return self.write_blocks([(block_id, parent_id, payload)])[0]
+
+    def write_blocks(self, chain: Sequence[tuple[bytes, bytes | None, Any]]) -> list[bool]:
+        """Persist ``(block_id, parent_id, payload)`` blocks in order, durably and atomically, with one fsync round.
+
+        Each block is written to a temporary file, fsync'ed and renamed over its final name; then every directory
+        the renames touched (the blocks' ``blocks/<id[:2]>`` and ``blocks`` where a shard was created) is fsync'ed
+        once, and only then are the blocks indexed: ``len(chain)`` + (directories) fsyncs in all. A crash leaves
+        each block whole or invisible; a power loss before the directories' fsync may lose a renamed block, whose
+        descendants are then orphans, skipped when a store opens. A parent must be stored or come earlier in
+        ``chain``. Every entry is checked before anything is written (a bad one raises, nothing written); an I/O
+        error stops at its block, the blocks renamed before it still made durable and indexed. Returns, per block,
+        whether it was newly stored (False: already stored, or an earlier entry of ``chain``).
+        """
         self._check_open("write a block")
-        check_type("block_id", block_id, bytes, where=f"block store at {self.root}")
-        check_type("parent_id", parent_id, (bytes, type(None)), where=f"block store at {self.root}")
-        if len(block_id) != BLOCK_ID_BYTES or (parent_id is not None and len(parent_id) != BLOCK_ID_BYTES):
-            raise InvalidKey(
-                f"block ids must be {BLOCK_ID_BYTES} bytes, got {len(block_id)} "
-                f"and {None if parent_id is None else len(parent_id)}"
-            )
-        data = as_memoryview(payload, writable=False)
-        if data.nbytes != self.layout.full_block_bytes:
-            raise BoundsError(
-                f"block {block_id.hex()}: payload is {data.nbytes} bytes, a Full Block is "
-                f"{self.layout.full_block_bytes}"
-            )
-        if parent_id is not None and parent_id not in self.index:
-            raise InvalidKey(f"parent {parent_id.hex()} of block {block_id.hex()} is not stored; write chains in order")
-        if block_id in self.index:
-            return False
+        items = self._checked_chain(chain)
+        directories: set[Path] = set()
+        renamed: dict[bytes, bytes | None] = {}
+        stored = []
+        try:
+            for block_id, parent_id, data in items:
+                fresh = block_id not in self.index and block_id not in renamed
+                if fresh:
+                    self._write_visible(block_id, parent_id, data, directories)
+                    renamed[block_id] = parent_id
+                stored.append(fresh)
+        except Exception:  # not a crash (BaseException): what is renamed is whole, make it durable and known
+            self._make_durable(directories, renamed)
+            raise
+        self._make_durable(directories, renamed)
+        return stored
+
+    def _checked_chain(self, chain: Sequence[tuple[bytes, bytes | None, Any]]) -> list[tuple]:
+        """``chain`` with each payload as a memoryview, once every id, parent and payload size is valid."""
+        where = f"block store at {self.root}"
+        items, earlier = [], set()
+        for block_id, parent_id, payload in chain:
+            check_type("block_id", block_id, bytes, where=where)
+            check_type("parent_id", parent_id, (bytes, type(None)), where=where)
+            if len(block_id) != BLOCK_ID_BYTES or (parent_id is not None and len(parent_id) != BLOCK_ID_BYTES):
+                raise InvalidKey(
+                    f"block ids must be {BLOCK_ID_BYTES} bytes, got {len(block_id)} "
+                    f"and {None if parent_id is None else len(parent_id)}"
+                )
+            data = as_memoryview(payload, writable=False)
+            if data.nbytes != self.layout.full_block_bytes:
+                raise BoundsError(
+                    f"block {block_id.hex()}: payload is {data.nbytes} bytes, a Full Block is "
+                    f"{self.layout.full_block_bytes}"
+                )
+            if parent_id is not None and parent_id not in self.index and parent_id not in earlier:
+                raise InvalidKey(
+                    f"parent {parent_id.hex()} of block {block_id.hex()} is not stored; write chains in order"
+                )
+            items.append((block_id, parent_id, data))
+            earlier.add(block_id)
+        return items
+
+    def _write_visible(
+        self, block_id: bytes, parent_id: bytes | None, data: memoryview, directories: set[Path]
+    ) -> None:
+        """Write one block to a temporary file, fsync it and rename it over its final name; ``directories`` gets
+        the directories whose entries changed (fsync'ed by :meth:`_make_durable`)."""
         header = BlockHeader(data.nbytes, zlib.crc32(data), self.layout.fingerprint(), block_id, parent_id)
         final = self.path_of(block_id)
         if not final.parent.exists():
             final.parent.mkdir(exist_ok=True)
-            _fsync_dir(self._blocks_dir)
+            directories.add(self._blocks_dir)
         temporary = final.parent / f".{final.stem}.{os.getpid()}.{threading.get_ident()}{TEMP_SUFFIX}"
         padding = bytes(-data.nbytes % IO_ALIGN)
         fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -368,9 +416,14 @@ class LocalBlockStore:
         os.close(fd)
         self.faults.before_rename(block_id)  # a crash here must leave no visible block
         os.replace(temporary, final)
-        _fsync_dir(final.parent)
-        self.index.add(block_id, parent_id)
-        return True
+        directories.add(final.parent)
+
+    def _make_durable(self, directories: set[Path], renamed: dict[bytes, bytes | None]) -> None:
+        """fsync each directory once, then index the renamed blocks (in chain order): known once durable."""
+        for directory in sorted(directories):
+            _fsync_dir(directory)
+        for block_id, parent_id in renamed.items():
+            self.index.add(block_id, parent_id)
 
     def remove(self, block_id: bytes) -> list[bytes]:
         """Delete a block and its descendants (unreachable without it); returns the removed ids."""

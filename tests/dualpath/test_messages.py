@@ -68,6 +68,7 @@ REPLIES = st.one_of(
         snic_bytes_per_s=st.none() | st.floats(1, 1e12),
         unfinished_tokens=ints,
         host_leases=ints,
+        reading=st.lists(ids, max_size=4),
     ),  # fmt: skip
 )
 
@@ -86,6 +87,13 @@ def test_the_wire_form_is_a_map_with_its_op():
     assert msgspec.msgpack.decode(m.encode(m.Consumed(xfer_id="x", layer=3))) == {"op": "consumed", "xfer_id": "x",
                                                                                  "layer": 3}  # fmt: skip
     assert msgspec.msgpack.decode(m.encode(m.StatusQuery())) == {"op": "status"}
+
+
+def test_a_status_from_a_peer_without_reading_decodes_with_none():
+    """An older peer's status has no ``reading``: it decodes, naming no transfer."""
+    wire = msgspec.msgpack.decode(m.encode(m.Status(role="decode", node="n", device_id=0, reading=["x"])))
+    del wire["reading"]
+    assert m.decode_reply(msgspec.msgpack.encode(wire)).reading == []
 
 
 @pytest.mark.parametrize(

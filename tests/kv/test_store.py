@@ -135,6 +135,92 @@ def test_crash_between_write_and_rename_leaves_no_visible_block(tmp_path):
     assert torch.equal(out, blocks[1])
 
 
+def chain_of(layout: KVLayout, blocks: torch.Tensor) -> list[tuple[bytes, bytes | None, torch.Tensor]]:
+    """``(block id, parent id, payload)`` of each block of one hash chain."""
+    tokens = list(range(len(blocks) * layout.block_tokens))
+    ids = block_hashes(tokens, layout.block_tokens, namespace=layout.fingerprint())
+    return [(block_id, ids[b - 1] if b else None, blocks[b]) for b, block_id in enumerate(ids)]
+
+
+@settings(max_examples=20, deadline=None)
+@given(count=st.integers(1, 8), stored_before=st.integers(0, 8), seed=st.integers(0, 2**16))
+def test_a_chain_costs_one_fsync_per_new_block_and_one_per_directory(tmp_path_factory, count, stored_before, seed):
+    """``write_blocks``: one fsync per new block's file, then one per directory its renames touched (its shards,
+    and ``blocks`` where a shard was new), against two per block written one at a time; blocks already stored
+    cost nothing and return False; every block reads back bit-exact."""
+    store = LocalBlockStore(tmp_path_factory.mktemp("s"), FP8_LAYOUT)
+    chain = chain_of(FP8_LAYOUT, make_blocks(FP8_LAYOUT, count, seed))
+    stored_before = min(stored_before, count)
+    assert store.write_blocks(chain[:stored_before]) == [True] * stored_before
+    old_shards = {store.path_of(block_id).parent for block_id, _, _ in chain[:stored_before]}
+    new_shards = {store.path_of(block_id).parent for block_id, _, _ in chain[stored_before:]}
+    fsyncs = []
+    real_fsync = os.fsync
+    os.fsync = lambda fd: (fsyncs.append(fd), real_fsync(fd))[1]  # hypothesis and monkeypatch do not mix
+    try:
+        assert store.write_blocks(chain) == [False] * stored_before + [True] * (count - stored_before)
+    finally:
+        os.fsync = real_fsync
+    assert len(fsyncs) == (count - stored_before) + len(new_shards) + bool(new_shards - old_shards)
+    out = poisoned(FP8_LAYOUT.full_block_bytes)
+    for block_id, _, block in chain:
+        store.read_into(block_id, out)
+        assert torch.equal(out, block)
+    store.close()
+
+
+def test_a_crash_inside_a_chain_leaves_the_blocks_before_whole_and_the_rest_invisible(tmp_path):
+    faults = FaultInjector()
+    store = LocalBlockStore(tmp_path, FP8_LAYOUT, faults=faults)
+    chain = chain_of(FP8_LAYOUT, make_blocks(FP8_LAYOUT, 4))
+    ids = [block_id for block_id, _, _ in chain]
+    faults.crash_next_write_before_rename(ids[2])
+    with pytest.raises(FaultInjector.SimulatedCrash):
+        store.write_blocks(chain)
+    # blocks 0 and 1 were renamed whole; block 2 is a fsync'ed temporary, block 3 was never started
+    assert [store.path_of(block_id).exists() for block_id in ids] == [True, True, False, False]
+    assert len(list(tmp_path.rglob(".*.tmp"))) == 1
+    restarted = LocalBlockStore(tmp_path, FP8_LAYOUT)
+    assert restarted.removed_temporaries == 1 and list(tmp_path.rglob("*.tmp")) == []
+    assert restarted.longest_prefix(ids) == 2
+    out = torch.empty(FP8_LAYOUT.full_block_bytes, dtype=torch.uint8)
+    for block_id, _, block in chain[:2]:
+        restarted.read_into(block_id, out)
+        assert torch.equal(out, block)
+    assert restarted.write_blocks(chain) == [False, False, True, True]
+    assert restarted.longest_prefix(ids) == 4
+
+
+def test_an_io_error_inside_a_chain_keeps_the_blocks_before_durable_and_known(tmp_path, monkeypatch):
+    store = LocalBlockStore(tmp_path, FP8_LAYOUT)
+    chain = chain_of(FP8_LAYOUT, make_blocks(FP8_LAYOUT, 4))
+    ids = [block_id for block_id, _, _ in chain]
+    real_pwritev, calls = os.pwritev, []
+
+    def pwritev(fd, buffers, offset):
+        calls.append(fd)
+        if len(calls) == 3:  # the third block's file
+            raise OSError(errno.ENOSPC, "injected: no space left")
+        return real_pwritev(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "pwritev", pwritev)
+    with pytest.raises(OSError, match="no space left"):
+        store.write_blocks(chain)
+    assert store.longest_prefix(ids) == 2 and list(tmp_path.rglob("*.tmp")) == []
+    assert LocalBlockStore(tmp_path, FP8_LAYOUT).longest_prefix(ids) == 2
+
+
+def test_a_bad_entry_refuses_the_whole_chain_before_anything_is_written(store):
+    chain = chain_of(FP8_LAYOUT, make_blocks(FP8_LAYOUT, 3))
+    short = [*chain[:2], (chain[2][0], chain[2][1], chain[2][2][:-1])]
+    with pytest.raises(BoundsError, match="a Full Block is"):
+        store.write_blocks(short)
+    with pytest.raises(InvalidKey, match="is not stored; write chains in order"):
+        store.write_blocks(chain[1:])  # its first block's parent is neither stored nor in the chain
+    assert store.longest_prefix([block_id for block_id, _, _ in chain]) == 0
+    assert list(store.root.rglob("*.kvb")) == []
+
+
 def flip_payload_byte_on_disk(store: LocalBlockStore, block_id: bytes, offset: int) -> None:
     with open(store.path_of(block_id), "r+b") as handle:
         handle.seek(HEADER_BYTES + offset)

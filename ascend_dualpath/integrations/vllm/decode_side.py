@@ -145,6 +145,11 @@ class DecodeSide:
         with self._lock:
             return [x.plan.prompt_tokens for x in self._xfers.values()]
 
+    def reading(self) -> list[str]:
+        """The transfers whose hit reads through this DE's storage NIC are queued or running."""
+        with self._lock:
+            return [xfer_id for xfer_id, x in self._xfers.items() if not all(t.done for t in x.reads)]
+
     # -- handlers --------------------------------------------------------------------------------------------------
     def _on_hello(self, message: m.Hello) -> m.Welcome:
         """A PE's first message: check that it speaks this version and moves these bytes, then make (or, after

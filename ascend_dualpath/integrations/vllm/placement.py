@@ -17,8 +17,10 @@ Two placements:
 Engine state in a report: an engine's tokens and sequences are the larger of what its connector reports
 unfinished and what this proxy has sent it and not seen finish (the proxy's own requests are most of what the
 connector counts, and the connector learns of a request only once vLLM schedules it); a node's read queue is the
-sum of its instances' reported queues plus the hit tokens of requests this proxy sent there whose prefill has not
-finished; a DE's free HBM is, in KV blocks, ``num_gpu_blocks - max(used, blocks of this proxy's requests in
+sum of its instances' reported queues plus the hit tokens of requests this proxy sent there whose reads no instance
+has reported yet (a status names the transfers whose reads are queued or running, ``reading``: from the first
+round that shows one, its read is in the instance's queue, and once it ends in no queue, so the proxy's estimate of
+it goes; a read that starts and ends between two rounds stays in the estimate until its prefill finishes); a DE's free HBM is, in KV blocks, ``num_gpu_blocks - max(used, blocks of this proxy's requests in
 flight there)``, unknown (never a limit) while its ``/metrics`` does not answer. A request's needs are estimated
 from its prompt tokens (the proxy counts them with a PE's tokenizer, else :func:`estimated_tokens`): the storage hits
 (``cached`` tokens) are the prompt's leading blocks that requests this proxy had answered in full left in the store
@@ -39,6 +41,7 @@ import dataclasses
 import itertools
 import math
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -161,12 +164,13 @@ def profile_from_thresholds(alpha: int, beta: int) -> EngineProfile:
 @dataclasses.dataclass
 class Ledger:
     """What this proxy sent and has not seen finish, per instance name (tokens, sequences, DE blocks, the PE's
-    prefills in FIFO order as ``(cached, remaining)`` tokens) and per node (hit tokens to read)."""
+    prefills in FIFO order as ``(cached, remaining)`` tokens), and the reads no instance has reported yet: ``reads``
+    maps a transfer's xfer id to ``(node, hit tokens)``."""
 
     tokens: dict[str, int] = dataclasses.field(default_factory=dict)
     seqs: dict[str, int] = dataclasses.field(default_factory=dict)
     blocks: dict[str, int] = dataclasses.field(default_factory=dict)
-    reads: dict[str, int] = dataclasses.field(default_factory=dict)
+    reads: dict[str, tuple[str, int]] = dataclasses.field(default_factory=dict)
     prefills: dict[str, dict[int, tuple[int, int]]] = dataclasses.field(default_factory=dict)
 
     def add(self, name: str, tokens: int, blocks: int = 0, seqs: int = 1) -> None:
@@ -177,6 +181,13 @@ class Ledger:
 
     def remove(self, name: str, tokens: int, blocks: int = 0) -> None:
         self.add(name, -tokens, -blocks, seqs=-1)
+
+    def drop_reported_reads(self, status: dict[str, dict | None]) -> None:
+        """Forget the reads the status replies name in ``reading``: each is in its instance's read queue now
+        (and counted there) or, later, read; counting it here as well would count it twice."""
+        for reply in status.values():
+            for xfer_id in (reply or {}).get("reading", ()):
+                self.reads.pop(xfer_id, None)
 
 
 @dataclasses.dataclass
@@ -190,7 +201,7 @@ class Snapshot:
 @dataclasses.dataclass
 class Placement:
     """One request's place: its prompt ``tokens`` of which ``cached`` hit the store, its DE ``blocks``, its PE and
-    DE, read path, the queues the path was chosen on, and the reasons, each ``"<rule> <detail>"`` (the rule, before
+    DE (which know it by ``xfer_id``), read path, the queues the path was chosen on, and the reasons, each ``"<rule> <detail>"`` (the rule, before
     the first space, labels ``adp_proxy_placements_total``)."""
 
     request_id: int
@@ -205,6 +216,7 @@ class Placement:
     de_queue_tokens: int | None
     rules: list[str]
     waited_s: float = 0.0
+    xfer_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)  # both instances know it by this
 
 
 @dataclasses.dataclass
@@ -231,10 +243,12 @@ class _Reports:
 
 
 def node_queues(cluster: Cluster, snap: Snapshot, ledger: Ledger) -> dict[str, int]:
-    """Each node's read queue in tokens: its instances' reported queues plus the reads this proxy sent there,
-    scaled to the fastest node's storage NIC (:func:`node_rate_scales`), so that a longer queue is one that
+    """Each node's read queue in tokens: its instances' reported queues plus the reads this proxy sent there that no
+    instance has reported yet (:meth:`Ledger.drop_reported_reads`), scaled to the fastest node's storage NIC (:func:`node_rate_scales`), so that a longer queue is one that
     takes longer to drain and alpha (tokens the fastest node reads in 3 s) means 3 s of backlog on every node."""
-    queues = {node: ledger.reads.get(node, 0) for node in cluster.nodes}
+    queues = dict.fromkeys(cluster.nodes, 0)
+    for node, tokens in ledger.reads.values():
+        queues[node] += tokens
     for instance in cluster.instances:
         status = snap.status.get(instance.name)
         if status is not None:
@@ -432,6 +446,7 @@ class Placer:
         )
         status = {i.name: r for i, r in zip(instances, results[: len(instances)], strict=True)}
         kv = {i.name: r for i, r in zip(decode, results[len(instances) :], strict=True)}
+        self.ledger.drop_reported_reads(status)
         for blocks in kv.values():
             if blocks is not None:
                 self._block_size = blocks.block_size
@@ -470,14 +485,15 @@ class Placer:
         work = (0, placement.tokens) if hit_all else (placement.cached, placement.tokens - placement.cached)
         self.ledger.prefills.setdefault(placement.pe.name, {})[placement.request_id] = work
         read_node = placement.pe.node if placement.path == "pe" else placement.de.node
-        self.ledger.reads[read_node] = self.ledger.reads.get(read_node, 0) + placement.cached
+        if placement.cached:
+            self.ledger.reads[placement.xfer_id] = (read_node, placement.cached)
 
     def prefill_done(self, placement: Placement) -> None:
-        """The PE answered (or failed): its tokens and the request's reads leave the ledger."""
+        """The PE answered (or failed): its tokens and the request's read, if no instance reported it, leave the
+        ledger."""
         self.ledger.remove(placement.pe.name, placement.tokens)
         self.ledger.prefills.get(placement.pe.name, {}).pop(placement.request_id, None)
-        read_node = placement.pe.node if placement.path == "pe" else placement.de.node
-        self.ledger.reads[read_node] -= placement.cached
+        self.ledger.reads.pop(placement.xfer_id, None)
         self._notify()
 
     def decode_done(self, placement: Placement) -> None:

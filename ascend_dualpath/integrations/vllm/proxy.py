@@ -54,7 +54,6 @@ import functools
 import itertools
 import json
 import time
-import uuid
 from collections.abc import Callable
 
 import aiohttp
@@ -410,7 +409,7 @@ class DualPathProxy:
 
     def _record(self, endpoint: str, placement: Placement, tokens_from: str, cached_from: str) -> Decision:
         decision = Decision(
-            xfer_id=uuid.uuid4().hex, endpoint=endpoint, path=placement.path,
+            xfer_id=placement.xfer_id, endpoint=endpoint, path=placement.path,
             pe_queue_tokens=placement.pe_queue_tokens, de_queue_tokens=placement.de_queue_tokens,
             rule=placement.path_rule, prefill=placement.pe.name, decode=placement.de.name,
             placement=self.cfg.placement, split=self.cfg.split, rules=tuple(placement.rules),

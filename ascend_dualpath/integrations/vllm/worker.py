@@ -779,6 +779,12 @@ class DualPathWorker:
         stats = self.read_queue.stats()
         token_bytes = self.layout.kv_bytes(1)
         unfinished = self.decode.unfinished_tokens() + [x.prompt_tokens for x in list(self._pe_xfers.values())]
+        # the loads of the engine thread's current step (a list it replaces, never mutates, while this thread reads)
+        reading = [
+            load.spec.xfer.xfer_id
+            for load in self._loads
+            if load.spec.xfer is not None and not all(t.done for r in load.reads for t in r.tickets)
+        ]
         return m.Status(
             role=self.settings.role,
             node=self.settings.node,
@@ -792,6 +798,7 @@ class DualPathWorker:
             unfinished_tokens=sum(unfinished),
             quarantined_bytes=self.quarantine.held_bytes,
             host_leases=self.dataplane.host.stats().live_leases if self.dataplane is not None else 0,
+            reading=reading + self.decode.reading(),
         )
 
     def stats_since_last(self) -> tuple[dict[str, int], list[float], int] | None:

@@ -19,9 +19,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 
 def status_reply(
-    node: str, role: str, queue_tokens: int = 0, read_blocks: int = 0, unfinished_tokens: int = 40
+    node: str,
+    role: str,
+    queue_tokens: int = 0,
+    read_blocks: int = 0,
+    unfinished_tokens: int = 40,
+    reading: list[str] | None = None,
 ) -> dict:
-    """A status reply exactly as the design file specifies it."""
+    """A status reply exactly as the design file specifies it (``reading=None``: a peer without the field)."""
+    extra = {} if reading is None else {"reading": reading}
     return {
         "op": "status",
         "role": role,
@@ -35,6 +41,7 @@ def status_reply(
         "unfinished_tokens": unfinished_tokens,
         "host_leases": 2,
         "quarantined_bytes": 4096,
+        **extra,
     }
 
 

@@ -91,6 +91,25 @@ def test_every_pe_works_with_every_de_on_every_path(deploy):
         assert status["role"] == "prefill" and status["unfinished_requests"] == 0
 
 
+@pytest.mark.parametrize(("path", "split", "readers"), [("pe", False, {"pe0"}), ("de", False, {"de0"}),
+                                                        ("de", True, {"pe0", "de0"})])  # fmt: skip
+def test_the_status_names_the_transfers_whose_reads_are_queued_or_running(deploy, path, split, readers):
+    """While a request's hit blocks are read (8 blocks of 768 bytes at 15 kB/s: about 0.4 s), the status of each
+    instance reading them names its xfer id in ``reading`` and no other instance does; once read, none does."""
+    d = deploy(1, 1, snic={"pe0": 15e3, "de0": 15e3})
+    outcome: list = []
+    thread = threading.Thread(target=lambda: outcome.append(_run(d, "pe0", "de0", 37, 8, path, split, 3)))
+    thread.start()
+    seen: set[str] = set()
+    while thread.is_alive():  # the read, then the prefill: the harness bounds each wait
+        seen |= {name for name in ("pe0", "de0") if "x0" in d.instances[name].worker.status().reading}
+        time.sleep(0.005)
+    thread.join()
+    assert outcome and outcome[0][2] == set()
+    assert seen == readers
+    assert [d.instances[name].worker.status().reading for name in ("pe0", "de0")] == [[], []]
+
+
 def test_the_split_follows_the_storage_nic_caps(deploy):
     """The DE's storage NIC capped 4x lower than the PE's, both read queues idle: the DE reads 1/5 of the blocks."""
     d = deploy(1, 1, snic={"pe0": 40e6, "de0": 10e6})

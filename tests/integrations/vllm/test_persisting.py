@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from ascend_dualpath.errors import AdpError, ArgumentTypeError, ConfigError
 from ascend_dualpath.integrations.vllm.metadata import PersistSpec
 from ascend_dualpath.integrations.vllm.persisting import PersistAnnouncements, Persister
+from ascend_dualpath.kv.layout import KVLayout, block_hashes
+from ascend_dualpath.kv.store import LocalBlockStore
 
 IDS = [bytes([i]) * 16 for i in range(4)]
 
@@ -36,16 +40,17 @@ def test_an_announcement_is_pending_until_withdrawn_or_stale(tmp_path):
 
 
 class _Store:
-    """Writes succeed except for ``failing``; records what was written."""
+    """Writes succeed unless the chain holds ``failing`` (refused whole, as the store checks a chain before writing
+    any of it); records what was written."""
 
     def __init__(self, failing: bytes | None = None) -> None:
         self.failing, self.written = failing, []
 
-    def write_block(self, block_id: bytes, parent: bytes | None, payload: object) -> bool:
-        if block_id == self.failing:
-            raise AdpError(f"injected write failure of {block_id.hex()}")
-        self.written.append(block_id)
-        return True
+    def write_blocks(self, chain: list) -> list[bool]:
+        if any(block_id == self.failing for block_id, _, _ in chain):
+            raise AdpError(f"injected write failure of {self.failing.hex()}")
+        self.written += [block_id for block_id, _, _ in chain]
+        return [True] * len(chain)
 
 
 @pytest.mark.parametrize("failing", [None, IDS[2]])
@@ -64,6 +69,44 @@ def test_the_worker_withdraws_every_announcement_written_or_not(tmp_path, failin
     finally:
         persister.close()
     assert done == {"r"}
-    assert persister.store.written == (IDS[1:] if failing is None else IDS[1:2])
-    assert (counters.persisted_blocks, counters.failures) == ((3, 0) if failing is None else (1, 1))
+    assert persister.store.written == (IDS[1:] if failing is None else [])
+    assert (counters.persisted_blocks, counters.failures) == ((3, 0) if failing is None else (0, 1))
     assert not any(announcements.pending(i) for i in IDS)
+
+
+def _persist_and_wait(persister: Persister, spec: PersistSpec, block) -> None:
+    persister.persist(spec, block)
+    deadline = time.monotonic() + 10
+    while not persister.finished():
+        assert time.monotonic() < deadline, "the writes did not end"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("blocks", [1, 6])
+def test_a_request_is_persisted_with_one_fsync_per_block_and_one_per_directory(tmp_path, monkeypatch, blocks):
+    """A request of N new blocks costs N fsyncs (each block's file) plus one per directory its blocks went to
+    (their ``blocks/<id[:2]>`` shards, and ``blocks`` itself when a shard was created), not two per block; the
+    blocks read back bit-exact and no announcement is left."""
+    layout = KVLayout.mla_fp8(num_layers=2, block_tokens=4)
+    store = LocalBlockStore(tmp_path, layout)
+    ids = block_hashes(list(range(4 * blocks)), 4, namespace=layout.fingerprint())
+    payloads = torch.randint(0, 256, (blocks, layout.full_block_bytes), dtype=torch.uint8)
+    announcements = PersistAnnouncements(tmp_path, 60.0)
+    announcements.announce(ids)
+    fsyncs = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (fsyncs.append(fd), real_fsync(fd))[1])
+    persister = Persister(store, announcements, SimpleNamespace(persisted_blocks=0, failures=0))
+    try:
+        _persist_and_wait(persister, PersistSpec("r", 0, ids, list(range(blocks))), lambda i: payloads[i].clone())
+    finally:
+        persister.close()
+    shards = {store.path_of(block_id).parent for block_id in ids}
+    assert len(fsyncs) == blocks + len(shards) + 1  # + 1: ``blocks``, where every shard was new
+    assert persister.counters.persisted_blocks == blocks and store.longest_prefix(ids) == blocks
+    out = torch.empty(layout.full_block_bytes, dtype=torch.uint8)
+    for block_id, payload in zip(ids, payloads, strict=True):
+        store.read_into(block_id, out)
+        assert torch.equal(out, payload)
+    assert not any(announcements.pending(block_id) for block_id in ids)
+    store.close()

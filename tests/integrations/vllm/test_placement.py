@@ -9,6 +9,8 @@ import json
 import time
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("vllm")
 aiohttp = pytest.importorskip("aiohttp")
@@ -342,7 +344,7 @@ def test_read_queues_on_unequal_storage_nics_compare_by_time_to_drain():
         "prefill1": {"read_queue_tokens": 500, "snic_bytes_per_s": 2e6},  # the fast node: 4 MB/s in all
         "decode0": {"read_queue_tokens": 100, "snic_bytes_per_s": 2e6},
     }
-    ledger = Ledger(reads={"slow": 100})  # sent there, not read yet
+    ledger = Ledger(reads={"x": ("slow", 100)})  # sent there, no instance reported it yet
     queues = node_queues(cluster, Snapshot(status, {}), ledger)
     assert queues == {"slow": 1600, "fast": 600}  # (300 + 100) x 4: the slow node drains last
     status["decode0"] = {"read_queue_tokens": 100}  # a cap unknown: no scaling
@@ -415,6 +417,75 @@ def test_hits_are_the_leading_blocks_that_requests_answered_in_full_left_in_the_
             assert (await post("y " * 40))["cached_tokens"] == 0  # the failed request stored nothing
             c.pes[0].tokens_per_word = None  # no /tokenize: words, every one taken as a hit
             assert [(d := await post(first))["cached_tokens"], d["cached_from"]] == [40, "assumed"]
-            assert set(c.proxy.placer.ledger.reads.values()) == {0}  # every read went back
+            assert c.proxy.placer.ledger.reads == {}  # every read went back
+
+    run(body())
+
+
+def test_a_read_the_instance_reports_is_counted_once():
+    """A read the PE's status names in ``reading`` is in its reported queue: the next placement sees it once, not
+    once there and once more in the proxy's own estimate; once the read ended (no queue, no longer named) it is
+    gone although the PE has not answered yet, while a read no status named yet still counts."""
+
+    async def body():
+        async with Cluster([("n0", {"unfinished_tokens": 0})], [("n1", 0, {}, FREE)], policy="pe") as c:
+            c.pes[0].prefill_delay_s = 1.0  # every prefill stays unfinished until the three requests are placed
+
+            async def sent(words: int) -> asyncio.Task:  # the request, once the PE has it (its placement is made)
+                task = asyncio.create_task(c.post(words=words))  # every word taken as a hit
+                deadline, count = time.monotonic() + 5, len(c.pes[0].bodies)
+                while len(c.pes[0].bodies) == count:
+                    assert time.monotonic() < deadline, "the PE never got the request"
+                    await asyncio.sleep(0.01)
+                return task
+
+            tasks = [await sent(50)]
+            xfer_id = c.pes[0].bodies[0]["kv_transfer_params"]["dualpath"]["xfer_id"]
+            c.pe_sides[0].reply = status_reply("n0", "prefill", queue_tokens=50, unfinished_tokens=0, reading=[xfer_id])
+            tasks.append(await sent(2))
+            c.pe_sides[0].reply = status_reply("n0", "prefill", unfinished_tokens=0, reading=[])  # read, not answered
+            tasks.append(await sent(3))
+            assert [status for status, _ in await asyncio.gather(*tasks)] == [200] * 3
+            queues = [d["pe_queue_tokens"] for d in await c.decisions()]
+            assert queues == [0, 50, 2]  # counted twice, it was [0, 100, 52]
+
+    run(body())
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(1, 300), st.sampled_from(["unseen", "queued", "read"])), max_size=6))
+def test_a_node_queue_counts_each_read_once(reads):
+    """Reads placed on node ``a``, each unseen by any status, reported ``reading`` (in the queue the status
+    reports), or reported once and read since: the node's queue is the reported queue plus the unseen reads, and
+    the proxy's estimate of a read never comes back once an instance reported it."""
+
+    async def body():
+        cluster = cluster_mod.cluster_from_flags(["http://h:1,node=a"], ["http://h:2,node=b"])
+        live = {"reading": [], "queue": 0}
+
+        async def status(instance):
+            if instance.role == "decode":
+                return status_reply(instance.node, "decode", unfinished_tokens=0)
+            reply = status_reply("a", "prefill", queue_tokens=live["queue"], unfinished_tokens=0)
+            return {**reply, "reading": live["reading"]}
+
+        async def kv_blocks(instance):
+            return None
+
+        placer = Placer(cluster, status, kv_blocks, CollectorRegistry(), placement="round-robin", read_path="pe")
+        placed = [await placer.place({"prompt": "w " * hits, "max_tokens": 1}) for hits, _ in reads]
+        seen = [(p, hits, state) for p, (hits, state) in zip(placed, reads, strict=True) if state != "unseen"]
+        live["reading"] = [p.xfer_id for p, _, _ in seen]  # every reported read queued at first
+        live["queue"] = sum(hits for _, hits, _ in seen)
+        await placer.snapshot(with_kv=False)
+        live["reading"] = [p.xfer_id for p, _, state in seen if state == "queued"]  # then the "read" ones ended
+        live["queue"] = sum(hits for _, hits, state in seen if state == "queued")
+        snap = await placer.snapshot(with_kv=False)
+        unseen = sum(hits for hits, state in reads if state == "unseen")
+        assert node_queues(cluster, snap, placer.ledger)["a"] == live["queue"] + unseen
+        for placement in placed:
+            placer.prefill_done(placement)
+        assert node_queues(cluster, snap, placer.ledger) == {"a": live["queue"], "b": 0}
+        assert placer.ledger.reads == {}
 
     run(body())
