@@ -20,6 +20,7 @@ ends, however it ends: a block is indexed and its announcement withdrawn only on
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -28,6 +29,8 @@ from typing import Any
 
 from ascend_dualpath._checks import check_bound
 from ascend_dualpath.errors import AdpError
+
+log = logging.getLogger(__name__)
 
 DIR_NAME = "persisting"
 
@@ -74,7 +77,7 @@ class Persister:
     """Writes finished requests' new full blocks to ``store`` behind the engine, one writer thread.
 
     ``counters`` gets ``persisted_blocks`` (blocks newly stored) and ``failures`` (a request's chain the store
-    refused: none of its blocks is written).
+    refused, none of its blocks written; or a disk error part-way, the blocks before it stored).
     """
 
     def __init__(self, store: Any, announcements: PersistAnnouncements, counters: Any) -> None:
@@ -96,8 +99,9 @@ class Persister:
         chain = [(spec.store_ids[i], spec.store_ids[i - 1] if i > 0 else None, payload) for i, payload in payloads]
         try:
             self.counters.persisted_blocks += sum(self.store.write_blocks(chain))
-        except AdpError:  # checked before any write (a parent gone since the lookup, ...): nothing of it is stored
+        except (AdpError, OSError) as error:  # a chain refused before any write, or the disk failed part-way
             self.counters.failures += 1
+            log.warning("DualPath: persisting request %s failed: %s: %s", spec.req_id, type(error).__name__, error)
         finally:
             self.announcements.withdraw(spec.store_ids[spec.first_block :])  # none is awaited any longer
 

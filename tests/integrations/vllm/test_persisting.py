@@ -43,23 +43,24 @@ class _Store:
     """Writes succeed unless the chain holds ``failing`` (refused whole, as the store checks a chain before writing
     any of it); records what was written."""
 
-    def __init__(self, failing: bytes | None = None) -> None:
-        self.failing, self.written = failing, []
+    def __init__(self, failing: bytes | None = None, error: type = AdpError) -> None:
+        self.failing, self.error, self.written = failing, error, []
 
     def write_blocks(self, chain: list) -> list[bool]:
         if any(block_id == self.failing for block_id, _, _ in chain):
-            raise AdpError(f"injected write failure of {self.failing.hex()}")
+            raise self.error(f"injected write failure of {self.failing.hex()}")
         self.written += [block_id for block_id, _, _ in chain]
         return [True] * len(chain)
 
 
-@pytest.mark.parametrize("failing", [None, IDS[2]])
-def test_the_worker_withdraws_every_announcement_written_or_not(tmp_path, failing):
+@pytest.mark.parametrize(("failing", "error"), [(None, AdpError), (IDS[2], AdpError), (IDS[2], OSError)])
+def test_the_worker_withdraws_every_announcement_written_or_not(tmp_path, failing, error):
+    """A refused chain and a disk error (ENOSPC, EIO: an OSError) alike end the request's persisting, counted."""
     announcements = PersistAnnouncements(tmp_path, 60.0)
     spec = PersistSpec("r", 1, IDS, [0, 1, 2, 3])
     announcements.announce(IDS[1:])
     counters = SimpleNamespace(persisted_blocks=0, failures=0)
-    persister = Persister(_Store(failing), announcements, counters)
+    persister = Persister(_Store(failing, error), announcements, counters)
     try:
         persister.persist(spec, lambda i: b"")
         deadline = time.monotonic() + 10
