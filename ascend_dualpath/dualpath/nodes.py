@@ -41,7 +41,6 @@ from ascend_dualpath.dualpath.read_paths import (
 from ascend_dualpath.dualpath.scheduler import ReadPath, choose_read_path
 from ascend_dualpath.dualpath.transfer_leg import (
     FaultInjectingLeg,
-    HcclTransferLeg,
     PeerAborted,
     TransferFailed,
     TransportTransferLeg,
@@ -50,7 +49,6 @@ from ascend_dualpath.dualpath.workload import Conversation
 from ascend_dualpath.errors import (
     AdmissionDeferred,
     AdpError,
-    ConfigError,
     ProtocolError,
     StorageReadError,
 )
@@ -86,7 +84,6 @@ class EngineConfig:
     timeout_s: float = 30.0
     idle_timeout_s: float = 600.0
     verify: bool = True
-    transfer: str = "transport"  # "transport": the transfer engine's gates (aiv / staging / ...); "hccl": HcclBatchPut
 
     def __post_init__(self) -> None:
         where = "EngineConfig"
@@ -94,7 +91,6 @@ class EngineConfig:
         check_type("model", self.model, TinyLlamaConfig, where=where)
         check_type("dtype", self.dtype, str, where=where)
         check_type("verify", self.verify, bool, where=where)
-        check_type("transfer", self.transfer, str, where=where)
         for name in ("block_tokens", "max_tokens", "pe_buffer_bytes", "de_buffer_bytes"):
             check_bound(name, getattr(self, name), integer=True, where=where)
         for name in ("pe_snic_bytes_per_s", "de_snic_bytes_per_s", "timeout_s", "idle_timeout_s"):
@@ -149,15 +145,7 @@ class _Node:
         self.model = TinyLlama(config.model, config.torch_dtype)
         self.store = LocalBlockStore(config.store_root, self.layout, faults=faults)
         self.read_queue = ReadQueue(self.store, snic_bytes_per_s, node=role)
-        if config.transfer not in ("transport", "hccl"):
-            raise ConfigError(f"EngineConfig.transfer must be 'transport' or 'hccl', got {config.transfer!r}")
-        if config.transfer == "transport":
-            leg = TransportTransferLeg(comm, config.timeout_s, engines=engines)
-        elif engines is not None:
-            raise ConfigError("transfer engines were given, but EngineConfig.transfer is 'hccl' (HcclBatchPut)")
-        else:
-            leg = HcclTransferLeg(comm, config.timeout_s)
-        self.leg = FaultInjectingLeg(leg)
+        self.leg = FaultInjectingLeg(TransportTransferLeg(comm, config.timeout_s, engines=engines))
         self.buffer_region = comm.device.alloc_region(buffer_bytes, C.MemKind.HOST_DRAM, 7)
         self._register(self.buffer_region)
         make = pe_buffer if role == "pe" else de_buffer

@@ -2,26 +2,21 @@
 
 Both read paths stream KV between the prefill engine (PE) and the decode engine (DE) one layer at a time:
 hit Layer Blocks DE -> PE HBM (DE read path), complete or miss layers PE -> DE buffer. Everything that moves
-those bytes goes through a :class:`LayerTransferLeg`:
-
-- :class:`TransportTransferLeg` (the default, ``EngineConfig.transfer == "transport"``): one transfer engine
-  per destination rank (:class:`~ascend_dualpath.transport.TransferEngine`, any backend: given, made by a
-  factory, or the emulator's from the communicator), so each layer goes the way the gates choose (aiv / aicpu
-  / staging / host), then the engine's ``record`` of the caller's per-attempt magic.
-- :class:`HcclTransferLeg`: one ``HcclBatchPut`` with one descriptor per segment (validated as a whole before
-  anything moves), then ``notify_record`` with the caller's magic.
-
-Submissions run in order on one worker thread, so ``submit`` returns at once and the transfer of layer
-``l + 1`` overlaps the compute of layer ``l``. Every wait is ``wait(ticket, timeout_s=None)``, bounded.
+those bytes goes through a :class:`LayerTransferLeg`; :class:`TransportTransferLeg` is the one implementation:
+one transfer engine per destination rank (:class:`~ascend_dualpath.transport.TransferEngine`, any backend: given,
+made by a factory, or the emulator's from the communicator), so each layer goes the way the gates choose (aiv /
+aicpu / staging / host), and the engine writes the caller's per-attempt magic into the notify slot after the
+layer's bytes landed (``notify_value``). The leg runs no thread of its own: the caller's submits and waits drive the
+engines. Every wait is ``wait(ticket, timeout_s=None)``, bounded.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 from ascend_dualpath import _env
@@ -63,15 +58,26 @@ def contiguous(segments: Sequence[tuple[int, int]]) -> list[Segment]:
     return out
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class TransferTicket:
-    """One submitted layer transfer; ``vtime_ns`` is the emulator's virtual completion time once done."""
+    """One submitted layer transfer. ``vtime_ns`` is the emulator's virtual completion time once it ended well;
+    ``error`` what ended it otherwise. While ``pending`` (the engine's ticket of the layer's notified request)
+    is set, bytes of the layer may still land."""
 
     layer: int
     nbytes: int
     what: str
-    future: Future = dataclasses.field(repr=False)
+    leg: Any = dataclasses.field(default=None, repr=False)
+    pending: Any = dataclasses.field(default=None, repr=False)
     vtime_ns: float | None = None
+    error: BaseException | None = None
+
+    def done(self) -> bool:
+        """Whether the transfer ended (no byte of it may still land). Never waits for another thread; when its
+        leg is free and this is the request in flight, it finishes it (bounded by the leg's timeout)."""
+        if self.pending is not None and self.leg is not None:
+            self.leg.progress(self)
+        return self.pending is None
 
 
 class LayerTransferLeg(Protocol):
@@ -98,137 +104,7 @@ class LayerTransferLeg(Protocol):
     def close(self) -> None: ...
 
 
-class _QueuedLeg:
-    """The worker thread, the checks, the queue and the waits shared by both legs; a leg adds ``_notify``."""
-
-    def __init__(self, timeout_s: float | None) -> None:
-        self.timeout_s = (
-            check_bound("timeout_s", timeout_s, where=type(self).__name__)
-            if timeout_s is not None
-            else _env.timeout_s()
-        )
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adp-leg")
-        self._lock = threading.Lock()
-        self.bytes_sent = 0
-        self.last_vtime_ns = 0.0
-
-    def _notify(self, dst_peer: int, notify_slot: int, magic: int) -> None:
-        raise NotImplementedError
-
-    @staticmethod
-    def _check(layer: int, segments: Sequence[Segment], notify_slot: int | None, magic: int | None) -> None:
-        if (notify_slot is None) != (magic is None):
-            raise ProtocolError(f"layer {layer}: notify_slot and magic go together, got {notify_slot} and {magic}")
-        for seg in segments:
-            if seg.nbytes < 1 or seg.dst_offset < 0:
-                raise BoundsError(
-                    f"layer {layer}: segment of {seg.nbytes} bytes at destination offset "
-                    f"{seg.dst_offset}; needs >= 1 byte at offset >= 0"
-                )
-
-    def _queue(
-        self,
-        layer: int,
-        segments: Sequence[Segment],
-        dst_peer: int,
-        dst_addr: int,
-        move: Callable[[], float],
-        notify_slot: int | None,
-        magic: int | None,
-    ) -> TransferTicket:
-        """Run ``move`` (returns its virtual completion time) on the worker, then the notify, then accounting."""
-        nbytes = sum(seg.nbytes for seg in segments)
-        what = f"layer {layer} ({len(segments)} segments, {nbytes} bytes) to rank {dst_peer} at {dst_addr:#x}"
-
-        def run() -> float:
-            vtime = move()
-            if notify_slot is not None:  # only after every byte of the layer completed
-                self._notify(dst_peer, notify_slot, magic)
-            with self._lock:
-                self.bytes_sent += nbytes
-                self.last_vtime_ns = max(self.last_vtime_ns, vtime)
-            return vtime
-
-        return TransferTicket(layer, nbytes, what, self._worker.submit(run))
-
-    def raise_if_failed(self, ticket: TransferTicket) -> None:
-        """Raise :class:`TransferFailed` now if the transfer already failed (never blocks)."""
-        if ticket.future.done() and ticket.future.exception() is not None:
-            self.wait(ticket, 0)
-
-    def wait(self, ticket: TransferTicket, timeout_s: float | None = None) -> float:
-        """Block (bounded: ``timeout_s``, None for the leg's) until the transfer is done; returns its virtual
-        completion time in ns (0 where the backend has no virtual clock)."""
-        timeout = (
-            check_bound("timeout_s", timeout_s, zero_ok=True, where=f"wait for {ticket.what}")
-            if timeout_s is not None
-            else self.timeout_s
-        )
-        try:
-            ticket.vtime_ns = ticket.future.result(timeout)
-        except TimeoutError as error:
-            raise WaitTimeout(f"transfer of {ticket.what} not done after {timeout} s") from error
-        except AdpError as error:
-            raise TransferFailed(f"transfer of {ticket.what} failed: {error}") from error
-        return ticket.vtime_ns
-
-    def close(self) -> None:
-        self._worker.shutdown(wait=True)
-
-
-class HcclTransferLeg(_QueuedLeg):
-    """Layer transfers over an emulated (or real) HCCL communicator: ``batch_put`` + ``notify_record``.
-
-    Parameters
-    ----------
-    comm : HcclComm
-        Connected communicator; sources must be in its windows or ``register_local`` memory, destinations in
-        the peer's windows or memory added with ``add_remote_mem``.
-    timeout_s : float, optional
-        Bound of each put and notify (default ``ADP_TIMEOUT_S``).
-    """
-
-    def __init__(self, comm: Any, timeout_s: float | None = None) -> None:
-        from ascend_dualpath import _ext
-
-        super().__init__(timeout_s)
-        self._C = _ext.load()
-        self.comm = comm
-
-    def register_local(self, region: Any) -> None:
-        """Make ``region`` usable as a source (HcclRegisterMem)."""
-        self.comm.register_local(region)
-
-    def submit(
-        self,
-        layer: int,
-        segments: Sequence[Segment],
-        dst_peer: int,
-        dst_addr: int,
-        notify_slot: int | None = None,
-        magic: int | None = None,
-    ) -> TransferTicket:
-        """Queue layer ``layer``'s segments for ``dst_peer`` at ``dst_addr``; then set ``notify_slot`` to ``magic``.
-
-        Returns at once; :meth:`wait` on the ticket re-raises any failure as :class:`TransferFailed`.
-        """
-        self._check(layer, segments, notify_slot, magic)
-        descs = [self._C.OneSideDesc(seg.src_addr, dst_addr + seg.dst_offset, seg.nbytes, 0) for seg in segments]
-
-        def move() -> float:
-            return self.comm.batch_put(dst_peer, descs, self.timeout_s) if descs else self.last_vtime_ns
-
-        return self._queue(layer, segments, dst_peer, dst_addr, move, notify_slot, magic)
-
-    def _notify(self, dst_peer: int, notify_slot: int, magic: int) -> None:
-        self.comm.notify_record(dst_peer, notify_slot, magic, self.timeout_s)
-
-    def record(self, dst_peer: int, notify_slot: int, magic: int) -> None:
-        """Set a notify flag on the peer now (not queued behind transfers): used for aborts."""
-        self.comm.notify_record(dst_peer, notify_slot, magic, self.timeout_s)
-
-
-class TransportTransferLeg(_QueuedLeg):
+class TransportTransferLeg:
     """Layer transfers through transfer engines (:mod:`ascend_dualpath.transport`), one per destination rank, so
     each layer goes the way the gates choose: ``aiv`` for device-memory sources, ``staging`` for host-DRAM
     sources (the DE buffer), falling back to ``aicpu`` / ``host``.
@@ -236,8 +112,18 @@ class TransportTransferLeg(_QueuedLeg):
     Addresses become segments and slots through the engines (:meth:`~ascend_dualpath.transport.TransferEngine.locate`,
     ``remote_slot``): sources must lie in memory the engine may read (given to :meth:`register_local`, or the
     communicator's windows on the emulator); each run of segments that lands back to back at the destination goes
-    as one request. The notify carries the caller's magic (the engine's ``record``) and is written only after
-    every byte of the layer completed.
+    as one request. The layer's last request carries the caller's magic as its ``notify_value``: the engine writes
+    it after every byte of that request landed, and the requests before it were waited first, so the notify follows
+    every byte of the layer.
+
+    No thread: one engine request is in flight per leg (the emulator's engines allow one each, and the engines of
+    one communicator share its staging window). :meth:`submit` therefore blocks until the request before it ended
+    (the previous layer's, whose notify the emulator and NPU engines write in that wait) and, for a layer of several
+    back-to-back runs, until all but its last run landed; it returns once the last run started, so the layer's
+    transfer overlaps the caller's next compute. The request in flight ends at the next :meth:`submit`, its
+    :meth:`wait`, or a :meth:`raise_if_failed` / :meth:`TransferTicket.done` poll while the leg is free: a caller
+    that polls for its peer's answer (``wait_notify``'s ``check``) so publishes its own notifies. Submits, waits and
+    polls may come from several threads (one lock, every acquisition bounded).
 
     Parameters
     ----------
@@ -264,7 +150,16 @@ class TransportTransferLeg(_QueuedLeg):
         engines: Sequence[Any] | Callable[[int], Any] | None = None,
         **engine_options: Any,
     ) -> None:
-        super().__init__(timeout_s)
+        self.timeout_s = (
+            check_bound("timeout_s", timeout_s, where=type(self).__name__)
+            if timeout_s is not None
+            else _env.timeout_s()
+        )
+        self._lock = threading.Lock()
+        self._in_flight: TransferTicket | None = None
+        self._closed = False
+        self.bytes_sent = 0
+        self.last_vtime_ns = 0.0
         self._engines: dict[int, Any] = {}
         if engines is None:
             if comm is None:
@@ -301,6 +196,47 @@ class TransportTransferLeg(_QueuedLeg):
         for engine in {id(e): e for e in self._engines.values()}.values():
             engine.register(region)
 
+    @staticmethod
+    def _check(layer: int, segments: Sequence[Segment], notify_slot: int | None, magic: int | None) -> None:
+        if (notify_slot is None) != (magic is None):
+            raise ProtocolError(f"layer {layer}: notify_slot and magic go together, got {notify_slot} and {magic}")
+        for seg in segments:
+            if seg.nbytes < 1 or seg.dst_offset < 0:
+                raise BoundsError(
+                    f"layer {layer}: segment of {seg.nbytes} bytes at destination offset "
+                    f"{seg.dst_offset}; needs >= 1 byte at offset >= 0"
+                )
+
+    @staticmethod
+    def _requests(layer: int, engine: Any, segments: Sequence[Segment], dst_addr: int) -> list[tuple[list, Any]]:
+        """One ``(sources, remote slot)`` per back-to-back run of ``segments``; every address resolved (BoundsError /
+        NotRegistered naming the layer) before anything moves."""
+        runs: list[tuple[int, list]] = []  # (destination offset, sources) per back-to-back run of segments
+        cursor = None
+        try:
+            for seg in segments:
+                if cursor != seg.dst_offset:
+                    runs.append((seg.dst_offset, []))
+                runs[-1][1].append(engine.locate(seg.src_addr, seg.nbytes))
+                cursor = seg.dst_offset + seg.nbytes
+            return [
+                (sources, engine.remote_slot(dst_addr + offset, sum(s.nbytes for s in sources)))
+                for offset, sources in runs
+            ]
+        except AdpError as error:
+            raise type(error)(f"layer {layer}: {error}") from error
+
+    @contextlib.contextmanager
+    def _locked(self, timeout_s: float, what: str) -> Iterator[None]:
+        if not self._lock.acquire(timeout=timeout_s):
+            raise WaitTimeout(
+                f"the transfer leg stayed busy for {timeout_s} s (another thread's transfer) before {what}"
+            )
+        try:
+            yield
+        finally:
+            self._lock.release()
+
     def submit(
         self,
         layer: int,
@@ -310,50 +246,115 @@ class TransportTransferLeg(_QueuedLeg):
         notify_slot: int | None = None,
         magic: int | None = None,
     ) -> TransferTicket:
-        """Queue layer ``layer``'s segments for ``dst_peer`` at ``dst_addr``, then ``record`` ``magic`` in
-        ``notify_slot``; every address is resolved (BoundsError / NotRegistered naming the layer) before anything
-        is queued. :meth:`wait` on the ticket re-raises a failure as :class:`TransferFailed`."""
+        """Start moving layer ``layer``'s segments to ``dst_peer`` at ``dst_addr``, then have ``magic`` written into
+        ``notify_slot`` once every byte landed; every address is resolved (BoundsError / NotRegistered naming the
+        layer) before anything moves. Blocks while the request before it ends (see the class). :meth:`wait` on the
+        ticket re-raises a failure as :class:`TransferFailed`."""
         self._check(layer, segments, notify_slot, magic)
         engine = self.engine(dst_peer)
-        runs: list[tuple[int, list]] = []  # (destination offset, sources) per back-to-back run of segments
-        cursor = None
+        requests = self._requests(layer, engine, segments, dst_addr)
+        nbytes = sum(seg.nbytes for seg in segments)
+        what = f"layer {layer} ({len(segments)} segments, {nbytes} bytes) to rank {dst_peer} at {dst_addr:#x}"
+        ticket = TransferTicket(layer, nbytes, what, self)
+        with self._locked(self.timeout_s, f"the transfer of {what}"):
+            if self._closed:
+                raise QueueError(f"the transfer leg is closed; cannot send {what}")
+            if self._in_flight is not None:  # one request in flight: the previous one ends (and notifies) first
+                self._settle(self._in_flight, self.timeout_s)
+            ticket.vtime_ns = self.last_vtime_ns
+            try:
+                for sources, slot in requests[:-1]:  # earlier runs land before the last one carries the notify
+                    self._account(ticket, engine.transfer(sources, slot, timeout_s=self.timeout_s))
+                if requests:
+                    sources, slot = requests[-1]
+                    ticket.pending = engine.submit(sources, slot, notify_slot, notify_value=magic)
+                    self._in_flight = ticket
+                elif notify_slot is not None:  # a layer with nothing to move still tells the peer
+                    engine.record(notify_slot, magic, self.timeout_s)
+            except Exception as error:  # reported by wait, as a failure during the transfer would be
+                ticket.error = error
+            if ticket.pending is None:
+                self._ended(ticket)
+        return ticket
+
+    def _account(self, ticket: TransferTicket, result: Any) -> None:
+        ticket.vtime_ns = max(ticket.vtime_ns or 0.0, result.complete_vtime_ns)
+        self.kinds_used[result.kind.value] = self.kinds_used.get(result.kind.value, 0) + 1
+
+    def _ended(self, ticket: TransferTicket) -> None:
+        if ticket.error is None:
+            self.bytes_sent += ticket.nbytes
+            self.last_vtime_ns = max(self.last_vtime_ns, ticket.vtime_ns or 0.0)
+
+    def _settle(self, ticket: TransferTicket, timeout_s: float) -> None:
+        """Wait (bounded, lock held) for ``ticket``'s request in flight: its bytes, then the engine's notify."""
+        pending, ticket.pending = ticket.pending, None
+        if self._in_flight is ticket:
+            self._in_flight = None
+        if pending is None:
+            return
         try:
-            for seg in segments:
-                if cursor != seg.dst_offset:
-                    runs.append((seg.dst_offset, []))
-                runs[-1][1].append(engine.locate(seg.src_addr, seg.nbytes))
-                cursor = seg.dst_offset + seg.nbytes
-            requests = [
-                (sources, engine.remote_slot(dst_addr + offset, sum(s.nbytes for s in sources)))
-                for offset, sources in runs
-            ]
-        except AdpError as error:
-            raise type(error)(f"layer {layer}: {error}") from error
+            self._account(ticket, pending.wait(timeout_s))
+        except Exception as error:
+            ticket.error = error
+        self._ended(ticket)
 
-        def move() -> float:
-            vtime = self.last_vtime_ns
-            for sources, slot in requests:
-                result = engine.transfer(sources, slot, timeout_s=self.timeout_s)
-                vtime = max(vtime, result.complete_vtime_ns)
-                with self._lock:
-                    self.kinds_used[result.kind.value] = self.kinds_used.get(result.kind.value, 0) + 1
-            return vtime
+    def progress(self, ticket: TransferTicket) -> None:
+        """Finish ``ticket``'s request if it is in flight and no other thread holds the leg (never waits for one)."""
+        if ticket.pending is not None and self._lock.acquire(blocking=False):
+            try:
+                self._settle(ticket, self.timeout_s)
+            finally:
+                self._lock.release()
 
-        return self._queue(layer, segments, dst_peer, dst_addr, move, notify_slot, magic)
+    def raise_if_failed(self, ticket: TransferTicket) -> None:
+        """Raise :class:`TransferFailed` now if the transfer failed; finishes it first when the leg is free (see
+        :meth:`progress`), so that polling for the peer's answer also publishes this rank's notify."""
+        self.progress(ticket)
+        if ticket.error is not None:
+            self._outcome(ticket, self.timeout_s)
 
-    def _notify(self, dst_peer: int, notify_slot: int, magic: int) -> None:
-        self.engine(dst_peer).record(notify_slot, magic, self.timeout_s)
+    def wait(self, ticket: TransferTicket, timeout_s: float | None = None) -> float:
+        """Block (bounded: ``timeout_s``, None for the leg's) until the transfer is done; returns its virtual
+        completion time in ns (0 where the backend has no virtual clock)."""
+        timeout = (
+            check_bound("timeout_s", timeout_s, zero_ok=True, where=f"wait for {ticket.what}")
+            if timeout_s is not None
+            else self.timeout_s
+        )
+        if ticket.pending is not None:
+            with self._locked(timeout, f"the wait for {ticket.what}"):
+                self._settle(ticket, timeout)
+        return self._outcome(ticket, timeout)
+
+    @staticmethod
+    def _outcome(ticket: TransferTicket, timeout: float) -> float:
+        error = ticket.error
+        if isinstance(error, WaitTimeout):
+            raise WaitTimeout(f"transfer of {ticket.what} not done after {timeout} s: {error}") from error
+        if isinstance(error, AdpError):
+            raise TransferFailed(f"transfer of {ticket.what} failed: {error}") from error
+        if error is not None:
+            raise error
+        return ticket.vtime_ns or 0.0
 
     def record(self, dst_peer: int, notify_slot: int, magic: int) -> None:
-        """Set a notify flag on the peer now (not queued behind transfers): used for aborts."""
+        """Set a notify flag on the peer now (not behind the request in flight): used for aborts."""
         self.engine(dst_peer).record(notify_slot, magic, self.timeout_s)
+
+    def close(self) -> None:
+        """End the request in flight (bounded); later submits raise QueueError."""
+        with self._locked(self.timeout_s, "closing the transfer leg"):
+            if self._in_flight is not None:
+                self._settle(self._in_flight, self.timeout_s)
+            self._closed = True
 
 
 class FaultInjectingLeg:
     """A leg that fails chosen submissions (test hook): ``fail_after(n)`` makes the n-th next submit fail.
 
-    The failure happens where a real one would: the transfer is queued, then completes with an error before
-    its notify, so the receiver never sees the layer.
+    The failure happens where a real one would: the layer's transfer ends with an error before its notify, so
+    the receiver never sees the layer.
     """
 
     def __init__(self, inner: LayerTransferLeg) -> None:
@@ -383,9 +384,8 @@ class FaultInjectingLeg:
                 self._countdowns.remove(0)
             self._countdowns = [n - 1 for n in self._countdowns]
         if fire:
-            future: Future = Future()
-            future.set_exception(QueueError(f"injected transfer failure in the middle of layer {layer}"))
-            return TransferTicket(layer, 0, f"layer {layer} to rank {dst_peer} (injected failure)", future)
+            error = QueueError(f"injected transfer failure in the middle of layer {layer}")
+            return TransferTicket(layer, 0, f"layer {layer} to rank {dst_peer} (injected failure)", error=error)
         return self.inner.submit(layer, segments, dst_peer, dst_addr, notify_slot, magic)
 
     def wait(self, ticket: TransferTicket, timeout_s: float | None = None) -> float:

@@ -115,7 +115,6 @@ def _cuda_bench():
 
 
 LEG_BACKENDS = [
-    "hccl-emulator",
     "transport-emulator",
     pytest.param("transport-cuda", marks=pytest.mark.cuda),
 ]
@@ -129,7 +128,6 @@ def leg_bench(request):
         return
     from ascend_dualpath import _ext
     from ascend_dualpath.backends import emulator as emu
-    from ascend_dualpath.dualpath.transfer_leg import HcclTransferLeg, TransportTransferLeg
+    from ascend_dualpath.dualpath.transfer_leg import TransportTransferLeg
 
-    leg_cls = HcclTransferLeg if request.param == "hccl-emulator" else TransportTransferLeg
-    yield from _emulator_bench(emu, _ext.load(), leg_cls)
+    yield from _emulator_bench(emu, _ext.load(), TransportTransferLeg)

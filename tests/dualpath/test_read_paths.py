@@ -54,8 +54,8 @@ def test_leg_failure_names_the_layer_and_moves_nothing(leg_bench):
     bench = leg_bench
     bench.poison_landing()
     pieces, dst_addr = bench.refused
-    # the batch leg fails when the batch is validated; the transport leg rejects it before queueing it (emulator) or
-    # before its engine moves anything (CUDA: the range check of the request)
+    # the leg rejects it before anything moves: its engine's address resolution (emulator) or the range check of
+    # the request (CUDA)
     with pytest.raises((TransferFailed, BoundsError, NotRegistered), match="layer 3"):
         bench.leg.wait(bench.leg.submit(3, contiguous(pieces), 1, dst_addr, 3, bench.next_magic()))
     assert bool((bench.landing() == 0xA5).all()), "a rejected batch moved bytes"

@@ -251,7 +251,7 @@ class DecodeSide:
             xfer.full_rows, xfer.received_end, xfer.reads_ok, xfer.hits_ok = True, 0, True, True
             self.counters.fallbacks += 1
         self._let_go(xfer, old, message.settled, "the PE's writes into it may not have ended")
-        pushes_ended = all(t.future.done() for t in xfer.pushes)  # quiet: the pusher appends no more
+        pushes_ended = all(t.done() for t in xfer.pushes)  # quiet: the pusher appends no more
         return m.Planned(lease_addr=int(lease.addr), pushes_ended=pushes_ended)
 
     def _on_abort(self, message: m.Abort) -> m.Ok:
@@ -265,7 +265,7 @@ class DecodeSide:
         pushed for, or whose pushes all ended, has none)."""
         with self._lock:
             xfer = self._pushing.get(message.xfer_id)
-            ended = xfer is None or (xfer.pusher_done and all(t.future.done() for t in xfer.pushes))
+            ended = xfer is None or (xfer.pusher_done and all(t.done() for t in xfer.pushes))
             if ended:
                 self._pushing.pop(message.xfer_id, None)
         return m.Ended(ended=ended)
@@ -302,7 +302,7 @@ class DecodeSide:
             xfer.quiet.set()
             with self._lock:
                 xfer.pusher_done = True
-                if all(t.future.done() for t in pushes):
+                if all(t.done() for t in pushes):
                     self._pushing.pop(plan.xfer_id, None)
                 xfer.reads_ended = tickets_ended(xfer.reads, xfer.pushes)
                 peer_done = xfer.peer_done

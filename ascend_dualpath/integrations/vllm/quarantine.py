@@ -112,7 +112,7 @@ class Quarantine:
 def tickets_ended(reads, transfers) -> bool:
     """Whether none of a lease's storage reads (read-queue tickets) or transfers (transfer-leg tickets) into or out
     of it is in flight: the usual test before the lease goes back."""
-    return all(t.done for t in reads) and all(t.future.done() for t in transfers)
+    return all(t.done for t in reads) and all(t.done() for t in transfers)
 
 
 def _ended(held: _Held) -> bool:

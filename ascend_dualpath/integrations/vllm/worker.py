@@ -671,7 +671,7 @@ class DualPathWorker:
     def _writes_pending(self, xfer_id: str) -> bool:
         """Whether a write of request ``xfer_id`` into the DE's lease may still land (forgets those that ended)."""
         with self._lease_writes_lock:
-            pending = [t for t in self._lease_writes.get(xfer_id, []) if not t.future.done()]
+            pending = [t for t in self._lease_writes.get(xfer_id, []) if not t.done()]
             if pending:
                 self._lease_writes[xfer_id] = pending
             else:
@@ -748,7 +748,7 @@ class DualPathWorker:
             pass
         if addr is not None:
             link.window_free(addr)
-        return ticket.future.done()
+        return ticket.done()
 
     def _abort_peer(self, peer: _Peer, xfer: XferParams, reason: str) -> None:
         try:
