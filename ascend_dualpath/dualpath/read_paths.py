@@ -22,6 +22,7 @@ the compute of the current one. The PE side is :class:`~ascend_dualpath.dualpath
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any
 
@@ -128,6 +129,7 @@ def de_side_de_path(
     pushes = {layer: push(layer) for layer in range(min(2, L))}
     for layer in range(L):
         times.vtime_ns = max(times.vtime_ns, leg.wait(pushes.pop(layer), timeout_s))
+        ahead = pushes.get(layer + 1)
         wait_notify(
             comm,
             layer,
@@ -135,6 +137,8 @@ def de_side_de_path(
             f"miss KV of layer {layer} of request {plan.request_id} from the PE (DE read path)",
             abort_magic=plan.abort_to_de,
             timeout_s=timeout_s,
+            # the leg has no thread: polling ends the push of layer l + 1, so its notify reaches the PE meanwhile
+            check=None if ahead is None else functools.partial(leg.raise_if_failed, ahead),
         )
         if layer + 2 < L:
             pushes[layer + 2] = push(layer + 2)
