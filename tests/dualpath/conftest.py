@@ -4,6 +4,7 @@ GPU or Triton."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -37,12 +38,30 @@ class LegBench:
     refused: tuple[list[tuple[int, int]], int]
 
 
-def _emulator_bench(emu, C, leg_cls):
+@contextlib.contextmanager
+def _connected_pair(emu, C):
+    """Two emulated ranks of one communicator (1 MiB windows), connected; closed after."""
     with emu.emulated_devices(2) as devices:
         comms = [C.HcclComm(d, rank, 2, emu.comm_config(hcclBufferSize=1)) for rank, d in enumerate(devices)]
         infos = [c.local_info() for c in comms]
         for c in comms:
             c.connect(infos)
+        try:
+            yield comms
+        finally:
+            for c in comms:
+                c.close()
+
+
+@pytest.fixture
+def comms(emu, C):
+    """Rank 0 and rank 1 of :func:`_connected_pair`."""
+    with _connected_pair(emu, C) as pair:
+        yield pair
+
+
+def _emulator_bench(emu, C, leg_cls):
+    with _connected_pair(emu, C) as comms:
         src, dst = comms
         out = np.frombuffer(src.windows_out, dtype=np.uint8)
         landing = np.frombuffer(dst.windows_in, dtype=np.uint8)
@@ -69,8 +88,6 @@ def _emulator_bench(emu, C, leg_cls):
             refused,
         )
         leg.close()
-        for c in comms:
-            c.close()
 
 
 def _cuda_bench():

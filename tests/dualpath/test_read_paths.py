@@ -22,18 +22,6 @@ from ascend_dualpath.models.tiny_llama import TinyLlamaConfig
 from tests.dualpath.fast_config import FAST
 
 
-@pytest.fixture
-def comms(emu, C):
-    with emu.emulated_devices(2) as devices:
-        pair = [C.HcclComm(d, rank, 2, emu.comm_config(hcclBufferSize=1)) for rank, d in enumerate(devices)]
-        infos = [c.local_info() for c in pair]
-        for c in pair:
-            c.connect(infos)
-        yield pair
-        for c in pair:
-            c.close()
-
-
 def test_leg_moves_segments_exactly_and_sets_the_notify(leg_bench):
     bench = leg_bench
     bench.write_source((np.arange(8192) % 251).astype(np.uint8))

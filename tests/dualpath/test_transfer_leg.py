@@ -25,19 +25,12 @@ PIECE = 4096
 
 
 @pytest.fixture
-def pair(emu, C):
+def pair(comms):
     """Rank 0 sending into rank 1's window (poisoned), rank 0's out-window a known pattern."""
-    with emu.emulated_devices(2) as devices:
-        comms = [C.HcclComm(d, rank, 2, emu.comm_config(hcclBufferSize=1)) for rank, d in enumerate(devices)]
-        infos = [c.local_info() for c in comms]
-        for c in comms:
-            c.connect(infos)
-        src, dst = comms
-        np.frombuffer(src.windows_out, np.uint8)[: 16 * PIECE] = np.arange(16 * PIECE) % 253
-        np.frombuffer(dst.windows_in, np.uint8)[:] = POISON
-        yield src, dst
-        for c in comms:
-            c.close()
+    src, dst = comms
+    np.frombuffer(src.windows_out, np.uint8)[: 16 * PIECE] = np.arange(16 * PIECE) % 253
+    np.frombuffer(dst.windows_in, np.uint8)[:] = POISON
+    return src, dst
 
 
 def _views(src, dst):

@@ -13,9 +13,10 @@ from ascend_dualpath import errors
 from ascend_dualpath.transport import MemoryKind, MemorySegment, TransferKind
 from ascend_dualpath.transport.engine import NOTIFY_VALUE_MAX
 from tests.conftest import POISON, cuda_torch
+from tests.transport.test_cuda_engine import _setup
 from tests.transport.test_transfer import MAX_PIECE, Channel
 
-SLOT = 5
+SLOT = 2  # < 4: the CUDA engine's test setup has 4 notify slots
 
 
 @pytest.fixture(scope="module")
@@ -96,13 +97,9 @@ def test_any_value_in_range_is_what_the_peer_reads_with_the_bytes(channel, value
 
 
 def _cuda_setup(torch, **options):
-    from ascend_dualpath.transport.cuda_engine import CudaTransferEngine
-
-    src_dev = torch.device("cuda:0")
-    dst_dev = torch.device("cuda:1" if torch.cuda.device_count() > 1 else "cuda:0")
-    torch.cuda.set_device(src_dev)
-    notify = torch.zeros(8, dtype=torch.int64, device=dst_dev)
-    engine = CudaTransferEngine(src_dev, dst_dev, notify, timeout_s=30, **options)
+    """:func:`tests.transport.test_cuda_engine._setup`'s engine (4 notify slots), a device source, a registered pinned
+    host source and a poisoned destination."""
+    engine, notify, src_dev, dst_dev = _setup(torch, **options)
     source = torch.randint(0, 256, (3 * 65536 + 5,), dtype=torch.uint8, device=src_dev)
     host = torch.randint(0, 256, (2 * 4096 + 3,), dtype=torch.uint8).pin_memory()
     engine.register(host)
