@@ -120,7 +120,9 @@ class TransportTransferLeg:
     one communicator share its staging window). :meth:`submit` therefore blocks until the request before it ended
     (the previous layer's, whose notify the emulator and NPU engines write in that wait) and, for a layer of several
     back-to-back runs, until all but its last run landed; it returns once the last run started, so the layer's
-    transfer overlaps the caller's next compute. The request in flight ends at the next :meth:`submit`, its
+    transfer overlaps the caller's next compute. The engines' own submits block too, on the caller's thread: the
+    emulator's stages a ``staging`` request (the ``hccl_stage`` copy into its window) and runs a ``host`` request's
+    HcclBatchPut inside ``submit``; the CUDA and NPU engines only enqueue. The request in flight ends at the next :meth:`submit`, its
     :meth:`wait`, or a :meth:`raise_if_failed` / :meth:`TransferTicket.done` poll while the leg is free: a caller
     that polls for its peer's answer (``wait_notify``'s ``check``) so publishes its own notifies. Submits, waits and
     polls may come from several threads (one lock, every acquisition bounded).
