@@ -217,20 +217,11 @@ class Status(Message, tag="status"):
 
 # -- the demo engines: the DE drives, the PE prefills -----------------------------------------------------------
 class Setup(Message, tag="setup"):
-    """The DE's first message to the PE: its host buffer ``host_mem`` ``(addr, size, rkey)`` and what it speaks."""
+    """The DE's first message to the PE: its host buffer ``host_mem`` ``(addr, size, rkey)`` and what it speaks.
+    Answered by :class:`Ok`, or by :class:`Error` naming both ends' values (the PE then stops)."""
 
     host_mem: tuple[int, int, int]
     speaks: Speaks
-
-
-class Ready(Message, tag="ready"):
-    """The PE took the DE's set-up."""
-
-
-class Refused(Message, tag="refused"):
-    """The PE refused the DE's set-up (``reason`` names both ends' values) and stops."""
-
-    reason: str
 
 
 class Prefetch(Message, tag="prefetch"):
@@ -276,7 +267,7 @@ class Stop(Message, tag="stop"):
     """The PE stops serving."""
 
 
-EngineMessage = Setup | Ready | Refused | Prefetch | Drop | Prefill | Prefilled | Stop
+EngineMessage = Setup | Ok | Error | Prefetch | Drop | Prefill | Prefilled | Stop
 
 Request = Hello | StatusQuery | Plan | Consumed | Hits | Rows | Fallback | Abort | PushesEnded | WritesEnded
 Reply = Ok | Error | Welcome | Planned | Ended | Status

@@ -222,10 +222,10 @@ class PrefillEngine(_Node):
         try:
             m.check_peer(self.config.compat, speaks, "the prefill engine", "the decode engine")
         except ProtocolError as error:
-            self.channel.send(m.Refused(reason=str(error)))
+            self.channel.send(m.Error(error=str(error)))
             raise
         self.comm.add_remote_mem(DE_RANK, self.C.RemoteMem(*host_mem))
-        self.channel.send(m.Ready())
+        self.channel.send(m.Ok())
 
     def _prefill(self, plan: LoadPlan) -> m.Prefilled:
         conn, model, layout = self.connector, self.model, self.layout
@@ -325,9 +325,9 @@ class DecodeEngine(_Node):
         region = self.buffer_region
         self.channel.send(m.Setup(host_mem=(region.addr, region.size, region.rkey), speaks=m.Speaks.of(config.compat)))
         reply = self.channel.recv(config.timeout_s, "setup reply")
-        if isinstance(reply, m.Refused):
-            raise ProtocolError(f"the prefill engine refused this decode engine: {reply.reason}")
-        if not isinstance(reply, m.Ready):
+        if isinstance(reply, m.Error):
+            raise ProtocolError(f"the prefill engine refused this decode engine: {reply.error}")
+        if not isinstance(reply, m.Ok):
             raise ProtocolError(f"expected the prefill engine's set-up reply, got {reply!r}")
 
     def _regions(self) -> list:

@@ -157,8 +157,8 @@ PLANS = st.builds(
 )
 ENGINE_MESSAGES = st.one_of(
     st.builds(m.Setup, host_mem=st.tuples(ints, ints, ints), speaks=st.just(m.Speaks.of(COMPAT))),
-    st.just(m.Ready()),
-    st.builds(m.Refused, reason=st.text(max_size=40)),
+    st.just(m.Ok()),
+    st.builds(m.Error, error=st.text(max_size=40)),
     st.builds(m.Prefetch, request_id=ints, hit_block_ids=st.lists(st.binary(min_size=16, max_size=16), max_size=4)),
     st.builds(m.Drop, request_id=ints),
     st.builds(m.Prefill, plan=PLANS),
