@@ -233,8 +233,8 @@ def test_the_engines_communicators_are_in_the_kv_class(tmp_path):
 
 
 def test_the_connector_dataplane_communicator_is_in_the_kv_class(emu, monkeypatch):
-    from ascend_dualpath.integrations.vllm.dataplane import PE_RANK, open_dataplane
-    from ascend_dualpath.integrations.vllm.settings import ConnectorSettings
+    from ascend_dualpath.dualpath.dataplane import PE_RANK, open_dataplane
+    from ascend_dualpath.dualpath.settings import ConnectorSettings
 
     monkeypatch.setenv("HCCL_RDMA_SL", "4")  # the model class's SL process-wide: the comm config must win
     settings = ConnectorSettings(

@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ascend_dualpath.errors import ConfigError
 from ascend_dualpath.integrations.vllm.metadata import DualPathMetadata
 from ascend_dualpath.integrations.vllm.scheduler import DualPathScheduler
-from ascend_dualpath.integrations.vllm.settings import ConnectorSettings, store_namespace
+from ascend_dualpath.integrations.vllm.settings import from_kv_transfer_config, store_namespace
 from ascend_dualpath.integrations.vllm.stats import DualPathKVConnectorStats, DualPathPromMetrics
 from ascend_dualpath.kv.layout import KVLayout
 from ascend_dualpath.kv.store import LocalBlockStore
@@ -58,14 +58,14 @@ class DualPathConnector(KVConnectorBase_V1):
     Examples
     --------
     The decode engine's config (``kv_connector_extra_config`` is read by
-    :class:`~ascend_dualpath.integrations.vllm.settings.ConnectorSettings`, which needs no vLLM):
+    :func:`~ascend_dualpath.integrations.vllm.settings.from_kv_transfer_config`, which needs no vLLM):
 
     >>> from types import SimpleNamespace
-    >>> from ascend_dualpath.integrations.vllm.settings import ConnectorSettings
+    >>> from ascend_dualpath.integrations.vllm.settings import from_kv_transfer_config
     >>> kv_transfer_config = SimpleNamespace(
     ...     kv_connector="DualPathConnector", kv_connector_module_path="ascend_dualpath.integrations.vllm.connector",
     ...     kv_role="kv_consumer", kv_connector_extra_config={"store": "/tmp/adp-store", "side_port": 7601})
-    >>> settings = ConnectorSettings.from_kv_transfer_config(kv_transfer_config)
+    >>> settings = from_kv_transfer_config(kv_transfer_config)
     >>> settings.role, settings.side_port
     ('decode', 7601)
 
@@ -77,7 +77,7 @@ class DualPathConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
-        self.settings = ConnectorSettings.from_kv_transfer_config(vllm_config.kv_transfer_config)
+        self.settings = from_kv_transfer_config(vllm_config.kv_transfer_config)
         algo = vllm_config.cache_config.prefix_caching_hash_algo
         if not str(algo).startswith("sha256"):
             raise ConfigError(

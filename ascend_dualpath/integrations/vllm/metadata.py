@@ -9,54 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ascend_dualpath.integrations.vllm.protocol import XferParams
-
-
-@dataclasses.dataclass
-class LoadSpec:
-    """A synchronous layerwise load into this step's forward (the PE, or a standalone instance).
-
-    Tokens ``[computed, hit_tokens)`` come from storage (PE read path) or from the DE (DE read path);
-    ``block_ids`` is the request's whole block table; ``store_ids`` the store ids of its full prompt blocks.
-    """
-
-    req_id: str
-    xfer: XferParams | None
-    computed: int
-    hit_tokens: int
-    prompt_tokens: int
-    store_ids: list[bytes]
-    block_ids: list[int]
-
-
-@dataclasses.dataclass
-class SaveSpec:
-    """Tokens ``[start, end)`` of a PE request computed in this step, to be sent to its DE."""
-
-    req_id: str
-    xfer: XferParams
-    start: int
-    end: int
-    block_ids: list[int]
-
-
-@dataclasses.dataclass
-class RecvSpec:
-    """An asynchronous receive on the DE: tokens ``[computed, end)`` of a ``prompt_tokens``-token prompt arrive into
-    ``block_ids``.
-
-    ``report`` False: the request takes nothing from its PE (its prompt ends inside the first block, or the DE's
-    own prefix cache holds every row the PE would send) and vLLM does not wait for it; the PE still plans and
-    sends, so the plan's lease is released once its rows ended, and vLLM is told nothing.
-    """
-
-    req_id: str
-    xfer: XferParams
-    computed: int
-    end: int
-    block_ids: list[int]
-    prompt_tokens: int
-    report: bool = True
+from ascend_dualpath.dualpath.specs import LoadSpec, RecvSpec, SaveSpec
 
 
 @dataclasses.dataclass

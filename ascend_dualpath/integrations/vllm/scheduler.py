@@ -18,9 +18,10 @@ from typing import Any
 
 from vllm.v1.request import RequestStatus
 
-from ascend_dualpath.integrations.vllm.metadata import DualPathMetadata, LoadSpec, PersistSpec, RecvSpec, SaveSpec
+from ascend_dualpath.dualpath.side_channel import XferParams
+from ascend_dualpath.dualpath.specs import LoadSpec, RecvSpec, SaveSpec
+from ascend_dualpath.integrations.vllm.metadata import DualPathMetadata, PersistSpec
 from ascend_dualpath.integrations.vllm.persisting import PersistAnnouncements
-from ascend_dualpath.integrations.vllm.protocol import XferParams
 from ascend_dualpath.integrations.vllm.settings import ConnectorSettings, store_ids
 from ascend_dualpath.kv.store import LocalBlockStore
 

@@ -1,13 +1,13 @@
-"""The connector's settings, read once from vLLM's ``KVTransferConfig``."""
+"""The connector's settings, read once from vLLM's ``KVTransferConfig``, and the store ids of vLLM's block hashes."""
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import math
 from typing import Any
 
 from ascend_dualpath import _env
+from ascend_dualpath.dualpath.settings import UNCAPPED_BYTES_PER_S, ConnectorSettings
 from ascend_dualpath.errors import ConfigError
 from ascend_dualpath.kv.layout import BLOCK_ID_BYTES
 
@@ -15,87 +15,41 @@ from ascend_dualpath.kv.layout import BLOCK_ID_BYTES
 INSTANCE_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "standalone"}
 DEFAULT_NODES = {"prefill": "pe", "decode": "de", "standalone": "node0"}
 DEFAULT_DEVICE_IDS = {"prefill": 0, "decode": 1, "standalone": 0}  # so a 1P1D config needs none
-UNCAPPED_BYTES_PER_S = 1e15  # "no storage-NIC cap": 1 PB/s, far above any disk, so reads are never paced
 
 
-@dataclasses.dataclass(frozen=True)
-class ConnectorSettings:
-    """``kv_connector_extra_config`` of one instance, validated.
-
-    Attributes
-    ----------
-    role : str
-        ``prefill`` (the PE, ``kv_producer``), ``decode`` (the DE, ``kv_consumer``) or ``standalone``
-        (``kv_both``: store-backed loading and persisting on one instance, no peer).
-    store : str
-        Block-store directory, shared by every instance of a deployment.
-    node : str
-        Name of this instance's storage NIC in metrics.
-    snic_bytes_per_s : float
-        Cap of this instance's storage reads (``snic_mbps`` x 10^6); ``UNCAPPED_BYTES_PER_S`` when not capped.
-    side_port : int or None
-        Port of the side channel on 127.0.0.1 (required for ``prefill`` and ``decode``).
-    fabric : str
-        Name of the emulated fabric every instance's device joins (the first to start creates it).
-    device_id : int
-        This instance's emulated device on the fabric, unique in the deployment (default 0 for ``prefill``,
-        1 for ``decode``).
-    timeout_s : float
-        Bound of every wait.
-    hccl_buffer_mb : int
-        Size of each HCCL window, one per (PE, DE) pair (the PE's layer slots and send buffers live there).
-    host_buffer_mb : int
-        Size of the registered host buffer (DE: leases for incoming KV; PE: storage reads).
-    persist_wait_s : float
-        How long a lookup that stops at a block announced for persisting waits for it
-        (:mod:`~ascend_dualpath.integrations.vllm.persisting`).
-    """
-
-    role: str
-    store: str
-    node: str
-    snic_bytes_per_s: float
-    side_port: int | None
-    fabric: str
-    timeout_s: float
-    device_id: int = 0
-    hccl_buffer_mb: int = 64
-    host_buffer_mb: int = 256
-    persist_wait_s: float = 5.0
-
-    @classmethod
-    def from_kv_transfer_config(cls, kv_transfer_config: Any) -> ConnectorSettings:
-        kv_role = kv_transfer_config.kv_role
-        if kv_role not in INSTANCE_ROLES:
-            raise ConfigError(f"kv_role must be one of {sorted(INSTANCE_ROLES)}, got {kv_role!r}")
-        role = INSTANCE_ROLES[kv_role]
-        extra = dict(kv_transfer_config.kv_connector_extra_config or {})
-        if not extra.get("store"):
-            raise ConfigError("kv_connector_extra_config['store'] (the block-store directory) is required")
-        side_port = extra.get("side_port")
-        if role != "standalone" and side_port is None:
-            raise ConfigError(f"kv_connector_extra_config['side_port'] is required for kv_role {kv_role!r}")
-        if side_port is not None and not (isinstance(side_port, int) and 0 < side_port < 65536):
-            raise ConfigError(f"kv_connector_extra_config['side_port'] must be a TCP port, got {side_port!r}")
-        mbps = extra.get("snic_mbps")
-        snic = UNCAPPED_BYTES_PER_S if mbps is None else _positive("snic_mbps", mbps) * 1e6
-        timeout = _positive("timeout_s", extra["timeout_s"]) if "timeout_s" in extra else _env.timeout_s()
-        device_id = extra.get("device_id", DEFAULT_DEVICE_IDS[role])
-        if not (isinstance(device_id, int) and not isinstance(device_id, bool) and device_id >= 0):
-            raise ConfigError(f"kv_connector_extra_config['device_id'] must be an int >= 0, got {device_id!r}")
-        return cls(
-            role=role,
-            store=str(extra["store"]),
-            node=str(extra.get("node", DEFAULT_NODES[role])),
-            snic_bytes_per_s=snic,
-            side_port=side_port,
-            fabric=str(extra.get("fabric", "adpvllm")),
-            timeout_s=timeout,
-            device_id=device_id,
-            hccl_buffer_mb=int(_positive("hccl_buffer_mb", extra.get("hccl_buffer_mb", 64))),
-            host_buffer_mb=int(_positive("host_buffer_mb", extra.get("host_buffer_mb", 256))),
-            persist_wait_s=_positive("persist_wait_s", extra.get("persist_wait_s", 5.0)),
-        )
+def from_kv_transfer_config(kv_transfer_config: Any) -> ConnectorSettings:
+    """``kv_connector_extra_config`` of one instance, validated (ConfigError names the key and the value)."""
+    kv_role = kv_transfer_config.kv_role
+    if kv_role not in INSTANCE_ROLES:
+        raise ConfigError(f"kv_role must be one of {sorted(INSTANCE_ROLES)}, got {kv_role!r}")
+    role = INSTANCE_ROLES[kv_role]
+    extra = dict(kv_transfer_config.kv_connector_extra_config or {})
+    if not extra.get("store"):
+        raise ConfigError("kv_connector_extra_config['store'] (the block-store directory) is required")
+    side_port = extra.get("side_port")
+    if role != "standalone" and side_port is None:
+        raise ConfigError(f"kv_connector_extra_config['side_port'] is required for kv_role {kv_role!r}")
+    if side_port is not None and not (isinstance(side_port, int) and 0 < side_port < 65536):
+        raise ConfigError(f"kv_connector_extra_config['side_port'] must be a TCP port, got {side_port!r}")
+    mbps = extra.get("snic_mbps")
+    snic = UNCAPPED_BYTES_PER_S if mbps is None else _positive("snic_mbps", mbps) * 1e6
+    timeout = _positive("timeout_s", extra["timeout_s"]) if "timeout_s" in extra else _env.timeout_s()
+    device_id = extra.get("device_id", DEFAULT_DEVICE_IDS[role])
+    if not (isinstance(device_id, int) and not isinstance(device_id, bool) and device_id >= 0):
+        raise ConfigError(f"kv_connector_extra_config['device_id'] must be an int >= 0, got {device_id!r}")
+    return ConnectorSettings(
+        role=role,
+        store=str(extra["store"]),
+        node=str(extra.get("node", DEFAULT_NODES[role])),
+        snic_bytes_per_s=snic,
+        side_port=side_port,
+        fabric=str(extra.get("fabric", "adpvllm")),
+        timeout_s=timeout,
+        device_id=device_id,
+        hccl_buffer_mb=int(_positive("hccl_buffer_mb", extra.get("hccl_buffer_mb", 64))),
+        host_buffer_mb=int(_positive("host_buffer_mb", extra.get("host_buffer_mb", 256))),
+        persist_wait_s=_positive("persist_wait_s", extra.get("persist_wait_s", 5.0)),
+    )
 
 
 def _positive(name: str, value: Any) -> float:

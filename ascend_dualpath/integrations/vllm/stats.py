@@ -19,7 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-# Counters of the worker (worker.Counters field or read-queue figure) -> (metric name, help, label value of ``path``).
+# Counters of the instance (dualpath.counters.Counters field or read-queue figure) -> (metric name, help, label value of ``path``).
 # Loads and split blocks carry the read path as a label; the others have none.
 COUNTERS: dict[str, tuple[str, str, str | None]] = {
     "loads_pe": ("loads", "requests whose storage hits loaded, by read path", "pe"),

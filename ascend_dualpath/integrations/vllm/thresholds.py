@@ -24,10 +24,10 @@ import aiohttp
 import zmq.asyncio
 
 from ascend_dualpath.dualpath.scheduler import ALPHA_WINDOW_S, BETA_WINDOW_S
+from ascend_dualpath.dualpath.settings import UNCAPPED_BYTES_PER_S
 from ascend_dualpath.errors import ProtocolError, WaitTimeout
 from ascend_dualpath.integrations.vllm.cluster import Cluster, Instance
 from ascend_dualpath.integrations.vllm.proxy import ProxyConfig, query_status
-from ascend_dualpath.integrations.vllm.settings import UNCAPPED_BYTES_PER_S
 
 WARMUP_TOKENS = 256
 

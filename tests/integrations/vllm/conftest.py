@@ -12,7 +12,7 @@ import pytest
 def deploy(tmp_path):
     """``deploy(num_pe, num_de, **kwargs)``: a :class:`worker_harness.Deployment` of connector workers, closed at
     the end of the test, its fabric's shared memory checked gone."""
-    from ascend_dualpath.integrations.vllm.dataplane import SHM_DIR
+    from ascend_dualpath.dualpath.dataplane import SHM_DIR
     from tests.integrations.vllm.worker_harness import Deployment
 
     made = []

@@ -20,11 +20,12 @@ from hypothesis import strategies as st
 from ascend_dualpath import _ext
 from ascend_dualpath.backends import emulator as emu
 from ascend_dualpath.dualpath import messages as m
+from ascend_dualpath.dualpath.dataplane import open_dataplane, open_fabric
+from ascend_dualpath.dualpath.settings import ConnectorSettings
+from ascend_dualpath.dualpath.side_channel import XferParams
 from ascend_dualpath.dualpath.transfer_leg import FaultInjectingLeg
 from ascend_dualpath.errors import ConfigError
-from ascend_dualpath.integrations.vllm.dataplane import open_dataplane, open_fabric
-from ascend_dualpath.integrations.vllm.protocol import XferParams
-from ascend_dualpath.integrations.vllm.settings import ConnectorSettings
+from ascend_dualpath.integrations.vllm.settings import from_kv_transfer_config
 from ascend_dualpath.kv.faults import FaultInjector
 from ascend_dualpath.kv.store import HEADER_BYTES
 from tests.integrations.vllm.worker_harness import (
@@ -272,12 +273,12 @@ def test_device_id_is_validated_and_defaults_by_role():
             "C", (), {"kv_role": role, "kv_connector_extra_config": {"store": "/s", "side_port": 7000, **extra}}
         )
 
-    assert ConnectorSettings.from_kv_transfer_config(config("kv_producer")).device_id == 0
-    assert ConnectorSettings.from_kv_transfer_config(config("kv_consumer")).device_id == 1
-    assert ConnectorSettings.from_kv_transfer_config(config("kv_consumer", device_id=5)).device_id == 5
+    assert from_kv_transfer_config(config("kv_producer")).device_id == 0
+    assert from_kv_transfer_config(config("kv_consumer")).device_id == 1
+    assert from_kv_transfer_config(config("kv_consumer", device_id=5)).device_id == 5
     for bad in (-1, True, "2", 1.0):
         with pytest.raises(ConfigError, match="device_id"):
-            ConnectorSettings.from_kv_transfer_config(config("kv_producer", device_id=bad))
+            from_kv_transfer_config(config("kv_producer", device_id=bad))
 
 
 def test_split_is_an_optional_bool_in_the_params():
@@ -375,7 +376,7 @@ def test_a_timed_out_receive_keeps_its_lease_from_the_next_requests_while_its_re
     de, pe0 = d.instances["de0"].worker, d.instances["pe0"].worker
     de.store.faults = _SlowReads(2.0)  # outlasts the receive's 0.3 s by a margin a loaded machine keeps
     de.decode.settings = dataclasses.replace(de.decode.settings, timeout_s=0.3)
-    pe0.settings = dataclasses.replace(pe0.settings, timeout_s=1.5)  # it gives up on the hit layers sooner
+    pe0.prefill.settings = dataclasses.replace(pe0.prefill.settings, timeout_s=1.5)  # gives up on hit layers sooner
     pe_req, de_req = d.request("pe0", "de0", Deployment.true_rows(12, 21), 4, "de")
     d.expect_recv("de0", de_req)
     prefill = threading.Thread(target=d.prefill, args=("pe0", pe_req), kwargs={"check_layers": False}, daemon=True)
@@ -410,7 +411,7 @@ def test_a_pe_load_whose_read_outlives_its_wait_quarantines_its_lease(deploy):
     # the reads must outlast the load's wait and the release's bounded waits after it (0.3 s each) by a margin
     # a loaded machine cannot eat up
     pe.store.faults = _SlowReads(3.0)
-    pe.settings = dataclasses.replace(pe.settings, timeout_s=0.3)
+    pe.prefill.settings = dataclasses.replace(pe.prefill.settings, timeout_s=0.3)
     rows = Deployment.true_rows(14, 21)
     pe_req, de_req = d.request("pe0", "de0", rows, 2, "pe")
     d.expect_recv("de0", de_req)
@@ -438,7 +439,7 @@ def test_a_failed_load_keeps_its_window_slots_while_the_des_pushes_may_still_lan
     go back to the pool."""
     d = deploy(1, 1)
     pe, de = d.instances["pe0"].worker, d.instances["de0"].worker
-    pe.settings = dataclasses.replace(pe.settings, timeout_s=0.3)
+    pe.prefill.settings = dataclasses.replace(pe.prefill.settings, timeout_s=0.3)
     de.decode.settings = dataclasses.replace(de.decode.settings, timeout_s=0.3)
     rows = Deployment.true_rows(15, 21)
     pe_req, de_req = d.request("pe0", "de0", rows, 2, "de")
@@ -448,7 +449,7 @@ def test_a_failed_load_keeps_its_window_slots_while_the_des_pushes_may_still_lan
     try:
         assert d.prefill("pe0", pe_req) == set()  # read by the PE instead, every layer before its attention
         assert pe.counters.takeovers == 1
-        link = pe._peers[d.instances["de0"].address].link
+        link = pe.prefill._peers[d.instances["de0"].address].link
         nbytes = 2 * 2 * BLOCK * LAYOUT.token_bytes  # both slots' bytes: where first fit puts them once freed
         probe = link.window_alloc(nbytes)
         view = link.window_view(probe, nbytes)

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
+from ascend_dualpath.dualpath.quarantine import Quarantine
 from ascend_dualpath.errors import ConfigError
-from ascend_dualpath.integrations.vllm.quarantine import Quarantine
 
 
 @dataclasses.dataclass

@@ -26,8 +26,8 @@ pytest.importorskip("vllm")
 aiohttp = pytest.importorskip("aiohttp")
 pytestmark = pytest.mark.slow
 
+from ascend_dualpath.dualpath.side_channel import query_status  # noqa: E402
 from ascend_dualpath.integrations.vllm.cluster import SIDE_PORT_OFFSET  # noqa: E402
-from ascend_dualpath.integrations.vllm.protocol import query_status  # noqa: E402
 from tests.integrations.vllm import test_serve_e2e as e2e  # noqa: E402
 from tests.integrations.vllm.test_serve_e2e import ENV, ROOT, _get, _serve, _stop, _vocab  # noqa: E402
 

@@ -20,8 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from vllm.config import KVTransferConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging, KVConnectorProm  # noqa: E402
 
+from ascend_dualpath.dualpath.counters import Counters  # noqa: E402
 from ascend_dualpath.integrations.vllm.stats import COUNTERS, DualPathKVConnectorStats  # noqa: E402
-from ascend_dualpath.integrations.vllm.worker import Counters  # noqa: E402
 
 KV_TRANSFER = KVTransferConfig(
     kv_connector="DualPathConnector",

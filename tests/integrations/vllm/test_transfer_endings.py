@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ascend_dualpath.dualpath import messages as m
+from ascend_dualpath.dualpath.side_channel import PeerClient
 from ascend_dualpath.errors import ProtocolError
-from ascend_dualpath.integrations.vllm.protocol import PeerClient
 from ascend_dualpath.kv.layout import KVLayout
 from tests.integrations.vllm.worker_harness import (
     BLOCK,
@@ -156,8 +156,8 @@ def test_a_pe_with_another_kv_layout_is_refused_at_hello_naming_both_digests(dep
     monkeypatch.setattr(pe.dataplane, "compat", lambda layout: theirs)
     facts = rf"digest {mine.digest} at DE de0, {theirs.digest} at PE .*num_layers {LAYERS} here, {LAYERS + 1} there"
     with pytest.raises(ProtocolError, match=facts):
-        pe._connect_peer(de.address)
-    assert not pe._peers and not de.worker.dataplane.links
+        pe.prefill._connect_peer(de.address)
+    assert not pe.prefill._peers and not de.worker.dataplane.links
 
 
 def test_the_pe_says_its_writes_ended_only_once_the_request_that_planned_them_is_over(deploy):
@@ -169,10 +169,10 @@ def test_the_pe_says_its_writes_ended_only_once_the_request_that_planned_them_is
     d.expect_recv("de0", de_req)
     d.prefill("pe0", pe_req)
     asked = m.WritesEnded(xfer_id=pe_req.xfer.xfer_id)
-    assert not pe._writes_pending(pe_req.xfer.xfer_id)  # every write of this step ended ...
-    assert pe._on_writes_ended(asked) == m.Ended(ended=False)  # ... but the request may write again
+    assert not pe.prefill._writes_pending(pe_req.xfer.xfer_id)  # every write of this step ended ...
+    assert pe.prefill.on_writes_ended(asked) == m.Ended(ended=False)  # ... but the request may write again
     d.done("pe0", pe_req)
-    assert pe._on_writes_ended(asked) == m.Ended(ended=True)
+    assert pe.prefill.on_writes_ended(asked) == m.Ended(ended=True)
     d.finish("de0", {de_req.req_id})
 
 

@@ -24,10 +24,11 @@ import msgspec
 import torch
 
 from ascend_dualpath.dualpath.scheduler import ReadPath
+from ascend_dualpath.dualpath.settings import UNCAPPED_BYTES_PER_S, ConnectorSettings
+from ascend_dualpath.dualpath.side_channel import XferParams
+from ascend_dualpath.dualpath.specs import LoadSpec, RecvSpec, SaveSpec
 from ascend_dualpath.integrations.vllm.layouts import FlashAttnAdapter
-from ascend_dualpath.integrations.vllm.metadata import DualPathMetadata, LoadSpec, RecvSpec, SaveSpec
-from ascend_dualpath.integrations.vllm.protocol import XferParams
-from ascend_dualpath.integrations.vllm.settings import UNCAPPED_BYTES_PER_S, ConnectorSettings
+from ascend_dualpath.integrations.vllm.metadata import DualPathMetadata
 from ascend_dualpath.integrations.vllm.worker import DualPathWorker
 from ascend_dualpath.kv.store import LocalBlockStore
 
@@ -181,7 +182,7 @@ class Deployment:
         for layer, name in enumerate(names):
             worker.wait_for_layer_load(name)
             cache = inst.caches[layer]
-            if check_layers and not worker._invalid_blocks and req.hit_tokens:
+            if check_layers and not worker.prefill._invalid_blocks and req.hit_tokens:
                 got = ADAPTER.read_tokens(cache, req.block_ids, 0, req.hit_tokens)
                 assert torch.equal(got, req.rows[layer, : req.hit_tokens]), f"hit rows of layer {layer} missing"
             ADAPTER.write_tokens(cache, req.block_ids, req.hit_tokens, req.rows[layer, req.hit_tokens :])

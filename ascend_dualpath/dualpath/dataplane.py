@@ -27,9 +27,9 @@ import threading
 
 from ascend_dualpath.backends import Backend, get_backend
 from ascend_dualpath.dualpath import messages as m
+from ascend_dualpath.dualpath.settings import ConnectorSettings
 from ascend_dualpath.dualpath.transfer_leg import ABORT_SLOT, KV_COMM_FIELDS, TransportTransferLeg
 from ascend_dualpath.errors import BackendUnavailable, CapacityError, ConfigError
-from ascend_dualpath.integrations.vllm.settings import ConnectorSettings
 from ascend_dualpath.kv.buffers import HostBuffer
 from ascend_dualpath.kv.layout import KVLayout
 from ascend_dualpath.transport.engine import StagingPool

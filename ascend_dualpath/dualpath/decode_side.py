@@ -1,7 +1,7 @@
 """The DE's half of the worker: the side channel's request handlers, the hit-layer pusher, receives and the merge.
 
 A DE serves any number of PEs. Each PE says ``hello`` once (its side-channel address and device id): the DE makes
-that pair's communicator (:class:`~ascend_dualpath.integrations.vllm.dataplane.PairLink`) and every request the
+that pair's communicator (:class:`~ascend_dualpath.dualpath.dataplane.PairLink`) and every request the
 PE plans afterwards uses it. All PEs' leases come from the DE's one registered host buffer.
 
 Per request (``plan``), the lease holds ``L x P x C`` bytes: complete layers ``[L, P, C]`` when the PE sends them
@@ -16,7 +16,7 @@ hit half), which the DE cannot stop. The rule: when the request lets go of a lea
 receive ending, a fallback), the pusher retires it when it ends; a lease is released if every read and push into
 or from it ended and the PE can no longer write into it (the receive completed: every row arrived; or, on a
 fallback, the PE reports its writes into the old lease ended), else it is quarantined
-(:mod:`~ascend_dualpath.integrations.vllm.quarantine`; ``quarantined_leases`` in ``status``, logged) until the
+(:mod:`~ascend_dualpath.dualpath.quarantine`; ``quarantined_leases`` in ``status``, logged) until the
 reads and pushes ended and the PE answers ``writes_ended`` for the request. A failed or timed-out receive therefore
 always quarantines its lease first: the PE may still be sending into it. The DE answers ``pushes_ended`` the same
 way for the PE's window slots.
@@ -32,14 +32,14 @@ import time
 from typing import Any
 
 from ascend_dualpath.dualpath import messages as m
+from ascend_dualpath.dualpath.dataplane import PE_RANK, Dataplane, PairLink
 from ascend_dualpath.dualpath.lease import LeaseLayout
+from ascend_dualpath.dualpath.quarantine import Quarantine, tickets_ended
 from ascend_dualpath.dualpath.scheduler import ReadPath
+from ascend_dualpath.dualpath.settings import ConnectorSettings
+from ascend_dualpath.dualpath.side_channel import expect, request_once
+from ascend_dualpath.dualpath.specs import RecvSpec
 from ascend_dualpath.errors import ChecksumMismatch, ProtocolError, WaitTimeout
-from ascend_dualpath.integrations.vllm.dataplane import PE_RANK, Dataplane, PairLink
-from ascend_dualpath.integrations.vllm.metadata import RecvSpec
-from ascend_dualpath.integrations.vllm.protocol import expect, request_once
-from ascend_dualpath.integrations.vllm.quarantine import Quarantine, tickets_ended
-from ascend_dualpath.integrations.vllm.settings import ConnectorSettings
 from ascend_dualpath.kv.layout import KVLayout
 from ascend_dualpath.kv.read_queue import ReadQueue
 from ascend_dualpath.kv.store import LocalBlockStore

@@ -1,0 +1,723 @@
+"""The PE half of DualPath: each load's hit rows into the paged cache before its layer's attention, the computed
+rows to the DE after it.
+
+A deployment has any number of PEs and DEs; the proxy names each request's peer, and a PE keeps one peer (side-
+channel client and pair link, :mod:`~ascend_dualpath.dualpath.dataplane`) per DE it has worked with.
+Per request and path (docs/vllm.md has the sequence diagrams):
+
+- **PE read path** (the PE): the step's start queues the hit full blocks on the PE node's storage read queue
+  into a host lease; ``wait_for_layer_load(l)`` puts layer ``l``'s hit rows into the paged cache before layer
+  ``l``'s attention; ``save_kv_layer(l)`` sends the complete layer (hit and new rows) to the DE's lease while
+  layer ``l + 1`` computes.
+- **DE read path**: the DE reads the hit blocks through its own storage NIC into its lease and pushes hit
+  layer ``l`` into one of two slots in the PE's HCCL window (notify after the last byte); the PE consumes it
+  in ``wait_for_layer_load(l)`` and returns only the new rows of each layer; the DE pushes layer ``l + 2``
+  once the PE has consumed layer ``l``.
+- **Split** (``kv_transfer_params.dualpath.split``): at plan time the PE asks the DE for its read backlog and
+  cap and sizes its share ``k`` with :func:`~ascend_dualpath.dualpath.scheduler.split_hit_blocks`; it reads
+  hit blocks ``[first, first + k)`` itself (and writes them once into the DE lease's hit-block area), the DE
+  reads and pushes the rest as on the DE path; ``wait_for_layer_load(l)`` writes both halves' rows of layer
+  ``l``. ``k == n`` and ``k == 0`` are the PE and DE read paths.
+- **The DE** (:mod:`~ascend_dualpath.dualpath.decode_side`) merges hit and new rows in token order into
+  its paged blocks when every row has arrived, then reports the request received (or failed).
+
+A failure falls back to the other path, then to recompute. When the DE's half fails (its read or push breaks and
+it aborts, or its notify times out), the PE takes it over: the DE stops pushing (``fallback``) and gets complete
+layers, the PE reads the DE's half through its own storage NIC and writes it from the failed layer on, and sends
+the DE again the layers of this step that went into the old lease. A load that fails on the PE (its own storage
+read, a checksum mismatch, a takeover whose read fails too) reports the request's hit blocks from the first failed
+one in :meth:`PrefillSide.block_ids_with_load_errors` (the blocks before a corrupted one are written first), so vLLM
+recomputes them or fails the request (``kv_load_failure_policy``); the DE stops pushing and the PE then sends it
+complete layers. A corrupted block is removed from the store (it is persisted again when its request finishes).
+
+A host lease is released only once nothing may write into it or read from it: a PE load's lease after its storage
+reads and its split half's send to the DE ended (bounded waits), else it is quarantined
+(:mod:`~ascend_dualpath.dualpath.quarantine`: ``quarantined_leases`` in ``status``) until they did.
+Before a fallback the PE lets its writes into the DE's lease end and tells the DE whether they did (``settled``),
+so the DE can release or quarantine that lease
+(:mod:`~ascend_dualpath.dualpath.decode_side` states the DE's rule). The same holds the other way for the
+PE's window slots, which the DE pushes into: a failed load frees them only when the DE's fallback reply says its
+pushes ended (``pushes_ended``), else they are quarantined (``quarantined_slots``) until the DE answers
+``pushes_ended`` for the request. The PE answers the DE's ``writes_ended`` from the writes into its lease it has
+not yet seen end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import threading
+import time
+from typing import Any
+
+import torch
+
+from ascend_dualpath.dualpath import messages as m
+from ascend_dualpath.dualpath.counters import Counters
+from ascend_dualpath.dualpath.dataplane import DE_RANK, Dataplane, PairLink
+from ascend_dualpath.dualpath.lease import LeaseLayout
+from ascend_dualpath.dualpath.quarantine import Quarantine, tickets_ended
+from ascend_dualpath.dualpath.scheduler import ReadPath, split_hit_blocks
+from ascend_dualpath.dualpath.settings import ConnectorSettings
+from ascend_dualpath.dualpath.side_channel import PeerClient, XferParams, expect, request_once
+from ascend_dualpath.dualpath.specs import LoadSpec, SaveSpec
+from ascend_dualpath.dualpath.transfer_leg import Segment, wait_notify
+from ascend_dualpath.errors import ChecksumMismatch, ProtocolError
+from ascend_dualpath.kv.buffers import HostBuffer
+from ascend_dualpath.kv.layout import KVLayout
+from ascend_dualpath.kv.read_queue import ReadQueue
+from ascend_dualpath.kv.store import LocalBlockStore
+
+NOTIFY_POLL_S = 0.0002
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Peer:
+    """A PE's connection to one DE: the side-channel client and the pair's link."""
+
+    client: PeerClient
+    link: PairLink
+
+
+@dataclasses.dataclass
+class _Reads:
+    """Hit blocks ``[first, first + count)`` of a load read through this PE's storage NIC into ``lease``."""
+
+    first: int
+    count: int
+    lease: Any
+    tickets: list
+    waited: bool = False  # every read completed (the first layer written from them waits for them)
+
+
+@dataclasses.dataclass
+class _Load:
+    """One request's hit rows arriving during this step's forward (PE or standalone).
+
+    Hit blocks ``[first, last)`` of the request: the PE reads ``[first, first + own_blocks)`` (``reads[0]``), the
+    DE pushes the rest into the two window ``slots``; when the DE's half fails, the PE reads that half too
+    (``reads[1]``, the other storage NIC's share taken over).
+    """
+
+    spec: LoadSpec
+    first: int
+    last: int
+    own_blocks: int
+    peer: _Peer | None = None
+    reads: list[_Reads] = dataclasses.field(default_factory=list)
+    slots: list[int] = dataclasses.field(default_factory=list)
+    notify_base: int = -1
+    magics: list[int] = dataclasses.field(default_factory=list)
+    abort_magic: int = 0
+    hits_ticket: Any = None  # a split's own half going to the DE lease
+    error: BaseException | None = None
+    slots_settled: bool = False  # after a failure: the DE said none of its pushes into the slots is in flight
+
+    @property
+    def full_rows(self) -> bool:
+        """The DE gets complete layers from this PE (PE read path, or no hit to read)."""
+        return self.own_blocks == self.last - self.first
+
+    @property
+    def peer_blocks(self) -> int:
+        return self.last - self.first - self.own_blocks
+
+
+@dataclasses.dataclass
+class _PeXfer:
+    """PE-side state of one request across the steps of its prefill."""
+
+    peer: _Peer
+    lease_addr: int
+    full_rows: bool
+    hit_tokens: int
+    prompt_tokens: int
+    first_save: bool = True
+    resend_below: int = 0  # after a takeover at layer l: layers [0, l) went to the DE's old lease, send them again
+
+    def lease(self, layout: KVLayout) -> LeaseLayout:
+        """The DE's lease: complete layers when this PE sends every row, else hit blocks then new rows."""
+        return LeaseLayout(layout, self.prompt_tokens, 0 if self.full_rows else self.hit_tokens)
+
+
+class PrefillSide:
+    """The PE's loads and saves (also a standalone instance's loads, which have no peer).
+
+    Parameters
+    ----------
+    settings, layout, store, read_queue :
+        The instance's (the read queue is the PE node's storage NIC).
+    counters, quarantine :
+        The instance's; this half counts its loads, fallbacks, takeovers and failures there.
+
+    A host calls :meth:`bind` once its caches exist, then per step :meth:`start`, for each layer
+    :meth:`wait_for_layer_load` before its attention and :meth:`save_kv_layer` after it, and :meth:`wait_for_save`
+    at the step's end; :meth:`block_ids_with_load_errors` says which hit blocks must be recomputed.
+    """
+
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        layout: KVLayout,
+        store: LocalBlockStore,
+        read_queue: ReadQueue,
+        counters: Counters,
+        quarantine: Quarantine,
+    ) -> None:
+        self.settings, self.layout, self.store = settings, layout, store
+        self.read_queue, self.counters, self.quarantine = read_queue, counters, quarantine
+        self.caches: list[torch.Tensor] = []
+        self.adapter = None
+        self.dataplane: Dataplane | None = None
+        self.address = ""  # this instance's side channel, which the DE answers writes_ended on
+        self._private_host: HostBuffer | None = None
+        self._peers: dict[str, _Peer] = {}  # DE side channel -> its peer
+        self._loads: list[_Load] = []
+        self._saves: list[tuple[SaveSpec, _PeXfer, list]] = []
+        self._invalid_blocks: set[int] = set()
+        self._pe_xfers: dict[str, _PeXfer] = {}
+        self._pe_xfer_of: dict[str, str] = {}  # PE req_id -> xfer_id
+        self._lease_writes: dict[str, list] = {}  # xfer_id -> its RDMA writes into the DE's lease not seen ended
+        self._lease_writes_lock = threading.Lock()  # the side channel's thread answers writes_ended
+        self.layer_waits: list[float] = []  # seconds each wait for a DE push took (the host drains it)
+
+    def bind(self, caches: list[torch.Tensor], adapter: Any, dataplane: Dataplane | None, address: str) -> None:
+        """The paged caches (one per layer, in layer order), their adapter (``read_tokens`` / ``write_tokens``), the
+        instance's dataplane (None: standalone) and its side-channel address."""
+        self.caches, self.adapter, self.dataplane, self.address = caches, adapter, dataplane, address
+
+    def start(self, loads: list[LoadSpec], saves: list[SaveSpec]) -> None:
+        """A step's loads and saves, before its forward: reads and plans start here."""
+        self._invalid_blocks = set()
+        self._loads = [self._start_load(spec) for spec in loads]
+        self._saves = []
+        for spec in saves:
+            xfer = self._pe_xfer(spec.req_id)
+            if xfer is not None:
+                self._saves.append((spec, xfer, []))
+
+    def reading(self) -> list[str]:
+        """The transfers of the current step whose storage reads through this PE are queued or running."""
+        # the engine thread replaces the list, never mutates it, while another thread reads it
+        return [
+            load.spec.xfer.xfer_id
+            for load in self._loads
+            if load.spec.xfer is not None and not all(t.done for r in load.reads for t in r.tickets)
+        ]
+
+    def unfinished_tokens(self) -> list[int]:
+        """Prompt tokens of each request this PE planned and has not finished."""
+        return [x.prompt_tokens for x in list(self._pe_xfers.values())]
+
+    def finish(self, req_ids: set[str]) -> None:
+        """Requests the host finished send nothing more; writes seen ended need no answer any more."""
+        for xfer_id in list(self._lease_writes):
+            self._writes_pending(xfer_id)
+        for req_id in req_ids:
+            self._pe_xfers.pop(self._pe_xfer_of.pop(req_id, None), None)
+
+    def close(self) -> None:
+        for peer in self._peers.values():
+            peer.client.close()
+        self._peers.clear()
+
+    def _start_load(self, spec: LoadSpec) -> _Load:
+        first, last = spec.computed // self.block_size, spec.hit_tokens // self.block_size
+        load = _Load(spec, first, last, own_blocks=last - first)
+        try:
+            if spec.xfer is not None:
+                load.peer = self._connect_peer(spec.xfer.peer)
+                load.own_blocks = self._own_blocks(load)
+                self._plan(load)
+            if load.own_blocks > 0:
+                self._queue_reads(load, load.first, load.own_blocks)
+            self._count(load)
+        except Exception as error:  # a load that cannot even start fails like one that broke later
+            self._fail_load(load, error)
+        return load
+
+    def _own_blocks(self, load: _Load) -> int:
+        """How many of the load's hit blocks the PE reads: all (PE path), none (DE path), or a split's share
+        sized on both read queues' live backlogs and caps (the DE's from a ``status`` round trip)."""
+        n, xfer = load.last - load.first, load.spec.xfer
+        if not xfer.split:
+            return n if xfer.path is ReadPath.PE else 0
+        if n == 0:
+            return 0
+        de = self._peer_request(load.peer, m.StatusQuery(), reply=m.Status)
+        return split_hit_blocks(
+            n,
+            self.layout.full_block_bytes,
+            float(self.read_queue.stats().bytes),
+            self.settings.snic_bytes_per_s,
+            float(de.read_queue_bytes),
+            de.snic_bytes_per_s,
+        )
+
+    def _count(self, load: _Load) -> None:
+        n, c = load.last - load.first, self.counters
+        if n == 0:
+            return
+        if load.spec.xfer is not None and load.spec.xfer.split:
+            c.split_blocks_pe += load.own_blocks
+            c.split_blocks_de += load.peer_blocks
+        if load.full_rows:
+            c.loads_pe += 1
+        elif load.own_blocks == 0:
+            c.loads_de += 1
+        else:
+            c.loads_split += 1
+
+    def _queue_reads(self, load: _Load, first: int, count: int) -> _Reads:
+        """Queue hit blocks ``[first, first + count)`` on this PE's storage read queue into a fresh host lease."""
+        spec, fb = load.spec, self.layout.full_block_bytes
+        self.store.refresh(spec.store_ids[: first + count])  # the scheduler half's store saw them; this may not
+        own = LeaseLayout.blocks(self.layout, count)
+        lease = self._host().allocate(spec.req_id, count * fb, timeout_s=self.settings.timeout_s)
+        reads = _Reads(first, count, lease, [])
+        load.reads.append(reads)  # before the submits: a failing submit leaves the lease to _release_load
+        reads.tickets = [
+            self.read_queue.submit(spec.store_ids[first + i], lease.slice(own.block_offset(i), fb).view)
+            for i in range(count)
+        ]
+        return reads
+
+    @property
+    def block_size(self) -> int:
+        return self.layout.block_tokens
+
+    def _host(self):
+        """Where this instance's storage reads land: the registered host buffer, or (standalone) a private one."""
+        if self.dataplane is not None:
+            return self.dataplane.host
+        if self._private_host is None:
+            from ascend_dualpath.kv.buffers import HostBuffer
+
+            self._private_host = HostBuffer(
+                self.settings.host_buffer_mb << 20, role="pe_buffer", timeout_s=self.settings.timeout_s
+            )
+        return self._private_host
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        """Every load's hit rows of ``layer`` into the paged cache (a load that fails is reported, not raised)."""
+        for load in self._loads:
+            if load.error is None and load.last > load.first:
+                try:
+                    self._write_layer(load, layer)
+                except Exception as error:
+                    self._fail_load(load, error)
+
+    def _write_layer(self, load: _Load, layer: int) -> None:
+        """Layer ``layer``'s hit rows of both halves into the paged cache: the own half from the lease (after the
+        reads), the DE's half from its window slot (after its notify). A DE half that fails is read here instead
+        (:meth:`_take_over`)."""
+        for reads in list(load.reads):
+            self._write_reads(load, reads, layer)
+            if reads is load.reads[0] and layer == 0 and not load.full_rows:
+                self._send_own_hits(load)
+        if load.slots:  # the DE pushed this layer of its half into slot layer % 2
+            try:
+                self._write_pushed(load, layer)
+            except Exception as error:
+                self._take_over(load, layer, error)
+
+    def _write_reads(self, load: _Load, reads: _Reads, layer: int) -> None:
+        """Layer ``layer``'s rows of the blocks ``reads`` holds, once its storage reads completed (bounded)."""
+        if not reads.waited:
+            for ticket in reads.tickets:
+                ticket.wait(self.settings.timeout_s)
+            reads.waited = True
+        rows = LeaseLayout.blocks(self.layout, reads.count).hit_rows(reads.lease.tensor, layer)
+        self.adapter.write_tokens(self.caches[layer], load.spec.block_ids, reads.first * self.block_size, rows)
+
+    def _write_pushed(self, load: _Load, layer: int) -> None:
+        """Layer ``layer`` of the DE's half from window slot ``layer % 2``, after its notify; then tell the DE the
+        slot is free for layer ``layer + 2``."""
+        C, T, spec = self.layout.token_bytes, self.block_size, load.spec
+        self._wait_notify(load, layer)
+        rows = load.peer_blocks * T
+        view = load.peer.link.window_view(load.slots[layer % 2], rows * C)
+        start = (load.first + load.own_blocks) * T
+        self.adapter.write_tokens(
+            self.caches[layer], spec.block_ids, start, torch.frombuffer(view, dtype=torch.uint8).view(rows, C)
+        )
+        if layer + 2 < self.layout.num_layers:
+            self._peer_request(load.peer, m.Consumed(xfer_id=spec.xfer.xfer_id, layer=layer))
+
+    def _take_over(self, load: _Load, layer: int, error: BaseException) -> None:
+        """The DE's half failed at layer ``layer`` (its read or push broke, it aborted, its notify timed out): the
+        other path is this PE's storage NIC. The DE stops pushing and gets complete layers (``fallback``), this PE
+        reads the DE's half itself and writes it from layer ``layer`` on (the layers before came from the slots);
+        the layers this step already sent to the DE's old lease are sent again at the step's end. If the takeover
+        fails too, the load fails (vLLM recomputes): raises its error."""
+        spec = load.spec
+        log.warning(
+            "DualPath: the DE's half of request %s failed at layer %d, this PE reads it itself: %s: %s",
+            spec.req_id,
+            layer,
+            type(error).__name__,
+            error,
+        )
+        xfer = self._pe_xfer(spec.req_id)
+        if xfer is None:
+            raise error
+        xfer.full_rows, xfer.first_save, xfer.resend_below = True, True, layer
+        self._peer_fallback(load, xfer, f"{type(error).__name__}: {error}", self._quiesce(load))
+        if self._pe_xfer(spec.req_id) is None:  # the DE refused the fallback: its receive is aborted, send it nothing
+            self._saves = [save for save in self._saves if save[0].req_id != spec.req_id]
+        self._retire_slots(load, load.slots_settled)
+        load.slots = []
+        self.counters.takeovers += 1
+        self._write_reads(load, self._queue_reads(load, load.first + load.own_blocks, load.peer_blocks), layer)
+
+    def _send_own_hits(self, load: _Load) -> None:
+        """A split's own half, read, goes once into the DE lease's hit-block area (blocks ``first ..``)."""
+        fb, xfer = self.layout.full_block_bytes, self._pe_xfer(load.spec.req_id)
+        nbytes = load.own_blocks * fb
+        dst = xfer.lease_addr + xfer.lease(self.layout).block_offset(load.first)
+        src = load.reads[0].lease.addr
+        load.hits_ticket = load.peer.link.leg.submit(0, [Segment(src, nbytes, 0)], DE_RANK, dst)
+        self._track_write(load.spec.xfer.xfer_id, load.hits_ticket)
+
+    def _wait_notify(self, load: _Load, layer: int) -> None:
+        """Wait (bounded) for the DE's push of hit layer ``layer`` (slot ``notify_base + layer % 2``; its abort flag
+        is ``notify_base + 2``); the wait's length goes to vLLM's metrics, failed waits included."""
+        start = time.monotonic()
+        try:
+            wait_notify(
+                load.peer.link.comm,
+                load.notify_base + layer % 2,
+                load.magics[layer],
+                f"hit layer {layer} of request {load.spec.xfer.xfer_id} from the DE",
+                abort_magic=load.abort_magic,
+                abort_slot=load.notify_base + 2,
+                timeout_s=self.settings.timeout_s,
+                poll_s=NOTIFY_POLL_S,
+            )
+        finally:  # the histogram shows what stalled the forward
+            self.layer_waits.append(time.monotonic() - start)
+
+    def _fail_load(self, load: _Load, error: BaseException) -> None:
+        """Report the load's hit blocks from the first one that may be wrong; the DE then gets full layers."""
+        if load.error is not None:
+            return
+        load.error = error
+        spec = load.spec
+        log.warning(
+            "DualPath: load of request %s failed, its hit blocks are reported to vLLM: %s: %s",
+            spec.req_id,
+            type(error).__name__,
+            error,
+        )
+        first_bad = load.first
+        if isinstance(error, ChecksumMismatch):
+            self.counters.checksum_errors += 1
+            first_bad = self._drop_corrupt(load, error)
+        self._invalid_blocks.update(spec.block_ids[first_bad : load.last])
+        self.counters.fallbacks += 1
+        xfer = self._pe_xfer(spec.req_id)
+        if xfer is not None:
+            xfer.full_rows, xfer.first_save, xfer.resend_below = True, True, 0
+            if load.slots:  # the DE must stop pushing before the slots are freed
+                self._peer_fallback(load, xfer, f"{type(error).__name__}: {error}", self._quiesce(load))
+        self._release_load(load)
+
+    def _drop_corrupt(self, load: _Load, error: ChecksumMismatch) -> int:
+        """Remove the corrupted block whose read raised ``error`` (and so its descendants) from the store and write
+        every layer of the good blocks before it into the cache; returns the corrupted block's index.
+
+        Reads are waited in block order, own half first, so every block before the corrupted one was read whole
+        into a lease of this PE (the DE's half lies after the own one, and is read here only once taken over)."""
+        spec, T = load.spec, self.block_size
+        for reads in load.reads:
+            for i, ticket in enumerate(reads.tickets):
+                if ticket.done and getattr(ticket, "_error", None) is error:
+                    bad = reads.first + i
+                    self.store.remove(spec.store_ids[bad])
+                    for held in load.reads:
+                        count = min(held.count, bad - held.first)
+                        if count > 0:
+                            good = LeaseLayout.blocks(self.layout, count)
+                            for layer, cache in enumerate(self.caches):
+                                rows = good.hit_rows(held.lease.tensor, layer)
+                                self.adapter.write_tokens(cache, spec.block_ids, held.first * T, rows)
+                    return bad
+        return load.first
+
+    def _quiesce(self, load: _Load) -> bool:
+        """Let the load's writes into the DE's lease end (a split's own half, this step's layer sends so far);
+        True if all ended within their bounded waits."""
+        settled = True
+        if load.hits_ticket is not None:
+            settled = self._settle(load.peer.link, None, load.hits_ticket)
+            load.hits_ticket = None
+        for spec, xfer, sends in self._saves:
+            if spec.req_id == load.spec.req_id:
+                for _, addr, ticket in sends:
+                    settled = self._settle(xfer.peer.link, addr, ticket) and settled
+                sends.clear()
+        return settled
+
+    def _peer_fallback(self, load: _Load, xfer: _PeXfer, reason: str, settled: bool) -> None:
+        """Tell the DE to stop pushing and take complete layers, in the fresh lease its reply names (``settled``:
+        this PE's writes into the old lease ended). If it cannot, its receive is aborted (the DE recomputes) and
+        this PE sends it nothing more."""
+        xfer_id = load.spec.xfer.xfer_id
+        try:
+            message = m.Fallback(xfer_id=xfer_id, reason=reason, settled=settled)
+            reply = self._peer_request(load.peer, message, 2 * self.settings.timeout_s, m.Planned)
+            xfer.lease_addr = reply.lease_addr
+            load.slots_settled = reply.pushes_ended
+        except Exception as exc:
+            log.warning("DualPath: the DE did not take the fallback of request %s: %s", load.spec.req_id, exc)
+            self._abort_peer(load.peer, load.spec.xfer, f"fallback refused: {exc}")
+            self._pe_xfers.pop(xfer_id, None)
+
+    def _release_load(self, load: _Load) -> None:
+        for reads in load.reads:
+            for ticket in reads.tickets:  # a read still in flight writes into the lease: let it end first
+                if not ticket.done:
+                    try:
+                        ticket.wait(self.settings.timeout_s)
+                    except Exception:  # its error is already the load's error or irrelevant now
+                        pass
+            settled = all(ticket.done for ticket in reads.tickets)
+            sends = []
+            if load.hits_ticket is not None and reads is load.reads[0]:  # the own half going to the DE, from here
+                sends = [load.hits_ticket]
+                settled = self._settle(load.peer.link, None, load.hits_ticket) and settled
+                load.hits_ticket = None
+            self.quarantine.retire(
+                "leases",
+                f"lease of request {load.spec.req_id}",
+                reads.lease.nbytes,
+                reads.lease.release,
+                settled,
+                functools.partial(tickets_ended, list(reads.tickets), sends),
+                "its storage reads or its send to the DE outlived their wait",
+            )
+        load.reads = []
+        if load.slots:
+            self._retire_slots(load, load.error is None or load.slots_settled)
+            load.slots = []
+
+    def _retire_slots(self, load: _Load, settled: bool) -> None:
+        """Free the load's window slots and notify group, unless a DE push may still land there (``settled``: every
+        push arrived, or the DE's fallback reply said none is in flight); otherwise they are quarantined
+        (``quarantined_slots``), so no later buffer gets the bytes, until the DE answers ``pushes_ended`` for the
+        request."""
+        link, slots, notify_base = load.peer.link, list(load.slots), load.notify_base
+        message, address = m.PushesEnded(xfer_id=load.spec.xfer.xfer_id), load.peer.client.address
+
+        def release() -> None:
+            for addr in slots:
+                link.window_free(addr)
+            link.notify_free(notify_base)
+
+        self.quarantine.retire(
+            "slots",
+            f"window slots of request {load.spec.req_id}",
+            len(slots) * load.peer_blocks * self.block_size * self.layout.token_bytes,
+            release,
+            settled,
+            lambda: expect(request_once(address, message, self.settings.timeout_s), m.Ended).ended,
+            "the DE's pushes may still land there",
+        )
+
+    def _connect_peer(self, address: str) -> _Peer:
+        """The DE at ``address``; the first time, ask its device id and make the pair's communicator (``hello``)."""
+        peer = self._peers.get(address)
+        if peer is not None:
+            return peer
+        client = PeerClient(address, self.settings.timeout_s)
+        try:
+            dp = self.dataplane
+            status = expect(client.request(m.StatusQuery()), m.Status)
+            link = dp.new_link(address, status.device_id)
+            hello = m.Hello(
+                pe=self.address,
+                device_id=dp.device_id,
+                rank_info=link.local_info(),
+                host_mem=dp.host_mem(),
+                speaks=m.Speaks.of(dp.compat(self.layout)),
+            )
+            reply = expect(client.request(hello), m.Welcome)  # the DE refuses another version or digest
+            link.connect(reply.rank_info, reply.host_mem)
+        except Exception:
+            client.close()
+            raise
+        peer = self._peers[address] = _Peer(client, link)
+        return peer
+
+    @staticmethod
+    def _peer_request(peer: _Peer, message: m.Message, timeout_s: float | None = None, reply: type = m.Ok) -> Any:
+        """``message`` to the peer; its reply, which must be of type ``reply`` (ProtocolError otherwise)."""
+        return expect(peer.client.request(message, timeout_s), reply)
+
+    def _pe_xfer(self, req_id: str) -> _PeXfer | None:
+        """The transfer this PE request planned (None: it planned none, or its plan was refused)."""
+        return self._pe_xfers.get(self._pe_xfer_of.get(req_id))
+
+    def _plan(self, load: _Load) -> None:
+        """Tell the DE what is coming (and, when it pushes hit layers, where); take its lease.
+
+        A transfer id already planned by another request is refused before anything is sent: vLLM gives every
+        engine request of one HTTP request (a prompt list, ``n > 1``) the same ``kv_transfer_params``, and two
+        requests on one transfer would write into one lease.
+        """
+        spec, link, C = load.spec, load.peer.link, self.layout.token_bytes
+        if spec.xfer.xfer_id in self._pe_xfers:
+            owner = next((r for r, x in self._pe_xfer_of.items() if x == spec.xfer.xfer_id), "?")
+            raise ProtocolError(
+                f"request {spec.req_id}: transfer id {spec.xfer.xfer_id!r} is already in use by request {owner} "
+                "(each engine request needs its own transfer id); it is computed here without a transfer"
+            )
+        message = m.Plan(
+            pe=self.address,
+            xfer_id=spec.xfer.xfer_id,
+            path=(ReadPath.PE if load.full_rows else ReadPath.DE).value,
+            pe_blocks=0 if load.full_rows else load.own_blocks,
+            hit_tokens=spec.hit_tokens,
+            prompt_tokens=spec.prompt_tokens,
+            load_start=spec.computed,
+            store_ids=spec.store_ids[: load.last],
+        )
+        if load.peer_blocks > 0:
+            load.notify_base = message.notify_base = link.notify_alloc()
+            load.slots = message.slots = [link.window_alloc(load.peer_blocks * self.block_size * C) for _ in range(2)]
+            load.magics = message.magics = [link.comm.next_magic() for _ in range(self.layout.num_layers)]
+            load.abort_magic = message.abort_magic = link.comm.next_magic()
+        reply = self._peer_request(load.peer, message, reply=m.Planned)
+        self._pe_xfers[spec.xfer.xfer_id] = _PeXfer(
+            load.peer, reply.lease_addr, load.full_rows, spec.hit_tokens, spec.prompt_tokens
+        )
+        self._pe_xfer_of[spec.req_id] = spec.xfer.xfer_id
+
+    def save_kv_layer(self, layer: int, kv_layer: torch.Tensor) -> None:
+        """Queue this step's computed rows of ``layer`` (from ``kv_layer``, the layer's paged cache) to each DE."""
+        failed = {load.spec.req_id for load in self._loads if load.error is not None}
+        for spec, xfer, sends in self._saves:
+            if spec.req_id in failed:
+                continue
+            start = self._save_start(spec, xfer)
+            if start >= spec.end:
+                continue
+            sends.append(self._send_rows(layer, kv_layer, spec, xfer, start))
+
+    @staticmethod
+    def _save_start(spec: SaveSpec, xfer: _PeXfer) -> int:
+        if xfer.full_rows:
+            return 0 if xfer.first_save else spec.start
+        return max(spec.start, xfer.hit_tokens)
+
+    def _send_rows(self, layer: int, kv_layer: torch.Tensor, spec: SaveSpec, xfer: _PeXfer, start: int) -> tuple:
+        """Gather rows ``[start, spec.end)`` of ``layer`` into the window and queue them to the DE lease."""
+        link = xfer.peer.link
+        rows = self.adapter.read_tokens(kv_layer, spec.block_ids, start, spec.end)
+        nbytes = rows.numel()
+        addr = link.window_alloc(nbytes)
+        torch.frombuffer(link.window_view(addr, nbytes), dtype=torch.uint8).copy_(rows.reshape(-1))
+        offset = xfer.lease(self.layout).rows_offset(layer, start)
+        ticket = link.leg.submit(layer, [Segment(addr, nbytes, 0)], DE_RANK, xfer.lease_addr + offset)
+        self._track_write(spec.xfer.xfer_id, ticket)
+        return start, addr, ticket
+
+    def _track_write(self, xfer_id: str, ticket: Any) -> None:
+        """Keep an RDMA write into the DE's lease until it is seen ended, so ``writes_ended`` can answer."""
+        with self._lease_writes_lock:
+            self._lease_writes.setdefault(xfer_id, []).append(ticket)
+
+    def _writes_pending(self, xfer_id: str) -> bool:
+        """Whether a write of request ``xfer_id`` into the DE's lease may still land (forgets those that ended)."""
+        with self._lease_writes_lock:
+            pending = [t for t in self._lease_writes.get(xfer_id, []) if not t.done()]
+            if pending:
+                self._lease_writes[xfer_id] = pending
+            else:
+                self._lease_writes.pop(xfer_id, None)
+        return bool(pending)
+
+    def on_writes_ended(self, message: m.WritesEnded) -> m.Ended:
+        """The DE asks before giving a quarantined lease back: none of this PE's writes of the request is in flight
+        (a request it never wrote for, or whose writes all ended, has none), and none will start: the request that
+        planned it is over here (a later chunk of its prefill would write again)."""
+        xfer_id = message.xfer_id
+        return m.Ended(ended=xfer_id not in self._pe_xfers and not self._writes_pending(xfer_id))
+
+    def wait_for_save(self) -> None:
+        for load in self._loads:
+            if load.hits_ticket is not None and load.error is None:
+                self._finish_own_hits(load)
+        failed = {load.spec.req_id for load in self._loads if load.error is not None}
+        for spec, xfer, sends in self._saves:
+            if spec.req_id in failed:  # vLLM recomputes or fails it; the next attempt sends complete layers
+                for _, addr, ticket in sends:  # nothing of them is reported
+                    self._settle(xfer.peer.link, addr, ticket)
+                sends = []
+            elif xfer.resend_below:  # a takeover's fresh lease lacks the layers sent before it
+                sends[:0] = [
+                    self._send_rows(layer, self.caches[layer], spec, xfer, 0) for layer in range(xfer.resend_below)
+                ]
+                xfer.resend_below = 0
+            self._finish_sends(spec, xfer, sends)
+        self._saves = []
+        for load in self._loads:
+            self._release_load(load)
+        self._loads = []
+
+    def _finish_own_hits(self, load: _Load) -> None:
+        """Wait for a split's own half to land in the DE lease and say so; a failure fails the DE's receive."""
+        ticket, load.hits_ticket = load.hits_ticket, None
+        try:
+            load.peer.link.leg.wait(ticket, self.settings.timeout_s)
+            self._peer_request(load.peer, m.Hits(xfer_id=load.spec.xfer.xfer_id))
+        except Exception as exc:
+            log.warning("DualPath: hit blocks of request %s did not reach the DE: %s", load.spec.req_id, exc)
+            self.counters.failures += 1
+            self._abort_peer(load.peer, load.spec.xfer, f"{type(exc).__name__}: {exc}")
+
+    def _finish_sends(self, spec: SaveSpec, xfer: _PeXfer, sends: list) -> None:
+        """Wait for one request's layer sends of this step, then tell the DE which rows landed."""
+        error = None
+        for _, addr, ticket in sends:
+            try:
+                xfer.peer.link.leg.wait(ticket, self.settings.timeout_s)
+            except Exception as exc:
+                error = error or exc
+            xfer.peer.link.window_free(addr)
+        if not sends:
+            return
+        try:
+            if error is not None:
+                raise error
+            self._peer_request(
+                xfer.peer, m.Rows(xfer_id=spec.xfer.xfer_id, start=sends[0][0], end=spec.end, full=xfer.full_rows)
+            )
+            xfer.first_save = False
+        except Exception as exc:
+            log.warning("DualPath: saves of request %s failed: %s: %s", spec.req_id, type(exc).__name__, exc)
+            self.counters.failures += 1
+            self._abort_peer(xfer.peer, spec.xfer, f"{type(exc).__name__}: {exc}")
+
+    def _settle(self, link: PairLink, addr: int | None, ticket: Any) -> bool:
+        """Let a send of a failed load end and free its buffer; returns whether it ended (its wait did not expire)."""
+        try:
+            link.leg.wait(ticket, self.settings.timeout_s)
+        except Exception:  # the load already failed; this send's outcome changes nothing
+            pass
+        if addr is not None:
+            link.window_free(addr)
+        return ticket.done()
+
+    def _abort_peer(self, peer: _Peer, xfer: XferParams, reason: str) -> None:
+        try:
+            self._peer_request(peer, m.Abort(xfer_id=xfer.xfer_id, reason=reason))
+        except Exception:  # the DE then times out on this request, within its own bound
+            pass
+
+    def block_ids_with_load_errors(self) -> set[int]:
+        """The hit blocks of loads that failed since the last call (the host recomputes them)."""
+        bad, self._invalid_blocks = self._invalid_blocks, set()
+        return bad

@@ -1,0 +1,58 @@
+"""What one DualPath instance (a PE, a DE, or a standalone store-backed instance) is configured with.
+
+Both halves (:mod:`~ascend_dualpath.dualpath.prefill_side`, :mod:`~ascend_dualpath.dualpath.decode_side`) and the
+dataplane read it; a host builds it from its own configuration (the vLLM connector from ``kv_connector_extra_config``:
+:func:`ascend_dualpath.integrations.vllm.settings.from_kv_transfer_config`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+UNCAPPED_BYTES_PER_S = 1e15  # "no storage-NIC cap": 1 PB/s, far above any disk, so reads are never paced
+
+
+@dataclasses.dataclass(frozen=True)
+class ConnectorSettings:
+    """One instance's DualPath settings (validated by whoever builds them).
+
+    Attributes
+    ----------
+    role : str
+        ``prefill`` (the PE, ``kv_producer``), ``decode`` (the DE, ``kv_consumer``) or ``standalone``
+        (``kv_both``: store-backed loading and persisting on one instance, no peer).
+    store : str
+        Block-store directory, shared by every instance of a deployment.
+    node : str
+        Name of this instance's storage NIC in metrics.
+    snic_bytes_per_s : float
+        Cap of this instance's storage reads (``snic_mbps`` x 10^6); ``UNCAPPED_BYTES_PER_S`` when not capped.
+    side_port : int or None
+        Port of the side channel on 127.0.0.1 (required for ``prefill`` and ``decode``).
+    fabric : str
+        Name of the emulated fabric every instance's device joins (the first to start creates it).
+    device_id : int
+        This instance's emulated device on the fabric, unique in the deployment (default 0 for ``prefill``,
+        1 for ``decode``).
+    timeout_s : float
+        Bound of every wait.
+    hccl_buffer_mb : int
+        Size of each HCCL window, one per (PE, DE) pair (the PE's layer slots and send buffers live there).
+    host_buffer_mb : int
+        Size of the registered host buffer (DE: leases for incoming KV; PE: storage reads).
+    persist_wait_s : float
+        How long a lookup that stops at a block announced for persisting waits for it
+        (the vLLM host's persisting).
+    """
+
+    role: str
+    store: str
+    node: str
+    snic_bytes_per_s: float
+    side_port: int | None
+    fabric: str
+    timeout_s: float
+    device_id: int = 0
+    hccl_buffer_mb: int = 64
+    host_buffer_mb: int = 256
+    persist_wait_s: float = 5.0
