@@ -213,6 +213,7 @@ def _gates_only(copy_engine_min_bytes, protocol="local"):
     engine = object.__new__(CudaTransferEngine)
     engine.caps = ChannelCapabilities(0x04, protocol, 1 << 30)
     engine.copy_engine_min_bytes = copy_engine_min_bytes
+    engine.strided_min_piece_bytes, engine.max_pitch = 16 << 10, (1 << 31) - 1
     engine.zero_copy, engine._host_buffers, engine._zero_copy_buffers = True, {}, {}
     return engine
 
