@@ -197,7 +197,8 @@ def submitter(torch, bench, engine, copier, label, case, buffers):
         engine.register(base)
     segments = [engine.segment(base, v.data_ptr() - base.data_ptr(), case.size) for v in views]
     slot = engine.slot(buffers.dst)
-    kind = {"engine staging": "staging", "engine aiv": "aiv", "engine host": "host"}.get(label)
+    kind = "aiv" if label.startswith("engine zc") else None
+    kind = {"engine staging": "staging", "engine aiv": "aiv", "engine host": "host"}.get(label, kind)
     prepared = engine.prepare(segments, slot, notify_slot=0, kind=kind)
     name = f"{label} {case.name}"
     if label == "engine plain":

@@ -81,7 +81,7 @@ PLAN_CACHE = 64
 # host pieces of one length at a constant stride, each at least this long, go to one 2-D copy-engine copy (the
 # *strided copy* gate) rather than the zero-copy kernel: on H200 (docs/benchmarks.md) the copy engine read pinned
 # memory at the link's rate while the kernel's reads reached ~51 of ~55 GB/s
-STRIDED_MIN_PIECE_BYTES = 16 << 10
+STRIDED_MIN_PIECE_BYTES = 4 << 10
 
 
 def _triton_available() -> bool:
@@ -317,7 +317,9 @@ class CudaTransferEngine(TransferEngine):
 
     def _strided(self, sources: Sequence[MemorySegment]):
         """(the sources as one :class:`~.segments.Strided` copy into a packed slot, or None; why)."""
-        outside = [i for i, s in enumerate(sources) if s.memory is not MemoryKind.HOST or not self._host_buffer(s.addr)]
+        outside = [
+            i for i, s in enumerate(sources) if s.memory is not MemoryKind.HOST or self._host_buffer(s.addr) is None
+        ]
         if outside:
             return None, f"source {outside[0]} is not in a registered pinned host buffer"
         sizes = [s.nbytes for s in sources]

@@ -100,6 +100,9 @@ class _Buffer:
     def numel(self) -> int:
         return self.nbytes
 
+    def __bool__(self):
+        raise TypeError("a buffer has no truth value (a torch tensor of many bytes raises too)")
+
 
 def _host_engine(base: int = 0x100_0000, nbytes: int = 1 << 30):
     engine = _gates_only(8 << 20)
@@ -121,7 +124,7 @@ def test_the_gate_sends_a_strided_layer_block_to_the_copy_engine_and_says_why():
 def test_the_gate_leaves_uneven_small_or_unregistered_host_pieces_to_the_zero_copy_kernel():
     engine, base = _host_engine()
     uneven = [MemorySegment(base + i * 64 * KIB, (32 + i) * KIB, MemoryKind.HOST) for i in range(4)]
-    small = [MemorySegment(base + i * 8 * KIB, 4 * KIB, MemoryKind.HOST) for i in range(4)]
+    small = [MemorySegment(base + i * 4 * KIB, 2 * KIB, MemoryKind.HOST) for i in range(4)]
     outside = [MemorySegment(0x10, 64 * KIB, MemoryKind.HOST)]
     for sources, detail in (
         (uneven, "not of one length at a constant stride"),
@@ -132,7 +135,7 @@ def test_the_gate_leaves_uneven_small_or_unregistered_host_pieces_to_the_zero_co
         gate = next(g for g in chosen.gates if g.gate == "strided copy")
         assert not gate.passed and detail in gate.detail
         assert chosen.decided_by != "strided copy" and chosen.kind is not TransferKind.HOST
-    engine.strided_min_piece_bytes = 4 * KIB
+    engine.strided_min_piece_bytes = 2 * KIB
     assert engine.select(small).decided_by == "strided copy"
 
 
