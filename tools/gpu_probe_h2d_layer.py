@@ -9,7 +9,9 @@ Rows (median of 200, each after ``torch.cuda.synchronize()``, wall clock; GPU ti
   the host polling the word;
 - ``2d + word tail stream``: as the engine does (an event, the tail stream's write);
 - ``split K``: the rows cut into K 2-D copies on K streams (K copy engines at once), joined, then synchronised;
-- ``1d NNN KiB + sync``: one contiguous copy of the same bytes, and of other sizes: the fixed cost of one copy.
+- ``1d NNN KiB + sync``: one contiguous copy of the same bytes, and of other sizes: the fixed cost of one copy;
+- ``engine ...``: the engine's prepared request (the *strided copy* gate) on a side stream and on torch's default
+  stream, with the host time from ``submit()`` to the copy's enqueue and of the whole ``submit()``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import os
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -45,6 +48,43 @@ def timed(torch, submit, finish) -> dict:
         torch.cuda.synchronize()
         gpus.append(start.elapsed_time(end) * 1e3)
     return {"wall_us": statistics.median(walls[5:]), "gpu_us": statistics.median(gpus[5:])}
+
+
+def engine_rows(torch, dev, host, dst, rt) -> dict:
+    """The engine's prepared strided request, timed like the bench, on a side stream and on the default stream."""
+    from ascend_dualpath.transport.cuda_engine import CudaTransferEngine
+
+    rows = {}
+    engine = CudaTransferEngine(dev, dev, torch.zeros(4, dtype=torch.int64, device=dev), timeout_s=30)
+    engine.register(host)
+    segments = [engine.segment(host, i * STRIDE, WIDTH) for i in range(COUNT)]
+    prepared = engine.prepare(segments, engine.slot(dst), notify_slot=0)
+    work = prepared.state["work"]
+    copy, marks = work.copy2d, []
+
+    def marked(stream):
+        marks.append(time.perf_counter())
+        copy(stream)
+
+    work.copy2d = marked
+    for where, context in (
+        ("side stream", torch.cuda.stream(torch.cuda.Stream(dev))),
+        ("default stream", nullcontext()),
+    ):
+        with context:
+            issue, submit = [], []
+
+            def go(issue=issue, submit=submit):
+                t0 = time.perf_counter()
+                ticket = prepared.submit()
+                submit.append((time.perf_counter() - t0) * 1e6)
+                issue.append((marks[-1] - t0) * 1e6)
+                return ticket
+
+            row = timed(torch, go, lambda ticket: ticket.wait())
+            row["issue_us"], row["submit_us"] = statistics.median(issue), statistics.median(submit)
+            rows[f"engine {where} ({prepared.selection.decided_by})"] = row
+    return rows
 
 
 def main() -> int:
@@ -133,8 +173,10 @@ def main() -> int:
                 torch, lambda out=out, src=src: out.copy_(src, non_blocking=True), sync
             )
             rows[f"1d {kib} KiB + sync"]["gbps"] = kib * KIB / (rows[f"1d {kib} KiB + sync"]["gpu_us"] * 1e3)
+    rows.update(engine_rows(torch, dev, host, dst, rt))
     for name, row in rows.items():
-        print(f"{name:<28} wall {row['wall_us']:8.1f} us  gpu {row['gpu_us']:8.1f} us  {row.get('gbps', '')}")
+        extra = {k: round(v, 2) for k, v in row.items() if k not in ("wall_us", "gpu_us")}
+        print(f"{name:<40} wall {row['wall_us']:8.1f} us  gpu {row['gpu_us']:8.1f} us  {extra}")
     print("2-D copy bit-exact:", exact)
     with open(os.path.join(args.out, "probe_h2d_layer.json"), "w") as f:
         json.dump({"rows": rows, "bit_exact": exact, "shape": [COUNT, WIDTH, STRIDE]}, f, indent=1)
