@@ -62,6 +62,45 @@ class WirePiece:
     source_index: int
 
 
+@dataclass(frozen=True)
+class Strided:
+    """Copies of one length at constant strides, as one 2-D copy: ``height`` rows of ``width`` bytes, row ``i`` from
+    ``src + i * spitch`` to ``dst + i * dpitch``."""
+
+    src: int
+    spitch: int
+    dst: int
+    dpitch: int
+    width: int
+    height: int
+
+
+def uniform_stride(
+    srcs: Sequence[int], dsts: Sequence[int], sizes: Sequence[int], max_pitch: int = (1 << 31) - 1
+) -> Strided | None:
+    """The copies ``sizes[i]`` bytes from ``srcs[i]`` to ``dsts[i]`` as one :class:`Strided`, or None when they are
+    not one: every copy the same length, sources a constant stride apart and destinations another, each stride at
+    least the length (rows that do not overlap, as ``cudaMemcpy2D`` needs) and at most ``max_pitch``. Copies that
+    touch at both ends merge into one row; one copy is one row. ~0.2 µs per copy in Python: run it when a pattern
+    is prepared, not per submission."""
+    if not sizes or not len(srcs) == len(dsts) == len(sizes):
+        return None
+    width, src, dst = sizes[0], srcs[0], dsts[0]
+    if width < 1:
+        return None
+    if len(sizes) == 1:
+        return Strided(src, width, dst, width, width, 1)
+    spitch, dpitch = srcs[1] - src, dsts[1] - dst
+    if not (width <= spitch <= max_pitch and width <= dpitch <= max_pitch):
+        return None
+    for i, (s, d, n) in enumerate(zip(srcs, dsts, sizes, strict=True)):
+        if n != width or s != src + i * spitch or d != dst + i * dpitch:
+            return None
+    if spitch == dpitch == width:  # end to end on both sides: one contiguous copy
+        return Strided(src, width * len(sizes), dst, width * len(sizes), width * len(sizes), 1)
+    return Strided(src, spitch, dst, dpitch, width, len(sizes))
+
+
 def split_segments(sources: Sequence[MemorySegment], remote: RemoteSlot, max_piece: int) -> list[WirePiece]:
     """Cut ``sources`` into pieces of at most ``max_piece`` bytes, laid end to end from ``remote.addr``.
 

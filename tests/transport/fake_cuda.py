@@ -95,6 +95,7 @@ def fake_engine(publish: bool = True, graphs: bool = True, timeout_s: float = 10
     e.torch, e.device, e.peer_device, e.notify = _Torch(), _Device(), _Device(), None
     e.caps = ChannelCapabilities(AIV_DATAPLANE_BIT, "local", cuda_engine.DEFAULT_MAX_SINGLE_PIECE)
     e.copy_engine_min_bytes = cuda_engine.COPY_ENGINE_MIN_BYTES
+    e.strided_min_piece_bytes, e.max_pitch = cuda_engine.STRIDED_MIN_PIECE_BYTES, (1 << 31) - 1
     e._registrations, e._raw_stream, e._copier = 0, lambda index: 0, FakeCopier(publish)
     e._routes, e._plans, e._submissions = {}, OrderedDict(), OrderedDict()
     e._host_buffers, e._magics = {}, itertools.count(1)

@@ -208,11 +208,12 @@ def test_the_copy_kernel_publishes_remote_ready_for_a_receiver_polling_the_slot(
 
 def _gates_only(copy_engine_min_bytes, protocol="local"):
     """A CUDA engine's gates without a GPU (only ``select`` is used)."""
-    from ascend_dualpath.transport.cuda_engine import CudaTransferEngine
+    from ascend_dualpath.transport.cuda_engine import STRIDED_MIN_PIECE_BYTES, CudaTransferEngine
 
     engine = object.__new__(CudaTransferEngine)
     engine.caps = ChannelCapabilities(0x04, protocol, 1 << 30)
     engine.copy_engine_min_bytes = copy_engine_min_bytes
+    engine.strided_min_piece_bytes, engine.max_pitch = STRIDED_MIN_PIECE_BYTES, (1 << 31) - 1
     engine.zero_copy, engine._host_buffers, engine._zero_copy_buffers = True, {}, {}
     return engine
 
