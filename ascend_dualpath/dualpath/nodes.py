@@ -190,13 +190,18 @@ class _Engine:
         self.blocks = BlockPool(-(-config.cache_tokens // T))
         self.caches = [torch.zeros(self.blocks.num_blocks, T, C, dtype=torch.uint8) for _ in range(L)]
         self.adapter = PagedRows(T, C)
-        self.dataplane = self.side = None
+        self.dataplane = self.side = self.half = None
         try:
             self.dataplane = open_dataplane(self.settings, PE_RANK if role == "prefill" else DE_RANK, engines=engines)
             self.side = SideChannel(0, self._handle, name=f"adp-demo-{self.settings.node}")
+            self.half = self._make_half()
         except BaseException:
             self.close()
             raise
+
+    def _make_half(self) -> Any:
+        """The engine's DualPath half, bound to its cache, dataplane and side channel."""
+        raise NotImplementedError
 
     def _handle(self, message: m.Request) -> m.Reply:
         raise NotImplementedError
@@ -222,14 +227,12 @@ class _Engine:
         if self.side is not None:
             self.side.close()
         self.quarantine.close(self.config.timeout_s)
-        self._close_half()
+        if self.half is not None:
+            self.half.close()
         self.read_queue.close()
         if self.dataplane is not None:
             self.dataplane.close()
         self.store.close()
-
-    def _close_half(self) -> None:
-        pass
 
 
 @dataclasses.dataclass
@@ -263,12 +266,14 @@ class PrefillEngine(_Engine):
         faults: FaultInjector | None = None,
         engines: EngineFactory | None = None,
     ) -> None:
-        self.half: PrefillSide | None = None
         super().__init__(config, channel, "prefill", faults, engines)
-        self.half = PrefillSide(self.settings, self.layout, self.store, self.read_queue, self.counters, self.quarantine)
-        self.half.bind(self.caches, self.adapter, self.dataplane, self.side.address)
         self.de_address: str | None = None
         self.served = 0
+
+    def _make_half(self) -> PrefillSide:
+        half = PrefillSide(self.settings, self.layout, self.store, self.read_queue, self.counters, self.quarantine)
+        half.bind(self.caches, self.adapter, self.dataplane, self.side.address)
+        return half
 
     def _handle(self, message: m.Request) -> m.Reply:
         if isinstance(message, m.StatusQuery):
@@ -276,10 +281,6 @@ class PrefillEngine(_Engine):
         if isinstance(message, m.WritesEnded):
             return self.half.on_writes_ended(message)
         raise ProtocolError(f"side-channel op {type(message).__struct_config__.tag!r} is not one a PE answers")
-
-    def _close_half(self) -> None:
-        if self.half is not None:
-            self.half.close()
 
     def serve(self) -> None:
         """Handle the DE's messages until ``stop``: ``setup``, then ``prefill`` waves."""
@@ -423,10 +424,7 @@ class DecodeEngine(_Engine):
         faults: FaultInjector | None = None,
         engines: EngineFactory | None = None,
     ) -> None:
-        self.half: DecodeSide | None = None
         super().__init__(config, channel, "decode", faults, engines)
-        self.half = DecodeSide(self.settings, self.layout, self.store, self.read_queue, self.counters, self.quarantine)
-        self.half.bind(self.caches, self.adapter, self.dataplane)
         self._xfer_ids = itertools.count()
         self.channel.send(m.Setup(de=self.side.address))
         reply = self.channel.recv(config.timeout_s * 2, "setup reply")
@@ -437,6 +435,11 @@ class DecodeEngine(_Engine):
             self.close()
             raise ProtocolError(f"expected the prefill engine's set-up reply, got {reply!r}")
 
+    def _make_half(self) -> DecodeSide:
+        half = DecodeSide(self.settings, self.layout, self.store, self.read_queue, self.counters, self.quarantine)
+        half.bind(self.caches, self.adapter, self.dataplane)
+        return half
+
     def _handle(self, message: m.Request) -> m.Reply:
         if isinstance(message, m.StatusQuery):
             return self.status()
@@ -444,10 +447,6 @@ class DecodeEngine(_Engine):
         if handler is None:
             raise ProtocolError(f"side-channel op {type(message).__struct_config__.tag!r} is not one a DE answers")
         return handler(message)
-
-    def _close_half(self) -> None:
-        if self.half is not None:
-            self.half.close()
 
     def stop_peer(self) -> None:
         self.channel.send(m.Stop())

@@ -147,33 +147,20 @@ def test_a_pe_read_that_outlives_its_wait_quarantines_its_lease_until_it_ended(t
     """The demo gets the halves' quarantine: a PE read slower than the load's bound fails the load (computed again),
     and its lease, which the read still writes into, is kept out of the buffer until the read ended."""
     config = EngineConfig(str(tmp_path / "store"), **{**FAST, "timeout_s": 0.5})
-    pe_faults = FaultInjector()
-    with in_process_engines(config, pe_faults) as (pe, de):
+    with in_process_engines(config) as (pe, de):
         first, _, _ = de.serve_wave([(0, 0, FIRST, 2)], "pe")
-        pe.store.faults = _SlowReads(2.0)
+        pe.store.faults.delay_reads(2.0)
         prompt = first[0].sequence + APPEND
         results, _, _ = de.serve_wave([(0, 1, prompt, 2)], "pe")
         assert results[0].path == "recompute" and results[0].error is None
         assert pe.counters.quarantined_leases == 1
-        pe.store.faults = pe_faults
+        pe.store.faults.delay_reads(0)
         deadline = time.monotonic() + 10
         while pe.quarantine.held_bytes and time.monotonic() < deadline:
             pe.quarantine.sweep()
             time.sleep(0.05)
         assert pe.counters.reclaimed_leases == 1
         assert_accounting_zero(pe, de)
-
-
-class _SlowReads(FaultInjector):
-    """Every storage read takes ``delay_s`` first."""
-
-    def __init__(self, delay_s: float) -> None:
-        super().__init__()
-        self.delay_s = delay_s
-
-    def before_read(self, block_id: bytes) -> None:
-        time.sleep(self.delay_s)
-        super().before_read(block_id)
 
 
 def test_full_pe_buffer_recomputes_the_load(tmp_path):
