@@ -1,5 +1,6 @@
 """Starting a prefill/decode engine pair: both in this process (fast tests, the same code paths) or one engine
-per process (``torch.distributed`` control channel, a shared emulated fabric)."""
+per process (``torch.distributed`` control channel); either way both join one emulated fabric and their halves
+talk over their side channels."""
 
 from __future__ import annotations
 
@@ -7,13 +8,14 @@ import contextlib
 import dataclasses
 import datetime
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from ascend_dualpath.dualpath import messages as m
 from ascend_dualpath.dualpath.channels import DistChannel, QueueChannel
+from ascend_dualpath.dualpath.dataplane import PE_RANK, EngineFactory
 from ascend_dualpath.dualpath.nodes import (
     KV_BF16_ATOL,
     KV_FP32_ATOL,
@@ -23,8 +25,6 @@ from ascend_dualpath.dualpath.nodes import (
     TurnResult,
     verify_turn,
 )
-from ascend_dualpath.dualpath.read_paths import DE_RANK, PE_RANK
-from ascend_dualpath.dualpath.transfer_leg import KV_COMM_FIELDS
 from ascend_dualpath.kv.faults import FaultInjector
 
 
@@ -33,63 +33,43 @@ def in_process_engines(
     config: EngineConfig,
     pe_faults: FaultInjector | None = None,
     de_faults: FaultInjector | None = None,
-    engines: Callable[[Any, int], Any] | None = None,
+    engines: EngineFactory | None = None,
 ) -> Iterator[tuple[PrefillEngine, DecodeEngine]]:
-    """Both engines in this process: two emulated NPUs on a private fabric, the PE serving on a thread; their
-    communicator is in the KV traffic class.
+    """Both engines in this process, on the emulated fabric ``config.fabric`` (their pair link in the KV traffic
+    class), the PE serving on a thread.
 
-    ``engines(comm, rank)`` makes the TransferEngine that a node of communicator ``comm`` uses to write to ``rank``
-    (None: :func:`~ascend_dualpath.transport.create_engine` of the emulator, the nodes' default)."""
-    from ascend_dualpath import _ext
-    from ascend_dualpath.backends import emulator as emu
+    ``engines(comm, rank)`` makes the TransferEngine that a link of communicator ``comm`` uses to write to ``rank``
+    (None: :func:`~ascend_dualpath.transport.create_engine` of the emulator, the links' default)."""
+    pe_end, de_end = QueueChannel.pair()
+    pe = PrefillEngine(config, pe_end, pe_faults, engines)
+    failure: list[BaseException] = []
 
-    C = _ext.load()
-    with emu.emulated_devices(2) as devices:
-        comms = [
-            C.HcclComm(d, rank, 2, emu.comm_config(hcclBufferSize=config.hccl_buffer_mb, **KV_COMM_FIELDS))
-            for rank, d in enumerate(devices)
-        ]
-        infos = [c.local_info() for c in comms]
-        for comm in comms:
-            comm.connect(infos)
-        pe_end, de_end = QueueChannel.pair()
-        pe = PrefillEngine(config, comms[PE_RANK], pe_end, pe_faults, _bound(engines, comms[PE_RANK]))
-        failure: list[BaseException] = []
+    def serve() -> None:
+        try:
+            pe.serve()
+        except BaseException as error:  # surfaced by the main thread
+            failure.append(error)
 
-        def serve() -> None:
-            try:
-                pe.serve()
-            except BaseException as error:  # surfaced by the main thread
-                failure.append(error)
-
-        thread = threading.Thread(target=serve, name="adp-prefill-engine", daemon=True)
-        thread.start()
-        de = None
-        try:  # the DE's set-up may fail (the PE refused it): the PE and the communicators still close
-            de = DecodeEngine(config, comms[DE_RANK], de_end, de_faults, _bound(engines, comms[DE_RANK]))
-            yield pe, de
-        finally:
-            de_end.send(m.Stop())  # what DecodeEngine.stop_peer sends
-            thread.join(config.timeout_s)
-            if de is not None:
-                de.close()
-            pe.close()
-            for comm in comms:
-                comm.close()
-            if failure:
-                raise failure[0]
-
-
-def _bound(engines: Callable[[Any, int], Any] | None, comm: Any) -> Callable[[int], Any] | None:
-    """The node's factory ``rank -> engine`` over its own communicator."""
-    return None if engines is None else (lambda rank: engines(comm, rank))
+    thread = threading.Thread(target=serve, name="adp-prefill-engine", daemon=True)
+    thread.start()
+    de = None
+    try:  # the DE's set-up may fail (the PE refused it): the PE still closes
+        de = DecodeEngine(config, de_end, de_faults, engines)
+        yield pe, de
+    finally:
+        de_end.send(m.Stop())  # what DecodeEngine.stop_peer sends
+        thread.join(config.timeout_s)
+        if de is not None:
+            de.close()
+        pe.close()
+        if failure:
+            raise failure[0]
 
 
 def engine_process(rank: int, port: int, fabric_name: str, config: EngineConfig, job: dict, events: Any) -> None:
-    """Entry point of one engine process (rank 0 = PE, 1 = DE); the DE reports events on ``events``."""
+    """Entry point of one engine process (rank 0 = PE, 1 = DE) on fabric ``fabric_name``; the DE reports events on
+    ``events``."""
     import torch.distributed as dist
-
-    from ascend_dualpath.backends import emulator as emu
 
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -100,24 +80,20 @@ def engine_process(rank: int, port: int, fabric_name: str, config: EngineConfig,
         timeout=datetime.timedelta(seconds=config.timeout_s * 4),
     )
     engine = None
+    config = dataclasses.replace(config, fabric=fabric_name)
     try:
-        fabric = emu.create_fabric(fabric_name) if rank == PE_RANK else emu.attach_fabric(fabric_name, config.timeout_s)
-        dist.barrier()
-        with emu.open_device(fabric, device_id=rank) as device:
-            comm = emu.init_comm(device, config=emu.comm_config(hcclBufferSize=config.hccl_buffer_mb, **KV_COMM_FIELDS))
-            channel = DistChannel(1 - rank, "decode engine" if rank == PE_RANK else "prefill engine")
-            try:
-                if rank == PE_RANK:
-                    engine = PrefillEngine(config, comm, channel)
-                    events.put(("pe_pid", _pid()))
-                    engine.serve()
-                else:
-                    engine = DecodeEngine(config, comm, channel)
-                    _drive(engine, config, job, events)
-            finally:
-                if engine is not None:
-                    engine.close()
-                comm.close()
+        channel = DistChannel(1 - rank, "decode engine" if rank == PE_RANK else "prefill engine")
+        try:
+            if rank == PE_RANK:
+                engine = PrefillEngine(config, channel)
+                events.put(("pe_pid", _pid()))
+                engine.serve()
+            else:
+                engine = DecodeEngine(config, channel)
+                _drive(engine, config, job, events)
+        finally:
+            if engine is not None:
+                engine.close()
     except BaseException as error:
         events.put(
             ("error", "prefill engine" if rank == PE_RANK else "decode engine", f"{type(error).__name__}: {error}")

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
+from typing import Any
 
 from ascend_dualpath.backends import Backend, get_backend
 from ascend_dualpath.dualpath import messages as m
@@ -38,6 +40,7 @@ PE_RANK, DE_RANK = 0, 1  # in every pair's communicator
 NOTIFY_SLOTS_PER_XFER = 3  # two layer slots and one abort flag per request whose hit layers the DE pushes
 NUM_NOTIFY_SLOTS = ABORT_SLOT  # slots [0, ABORT_SLOT) are ours; ABORT_SLOT is the engines' own
 SHM_DIR = "/dev/shm"
+EngineFactory = Callable[[Any, int], Any]  # (communicator, rank) -> the TransferEngine writing to that rank
 ENGINE_KIND = "emulator"  # the transfer engine every instance's dataplane moves KV bytes with
 
 
@@ -89,7 +92,9 @@ class PairLink:
         infos = [mine, peer_info] if self.rank == PE_RANK else [peer_info, mine]
         self.comm.connect([C.RankInfo.deserialize(b) for b in infos])
         self.comm.add_remote_mem(self.peer, C.RemoteMem(*peer_host_mem))
-        self.leg = TransportTransferLeg(self.comm, self.dataplane.settings.timeout_s)
+        engines = self.dataplane.engines
+        bound = None if engines is None else (lambda rank: engines(self.comm, rank))
+        self.leg = TransportTransferLeg(self.comm, self.dataplane.settings.timeout_s, engines=bound)
         self.leg.register_local(self.dataplane.host_region)
 
     @property
@@ -132,13 +137,14 @@ class PairLink:
 
 class Dataplane:
     """One instance's device on the shared fabric and its host buffer. Use :func:`open_dataplane`; close it on
-    shutdown (closes every link)."""
+    shutdown (closes every link). ``engines(comm, rank)`` makes the TransferEngine a link's leg writes to ``rank``
+    with (None: the emulator's engines of the link's communicator)."""
 
-    def __init__(self, settings: ConnectorSettings, rank: int) -> None:
+    def __init__(self, settings: ConnectorSettings, rank: int, engines: EngineFactory | None = None) -> None:
         from ascend_dualpath import _ext
         from ascend_dualpath.backends import emulator as emu
 
-        self.settings, self.rank = settings, rank
+        self.settings, self.rank, self.engines = settings, rank, engines
         self.C = _ext.load()
         self.fabric = open_fabric(settings.fabric, settings.timeout_s)
         self.device = emu.open_device(self.fabric, device_id=settings.device_id)
@@ -189,8 +195,11 @@ class Dataplane:
             closable.close()
 
 
-def open_dataplane(settings: ConnectorSettings, rank: int, backend: str | Backend = "auto") -> Dataplane:
-    """The dataplane of ``backend`` (``auto`` through :func:`~ascend_dualpath.backends.get_backend`)."""
+def open_dataplane(
+    settings: ConnectorSettings, rank: int, backend: str | Backend = "auto", engines: EngineFactory | None = None
+) -> Dataplane:
+    """The dataplane of ``backend`` (``auto`` through :func:`~ascend_dualpath.backends.get_backend`); ``engines``
+    as :class:`Dataplane` takes it."""
     chosen = get_backend(backend) if isinstance(backend, str) else backend
     if chosen is not Backend.EMULATOR:
         raise BackendUnavailable(
@@ -199,4 +208,4 @@ def open_dataplane(settings: ConnectorSettings, rank: int, backend: str | Backen
         )
     if rank not in (PE_RANK, DE_RANK):
         raise ConfigError(f"rank must be {PE_RANK} (PE) or {DE_RANK} (DE), got {rank}")
-    return Dataplane(settings, rank)
+    return Dataplane(settings, rank, engines)

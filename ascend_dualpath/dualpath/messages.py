@@ -12,8 +12,9 @@ kind, layer count, block tokens, token-row fields and the transfer engine's kind
 that differ, before any byte moves (as vLLM's NIXL handshake checks its compatibility hash).
 
 The demo engines (:mod:`~ascend_dualpath.dualpath.nodes`) speak :data:`EngineMessage` over their
-:class:`~ascend_dualpath.dualpath.channels.Channel`: the DE's :class:`Setup` (with the same :class:`Speaks`), then
-prefetches, prefills (each a :class:`~ascend_dualpath.dualpath.read_paths.LoadPlan`) and their replies.
+:class:`~ascend_dualpath.dualpath.channels.Channel`: the DE's :class:`Setup` (its side channel, where the PE then
+says :class:`Hello`), then the waves of turns to prefill and their replies; between the two halves they speak the
+side channel's messages like any PE and DE.
 
 KV bytes never travel here: they move over the transfer engine's fabric; these are control messages only.
 """
@@ -24,12 +25,11 @@ import hashlib
 
 import msgspec
 
-from ascend_dualpath.dualpath.read_paths import LoadPlan
 from ascend_dualpath.errors import ProtocolError
 from ascend_dualpath.kv.layout import KVLayout
 
 # Bumped whenever a message's fields or meaning change: peers of different versions refuse each other at hello.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class Compat(msgspec.Struct, frozen=True):
@@ -217,57 +217,57 @@ class Status(Message, tag="status"):
 
 # -- the demo engines: the DE drives, the PE prefills -----------------------------------------------------------
 class Setup(Message, tag="setup"):
-    """The DE's first message to the PE: its host buffer ``host_mem`` ``(addr, size, rkey)`` and what it speaks.
-    Answered by :class:`Ok`, or by :class:`Error` naming both ends' values (the PE then stops)."""
+    """The DE's first message to the PE: the address of its side channel ``de``. The PE says :class:`Hello` there
+    (which checks both ends' protocol version and compatibility digest) and answers :class:`Ok`, or :class:`Error`
+    naming both ends' values (the PE then stops)."""
 
-    host_mem: tuple[int, int, int]
-    speaks: Speaks
+    de: str
 
 
-class Prefetch(Message, tag="prefetch"):
-    """Start reading ``hit_block_ids`` of request ``request_id`` through the PE's storage NIC now (PE path)."""
+class Turn(msgspec.Struct, frozen=True):
+    """One turn to prefill: its transfer id, the read path (``pe`` / ``de``; ``split`` reads through both storage
+    NICs), its prompt ``tokens`` and the store ids of its stored prefix ``hit_block_ids``."""
 
-    request_id: int
+    xfer_id: str
+    path: str
+    split: bool
+    tokens: list[int]
     hit_block_ids: list[bytes]
 
 
-class Drop(Message, tag="drop"):
-    """Request ``request_id`` will not be prefilled: give back its prefetch."""
-
-    request_id: int
-
-
 class Prefill(Message, tag="prefill"):
-    """Prefill one attempt of a request, as its ``plan`` says; answered by :class:`Prefilled`."""
+    """Prefill ``turns`` together, in one step of the PE; answered by :class:`Prefilled`."""
 
-    plan: LoadPlan
+    turns: list[Turn]
 
 
-class Prefilled(Message, tag="prefilled"):
-    """The PE's answer to :class:`Prefill` of attempt ``attempt`` of ``request_id``: ``ok`` with the
-    ``first_token``, or the error's ``detail``; the bytes its storage NIC read, when its reads ran (wall clock,
-    None without reads) and the virtual completion time of its transfers."""
+class TurnPrefilled(msgspec.Struct, frozen=True):
+    """How one turn's prefill ended on the PE: ``ok`` with its ``first_token``, else the error's ``detail``; the hit
+    blocks its storage NIC read (``pe_read_blocks``, a takeover's included), when a load failed the token position
+    it computed again from (``recomputed_from``), and the seconds from the wave's arrival to its first token."""
 
-    request_id: int
-    attempt: int
+    xfer_id: str
     ok: bool
     first_token: int | None = None
     detail: str | None = None
-    pe_read_bytes: int = 0
-    read_started: float | None = None
-    read_finished: float | None = None
-    vtime_ns: float = 0.0
+    pe_read_blocks: int = 0
+    recomputed_from: int | None = None
+    prefill_s: float = 0.0
 
-    @property
-    def key(self) -> tuple[int, int]:
-        return self.request_id, self.attempt
+
+class Prefilled(Message, tag="prefilled"):
+    """The PE's answer to :class:`Prefill`: one :class:`TurnPrefilled` per turn, in order, and the bytes its storage
+    NIC read meanwhile (``pe_read_bytes``)."""
+
+    turns: list[TurnPrefilled]
+    pe_read_bytes: int = 0
 
 
 class Stop(Message, tag="stop"):
     """The PE stops serving."""
 
 
-EngineMessage = Setup | Ok | Error | Prefetch | Drop | Prefill | Prefilled | Stop
+EngineMessage = Setup | Ok | Error | Prefill | Prefilled | Stop
 
 Request = Hello | StatusQuery | Plan | Consumed | Hits | Rows | Fallback | Abort | PushesEnded | WritesEnded
 Reply = Ok | Error | Welcome | Planned | Ended | Status

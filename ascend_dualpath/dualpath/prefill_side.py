@@ -113,6 +113,7 @@ class _Load:
     abort_magic: int = 0
     hits_ticket: Any = None  # a split's own half going to the DE lease
     error: BaseException | None = None
+    bad_blocks: list[int] = dataclasses.field(default_factory=list)  # after a failure: what the host recomputes
     slots_settled: bool = False  # after a failure: the DE said none of its pushes into the slots is in flight
 
     @property
@@ -175,6 +176,7 @@ class PrefillSide:
         self._private_host: HostBuffer | None = None
         self._peers: dict[str, _Peer] = {}  # DE side channel -> its peer
         self._loads: list[_Load] = []
+        self._prefetched: dict[str, _Load] = {}  # req_id -> a load started ahead of its step
         self._saves: list[tuple[SaveSpec, _PeXfer, list]] = []
         self._invalid_blocks: set[int] = set()
         self._pe_xfers: dict[str, _PeXfer] = {}
@@ -182,16 +184,33 @@ class PrefillSide:
         self._lease_writes: dict[str, list] = {}  # xfer_id -> its RDMA writes into the DE's lease not seen ended
         self._lease_writes_lock = threading.Lock()  # the side channel's thread answers writes_ended
         self.layer_waits: list[float] = []  # seconds each wait for a DE push took (the host drains it)
+        self.blocks_read: dict[str, int] = {}  # req_id -> hit blocks this PE's storage NIC read for it, until finish
 
     def bind(self, caches: list[torch.Tensor], adapter: Any, dataplane: Dataplane | None, address: str) -> None:
         """The paged caches (one per layer, in layer order), their adapter (``read_tokens`` / ``write_tokens``), the
         instance's dataplane (None: standalone) and its side-channel address."""
         self.caches, self.adapter, self.dataplane, self.address = caches, adapter, dataplane, address
 
+    def prefetch(self, loads: list[LoadSpec]) -> None:
+        """Start loads ahead of the steps that take them: their storage reads and their plans with the DE (whose
+        reads and first pushes then start too); nothing here waits for a read. :meth:`start` takes each load by its
+        request id; :meth:`finish` drops one no step took."""
+        for spec in loads:
+            if spec.req_id in self._prefetched:
+                raise ProtocolError(f"request {spec.req_id} is already prefetched")
+            self._prefetched[spec.req_id] = self._start_load(spec)
+
     def start(self, loads: list[LoadSpec], saves: list[SaveSpec]) -> None:
-        """A step's loads and saves, before its forward: reads and plans start here."""
+        """A step's loads and saves, before its forward: reads and plans start here (or at :meth:`prefetch`)."""
         self._invalid_blocks = set()
-        self._loads = [self._start_load(spec) for spec in loads]
+        self._loads = []
+        for spec in loads:
+            load = self._prefetched.pop(spec.req_id, None)
+            if load is None:
+                load = self._start_load(spec)
+            elif load.error is not None:  # failed before its step: reported with the step's errors
+                self._invalid_blocks.update(load.bad_blocks)
+            self._loads.append(load)
         self._saves = []
         for spec in saves:
             xfer = self._pe_xfer(spec.req_id)
@@ -203,7 +222,7 @@ class PrefillSide:
         # the engine thread replaces the list, never mutates it, while another thread reads it
         return [
             load.spec.xfer.xfer_id
-            for load in self._loads
+            for load in [*self._loads, *list(self._prefetched.values())]
             if load.spec.xfer is not None and not all(t.done for r in load.reads for t in r.tickets)
         ]
 
@@ -216,7 +235,11 @@ class PrefillSide:
         for xfer_id in list(self._lease_writes):
             self._writes_pending(xfer_id)
         for req_id in req_ids:
+            load = self._prefetched.pop(req_id, None)
+            if load is not None:  # no step took it: its reads and the DE's pushes end, its memory goes back
+                self._fail_load(load, ProtocolError(f"request {req_id} finished before a step took its load"))
             self._pe_xfers.pop(self._pe_xfer_of.pop(req_id, None), None)
+            self.blocks_read.pop(req_id, None)
 
     def close(self) -> None:
         for peer in self._peers.values():
@@ -228,7 +251,7 @@ class PrefillSide:
         load = _Load(spec, first, last, own_blocks=last - first)
         try:
             if spec.xfer is not None:
-                load.peer = self._connect_peer(spec.xfer.peer)
+                load.peer = self.connect_peer(spec.xfer.peer)
                 load.own_blocks = self._own_blocks(load)
                 self._plan(load)
             if load.own_blocks > 0:
@@ -275,6 +298,7 @@ class PrefillSide:
         spec, fb = load.spec, self.layout.full_block_bytes
         self.store.refresh(spec.store_ids[: first + count])  # the scheduler half's store saw them; this may not
         own = LeaseLayout.blocks(self.layout, count)
+        self.blocks_read[spec.req_id] = self.blocks_read.get(spec.req_id, 0) + count
         lease = self._host().allocate(spec.req_id, count * fb, timeout_s=self.settings.timeout_s)
         reads = _Reads(first, count, lease, [])
         load.reads.append(reads)  # before the submits: a failing submit leaves the lease to _release_load
@@ -415,7 +439,8 @@ class PrefillSide:
         if isinstance(error, ChecksumMismatch):
             self.counters.checksum_errors += 1
             first_bad = self._drop_corrupt(load, error)
-        self._invalid_blocks.update(spec.block_ids[first_bad : load.last])
+        load.bad_blocks = list(spec.block_ids[first_bad : load.last])
+        self._invalid_blocks.update(load.bad_blocks)
         self.counters.fallbacks += 1
         xfer = self._pe_xfer(spec.req_id)
         if xfer is not None:
@@ -526,7 +551,7 @@ class PrefillSide:
             "the DE's pushes may still land there",
         )
 
-    def _connect_peer(self, address: str) -> _Peer:
+    def connect_peer(self, address: str) -> _Peer:
         """The DE at ``address``; the first time, ask its device id and make the pair's communicator (``hello``)."""
         peer = self._peers.get(address)
         if peer is not None:

@@ -80,7 +80,7 @@ class SideChannel:
     """A ROUTER socket served by one thread: ``handler(request) -> reply`` for every request.
 
     The handler runs on the serving thread; a malformed request or an exception becomes an :class:`Error` reply
-    naming it, so a bad message never kills the channel.
+    naming it, so a bad message never kills the channel. ``port`` 0 binds a free port (``address`` names it).
     """
 
     def __init__(
@@ -90,7 +90,10 @@ class SideChannel:
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         try:
-            self._socket.bind(f"tcp://{host}:{port}")
+            if port == 0:  # any free port (tests, the demo): no race between choosing it and binding it
+                port = self._socket.bind_to_random_port(f"tcp://{host}")
+            else:
+                self._socket.bind(f"tcp://{host}:{port}")
         except zmq.ZMQError as error:
             self._socket.close()
             self._context.term()

@@ -5,10 +5,12 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import time
 
 
 class FaultInjector:
-    """Test hooks: make chosen reads fail, corrupt the bytes a read delivers, or crash a write before its rename.
+    """Test hooks: make chosen reads fail, corrupt the bytes a read delivers, slow every read, or crash a write before
+    its rename.
 
     Each armed fault fires once per matching call (``block_id=None`` matches any block).
     """
@@ -21,6 +23,7 @@ class FaultInjector:
         self._read_errors: list[tuple[bytes | None, int]] = []
         self._corruptions: list[tuple[bytes | None, int]] = []
         self._crashes: list[tuple[bytes | None]] = []
+        self.read_delay_s = 0.0
 
     def fail_next_read(self, block_id: bytes | None = None, error: int = errno.EIO) -> None:
         with self._lock:
@@ -30,6 +33,11 @@ class FaultInjector:
         """Flip every bit of payload byte ``byte_offset`` after the read, before verification (media corruption)."""
         with self._lock:
             self._corruptions.append((block_id, byte_offset))
+
+    def delay_reads(self, seconds: float) -> None:
+        """Every read from now on holds its destination ``seconds`` before it writes (slow media behind the capped
+        NIC); 0 ends it."""
+        self.read_delay_s = seconds
 
     def crash_next_write_before_rename(self, block_id: bytes | None = None) -> None:
         with self._lock:
@@ -43,6 +51,8 @@ class FaultInjector:
         return None
 
     def before_read(self, block_id: bytes) -> None:
+        if self.read_delay_s:
+            time.sleep(self.read_delay_s)
         fault = self._take(self._read_errors, block_id)
         if fault is not None:
             raise OSError(fault[1], f"injected read error ({os.strerror(fault[1])})")

@@ -9,7 +9,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ascend_dualpath.dualpath.lease import LeaseLayout
-from ascend_dualpath.dualpath.read_paths import LoadPlan
 from ascend_dualpath.dualpath.scheduler import ReadPath
 from ascend_dualpath.errors import BoundsError
 from ascend_dualpath.kv.layout import KVLayout
@@ -61,16 +60,16 @@ def test_rows_placed_and_read_by_the_layout_are_the_prompt_kv(hit_blocks, new, s
     seed=st.integers(0, 2**16),
 )
 def test_layer_copies_merge_hit_and_new_rows_in_token_and_layer_order(hit_blocks, new, path, seed):
-    plan = LoadPlan(0, 0, path, tuple(range(new)), tuple(bytes(16) for _ in range(hit_blocks)), 1 << 40, (), (), 0, 0)
-    lease = plan.lease(LAYOUT)
+    base = 1 << 40  # the lease's registration address
+    lease = LeaseLayout(LAYOUT, hit_blocks * T + new, 0 if path is ReadPath.PE else hit_blocks * T)
     P = hit_blocks * T + new
     assert lease.prompt_tokens == P and lease.hit_tokens == (0 if path is ReadPath.PE else hit_blocks * T)
     complete = torch.randint(0, 256, (L, P, C), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
     source = _lease_bytes(complete, lease.hit_tokens)
     hbm_tokens, hbm_base = P + 5, 1 << 44
     hbm = torch.full((L, hbm_tokens, C), POISON, dtype=torch.uint8)
-    for src, dst, n in lease.layer_copies(plan.de_lease_addr, hbm_base, hbm_tokens):
-        hbm.view(-1)[dst - hbm_base : dst - hbm_base + n] = source[src - plan.de_lease_addr :][:n]
+    for src, dst, n in lease.layer_copies(base, hbm_base, hbm_tokens):
+        hbm.view(-1)[dst - hbm_base : dst - hbm_base + n] = source[src - base :][:n]
     assert torch.equal(hbm[:, :P], complete)
     assert bool((hbm[:, P:] == POISON).all()), "the copies wrote past the prompt rows"
 

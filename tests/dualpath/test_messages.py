@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 
 from ascend_dualpath.dualpath import messages as m
 from ascend_dualpath.dualpath.channels import QueueChannel
-from ascend_dualpath.dualpath.read_paths import LoadPlan
 from ascend_dualpath.dualpath.scheduler import ReadPath
 from ascend_dualpath.errors import ProtocolError
 from ascend_dualpath.kv.layout import KVLayout
@@ -142,37 +141,30 @@ def test_a_digest_that_does_not_match_its_facts_is_refused():
         m.check_peer(COMPAT, m.Speaks(m.PROTOCOL_VERSION, COMPAT, "0" * 16), "DE a", "PE b")
 
 
-PLANS = st.builds(
-    LoadPlan,
-    request_id=ints,
-    attempt=st.integers(0, 3),
-    path=st.sampled_from(list(ReadPath)),
-    new_tokens=st.lists(st.integers(0, 50_000), max_size=8).map(tuple),
-    hit_block_ids=st.lists(st.binary(min_size=16, max_size=16), max_size=4).map(tuple),
-    de_lease_addr=ints,
-    hit_magics=st.lists(ints, max_size=4).map(tuple),
-    save_magics=st.lists(ints, max_size=4).map(tuple),
-    abort_to_pe=ints,
-    abort_to_de=ints,
+TURNS = st.builds(
+    m.Turn,
+    xfer_id=ids,
+    path=st.sampled_from([p.value for p in ReadPath]),
+    split=st.booleans(),
+    tokens=st.lists(st.integers(0, 50_000), max_size=8),
+    hit_block_ids=st.lists(st.binary(min_size=16, max_size=16), max_size=4),
+)
+PREFILLED = st.builds(
+    m.TurnPrefilled,
+    xfer_id=ids,
+    ok=st.booleans(),
+    first_token=st.none() | st.integers(0, 50_000),
+    detail=st.none() | st.text(max_size=40),
+    pe_read_blocks=st.integers(0, 1000),
+    recomputed_from=st.none() | st.integers(0, 10_000),
+    prefill_s=st.floats(0, 1e4),
 )
 ENGINE_MESSAGES = st.one_of(
-    st.builds(m.Setup, host_mem=st.tuples(ints, ints, ints), speaks=st.just(m.Speaks.of(COMPAT))),
+    st.builds(m.Setup, de=ids),
     st.just(m.Ok()),
     st.builds(m.Error, error=st.text(max_size=40)),
-    st.builds(m.Prefetch, request_id=ints, hit_block_ids=st.lists(st.binary(min_size=16, max_size=16), max_size=4)),
-    st.builds(m.Drop, request_id=ints),
-    st.builds(m.Prefill, plan=PLANS),
-    st.builds(
-        m.Prefilled,
-        request_id=ints,
-        attempt=st.integers(0, 3),
-        ok=st.booleans(),
-        first_token=st.none() | st.integers(0, 50_000),
-        detail=st.none() | st.text(max_size=40),
-        pe_read_bytes=ints,
-        read_started=st.none() | st.floats(0, 1e6),
-        vtime_ns=st.floats(0, 1e12),
-    ),
+    st.builds(m.Prefill, turns=st.lists(TURNS, max_size=3)),
+    st.builds(m.Prefilled, turns=st.lists(PREFILLED, max_size=3), pe_read_bytes=ints),
     st.just(m.Stop()),
 )
 
@@ -189,8 +181,9 @@ def test_every_demo_engine_message_survives_both_channels(message):
 @pytest.mark.parametrize(
     ("raw", "match"),
     [
-        ({"op": "prefill"}, "malformed engine message.*plan"),
-        ({"op": "prefetch", "request_id": 1, "hit_block_ids": "x"}, "malformed engine message.*hit_block_ids"),
+        ({"op": "prefill"}, "malformed engine message.*turns"),
+        ({"op": "prefill", "turns": [{"xfer_id": "a"}]}, "malformed engine message.*path"),
+        ({"op": "setup", "de": 5}, "malformed engine message.*de"),
         ({"op": "hello"}, "malformed engine message.*hello"),  # a vLLM side-channel op is no demo engine's
     ],
 )

@@ -226,10 +226,11 @@ def test_the_engines_communicators_are_in_the_kv_class(tmp_path):
     kv = QosPolicy().kv
     with in_process_engines(EngineConfig(str(tmp_path / "store"), **FAST)) as (pe, de):
         for engine in (pe, de):
-            resolved = engine.comm.resolved
+            (link,) = engine.dataplane.links.values()  # the pair's communicator, made at the PE's hello
+            resolved = link.comm.resolved
             assert (resolved["traffic_class"], resolved["service_level"]) == (kv.traffic_class, kv.service_level)
             assert resolved["origin"]["hcclRdmaServiceLevel"] == "config"  # HCCL_RDMA_SL cannot move it
-            assert list(engine.comm.device.nic.sl_weights) == QosPolicy().nic_sl_weights()
+            assert list(link.comm.device.nic.sl_weights) == QosPolicy().nic_sl_weights()
 
 
 def test_the_connector_dataplane_communicator_is_in_the_kv_class(emu, monkeypatch):

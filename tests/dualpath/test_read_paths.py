@@ -70,37 +70,41 @@ def _serve_two_turns(tmp_path, name, mode, first, append, gen, dtype="bfloat16")
         result = results[0]
         reference = de.model.with_dtype(torch.float64)
         check = verify_turn(result, prompt, de.model, reference, de.store, de.namespace, KV_BF16_ATOL)
-        stats = de.buffer.stats()
+        stats = de.dataplane.host.stats()
         assert stats.used_bytes == 0 and stats.live_leases == 0
     return result, check
 
 
 @pytest.mark.parametrize("gen", [1, 3])
-@settings(max_examples=4)  # each example runs two engine pairs over two turns
+@settings(max_examples=4, deadline=None)  # each example runs three engine pairs over two turns
 @given(first=st.integers(20, 90), append=st.integers(1, 40), seed=st.integers(0, 1000))
-def test_pe_and_de_paths_agree_bit_for_bit_and_match_full_recompute(tmp_path_factory, gen, first, append, seed):
+def test_pe_de_and_split_paths_agree_bit_for_bit_and_match_full_recompute(tmp_path_factory, gen, first, append, seed):
     tmp_path = tmp_path_factory.mktemp("paths")
     rng = np.random.default_rng(seed)
     first_tokens = [int(t) for t in rng.integers(0, TinyLlamaConfig().vocab_size, first)]
     append_tokens = [int(t) for t in rng.integers(0, TinyLlamaConfig().vocab_size, append)]
     via_pe, check_pe = _serve_two_turns(tmp_path, "pe", "pe", first_tokens, append_tokens, gen)
     via_de, check_de = _serve_two_turns(tmp_path, "de", "de", first_tokens, append_tokens, gen)
-    assert via_pe.hit_tokens == via_de.hit_tokens > 0
-    assert (via_pe.path, via_de.path) == ("pe", "de")
-    assert (via_pe.pe_read_bytes, via_pe.de_read_bytes) == (via_pe.hit_tokens // 16 * 16 * 4 * 128, 0)
-    assert (via_de.pe_read_bytes, via_de.de_read_bytes) == (0, via_pe.pe_read_bytes)
-    assert torch.equal(via_pe.kv, via_de.kv), "PE and DE paths left different KV in DE HBM"
-    assert via_pe.generated == via_de.generated
-    for check in (check_pe, check_de):
+    via_split, check_split = _serve_two_turns(tmp_path, "split", "split", first_tokens, append_tokens, gen)
+    assert via_pe.hit_tokens == via_de.hit_tokens == via_split.hit_tokens > 0
+    assert (via_pe.path, via_de.path, via_split.path) == ("pe", "de", "split")
+    hit_bytes = via_pe.hit_tokens // 16 * 16 * 4 * 128
+    assert (via_pe.pe_read_bytes, via_pe.de_read_bytes) == (hit_bytes, 0)
+    assert (via_de.pe_read_bytes, via_de.de_read_bytes) == (0, hit_bytes)
+    assert via_split.pe_read_bytes + via_split.de_read_bytes == hit_bytes
+    for other in (via_de, via_split):
+        assert torch.equal(via_pe.kv, other.kv), "two read paths left different KV in the DE's cache"
+        assert via_pe.generated == other.generated
+    for check in (check_pe, check_de, check_split):
         assert check["loaded_exact"] and check["tokens_equal"], check
         assert check["kv_max_err"] <= KV_BF16_ATOL, check
 
 
 @pytest.mark.parametrize("mode", ["pe", "de"])
 def test_both_engines_move_layers_through_the_given_engine_factory(tmp_path, mode):
-    """The DualPath stack takes its transfer engines from the caller: every engine a node sends with comes from
-    the factory (asked once per destination rank), and two turns are served over them (the second hits the cache
-    and moves hit layers on the chosen path)."""
+    """The DualPath stack takes its transfer engines from the caller: every engine a pair link sends with comes
+    from the factory (asked once per destination rank), and two turns are served over them (the second hits the
+    cache and moves hit layers on the chosen path)."""
     from ascend_dualpath.transport import create_engine
 
     made = []
@@ -114,8 +118,9 @@ def test_both_engines_move_layers_through_the_given_engine_factory(tmp_path, mod
     with in_process_engines(config, engines=factory) as (pe, de):
         results, _, _ = de.serve_wave([(0, 0, first, 2)], mode)
         results, _, _ = de.serve_wave([(0, 1, results[0].sequence + [3, 4, 5], 2)], mode)
-        used = [*pe.leg.inner._engines.values(), *de.leg.inner._engines.values()]
-        kinds = {**pe.leg.inner.kinds_used, **de.leg.inner.kinds_used}
+        legs = [link.leg for engine in (pe, de) for link in engine.dataplane.links.values()]
+        used = [e for leg in legs for e in leg._engines.values()]
+        kinds = {kind: n for leg in legs for kind, n in leg.kinds_used.items()}
     assert results[0].error is None and results[0].hit_tokens > 0 and results[0].path == mode
     assert used and {id(e) for e in used} <= {id(e) for _, _, e in made}
     assert len({(a, b) for a, b, _ in made}) == len(made), "an engine was made twice for one rank"

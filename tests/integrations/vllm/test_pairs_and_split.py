@@ -26,7 +26,6 @@ from ascend_dualpath.dualpath.side_channel import XferParams
 from ascend_dualpath.dualpath.transfer_leg import FaultInjectingLeg
 from ascend_dualpath.errors import ConfigError
 from ascend_dualpath.integrations.vllm.settings import from_kv_transfer_config
-from ascend_dualpath.kv.faults import FaultInjector
 from ascend_dualpath.kv.store import HEADER_BYTES
 from tests.integrations.vllm.worker_harness import (
     BLOCK,
@@ -355,18 +354,6 @@ def test_a_fallback_while_the_des_half_is_still_being_read_uses_a_fresh_lease(de
     assert de.dataplane.host.stats().live_leases == 0
 
 
-class _SlowReads(FaultInjector):
-    """Every read holds its destination ``seconds`` before it writes: slow media behind the capped NIC."""
-
-    def __init__(self, seconds: float) -> None:
-        super().__init__()
-        self.seconds = seconds
-
-    def before_read(self, block_id: bytes) -> None:
-        time.sleep(self.seconds)
-        super().before_read(block_id)
-
-
 def test_a_timed_out_receive_keeps_its_lease_from_the_next_requests_while_its_reads_land(deploy):
     """The DE's receive times out while its slow hit reads are in flight: their lease must stay out of the host
     buffer (the reads still write into it, the PE may too), so a lease allocated after the timeout keeps its bytes
@@ -374,7 +361,7 @@ def test_a_timed_out_receive_keeps_its_lease_from_the_next_requests_while_its_re
     ones in flight write through raw views the release cannot take back."""
     d = deploy(2, 1, snic={"de0": 3000.0})  # the DE's 4 blocks of 768 bytes: one every quarter second
     de, pe0 = d.instances["de0"].worker, d.instances["pe0"].worker
-    de.store.faults = _SlowReads(2.0)  # outlasts the receive's 0.3 s by a margin a loaded machine keeps
+    de.store.faults.delay_reads(2.0)  # outlasts the receive's 0.3 s by a margin a loaded machine keeps
     de.decode.settings = dataclasses.replace(de.decode.settings, timeout_s=0.3)
     pe0.prefill.settings = dataclasses.replace(pe0.prefill.settings, timeout_s=1.5)  # gives up on hit layers sooner
     pe_req, de_req = d.request("pe0", "de0", Deployment.true_rows(12, 21), 4, "de")
@@ -410,7 +397,7 @@ def test_a_pe_load_whose_read_outlives_its_wait_quarantines_its_lease(deploy):
     pe = d.instances["pe0"].worker
     # the reads must outlast the load's wait and the release's bounded waits after it (0.3 s each) by a margin
     # a loaded machine cannot eat up
-    pe.store.faults = _SlowReads(3.0)
+    pe.store.faults.delay_reads(3.0)
     pe.prefill.settings = dataclasses.replace(pe.prefill.settings, timeout_s=0.3)
     rows = Deployment.true_rows(14, 21)
     pe_req, de_req = d.request("pe0", "de0", rows, 2, "pe")

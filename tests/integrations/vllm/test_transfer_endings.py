@@ -156,7 +156,7 @@ def test_a_pe_with_another_kv_layout_is_refused_at_hello_naming_both_digests(dep
     monkeypatch.setattr(pe.dataplane, "compat", lambda layout: theirs)
     facts = rf"digest {mine.digest} at DE de0, {theirs.digest} at PE .*num_layers {LAYERS} here, {LAYERS + 1} there"
     with pytest.raises(ProtocolError, match=facts):
-        pe.prefill._connect_peer(de.address)
+        pe.prefill.connect_peer(de.address)
     assert not pe.prefill._peers and not de.worker.dataplane.links
 
 
