@@ -29,7 +29,9 @@ from ascend_dualpath.errors import ProtocolError
 from ascend_dualpath.kv.layout import KVLayout
 
 # Bumped whenever a message's fields or meaning change: peers of different versions refuse each other at hello.
-PROTOCOL_VERSION = 1
+# 2: the side channel frames every message (dualpath.side_channel.seal); a peer of 1 sends bare msgpack and is
+# answered by a bare Error naming the difference.
+PROTOCOL_VERSION = 2
 
 
 class Compat(msgspec.Struct, frozen=True):
