@@ -121,9 +121,9 @@ def load_token(token_file: str | None, setting: str = "side_token_file") -> byte
     return token
 
 
-def write_token(path: str) -> bytes:
-    """A fresh random token (32 bytes as 64 hex digits) written to a new file ``path`` of mode 0600."""
-    token = secrets.token_hex(32).encode()
+def write_token(path: str, token: bytes | None = None) -> bytes:
+    """``token``, or a fresh random one (32 bytes as 64 hex digits), written to a new file ``path`` of mode 0600."""
+    token = token or secrets.token_hex(32).encode()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(token + b"\n")

@@ -4,8 +4,8 @@ The launcher picks free ports (each instance's HTTP port ``p`` and its side chan
 instance its node, DE group, storage-NIC cap, ``device_id`` (its index: PEs 0..N-1, then DEs) and a share of this
 machine's cores (``VLLM_CPU_OMP_THREADS_BIND``: contiguous slices when there are enough cores, else one core each,
 round robin), writes the cluster for the proxy (``cluster.json`` in its run directory, the proxy's ``--cluster``
-format), writes a fresh side-channel token for the deployment (``side_token`` of mode 0600 in its run directory,
-handed to every instance and the proxy), starts the children with working CPU defaults, prints the proxy's URL once every part answers ``/health``
+format), writes the deployment's side-channel token (``ADP_SIDE_TOKEN`` when set, else a fresh one) to
+``side_token`` of mode 0600 in its run directory, handed to every instance and the proxy, starts the children with working CPU defaults, prints the proxy's URL once every part answers ``/health``
 (bounded start-up wait), then serves until a part exits (exit 1) or, under the command line's
 :func:`~ascend_dualpath._process.handle_signals`, SIGINT or SIGTERM. Each part's output goes to ``<name>.log`` in
 the log directory (``--log-dir``, default :func:`default_log_dir`), which serve prints at start, names again
@@ -52,7 +52,7 @@ from ascend_dualpath._process import (
     start_group_watcher,
     stop,
 )
-from ascend_dualpath.dualpath.side_channel import write_token
+from ascend_dualpath.dualpath.side_channel import load_token, write_token
 from ascend_dualpath.errors import ConfigError, WaitTimeout
 from ascend_dualpath.integrations.vllm.cluster import NODE_PREFIX, SIDE_PORT_OFFSET
 
@@ -573,10 +573,10 @@ def serve(opts: ServeOptions) -> int:
     run_dir = new_run_dir()
     store = opts.store or os.path.join(run_dir, "store")
     os.makedirs(store, exist_ok=True)
-    # one token per deployment, so no other process of this machine can talk to its side channels; removed
-    # with the run directory
+    # one token per deployment (ADP_SIDE_TOKEN when set, so the operator can ask the side channels too), so no
+    # other process of this machine can talk to its side channels; removed with the run directory
     token_file = os.path.join(run_dir, "side_token")
-    write_token(token_file)
+    write_token(token_file, load_token(None))
     plan = make_plan(opts, store, token_file=token_file)
     children: list[Child] = []
     watcher = None
