@@ -390,3 +390,30 @@ def test_decisions_keep_the_last_hundred():
             assert len(await h.decisions()) == proxy_mod.DECISIONS_KEPT
 
     run(body())
+
+
+def test_the_proxy_asks_a_real_side_channel_with_the_deployment_token():
+    import zmq.asyncio
+
+    from ascend_dualpath.dualpath import messages as m
+    from ascend_dualpath.dualpath.counters import Counters
+    from ascend_dualpath.dualpath.side_channel import SideChannel
+    from ascend_dualpath.errors import ProtocolError
+
+    token, counters = b"the-deployment-token-0123456789", Counters()
+    side = SideChannel(0, lambda r: m.Status(role="decode", node="de0", device_id=3), token=token, counters=counters)
+
+    async def body():
+        ctx = zmq.asyncio.Context()
+        try:
+            assert (await proxy_mod.query_status(ctx, side.address, 5.0, token))["device_id"] == 3
+            with pytest.raises(ProtocolError, match="refused the frame.*deployment-token check"):
+                await proxy_mod.query_status(ctx, side.address, 5.0, None)
+        finally:
+            ctx.term()
+
+    try:
+        run(body())
+    finally:
+        side.close()
+    assert counters.side_refused == 1
