@@ -21,6 +21,8 @@ variable                       meaning
                                ``ascend_dualpath._triton_launch``)
 ``ADP_MOE_DIRECT_LAUNCH``      the same for the cuda MoE strategy alone; when set it wins over ``ADP_DIRECT_LAUNCH``
 ``ADP_TRACE_DIR``              where the simulator finds shared traces (default: the ones shipped in ``ascend_dualpath/sim/data``)
+``ADP_SIDE_TOKEN``             the deployment token every side-channel frame proves (the vLLM connector's and the
+                               proxy's; their ``side_token_file`` / ``--side-token-file`` wins)
 ``ADP_VLLM_SERVE_CMD``         tests only: the command ``serve`` runs instead of vLLM's OpenAI API server (split like
                                a shell would)
 ``ADP_WITH_NPU``               build flag read by ``setup.py``: ``0`` skips the NPU part, ``1`` requires it
@@ -140,3 +142,8 @@ def build_flag(name: str) -> bool | None:
     if raw not in ("0", "1"):
         raise ValueError(f"ADP_{name} must be 0 or 1, got {raw!r}")
     return raw == "1"
+
+
+def side_token() -> str | None:
+    """``ADP_SIDE_TOKEN``, or None when unset (``dualpath.side_channel.load_token`` checks it)."""
+    return _get("ADP_SIDE_TOKEN")

@@ -57,6 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="how long measuring alpha/beta waits for the instances to answer /health (default 300)",
     )  # fmt: skip
     parser.add_argument(
+        "--side-token-file", default=None, metavar="FILE",
+        help="the deployment token of the instances' side channels (default: ADP_SIDE_TOKEN; none: loopback only)",
+    )  # fmt: skip
+    parser.add_argument(
         "--status-timeout", type=_args.TIMEOUT_S, default=1.0, metavar="S",
         help="bound of one side-channel status or /metrics query (default 1 s; no answer = pe path)",
     )  # fmt: skip
@@ -85,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
     import dataclasses
 
+    from ascend_dualpath.dualpath.side_channel import load_token
     from ascend_dualpath.integrations.vllm.proxy import ProxyConfig, run_proxy
     from ascend_dualpath.integrations.vllm.thresholds import measure_thresholds
 
@@ -92,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         cluster=_cluster(args), policy=args.policy, placement=args.placement, split=args.split,
         alpha_tokens=args.alpha_tokens, beta_tokens=args.beta_tokens, compute_quota_s=args.compute_quota,
         timeout_s=args.timeout if args.timeout is not None else _env.timeout_s(), status_timeout_s=args.status_timeout,
-        cached_capacity_blocks=args.cached_capacity_blocks,
+        cached_capacity_blocks=args.cached_capacity_blocks, side_token=load_token(args.side_token_file, "--side-token-file"),
     )  # fmt: skip
     how = "thresholds not used by round-robin"
     if cfg.placement == "scheduler":

@@ -24,3 +24,4 @@ class Counters:
     reclaimed_leases: int = 0  # quarantined leases given back once nothing could reach them
     reclaimed_slots: int = 0
     expired_plans: int = 0  # plans no request took within the timeout (the DE refused it, or its client left)
+    side_refused: int = 0  # side-channel frames refused unread: no token proof, replayed, cut, oversized, garbage

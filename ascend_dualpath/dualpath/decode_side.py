@@ -404,11 +404,15 @@ class DecodeSide:
         from it ended and (unless ``peer_done``) the PE answers that its writes of the request ended."""
         mine = lease is xfer.read_lease
         xfer_id, pe, timeout_s = xfer.plan.xfer_id, xfer.plan.pe, self.settings.timeout_s
+        framing = self.settings.side_framing
 
         def ended() -> bool:
             if mine and not tickets_ended(xfer.reads, xfer.pushes):
                 return False
-            return peer_done or expect(request_once(pe, m.WritesEnded(xfer_id=xfer_id), timeout_s), m.Ended).ended
+            return (
+                peer_done
+                or expect(request_once(pe, m.WritesEnded(xfer_id=xfer_id), timeout_s, **framing), m.Ended).ended
+            )
 
         safe = peer_done and (not mine or xfer.reads_ended)
         self.quarantine.retire("leases", f"lease of request {xfer_id}", lease.nbytes, lease.release, safe, ended, why)

@@ -29,6 +29,9 @@ from ascend_dualpath.errors import ProtocolError
 from ascend_dualpath.kv.layout import KVLayout
 
 # Bumped whenever a message's fields or meaning change: peers of different versions refuse each other at hello.
+# 2: the side channel frames every message (dualpath.side_channel.seal); a peer of 1 sends bare msgpack and is
+# answered by a bare Error naming the difference. The demo engines' wave messages (Setup, Prefill of Turns) replaced
+# their plan messages.
 PROTOCOL_VERSION = 2
 
 

@@ -193,7 +193,13 @@ class _Engine:
         self.dataplane = self.side = self.half = None
         try:
             self.dataplane = open_dataplane(self.settings, PE_RANK if role == "prefill" else DE_RANK, engines=engines)
-            self.side = SideChannel(0, self._handle, name=f"adp-demo-{self.settings.node}")
+            self.side = SideChannel(
+                0,
+                self._handle,
+                counters=self.counters,
+                name=f"adp-demo-{self.settings.node}",
+                **self.settings.side_framing,
+            )
             self.half = self._make_half()
         except BaseException:
             self.close()

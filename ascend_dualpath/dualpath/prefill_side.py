@@ -547,7 +547,11 @@ class PrefillSide:
             len(slots) * load.peer_blocks * self.block_size * self.layout.token_bytes,
             release,
             settled,
-            lambda: expect(request_once(address, message, self.settings.timeout_s), m.Ended).ended,
+            lambda: (
+                expect(
+                    request_once(address, message, self.settings.timeout_s, **self.settings.side_framing), m.Ended
+                ).ended
+            ),
             "the DE's pushes may still land there",
         )
 
@@ -556,7 +560,7 @@ class PrefillSide:
         peer = self._peers.get(address)
         if peer is not None:
             return peer
-        client = PeerClient(address, self.settings.timeout_s)
+        client = PeerClient(address, self.settings.timeout_s, **self.settings.side_framing)
         try:
             dp = self.dataplane
             status = expect(client.request(m.StatusQuery()), m.Status)

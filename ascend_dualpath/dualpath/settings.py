@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from ascend_dualpath.dualpath.side_channel import DEFAULT_MAX_FRAME_BYTES
+
 UNCAPPED_BYTES_PER_S = 1e15  # "no storage-NIC cap": 1 PB/s, far above any disk, so reads are never paced
 
 
@@ -28,7 +30,15 @@ class ConnectorSettings:
     snic_bytes_per_s : float
         Cap of this instance's storage reads (``snic_mbps`` x 10^6); ``UNCAPPED_BYTES_PER_S`` when not capped.
     side_port : int or None
-        Port of the side channel on 127.0.0.1 (required for ``prefill`` and ``decode``).
+        Port of the side channel (required for ``prefill`` and ``decode``).
+    side_host : str
+        IPv4 address the side channel binds (default 127.0.0.1; ``0.0.0.0``: every interface).
+    side_advertise : str or None
+        Host name or address peers reach the side channel at (None: ``side_host``; required for ``0.0.0.0``).
+    side_token : bytes or None
+        The deployment token every side-channel frame proves (required beyond loopback); never printed.
+    side_max_bytes : int
+        Largest side-channel frame taken or sent.
     fabric : str
         Name of the emulated fabric every instance's device joins (the first to start creates it).
     device_id : int
@@ -56,3 +66,12 @@ class ConnectorSettings:
     hccl_buffer_mb: int = 64
     host_buffer_mb: int = 256
     persist_wait_s: float = 5.0
+    side_host: str = "127.0.0.1"
+    side_advertise: str | None = None
+    side_token: bytes | None = dataclasses.field(default=None, repr=False)
+    side_max_bytes: int = DEFAULT_MAX_FRAME_BYTES
+
+    @property
+    def side_framing(self) -> dict:
+        """The side-channel clients' ``token`` and ``max_bytes`` (keywords of ``PeerClient`` and ``request_once``)."""
+        return {"token": self.side_token, "max_bytes": self.side_max_bytes}

@@ -66,6 +66,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from ascend_dualpath import _env
 from ascend_dualpath._checks import check_bound
 from ascend_dualpath.dualpath import messages as m
+from ascend_dualpath.dualpath import side_channel as side
 from ascend_dualpath.errors import ConfigError, ProtocolError, WaitTimeout
 from ascend_dualpath.integrations.vllm import fanout
 from ascend_dualpath.integrations.vllm.cached_prefixes import DEFAULT_CAPACITY_BLOCKS
@@ -138,7 +139,8 @@ class ProxyConfig:
     never binding; the CLI measures them at start-up instead, see :func:`measure_thresholds`).
     ``compute_quota_s`` > 0 holds requests to a PE (docs/vllm.md). ``status_timeout_s`` bounds one status or
     ``/metrics`` query; ``timeout_s`` every upstream wait and a request's wait for an engine.
-    ``cached_capacity_blocks`` bounds the blocks the estimate of storage hits remembers.
+    ``cached_capacity_blocks`` bounds the blocks the estimate of storage hits remembers. ``side_token``: the
+    deployment token the instances' side channels require (None: theirs have none).
     """
 
     prefill_url: str = ""
@@ -155,6 +157,7 @@ class ProxyConfig:
     beta_tokens: int | None = None
     compute_quota_s: float = 0.0
     cached_capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS
+    side_token: bytes | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -241,32 +244,29 @@ def prefill_body(body: dict, decision: Decision, de_side_channel: str, chat: boo
     return _with_dualpath(out, _params(decision, "prefill", de_side_channel))
 
 
-async def query_status(ctx: zmq.asyncio.Context, address: str, timeout_s: float) -> dict:
-    """One :class:`~ascend_dualpath.dualpath.messages.StatusQuery` on a side channel through a fresh DEALER; the
-    typed :class:`~ascend_dualpath.dualpath.messages.Status` reply as a dict.
+async def query_status(ctx: zmq.asyncio.Context, address: str, timeout_s: float, token: bytes | None = None) -> dict:
+    """One :class:`~ascend_dualpath.dualpath.messages.StatusQuery` on a side channel through a fresh DEALER, sealed
+    with the deployment ``token`` (:func:`~ascend_dualpath.dualpath.side_channel.seal`); the typed
+    :class:`~ascend_dualpath.dualpath.messages.Status` reply as a dict.
 
     A fresh socket per query keeps a late reply to an earlier, timed-out query from being read as this
     one's. Raises :class:`WaitTimeout` when no reply comes within ``timeout_s`` (ZMQ connects lazily, so a
     dead peer shows only as silence) and :class:`ProtocolError` for a malformed reply.
     """
+    stamp = side.Sender().stamp()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, 2 * side.DEFAULT_MAX_FRAME_BYTES)
     try:
         sock.connect(address)
-        await asyncio.wait_for(sock.send_multipart([b"", m.encode(m.StatusQuery())]), timeout_s)
+        frame = side.seal(token, side.REQUEST, stamp, m.encode(m.StatusQuery()))
+        await asyncio.wait_for(sock.send_multipart([b"", frame]), timeout_s)
         if not await sock.poll(int(timeout_s * 1000), zmq.POLLIN):
             raise WaitTimeout(f"side channel {address} sent no status reply within {timeout_s} s")
         frames = await sock.recv_multipart()
     finally:
         sock.close()
-    return _parse_status(address, frames[-1])
-
-
-def _parse_status(address: str, payload: bytes) -> dict:
-    try:
-        reply = m.decode_reply(payload)
-    except ProtocolError as exc:
-        raise ProtocolError(f"side channel {address} sent a malformed status reply: {exc}") from None
+    reply = side.open_reply(token, frames[-1], stamp, f"side channel {address}", "status", side.DEFAULT_MAX_FRAME_BYTES)
     if not isinstance(reply, m.Status):
         raise ProtocolError(f"side channel {address} answered {type(reply).__name__} to a status query")
     return msgspec.to_builtins(reply)
@@ -366,7 +366,7 @@ class DualPathProxy:
 
     async def _status(self, instance: Instance) -> dict | None:
         try:
-            status = await query_status(self.zmq_ctx, instance.kv, self.cfg.status_timeout_s)
+            status = await query_status(self.zmq_ctx, instance.kv, self.cfg.status_timeout_s, self.cfg.side_token)
         except (WaitTimeout, ProtocolError, zmq.ZMQError, asyncio.TimeoutError):
             self.metrics.side_channel_failures.labels(instance=instance.name).inc()
             return None

@@ -4,7 +4,8 @@ The launcher picks free ports (each instance's HTTP port ``p`` and its side chan
 instance its node, DE group, storage-NIC cap, ``device_id`` (its index: PEs 0..N-1, then DEs) and a share of this
 machine's cores (``VLLM_CPU_OMP_THREADS_BIND``: contiguous slices when there are enough cores, else one core each,
 round robin), writes the cluster for the proxy (``cluster.json`` in its run directory, the proxy's ``--cluster``
-format), starts the children with working CPU defaults, prints the proxy's URL once every part answers ``/health``
+format), writes the deployment's side-channel token (``ADP_SIDE_TOKEN`` when set, else a fresh one) to
+``side_token`` of mode 0600 in its run directory, handed to every instance and the proxy, starts the children with working CPU defaults, prints the proxy's URL once every part answers ``/health``
 (bounded start-up wait), then serves until a part exits (exit 1) or, under the command line's
 :func:`~ascend_dualpath._process.handle_signals`, SIGINT or SIGTERM. Each part's output goes to ``<name>.log`` in
 the log directory (``--log-dir``, default :func:`default_log_dir`), which serve prints at start, names again
@@ -51,6 +52,7 @@ from ascend_dualpath._process import (
     start_group_watcher,
     stop,
 )
+from ascend_dualpath.dualpath.side_channel import load_token, write_token
 from ascend_dualpath.errors import ConfigError, WaitTimeout
 from ascend_dualpath.integrations.vllm.cluster import NODE_PREFIX, SIDE_PORT_OFFSET
 
@@ -95,7 +97,8 @@ class ServePlan:
     """Everything the launcher starts, decided before anything starts.
 
     ``vllm_args`` go to every ``vllm serve`` command unchanged, after the launcher's own arguments (and before
-    an instance's own ``InstancePlan.vllm_args``); ``proxy_args`` go to the proxy.
+    an instance's own ``InstancePlan.vllm_args``); ``proxy_args`` go to the proxy. ``token_file``: the
+    deployment's side-channel token, handed to every instance and the proxy ("": none).
     """
 
     model: str
@@ -108,6 +111,7 @@ class ServePlan:
     vllm_args: tuple[str, ...] = ()
     load_failure_policy: str = "recompute"
     proxy_args: tuple[str, ...] = ()
+    token_file: str = ""
 
 
 def _port_is_free(port: int) -> bool:
@@ -153,6 +157,8 @@ def kv_transfer_config(plan: ServePlan, inst: InstancePlan) -> dict:
     }
     if inst.snic_mbps is not None:
         extra["snic_mbps"] = inst.snic_mbps
+    if plan.token_file:
+        extra["side_token_file"] = plan.token_file
     return {
         "kv_connector": "DualPathConnector",
         "kv_connector_module_path": "ascend_dualpath.integrations.vllm.connector",
@@ -212,6 +218,7 @@ def proxy_argv(plan: ServePlan, cluster_file: str) -> list[str]:
     return [
         sys.executable, "-m", "ascend_dualpath", "proxy", "--cluster", cluster_file,
         "--port", str(plan.port), "--timeout", str(plan.timeout_s), *plan.proxy_args,
+        *(("--side-token-file", plan.token_file) if plan.token_file else ()),
     ]  # fmt: skip
 
 
@@ -480,9 +487,10 @@ def proxy_options(opts: ServeOptions, model: str) -> tuple[str, ...]:
     return (*args, "--split") if opts.split else tuple(args)
 
 
-def make_plan(opts: ServeOptions, store: str, cores: list[int] | None = None) -> ServePlan:
+def make_plan(opts: ServeOptions, store: str, cores: list[int] | None = None, token_file: str = "") -> ServePlan:
     """Ports, device ids, thread bindings and a fresh fabric name for one deployment (the proxy's port is kept out
-    of the picks); ``cores``: the cores to spread the instances over (default: this process's affinity)."""
+    of the picks); ``cores``: the cores to spread the instances over (default: this process's affinity);
+    ``token_file``: the deployment's side-channel token (:attr:`ServePlan.token_file`)."""
     layout = instance_layout(opts)
     cores = sorted(os.sched_getaffinity(0)) if cores is None else cores
     ports = pick_instance_ports(len(layout), taken={opts.port})
@@ -495,7 +503,7 @@ def make_plan(opts: ServeOptions, store: str, cores: list[int] | None = None) ->
     return ServePlan(
         model=model, port=opts.port, store=store, block_size=opts.block_size, timeout_s=opts.timeout_s,
         fabric=f"serve{os.getpid()}x{secrets.token_hex(4)}", instances=instances, vllm_args=tuple(opts.vllm_args),
-        load_failure_policy=opts.load_failure_policy, proxy_args=proxy_options(opts, model),
+        load_failure_policy=opts.load_failure_policy, proxy_args=proxy_options(opts, model), token_file=token_file,
     )  # fmt: skip
 
 
@@ -565,7 +573,11 @@ def serve(opts: ServeOptions) -> int:
     run_dir = new_run_dir()
     store = opts.store or os.path.join(run_dir, "store")
     os.makedirs(store, exist_ok=True)
-    plan = make_plan(opts, store)
+    # one token per deployment (ADP_SIDE_TOKEN when set, so the operator can ask the side channels too), so no
+    # other process of this machine can talk to its side channels; removed with the run directory
+    token_file = os.path.join(run_dir, "side_token")
+    write_token(token_file, load_token(None))
+    plan = make_plan(opts, store, token_file=token_file)
     children: list[Child] = []
     watcher = None
     try:

@@ -8,6 +8,7 @@ from typing import Any
 
 from ascend_dualpath import _env
 from ascend_dualpath.dualpath.settings import UNCAPPED_BYTES_PER_S, ConnectorSettings
+from ascend_dualpath.dualpath.side_channel import MAX_FRAME_BYTES, MIN_FRAME_BYTES, check_bind, load_token
 from ascend_dualpath.errors import ConfigError
 from ascend_dualpath.kv.layout import BLOCK_ID_BYTES
 
@@ -37,6 +38,7 @@ def from_kv_transfer_config(kv_transfer_config: Any) -> ConnectorSettings:
     device_id = extra.get("device_id", DEFAULT_DEVICE_IDS[role])
     if not (isinstance(device_id, int) and not isinstance(device_id, bool) and device_id >= 0):
         raise ConfigError(f"kv_connector_extra_config['device_id'] must be an int >= 0, got {device_id!r}")
+    side = _side_settings(extra) if side_port is not None else {}
     return ConnectorSettings(
         role=role,
         store=str(extra["store"]),
@@ -49,7 +51,33 @@ def from_kv_transfer_config(kv_transfer_config: Any) -> ConnectorSettings:
         hccl_buffer_mb=int(_positive("hccl_buffer_mb", extra.get("hccl_buffer_mb", 64))),
         host_buffer_mb=int(_positive("host_buffer_mb", extra.get("host_buffer_mb", 256))),
         persist_wait_s=_positive("persist_wait_s", extra.get("persist_wait_s", 5.0)),
+        **side,
     )
+
+
+def _side_settings(extra: dict) -> dict:
+    """The side channel's address, token and frame limit (ConfigError names the key and the value)."""
+    host, advertise = extra.get("side_host", "127.0.0.1"), extra.get("side_advertise")
+    token_file = extra.get("side_token_file")
+    if token_file is not None and not (isinstance(token_file, str) and token_file):
+        raise ConfigError(f"{_key('side_token_file')} must be a file path, got {token_file!r}")
+    token = load_token(token_file, _key("side_token_file"))
+    check_bind(str(host), advertise, token, _key)
+    max_bytes = extra.get("side_max_bytes", None)
+    if max_bytes is not None and not (
+        isinstance(max_bytes, int)
+        and not isinstance(max_bytes, bool)
+        and MIN_FRAME_BYTES <= max_bytes <= MAX_FRAME_BYTES
+    ):
+        raise ConfigError(
+            f"{_key('side_max_bytes')} must be an int in [{MIN_FRAME_BYTES}, {MAX_FRAME_BYTES}], got {max_bytes!r}"
+        )
+    side = {"side_host": str(host), "side_advertise": advertise, "side_token": token}
+    return side | ({"side_max_bytes": max_bytes} if max_bytes is not None else {})
+
+
+def _key(name: str) -> str:
+    return f"kv_connector_extra_config[{name!r}]"
 
 
 def _positive(name: str, value: Any) -> float:

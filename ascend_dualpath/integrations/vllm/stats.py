@@ -39,6 +39,7 @@ COUNTERS: dict[str, tuple[str, str, str | None]] = {
     "reclaimed_leases": ("reclaimed_leases", "quarantined host leases given back", None),
     "reclaimed_slots": ("reclaimed_slots", "quarantined window slots given back", None),
     "expired_plans": ("expired_plans", "plans no request took within the timeout", None),
+    "side_refused": ("side_refused", "side-channel frames refused before decoding (token, replay, size, format)", None),
 }
 LAYER_WAIT = "layer_wait_s"  # seconds the PE waited for each pushed layer's notify, one sample per wait
 QUARANTINED_BYTES = "quarantined_bytes"  # held now, not a count: the latest value wins

@@ -55,7 +55,7 @@ async def _statuses(cfg: ProxyConfig) -> dict[str, dict | None]:
 
     async def one(instance: Instance) -> dict | None:
         try:
-            return await query_status(ctx, instance.kv, cfg.status_timeout_s)
+            return await query_status(ctx, instance.kv, cfg.status_timeout_s, cfg.side_token)
         except (WaitTimeout, ProtocolError, zmq.ZMQError, asyncio.TimeoutError):
             return None
 

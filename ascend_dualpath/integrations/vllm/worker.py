@@ -87,7 +87,11 @@ class DualPathWorker:
             self.dataplane = open_dataplane(self.settings, PE_RANK if self.settings.role == "prefill" else DE_RANK)
             self.decode.bind(self.caches, self.adapter, self.dataplane)
         if self.settings.side_port is not None:
-            self.side = SideChannel(self.settings.side_port, self._handle, name=f"adp-{self.settings.node}")
+            s = self.settings
+            self.side = SideChannel(
+                s.side_port, self._handle, host=s.side_host, advertise=s.side_advertise, token=s.side_token,
+                max_bytes=s.side_max_bytes, counters=self.counters, name=f"adp-{s.node}",
+            )  # fmt: skip
         self.prefill.bind(self.caches, self.adapter, self.dataplane, self.side.address if self.side else "")
 
     def shutdown(self) -> None:

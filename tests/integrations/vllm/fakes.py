@@ -17,6 +17,8 @@ import zmq
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
+from ascend_dualpath.dualpath import side_channel as sc
+
 
 def status_reply(
     node: str,
@@ -47,11 +49,12 @@ def status_reply(
 
 class FakeSideChannel:
     """A ZMQ ROUTER on a random loopback port in a thread; answers ``{"op": "status"}`` with ``reply``
-    (``reply=None``: stays silent, like a dead instance)."""
+    (``reply=None``: stays silent, like a dead instance), both framed with ``token``
+    (:func:`~ascend_dualpath.dualpath.side_channel.seal`); counts in ``refused`` the frames failing its check."""
 
-    def __init__(self, reply: dict | None) -> None:
-        self.reply = reply
-        self.queries = 0
+    def __init__(self, reply: dict | None, token: bytes | None = None) -> None:
+        self.reply, self.token = reply, token
+        self.queries = self.refused = 0
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -65,11 +68,17 @@ class FakeSideChannel:
         while not self._stop.is_set():
             if not self._sock.poll(20):
                 continue
-            identity, empty, payload = self._sock.recv_multipart()
+            identity, empty, frame = self._sock.recv_multipart()
+            try:
+                stamp, payload = sc.unseal(self.token, frame, sc.REQUEST, sc.DEFAULT_MAX_FRAME_BYTES)
+            except sc.Refused:
+                self.refused += 1
+                continue
             assert msgspec.msgpack.decode(payload) == {"op": "status"}
             self.queries += 1
             if self.reply is not None:
-                self._sock.send_multipart([identity, empty, msgspec.msgpack.encode(self.reply)])
+                reply = sc.seal(self.token, sc.REPLY, stamp, msgspec.msgpack.encode(self.reply))
+                self._sock.send_multipart([identity, empty, reply])
 
     def close(self) -> None:
         self._stop.set()

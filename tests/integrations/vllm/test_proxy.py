@@ -29,11 +29,16 @@ DEFAULT = object()  # Harness: an idle status reply; None: a silent side channel
 class Harness(ProxyClient):
     """Fake PE and DE, their side channels, and the proxy under test, all on loopback."""
 
-    def __init__(self, policy="dual", pe_status=DEFAULT, de_status=DEFAULT, timeout_s=5.0) -> None:
+    def __init__(
+        self, policy="dual", pe_status=DEFAULT, de_status=DEFAULT, timeout_s=5.0, side_token=None, proxy_token=None
+    ) -> None:
         self.pe, self.de = FakeInstance("prefill"), FakeInstance("decode")
-        self.pe_side = FakeSideChannel(status_reply("pe-node", "prefill") if pe_status is DEFAULT else pe_status)
-        self.de_side = FakeSideChannel(status_reply("de-node", "decode") if de_status is DEFAULT else de_status)
-        self.policy, self.timeout_s = policy, timeout_s
+        pe_reply = status_reply("pe-node", "prefill") if pe_status is DEFAULT else pe_status
+        self.pe_side = FakeSideChannel(pe_reply, side_token)
+        self.de_side = FakeSideChannel(
+            status_reply("de-node", "decode") if de_status is DEFAULT else de_status, side_token
+        )
+        self.policy, self.timeout_s, self.proxy_token = policy, timeout_s, proxy_token
 
     async def __aenter__(self) -> Harness:
         self.pe_server, self.de_server = TestServer(self.pe.app()), TestServer(self.de.app())
@@ -47,6 +52,7 @@ class Harness(ProxyClient):
             policy=self.policy,
             timeout_s=self.timeout_s,
             status_timeout_s=0.3,
+            side_token=self.proxy_token,
         )
         self.proxy = DualPathProxy(self.cfg)
         self.proxy_server = TestServer(self.proxy.make_app())
@@ -229,6 +235,25 @@ def test_silent_side_channel_is_counted_and_falls_back_to_pe():
     run(body())
 
 
+@pytest.mark.parametrize("proxy_token", [None, b"another-token-of-16-bytes"], ids=["none", "another"])
+def test_a_proxy_without_the_deployment_token_learns_nothing_from_the_side_channels(proxy_token):
+    async def body():
+        token = b"the-deployment-token-0123456789"
+        async with Harness(pe_status=status_reply("pe-node", "prefill", 900), side_token=token,
+                           proxy_token=proxy_token) as h:  # fmt: skip
+            assert (await h.post("/v1/completions", COMPLETION))[0] == 200  # served, on the pe fallback
+            (decision,) = await h.decisions()
+            assert decision["rule"] == "fallback:side-channel" and h.de_side.queries == 0 < h.de_side.refused
+        async with Harness(pe_status=status_reply("pe-node", "prefill", 900), side_token=token,
+                           proxy_token=token) as h:  # fmt: skip
+            assert (await h.post("/v1/completions", COMPLETION))[0] == 200
+            (decision,) = await h.decisions()
+            assert decision["rule"] != "fallback:side-channel" and decision["path"] == "de"
+            assert h.de_side.refused == 0 < h.de_side.queries
+
+    run(body())
+
+
 def test_metrics_parse_and_carry_status_and_request_counts():
     async def body():
         pe, de = status_reply("pe-node", "prefill", 7, 11), status_reply("de-node", "decode", 3, 5)
@@ -365,3 +390,30 @@ def test_decisions_keep_the_last_hundred():
             assert len(await h.decisions()) == proxy_mod.DECISIONS_KEPT
 
     run(body())
+
+
+def test_the_proxy_asks_a_real_side_channel_with_the_deployment_token():
+    import zmq.asyncio
+
+    from ascend_dualpath.dualpath import messages as m
+    from ascend_dualpath.dualpath.counters import Counters
+    from ascend_dualpath.dualpath.side_channel import SideChannel
+    from ascend_dualpath.errors import ProtocolError
+
+    token, counters = b"the-deployment-token-0123456789", Counters()
+    side = SideChannel(0, lambda r: m.Status(role="decode", node="de0", device_id=3), token=token, counters=counters)
+
+    async def body():
+        ctx = zmq.asyncio.Context()
+        try:
+            assert (await proxy_mod.query_status(ctx, side.address, 5.0, token))["device_id"] == 3
+            with pytest.raises(ProtocolError, match="refused the frame.*deployment-token check"):
+                await proxy_mod.query_status(ctx, side.address, 5.0, None)
+        finally:
+            ctx.term()
+
+    try:
+        run(body())
+    finally:
+        side.close()
+    assert counters.side_refused == 1

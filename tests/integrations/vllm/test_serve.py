@@ -40,7 +40,8 @@ open(f"/dev/shm/adp.{fabric}.fake{port}", "w").close()
 with open(os.path.join(out, f"{port}.json"), "w") as f:
     json.dump({"argv": argv, "pid": os.getpid(), "grandchild": grandchild.pid,
                "bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), "host_ip": os.environ.get("VLLM_HOST_IP"),
-               "offline": os.environ.get("HF_HUB_OFFLINE"), "tmpdir": os.environ.get("TMPDIR")}, f)
+               "offline": os.environ.get("HF_HUB_OFFLINE"), "tmpdir": os.environ.get("TMPDIR"),
+               "token_mode": os.stat(config["kv_connector_extra_config"]["side_token_file"]).st_mode & 0o777}, f)
 
 class Health(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
@@ -82,6 +83,18 @@ def test_kv_transfer_config_per_instance():
     assert de["kv_role"] == "kv_consumer" and de["kv_connector_extra_config"]["side_port"] == 42100
     assert de["kv_connector_extra_config"]["device_id"] == 1
     assert "snic_mbps" not in de["kv_connector_extra_config"]  # uncapped: left out
+    assert "side_token_file" not in de["kv_connector_extra_config"]
+
+
+def test_the_deployment_token_file_goes_to_every_instance_and_the_proxy():
+    tokened = plan(token_file="/run/adp/side_token")
+    for inst in (PE, DE):
+        assert serve_mod.kv_transfer_config(tokened, inst)["kv_connector_extra_config"]["side_token_file"] == (
+            "/run/adp/side_token"
+        )
+    argv = serve_mod.proxy_argv(tokened, "/c.json")
+    assert argv[argv.index("--side-token-file") + 1] == "/run/adp/side_token"
+    assert "--side-token-file" not in serve_mod.proxy_argv(plan(), "/c.json")
 
 
 def test_instance_argv_puts_extra_args_last_and_unchanged(monkeypatch):
@@ -419,6 +432,8 @@ def test_two_by_two_deployment_gives_every_instance_its_node_group_device_and_th
     assert [e["device_id"] for e in extras] == [0, 1, 2, 3] and [e["node"] for e in extras] == ["a", "b", "a", "b"]
     assert [e.get("snic_mbps") for e in extras] == [None, 50.0, None, 50.0]
     assert len({e["fabric"] for e in extras}) == 1 and len({e["side_port"] for e in extras}) == 4
+    (token_file,) = {e["side_token_file"] for e in extras}  # one token per deployment, in a file of mode 0600
+    assert {r["token_mode"] for r in records} == {0o600} and os.path.exists(token_file)
     assert records[3]["argv"][-2:] == ["--num-gpu-blocks-override", "8"]
     assert "--num-gpu-blocks-override" not in records[2]["argv"]
     with urllib.request.urlopen(f"http://127.0.0.1:{deployment.port}/health", timeout=10) as resp:
@@ -426,4 +441,5 @@ def test_two_by_two_deployment_gives_every_instance_its_node_group_device_and_th
     deployment.process.send_signal(signal.SIGTERM)
     deployment.process.communicate(timeout=60)
     assert deployment.process.returncode == 143
+    assert not os.path.exists(token_file)
     assert _wait_dead(deployment.known_pids) == []

@@ -26,12 +26,13 @@ pytest.importorskip("vllm")
 aiohttp = pytest.importorskip("aiohttp")
 pytestmark = pytest.mark.slow
 
-from ascend_dualpath.dualpath.side_channel import query_status  # noqa: E402
+from ascend_dualpath.dualpath.side_channel import TOKEN_ENV, query_status  # noqa: E402
 from ascend_dualpath.integrations.vllm.cluster import SIDE_PORT_OFFSET  # noqa: E402
 from tests.integrations.vllm import test_serve_e2e as e2e  # noqa: E402
 from tests.integrations.vllm.test_serve_e2e import ENV, ROOT, _get, _serve, _stop, _vocab  # noqa: E402
 
 model = e2e.model  # the same tiny model fixture
+TOKEN = b"mixed-e2e-deployment-token-0123"  # serve's token (ADP_SIDE_TOKEN), so the test may ask the side channels
 TIMEOUT_S = 15  # serve's --timeout: the connectors' bound, and so how long a plan no request took lives
 MIX = {"short": 50, "long": 40, "refused": 30, "aborted": 30, "batched": 25, "n2": 25}
 # What an instance holds now; each must be 0 once every request ended (counters since start are not here).
@@ -43,7 +44,7 @@ def served(model, tmp_path_factory):
     """``serve --policy dual``: ``(url, side channel by instance name, log directory)``."""
     tmp = tmp_path_factory.mktemp("mixed")
     proc, url, log = _serve(model, tmp, "--policy", "dual", "--timeout", str(TIMEOUT_S),
-                            env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})  # fmt: skip
+                            env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", TOKEN_ENV: TOKEN.decode()})  # fmt: skip
     try:
         deadline = time.monotonic() + 60
         while not (ready := [x for x in log.read_text().splitlines() if x.startswith("serve: ready at")]):
@@ -113,7 +114,7 @@ def _held(sides: dict[str, str]) -> dict:
     """``{instance: {field: value}}`` of every non-zero held-now figure."""
     found = {}
     for name, side in sides.items():
-        status = query_status(side, 10)
+        status = query_status(side, 10, token=TOKEN)
         nonzero = {key: getattr(status, key) for key in HELD if getattr(status, key)}
         if nonzero:
             found[name] = nonzero

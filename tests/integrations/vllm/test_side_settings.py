@@ -1,0 +1,64 @@
+"""The side channel's settings in ``kv_connector_extra_config``: its address, the deployment token and the frame
+limit, each refused with one line naming the key and the value."""
+
+from __future__ import annotations
+
+import pytest
+
+from ascend_dualpath.dualpath.side_channel import DEFAULT_MAX_FRAME_BYTES, TOKEN_ENV, write_token
+from ascend_dualpath.errors import ConfigError
+from ascend_dualpath.integrations.vllm.settings import from_kv_transfer_config
+
+TOKEN = "a-deployment-token-of-32-bytes!!"
+
+
+def config(role="kv_consumer", **extra):
+    return type("C", (), {"kv_role": role, "kv_connector_extra_config": {"store": "/s", "side_port": 7000, **extra}})
+
+
+@pytest.fixture(autouse=True)
+def no_token_in_env(monkeypatch):
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+
+
+def test_loopback_by_default_without_a_token():
+    settings = from_kv_transfer_config(config())
+    assert (settings.side_host, settings.side_advertise, settings.side_token) == ("127.0.0.1", None, None)
+    assert settings.side_max_bytes == DEFAULT_MAX_FRAME_BYTES
+
+
+def test_beyond_loopback_the_token_is_required_from_the_environment_or_a_file(monkeypatch, tmp_path):
+    with pytest.raises(ConfigError, match=r"\['side_host'\] is '10\.0\.0\.5', beyond loopback.*side_token_file"):
+        from_kv_transfer_config(config(side_host="10.0.0.5"))
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    assert from_kv_transfer_config(config(side_host="10.0.0.5")).side_token == TOKEN.encode()
+    monkeypatch.delenv(TOKEN_ENV)
+    path = str(tmp_path / "token")
+    token = write_token(path)
+    settings = from_kv_transfer_config(config(side_host="0.0.0.0", side_advertise="pe-host.lan", side_token_file=path))
+    assert (settings.side_host, settings.side_advertise, settings.side_token) == ("0.0.0.0", "pe-host.lan", token)
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"side_host": "0.0.0.0", "side_token_file": ""}, r"\['side_token_file'\] must be a file path, got ''"),
+        ({"side_host": "0.0.0.0"}, r"\['side_host'\] is '0\.0\.0\.0' \(every interface\): set .*side_advertise"),
+        ({"side_host": "my-host"}, r"\['side_host'\] must be an IPv4 address to bind, got 'my-host'"),
+        ({"side_advertise": "tcp://x:1"}, r"\['side_advertise'\] must be a host name or address.*'tcp://x:1'"),
+        ({"side_token_file": "/nonexistent/token"}, r"\['side_token_file'\]='/nonexistent/token' cannot be read"),
+        ({"side_max_bytes": 100}, r"\['side_max_bytes'\] must be an int in \[4096, 1073741824\], got 100"),
+        ({"side_max_bytes": True}, r"\['side_max_bytes'\] must be an int"),
+        ({"side_max_bytes": "1M"}, r"\['side_max_bytes'\] must be an int"),
+    ],
+)
+def test_bad_values_are_refused_by_name(extra, match):
+    with pytest.raises(ConfigError, match=match):
+        from_kv_transfer_config(config(**extra))
+
+
+def test_a_short_token_file_is_refused(tmp_path):
+    path = tmp_path / "token"
+    path.write_text("short\n")
+    with pytest.raises(ConfigError, match=r"side_token_file'\]='.*' has 5 bytes, at least 16 needed"):
+        from_kv_transfer_config(config(side_token_file=str(path)))
