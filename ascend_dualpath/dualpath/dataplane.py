@@ -31,7 +31,7 @@ from ascend_dualpath.backends import Backend, get_backend
 from ascend_dualpath.dualpath import messages as m
 from ascend_dualpath.dualpath.settings import ConnectorSettings
 from ascend_dualpath.dualpath.transfer_leg import ABORT_SLOT, KV_COMM_FIELDS, TransportTransferLeg
-from ascend_dualpath.errors import BackendUnavailable, CapacityError, ConfigError
+from ascend_dualpath.errors import BackendUnavailable, BoundsError, CapacityError, ConfigError
 from ascend_dualpath.kv.buffers import HostBuffer
 from ascend_dualpath.kv.layout import KVLayout
 from ascend_dualpath.transport.engine import StagingPool
@@ -82,6 +82,7 @@ class PairLink:
         self._lock = threading.Lock()
         self._notify_free = list(range(0, NUM_NOTIFY_SLOTS - NOTIFY_SLOTS_PER_XFER + 1, NOTIFY_SLOTS_PER_XFER))
         self.leg: TransportTransferLeg | None = None
+        self.peer_host = (0, 0)  # the peer's registered host region (addr, size), once connected
 
     def local_info(self) -> bytes:
         return bytes(self.comm.local_info().serialize())
@@ -92,6 +93,7 @@ class PairLink:
         infos = [mine, peer_info] if self.rank == PE_RANK else [peer_info, mine]
         self.comm.connect([C.RankInfo.deserialize(b) for b in infos])
         self.comm.add_remote_mem(self.peer, C.RemoteMem(*peer_host_mem))
+        self.peer_host = (int(peer_host_mem[0]), int(peer_host_mem[1]))
         engines = self.dataplane.engines
         bound = None if engines is None else (lambda rank: engines(self.comm, rank))
         self.leg = TransportTransferLeg(self.comm, self.dataplane.settings.timeout_s, engines=bound)
@@ -100,6 +102,22 @@ class PairLink:
     @property
     def connected(self) -> bool:
         return self.leg is not None
+
+    def check_peer_lease(self, addr: int, nbytes: int, what: str) -> int:
+        """``addr`` if ``nbytes`` from it lie inside the peer's registered host region (a lease the peer named for
+        this instance's writes); BoundsError naming both otherwise, before anything is written there."""
+        base, size = self.peer_host
+        if not base <= addr <= base + size - nbytes:
+            raise BoundsError(
+                f"{what}: the peer named a lease of {nbytes} bytes at {addr:#x}, outside its host region "
+                f"[{base:#x}, {base + size:#x})"
+            )
+        return addr
+
+    def peer_window(self) -> tuple[int, int]:
+        """``(addr, size)`` of the peer's HCCL window (the PE's layer slots live there), from its rank info."""
+        window = self.comm.peer_info(self.peer).windows_in
+        return int(window.addr), int(window.size)
 
     # -- the window (the PE's layer slots and send buffers) --------------------------------------------------------
     def window_alloc(self, nbytes: int) -> int:

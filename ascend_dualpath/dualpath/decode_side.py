@@ -32,17 +32,18 @@ import time
 from typing import Any
 
 from ascend_dualpath.dualpath import messages as m
-from ascend_dualpath.dualpath.dataplane import PE_RANK, Dataplane, PairLink
+from ascend_dualpath.dualpath.dataplane import NOTIFY_SLOTS_PER_XFER, NUM_NOTIFY_SLOTS, PE_RANK, Dataplane, PairLink
 from ascend_dualpath.dualpath.lease import LeaseLayout
 from ascend_dualpath.dualpath.quarantine import Quarantine, tickets_ended
 from ascend_dualpath.dualpath.scheduler import ReadPath
 from ascend_dualpath.dualpath.settings import ConnectorSettings
 from ascend_dualpath.dualpath.side_channel import expect, request_once
 from ascend_dualpath.dualpath.specs import RecvSpec
-from ascend_dualpath.errors import ChecksumMismatch, ProtocolError, WaitTimeout
-from ascend_dualpath.kv.layout import KVLayout
+from ascend_dualpath.errors import BoundsError, ChecksumMismatch, ProtocolError, WaitTimeout
+from ascend_dualpath.kv.layout import BLOCK_ID_BYTES, KVLayout
 from ascend_dualpath.kv.read_queue import ReadQueue
 from ascend_dualpath.kv.store import LocalBlockStore
+from ascend_dualpath.transport.engine import NOTIFY_VALUE_MAX
 
 log = logging.getLogger(__name__)
 CONSUMED_POLL_S = 0.05  # how often the pusher, waiting for the PE, looks at its stop flag and its pushes
@@ -79,6 +80,45 @@ class _DeXfer:
 
     def __post_init__(self) -> None:
         self.quiet.set()
+
+
+def check_plan(plan: m.Plan, layout: KVLayout, pe_window: tuple[int, int] | None) -> None:
+    """Refuse a plan whose numbers do not describe one request of ``layout`` before anything is leased or read:
+    token counts and block alignment, one 16-byte store id per hit block, the PE's share, and when the DE pushes
+    (``pe_window``: the PE's window ``(addr, size)``) two slots inside that window, each holding the DE's half of a
+    layer, a notify group inside the link's slots and one valid notify value per layer. BoundsError names the field,
+    its value and the limit."""
+    T, P, H, start = layout.block_tokens, plan.prompt_tokens, plan.hit_tokens, plan.load_start
+    where = f"plan of request {plan.xfer_id!r}"
+    if plan.path not in (ReadPath.PE.value, ReadPath.DE.value):
+        raise BoundsError(f"{where}: path must be 'pe' or 'de', got {plan.path!r}")
+    if not (1 <= P and 0 <= start <= H <= P and H % T == 0 and start % T == 0):
+        raise BoundsError(f"{where}: load_start {start} <= hit_tokens {H} <= prompt_tokens {P} (>= 1), both "
+                          f"multiples of the block's {T} tokens")  # fmt: skip
+    if len(plan.store_ids) != H // T or any(len(i) != BLOCK_ID_BYTES for i in plan.store_ids):
+        raise BoundsError(f"{where}: {H // T} store ids of {BLOCK_ID_BYTES} bytes for {H} hit tokens, got "
+                          f"{len(plan.store_ids)}")  # fmt: skip
+    if not 0 <= plan.pe_blocks <= (H - start) // T:
+        raise BoundsError(f"{where}: pe_blocks {plan.pe_blocks} not in [0, {(H - start) // T}]")
+    if pe_window is not None:
+        _check_pushes(plan, layout, pe_window, where)
+
+
+def _check_pushes(plan: m.Plan, layout: KVLayout, pe_window: tuple[int, int], where: str) -> None:
+    base, size = pe_window
+    slot_bytes = (
+        (plan.hit_tokens - plan.load_start) // layout.block_tokens - plan.pe_blocks
+    ) * layout.layer_block_bytes
+    if len(plan.slots) != 2 or any(not (base <= a and a + slot_bytes <= base + size) for a in plan.slots):
+        raise BoundsError(f"{where}: two slots of {slot_bytes} bytes inside the PE's window [{base:#x}, "
+                          f"{base + size:#x}), got {[hex(a) for a in plan.slots]}")  # fmt: skip
+    if not 0 <= plan.notify_base <= NUM_NOTIFY_SLOTS - NOTIFY_SLOTS_PER_XFER:
+        raise BoundsError(f"{where}: notify_base {plan.notify_base} not in "
+                          f"[0, {NUM_NOTIFY_SLOTS - NOTIFY_SLOTS_PER_XFER}]")  # fmt: skip
+    values = [*plan.magics, plan.abort_magic]
+    if len(plan.magics) != layout.num_layers or any(not 1 <= v <= NOTIFY_VALUE_MAX for v in values):
+        raise BoundsError(f"{where}: one notify value in [1, {NOTIFY_VALUE_MAX}] per layer ({layout.num_layers}) "
+                          f"and for the abort, got {len(plan.magics)} layers")  # fmt: skip
 
 
 class DecodeSide:
@@ -172,6 +212,7 @@ class DecodeSide:
             raise ProtocolError(f"plan of request {message.xfer_id!r} from {message.pe!r}, which sent no hello")
         P, H, xfer_id = message.prompt_tokens, message.hit_tokens, message.xfer_id
         full = message.path == ReadPath.PE.value or H == message.load_start
+        check_plan(message, self.layout, None if full else link.peer_window())
         with self._lock:
             in_use = xfer_id in self._xfers
         if in_use:  # refused, never overwritten: the earlier plan's lease may be written into right now
@@ -203,6 +244,9 @@ class DecodeSide:
         return m.Planned(lease_addr=int(lease.addr))
 
     def _on_consumed(self, message: m.Consumed) -> m.Ok:
+        if not 0 <= message.layer < self.layout.num_layers:
+            raise BoundsError(f"consumed layer {message.layer} of request {message.xfer_id!r}: layers are "
+                              f"[0, {self.layout.num_layers})")  # fmt: skip
         xfer = self._xfer(message)
         if xfer is not None and xfer.consumed is not None:
             xfer.consumed.put(message.layer)
@@ -221,6 +265,9 @@ class DecodeSide:
             xfer = self._xfers.get(message.xfer_id)
             if xfer is None:
                 raise ProtocolError(f"rows for unknown request {message.xfer_id!r}")
+            if not 0 <= message.start <= message.end <= xfer.plan.prompt_tokens:
+                raise BoundsError(f"rows [{message.start}, {message.end}) of request {message.xfer_id!r}: its prompt "
+                                  f"has {xfer.plan.prompt_tokens} tokens")  # fmt: skip
             if message.full and not xfer.full_rows:
                 xfer.full_rows, xfer.received_end, xfer.reads_ok, xfer.hits_ok = True, 0, True, True
             if message.start > xfer.received_end:

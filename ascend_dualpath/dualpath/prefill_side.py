@@ -493,7 +493,8 @@ class PrefillSide:
         try:
             message = m.Fallback(xfer_id=xfer_id, reason=reason, settled=settled)
             reply = self._peer_request(load.peer, message, 2 * self.settings.timeout_s, m.Planned)
-            xfer.lease_addr = reply.lease_addr
+            nbytes = LeaseLayout.complete(self.layout, xfer.prompt_tokens).nbytes
+            xfer.lease_addr = load.peer.link.check_peer_lease(reply.lease_addr, nbytes, f"fallback of {xfer_id}")
             load.slots_settled = reply.pushes_ended
         except Exception as exc:
             log.warning("DualPath: the DE did not take the fallback of request %s: %s", load.spec.req_id, exc)
@@ -619,8 +620,10 @@ class PrefillSide:
             load.magics = message.magics = [link.comm.next_magic() for _ in range(self.layout.num_layers)]
             load.abort_magic = message.abort_magic = link.comm.next_magic()
         reply = self._peer_request(load.peer, message, reply=m.Planned)
+        nbytes = LeaseLayout.complete(self.layout, spec.prompt_tokens).nbytes
+        lease_addr = link.check_peer_lease(reply.lease_addr, nbytes, f"plan of request {spec.xfer.xfer_id}")
         self._pe_xfers[spec.xfer.xfer_id] = _PeXfer(
-            load.peer, reply.lease_addr, load.full_rows, spec.hit_tokens, spec.prompt_tokens
+            load.peer, lease_addr, load.full_rows, spec.hit_tokens, spec.prompt_tokens
         )
         self._pe_xfer_of[spec.req_id] = spec.xfer.xfer_id
 

@@ -102,8 +102,9 @@ def test_storage_read_error_on_the_de_side_is_taken_over_by_the_pe(engines):
 def test_checksum_mismatch_on_the_pe_side_recomputes_from_the_corrupted_block(engines):
     pe, de, (pe_faults, _) = engines
     result = serve_second_turn(de, "pe", lambda: pe_faults.corrupt_next_read(byte_offset=100))
-    assert result.path == "recompute" and result.hit_tokens == 0  # the first block was the corrupted one
-    assert len(result.fallbacks) == 1 and "computed again from token 0" in result.fallbacks[0]
+    # the good blocks before the corrupted one (whichever the read queue read first) stay loaded
+    assert result.path == "recompute" and result.hit_tokens in (0, 16)
+    assert len(result.fallbacks) == 1 and f"computed again from token {result.hit_tokens}" in result.fallbacks[0]
     assert pe.counters.checksum_errors == 1
 
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from ascend_dualpath.dualpath import messages as m
 from ascend_dualpath.dualpath.side_channel import PeerClient
-from ascend_dualpath.errors import ProtocolError
+from ascend_dualpath.errors import BoundsError, ProtocolError
 from ascend_dualpath.kv.layout import KVLayout
 from tests.integrations.vllm.worker_harness import (
     BLOCK,
@@ -224,3 +224,84 @@ def test_steps_and_status_ending_receives_together_never_collide(deploy):
         poller.join(10)
     assert errors == []
     _until_nothing_held(d, "de0")
+
+
+def _connected(d: Deployment):
+    """The DE half of a 1P1D deployment whose PE said hello (one request served), and the PE's window."""
+    de = d.instances["de0"].worker.decode
+    rows = Deployment.true_rows(5, 2 * BLOCK + 3)
+    pe_req, de_req = d.request("pe0", "de0", rows, 0, "pe")
+    d.expect_recv("de0", de_req)
+    d.prefill("pe0", pe_req)
+    d.finish("de0", {de_req.req_id})
+    d.done("pe0", pe_req)
+    link = d.instances["pe0"].worker.prefill._peers[d.instances["de0"].address].link
+    return de, link.window.base_addr
+
+
+def _de_plan(d: Deployment, window: int, **overrides) -> m.Plan:
+    """A DE-path plan of 2 hit blocks and 3 new tokens whose slots lie in the PE's window."""
+    fields = dict(pe=d.instances["pe0"].address, xfer_id="bad", path="de", hit_tokens=2 * BLOCK,
+                  prompt_tokens=2 * BLOCK + 3, load_start=0, store_ids=[bytes(16)] * 2, slots=[window, window + 4096],
+                  notify_base=0, magics=[7] * LAYERS, abort_magic=9)  # fmt: skip
+    return m.Plan(**{**fields, **overrides})
+
+
+BAD_PLANS = {
+    "path": (dict(path="xx"), "path must be"),
+    "no prompt": (dict(prompt_tokens=0, hit_tokens=0, store_ids=[]), "prompt_tokens 0"),
+    "hit past prompt": (dict(prompt_tokens=BLOCK), "hit_tokens"),
+    "hit off blocks": (dict(hit_tokens=BLOCK + 1), "multiples"),
+    "load after hit": (dict(load_start=3 * BLOCK), "load_start"),
+    "store ids": (dict(store_ids=[bytes(16)]), "store ids"),
+    "store id bytes": (dict(store_ids=[bytes(16), bytes(3)]), "store ids"),
+    "pe share": (dict(pe_blocks=3), "pe_blocks 3"),
+    "one slot": (dict(slots=[0]), "two slots"),
+    "slot outside the window": (dict(slots=[1 << 40, 1 << 40]), "inside the PE's window"),
+    "notify group": (dict(notify_base=1 << 20), "notify_base"),
+    "magics": (dict(magics=[7]), "notify value"),
+    "zero magic": (dict(abort_magic=0), "notify value"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PLANS))
+def test_a_plan_that_does_not_describe_one_request_is_refused_before_anything_is_leased(deploy, case):
+    """Whatever a plan says, the DE leases and reads nothing for numbers outside one request of its layout, and
+    pushes only into two slots inside the PE's window; the error names the field and the limit."""
+    d = deploy(1, 1)
+    de, window = _connected(d)
+    overrides, match = BAD_PLANS[case]
+    leases = de.dataplane.host.stats().live_leases
+    with pytest.raises(BoundsError, match=match):
+        de._on_plan(_de_plan(d, window, **overrides))
+    assert "bad" not in de._xfers and de.dataplane.host.stats().live_leases == leases
+    de._on_plan(_de_plan(d, window, xfer_id="good"))  # the same plan with sound numbers is taken
+    assert "good" in de._xfers
+
+
+def test_rows_and_consumed_layers_outside_the_request_are_refused(deploy):
+    d = deploy(1, 1)
+    de, window = _connected(d)
+    de._on_plan(_de_plan(d, window, xfer_id="x"))
+    with pytest.raises(BoundsError, match=rf"rows \[0, 99\).*has {2 * BLOCK + 3} tokens"):
+        de._on_rows(m.Rows(xfer_id="x", start=0, end=99))
+    with pytest.raises(BoundsError, match=rf"consumed layer {LAYERS} .*layers are \[0, {LAYERS}\)"):
+        de._on_consumed(m.Consumed(xfer_id="x", layer=LAYERS))
+    assert de._xfers["x"].received_end == 2 * BLOCK and de._xfers["x"].error is None
+
+
+def test_a_lease_outside_the_des_host_region_is_refused_before_the_pe_writes(deploy, monkeypatch):
+    """The PE writes only into the DE's registered host region: a plan reply naming memory outside it fails the load
+    (vLLM recomputes its blocks) before a byte moves."""
+    d = deploy(1, 1)
+    de, _ = _connected(d)
+    on_plan = de._on_plan
+    monkeypatch.setattr(de, "_on_plan", lambda plan: m.Planned(lease_addr=on_plan(plan).lease_addr + (1 << 40)))
+    rows = Deployment.true_rows(6, 3 * BLOCK + 2)
+    pe_req, de_req = d.request("pe0", "de0", rows, 2, "pe")
+    d.expect_recv("de0", de_req)
+    link = d.instances["pe0"].worker.prefill._peers[d.instances["de0"].address].link
+    with pytest.raises(BoundsError, match="outside its host region"):
+        link.check_peer_lease(link.peer_host[0] + link.peer_host[1] - 10, 11, "probe")
+    assert link.check_peer_lease(link.peer_host[0], 11, "probe") == link.peer_host[0]
+    assert d.prefill("pe0", pe_req, check_layers=False) == set(pe_req.block_ids[:2])  # recomputed instead
