@@ -5,8 +5,10 @@ header (magic, version, layout fingerprint, block id, parent id, payload size, C
 the header) followed by the ``[L, T, C]`` payload, zero-padded to a multiple of 4096 bytes so that
 ``O_DIRECT`` reads stay aligned. Writes go to a temporary file in the same directory, are fsync'ed and then
 renamed over the final name (and the directory fsync'ed, once per directory for a chain written together), so a
-crash leaves either the whole block or nothing visible; temporaries left by a crash are removed when the store is
-opened. The index follows the disk: a block whose file was deleted behind the store's back counts as absent
+crash leaves either the whole block or nothing visible; temporaries left by a crash are removed when a store is
+opened, once older than :data:`STALE_TEMP_S` (a younger one may be another instance's write in progress: several
+instances, on several hosts, share one store). A temporary's name carries its writer's host, pid and a random part,
+so two writers never share one. The index follows the disk: a block whose file was deleted behind the store's back counts as absent
 (``contains``, ``longest_prefix``, ``read_into`` stat or open it) and leaves the index with its descendants.
 
 :class:`BlockStore` is the seam for other backends (3FS through USRBIO, Mooncake Store): the read paths
@@ -22,8 +24,11 @@ import errno
 import logging
 import mmap
 import os
+import secrets
+import socket
 import struct
 import threading
+import time
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
@@ -54,6 +59,8 @@ _HEADER = struct.Struct("<8sHHQI16s16s16s?3x")
 _HEADER_CRC = struct.Struct("<I")
 BLOCK_SUFFIX = ".kvb"
 TEMP_SUFFIX = ".tmp"
+STALE_TEMP_S = 600.0  # a temporary this old is a crashed write's (a block's write takes far less)
+_WRITER = f"{socket.gethostname()}.{os.getpid()}"  # the host part tells two hosts' writers of one pid apart
 
 
 def _aligned_scratch(nbytes: int) -> mmap.mmap:
@@ -194,7 +201,7 @@ class LocalBlockStore:
         if not hasattr(os, "O_DIRECT"):
             reason = "this platform has no O_DIRECT"
         else:
-            probe = self._blocks_dir / f".direct-probe.{os.getpid()}.{threading.get_ident()}{TEMP_SUFFIX}"
+            probe = self._blocks_dir / f".direct-probe.{_WRITER}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
             scratch = _aligned_scratch(IO_ALIGN)
             try:
                 with open(probe, "wb") as handle:
@@ -215,10 +222,15 @@ class LocalBlockStore:
         return "buffered", reason
 
     def _remove_temporaries(self) -> int:
-        removed = 0
+        """Remove the temporaries of crashed writes: those older than :data:`STALE_TEMP_S` (by their mtime, so the
+        hosts sharing a store need synchronised clocks); younger ones may belong to a live writer elsewhere."""
+        removed, now = 0, time.time()
         for temporary in self._blocks_dir.glob(f"*/.*{TEMP_SUFFIX}"):
-            temporary.unlink(missing_ok=True)
-            removed += 1
+            with contextlib.suppress(FileNotFoundError):  # its writer renamed it meanwhile
+                if now - temporary.stat().st_mtime < STALE_TEMP_S:
+                    continue
+                temporary.unlink()
+                removed += 1
         if removed:
             log.warning("block store %s: removed %d temporaries left by an interrupted write", self.root, removed)
         return removed
@@ -392,7 +404,7 @@ class LocalBlockStore:
         if not final.parent.exists():
             final.parent.mkdir(exist_ok=True)
             directories.add(self._blocks_dir)
-        temporary = final.parent / f".{final.stem}.{os.getpid()}.{threading.get_ident()}{TEMP_SUFFIX}"
+        temporary = final.parent / f".{final.stem}.{_WRITER}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
         padding = bytes(-data.nbytes % IO_ALIGN)
         fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:

@@ -2,6 +2,9 @@ from __future__ import annotations
 
 import errno
 import os
+import socket
+import threading
+import time
 
 import pytest
 import torch
@@ -22,7 +25,7 @@ from ascend_dualpath.kv.clocks import ManualClock, TokenBucket
 from ascend_dualpath.kv.faults import FaultInjector
 from ascend_dualpath.kv.layout import KVLayout, block_hashes
 from ascend_dualpath.kv.read_queue import ReadQueue
-from ascend_dualpath.kv.store import HEADER_BYTES, IO_ALIGN, BlockStore, LocalBlockStore
+from ascend_dualpath.kv.store import HEADER_BYTES, IO_ALIGN, STALE_TEMP_S, BlockStore, LocalBlockStore
 
 POISON = 0xA5
 # 2 layers x 4 tokens x 656 bytes = 5248 bytes: not a multiple of 4096, so O_DIRECT reads need the tail path.
@@ -109,6 +112,52 @@ def test_round_trip_over_layout_shapes(tmp_path_factory, num_layers, block_token
         assert torch.equal(out, block)
 
 
+def _age_temporaries(root) -> None:
+    """Make every temporary under ``root`` older than a crashed write's (as after a restart much later)."""
+    old = time.time() - STALE_TEMP_S - 1
+    for temporary in root.rglob(".*.tmp"):
+        os.utime(temporary, (old, old))
+
+
+class _HeldRename(FaultInjector):
+    """Holds each write between its fsync and its rename until ``go`` is set (another instance opens meanwhile)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.at_rename, self.go = threading.Event(), threading.Event()
+
+    def before_rename(self, block_id: bytes) -> None:
+        self.at_rename.set()
+        assert self.go.wait(10.0), "the test never let the rename go"
+        super().before_rename(block_id)
+
+
+def test_an_instance_opening_the_store_keeps_another_ones_write_in_progress(tmp_path):
+    """Instances (on several hosts) share one store: one opening it while another's block is between its fsync and its
+    rename must leave that temporary alone, so the write completes and both see the block."""
+    held = _HeldRename()
+    writer = LocalBlockStore(tmp_path, FP8_LAYOUT, faults=held)
+    block = make_blocks(FP8_LAYOUT, 1)[0]
+    block_id = block_hashes(list(range(8)), FP8_LAYOUT.block_tokens, namespace=FP8_LAYOUT.fingerprint())[0]
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(writer.write_block(block_id, None, block)))
+    thread.start()
+    assert held.at_rename.wait(10.0)
+    temporaries = list(tmp_path.rglob(".*.tmp"))
+    assert len(temporaries) == 1, temporaries
+    (temporary,) = temporaries
+    assert f".{socket.gethostname()}.{os.getpid()}." in temporary.name  # two hosts' writers never share a name
+    other = LocalBlockStore(tmp_path, FP8_LAYOUT)  # another instance starts now
+    assert other.removed_temporaries == 0 and temporary.exists()
+    held.go.set()
+    thread.join(10.0)
+    assert result == [True]
+    out = torch.empty(FP8_LAYOUT.full_block_bytes, dtype=torch.uint8)
+    other.refresh([block_id])
+    other.read_into(block_id, out)
+    assert torch.equal(out, block.reshape(-1).view(torch.uint8)) and list(tmp_path.rglob("*.tmp")) == []
+
+
 def test_crash_between_write_and_rename_leaves_no_visible_block(tmp_path):
     faults = FaultInjector()
     store = LocalBlockStore(tmp_path, FP8_LAYOUT, faults=faults)
@@ -124,7 +173,8 @@ def test_crash_between_write_and_rename_leaves_no_visible_block(tmp_path):
     assert not store.contains(second) and store.longest_prefix([first, second]) == 1
     with pytest.raises(StorageReadError, match="not in the store"):
         store.read_into(second, torch.empty(FP8_LAYOUT.full_block_bytes, dtype=torch.uint8))
-    # "restart": the temporary is cleaned up, the earlier block survives, the write can be redone
+    # "restart" once the temporary is stale: it is cleaned up, the earlier block survives, the write can be redone
+    _age_temporaries(tmp_path)
     restarted = LocalBlockStore(tmp_path, FP8_LAYOUT)
     assert restarted.removed_temporaries == 1
     assert list(tmp_path.rglob("*.tmp")) == []
@@ -180,6 +230,7 @@ def test_a_crash_inside_a_chain_leaves_the_blocks_before_whole_and_the_rest_invi
     # blocks 0 and 1 were renamed whole; block 2 is a fsync'ed temporary, block 3 was never started
     assert [store.path_of(block_id).exists() for block_id in ids] == [True, True, False, False]
     assert len(list(tmp_path.rglob(".*.tmp"))) == 1
+    _age_temporaries(tmp_path)
     restarted = LocalBlockStore(tmp_path, FP8_LAYOUT)
     assert restarted.removed_temporaries == 1 and list(tmp_path.rglob("*.tmp")) == []
     assert restarted.longest_prefix(ids) == 2
