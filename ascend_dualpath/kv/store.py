@@ -472,7 +472,8 @@ class LocalBlockStore:
                 for block_id, parent_id, data in fresh:
                     written.append(self._write_temporary(block_id, parent_id, data, sync, directories))
             except Exception:  # not a crash (BaseException): the blocks written before it are whole, store them
-                self._publish(written, sync, directories)
+                if written:
+                    self._publish(written, sync, directories)
                 raise
             self._publish(written, sync, directories)
         finally:

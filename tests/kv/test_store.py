@@ -343,7 +343,8 @@ def test_a_crash_inside_a_chain_leaves_the_blocks_before_whole_and_the_rest_invi
     assert restarted.longest_prefix(ids) == 4
 
 
-def test_an_io_error_inside_a_chain_keeps_the_blocks_before_durable_and_known(tmp_path, monkeypatch):
+@pytest.mark.parametrize("failing", [1, 3])
+def test_an_io_error_inside_a_chain_keeps_the_blocks_before_durable_and_known(tmp_path, monkeypatch, failing):
     store = LocalBlockStore(tmp_path, FP8_LAYOUT)
     chain = chain_of(FP8_LAYOUT, make_blocks(FP8_LAYOUT, 4))
     ids = [block_id for block_id, _, _ in chain]
@@ -351,15 +352,15 @@ def test_an_io_error_inside_a_chain_keeps_the_blocks_before_durable_and_known(tm
 
     def pwritev(fd, buffers, offset):
         calls.append(fd)
-        if len(calls) == 3:  # the third block's file
+        if len(calls) == failing:  # that block's file
             raise OSError(errno.ENOSPC, "injected: no space left")
         return real_pwritev(fd, buffers, offset)
 
     monkeypatch.setattr(os, "pwritev", pwritev)
     with pytest.raises(OSError, match="no space left"):
         store.write_blocks(chain)
-    assert store.longest_prefix(ids) == 2 and list(tmp_path.rglob("*.tmp")) == []
-    assert LocalBlockStore(tmp_path, FP8_LAYOUT).longest_prefix(ids) == 2
+    assert store.longest_prefix(ids) == failing - 1 and list(tmp_path.rglob("*.tmp")) == []
+    assert LocalBlockStore(tmp_path, FP8_LAYOUT).longest_prefix(ids) == failing - 1
 
 
 def test_a_bad_entry_refuses_the_whole_chain_before_anything_is_written(store):
