@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from ascend_dualpath.integrations.vllm.metadata import DualPathMetadata
 from ascend_dualpath.kv.store import HEADER_BYTES
 from tests.integrations.vllm.worker_harness import (
     BLOCK,
@@ -278,4 +279,25 @@ def test_a_plan_the_des_full_buffer_cannot_take_is_deferred_not_waited_for(deplo
     d.done("pe0", pe_req)
     assert d.finish("de0", {de_req.req_id})[1] == set()
     assert_caches_equal(d.instances["de0"].caches, expected_de_caches([(de_req, rows)]))
+    _idle(d)
+
+
+def test_steps_with_only_reads_ahead_pending_do_not_spin(deploy, store_faults):
+    """While only reads ahead are pending, vLLM runs steps with nothing to compute back to back: each waits
+    ``IDLE_STEP_S`` in ``build_worker_meta``, so the engine loop does not spin a core; a step with work does not."""
+    from ascend_dualpath.integrations.vllm.worker import IDLE_STEP_S
+
+    d = deploy(1, 1)
+    _slow_reads(d, 4 * SLOW_BLOCK_S)
+    pe = d.instances["pe0"].worker
+    pe_req, _ = d.request("pe0", "de0", Deployment.true_rows(80, 4 * BLOCK + 1), 4, "pe")
+    d.read_ahead("pe0", [pe_req])
+    steps, cpu, end = 0, time.process_time(), time.monotonic() + 0.5
+    while time.monotonic() < end:
+        pe.start_step(DualPathMetadata())
+        assert pe.build_worker_meta() is None
+        steps += 1
+    assert steps <= 0.5 / IDLE_STEP_S + 5, f"{steps} idle steps in 0.5 s"
+    assert time.process_time() - cpu < 0.25, "idle steps used more than half a core"
+    pe.get_finished({pe_req.req_id})
     _idle(d)
