@@ -380,27 +380,13 @@ def run(args, model: str) -> int:
     if not args.skip_example:
         results["example"] = bench_example(model, args, (next(ports), next(ports)), convs)
     results["plain"] = bench_plain(model, args, next(ports), convs)
-    reference = results["plain"]["texts"]
     print(f"{args.agents} agents x {args.turns} turns, SNIC cap {args.snic_mbps} MB/s per instance")
     print(
         f"{'deployment':<14}{'JCT s':>9}{'TTFT p50 s':>12}{'TTFT p99 s':>12}  text = plain's  SNIC MB read (pe/de)"
         "  NIC busy (pe/de)"
     )
     for name, r in results.items():
-        if "error" in r:
-            print(f"{name:<12}failed: {r['error']}; decode log: {r['decode_log']}")
-            continue
-        same = sum(a == b for x, y in zip(r["texts"], reference, strict=True) for a, b in zip(x, y, strict=True))
-        read = _snic_bytes(r["metrics"]) if "metrics" in r else {}
-        r["snic_read_bytes"] = read
-        snic = f"{read.get('pe', 0) / 1e6:.1f} / {read.get('de', 0) / 1e6:.1f}" if read else "-"
-        busy = r.get("nic_busy", {})
-        order = sorted(busy, key=lambda k: (not k.startswith("prefill"), k))
-        nics = "/".join(f"{busy[k]:.0%}" for k in order) if busy else "-"
-        print(
-            f"{name:<14}{r['jct_s']:>9.2f}{r['ttft_p50_s']:>12.3f}{r['ttft_p99_s']:>12.3f}  "
-            f"{same:>6}/{args.agents * args.turns:<8}{snic:>20}  {nics:>16}"
-        )
+        print(_row(name, r, results["plain"]["texts"], args.agents * args.turns))
     for repeat in range(1, args.repeats + 1):
         tag = "" if args.repeats == 1 else f"#{repeat}"
         for policy in ("dual", "dual+split"):
@@ -412,6 +398,23 @@ def run(args, model: str) -> int:
             json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "metrics"} for k, v in results.items()}, indent=1)
         )
     return 0
+
+
+def _row(name: str, r: dict, reference: list[list[str]], turns: int) -> str:
+    """One deployment's line of the table (and its storage-NIC bytes into ``r``)."""
+    if "error" in r:
+        return f"{name:<14}failed: {r['error']}; decode log: {r['decode_log']}"
+    same = sum(a == b for x, y in zip(r["texts"], reference, strict=True) for a, b in zip(x, y, strict=True))
+    read = _snic_bytes(r["metrics"]) if "metrics" in r else {}
+    r["snic_read_bytes"] = read
+    snic = f"{read.get('pe', 0) / 1e6:.1f} / {read.get('de', 0) / 1e6:.1f}" if read else "-"
+    busy = r.get("nic_busy", {})
+    order = sorted(busy, key=lambda k: (not k.startswith("prefill"), k))
+    nics = "/".join(f"{busy[k]:.0%}" for k in order) if busy else "-"
+    return (
+        f"{name:<14}{r['jct_s']:>9.2f}{r['ttft_p50_s']:>12.3f}{r['ttft_p99_s']:>12.3f}  "
+        f"{same:>6}/{turns:<8}{snic:>20}  {nics:>16}"
+    )
 
 
 if __name__ == "__main__":
