@@ -53,6 +53,13 @@ class ConnectorSettings:
     persist_wait_s : float
         How long a lookup that stops at a block announced for persisting waits for it
         (the vLLM host's persisting).
+    engine : str
+        What moves the KV bytes between a PE and a DE: ``emulator`` (the emulated fabric of one host, the default)
+        or ``mooncake`` (the Mooncake Transfer Engine: the instances may be on different hosts).
+    mooncake_protocol : str
+        Mooncake's transport (``tcp``, ``rdma``, ``ascend``) on the ``mooncake`` engine.
+    mooncake_host : str or None
+        Address Mooncake listens on and publishes to peers (None: the address peers reach the side channel at).
     """
 
     role: str
@@ -70,6 +77,9 @@ class ConnectorSettings:
     side_advertise: str | None = None
     side_token: bytes | None = dataclasses.field(default=None, repr=False)
     side_max_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    engine: str = "emulator"
+    mooncake_protocol: str = "tcp"
+    mooncake_host: str | None = None
 
     @property
     def side_framing(self) -> dict:
