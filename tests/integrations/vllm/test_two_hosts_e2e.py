@@ -42,6 +42,7 @@ from tests.integrations.vllm.test_serve_e2e import (  # noqa: E402
     ENV,
     ROOT,
     STARTUP_S,
+    TURNS,
     _complete,
     _conversation,
     _get,
@@ -146,9 +147,12 @@ def _proxy(d: TwoHosts, policy: str) -> tuple[subprocess.Popen, str]:
     return proc, url
 
 
-def _snic_bytes(d: TwoHosts, url: str) -> dict[str, float]:
+def _reads(d: TwoHosts, url: str) -> dict[str, float]:
+    """Bytes read per storage NIC, loads (every path) and failed loads so far, from the proxy's ``/metrics``."""
     metrics = d.hosts.call(0, lambda: _get(f"{url}/metrics"), CALL_S)
-    return {node: _metric(metrics, "adp_snic_read_bytes", node=node) for node in NODES}
+    loads = sum(_metric(metrics, "vllm:dualpath_loads_total", path=p) for p in ("pe", "de", "split"))
+    failures = _metric(metrics, "vllm:dualpath_failures_total")
+    return {"loads": loads, "failures": failures} | {n: _metric(metrics, "adp_snic_read_bytes", node=n) for n in NODES}
 
 
 def _library_shm(pid: int) -> list[str]:
@@ -162,7 +166,7 @@ def test_two_hosts_match_plain_vllm_and_load_from_storage(two_hosts, model, plai
     d = two_hosts
     proxy, url = _proxy(d, policy)
     try:
-        before = _snic_bytes(d, url)
+        before = _reads(d, url)
         agent = {"dual": 0, "pe": 1, "de": 2}[policy]  # fresh conversations: their first turn misses the store
         prompt = ""
         for turn, append in enumerate(_conversation(model, agent)):
@@ -171,9 +175,10 @@ def test_two_hosts_match_plain_vllm_and_load_from_storage(two_hosts, model, plai
             reference = _complete(plain, model, prompt)
             assert ours == reference, f"{policy} turn {turn}: {ours!r} != plain vLLM's {reference!r}"
             prompt += ours
-        after = _snic_bytes(d, url)
-        read = {node: after[node] - before[node] for node in NODES}
-        assert sum(read.values()) > 0, read
+        after = _reads(d, url)
+        read = {key: after[key] - before[key] for key in after}
+        assert read["loads"] >= TURNS - 1 and read["pe0"] + read["de0"] > 0, read  # every later turn loaded
+        assert read["failures"] == 0, read
         if policy == "pe":
             assert read["de0"] == 0 < read["pe0"], read
         if policy == "de":
