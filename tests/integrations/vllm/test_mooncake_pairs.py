@@ -12,8 +12,9 @@ import os
 import pytest
 
 from ascend_dualpath.dualpath import messages as m
-from ascend_dualpath.dualpath.dataplane import SHM_DIR, MooncakeLink
-from ascend_dualpath.errors import ProtocolError
+from ascend_dualpath.dualpath.dataplane import SHM_DIR, MooncakeLink, open_dataplane
+from ascend_dualpath.dualpath.settings import ConnectorSettings
+from ascend_dualpath.errors import ConfigError, ProtocolError
 from tests.integrations.vllm.worker_harness import (
     LAYOUT,
     assert_caches_equal,
@@ -63,3 +64,20 @@ def test_an_emulator_pe_and_a_mooncake_de_refuse_each_other_at_hello_naming_both
         pe.prefill.connect_peer(de.address)
     assert not pe.prefill._peers and not de.worker.dataplane.links
     assert de.worker.dataplane.compat(LAYOUT) == m.Compat.of(LAYOUT, "mooncake-tcp")
+
+
+def test_the_dataplane_refuses_unwired_engines_and_foreign_engine_factories(tmp_path):
+    def settings(engine: str) -> ConnectorSettings:
+        return ConnectorSettings("prefill", str(tmp_path), "pe", 1e15, 7000, "unused", 5.0, engine=engine,
+                                 hccl_buffer_mb=1, host_buffer_mb=1)  # fmt: skip
+
+    with pytest.raises(ConfigError, match=r"engine 'cuda': the cuda engine is not wired into the connector yet"):
+        open_dataplane(settings("cuda"), 0)
+    with pytest.raises(ConfigError, match=r"engines= is emulator-only"):
+        open_dataplane(settings("mooncake"), 0, engines=lambda comm, rank: None)
+    dp = open_dataplane(settings("mooncake"), 0)
+    try:  # device ids name no memory on Mooncake: two DEs on other hosts may both be device 1
+        assert dp.new_link("tcp://de0", 1).peer_device == dp.new_link("tcp://de1", 1).peer_device == 1
+        assert not [n for n in os.listdir(SHM_DIR) if n.startswith("adp.unused")]
+    finally:
+        dp.close()
