@@ -1,12 +1,16 @@
 """Multi-turn agents through a P/D pair on real vLLM (CPU): DualPath ``dual`` vs ``pe`` vs vLLM's ExampleConnector.
 
-    python3 tools/bench_vllm_serving.py [--agents 4] [--turns 4] [--snic-mbps 4] [--policies dual,pe] [--out x.json]
+    python3 tools/bench_vllm_serving.py [--agents 4] [--turns 4] [--snic-mbps 4] [--policies dual,pe,dual+split]
+        [--repeats 3] [--out x.json]
 
 Each agent opens with a long prompt and then appends a short user message per turn (the prompt extends the
 previous turn and its answer), so after the first turn almost every prompt token is a storage hit. The storage
 NICs are capped (``--snic-mbps`` per instance) so that reading binds. Measured per deployment, in one run: job
 completion time (all agents, all turns) and TTFT p50/p99 (first streamed chunk at the client), plus whether each
-turn's greedy text equals the first deployment's. The baseline is a plain vLLM P/D pair with vLLM's own
+turn's greedy text equals plain vLLM's, and how busy each storage NIC was over the hit phase (the proxy's
+``adp_snic_read_bytes`` sampled every ``SAMPLE_S``: a NIC is busy in an interval where its bytes grew; the hit phase
+runs from the first interval any NIC read in to the last). ``dual+split`` is ``serve --policy dual --split``;
+``--repeats`` runs every policy that many times in one run, interleaved. The baseline is a plain vLLM P/D pair with vLLM's own
 ``ExampleConnector`` (the prefill saves each whole prompt's KV to shared storage, the decode loads the whole
 prefix before decoding); its reads are not capped (it has no storage-NIC model), which favours it.
 """
@@ -36,6 +40,7 @@ ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
 }
 STARTUP_S = 600
+SAMPLE_S = 0.2
 
 
 def _words(model: str) -> list[str]:
@@ -141,6 +146,7 @@ def model_dir(given: str | None):
 
 
 def bench_serve(model: str, policy: str, args, port: int, convs) -> dict:
+    base, _, split = policy.partition("+")
     with tempfile.TemporaryDirectory(prefix="adp-bench-") as tmp:
         argv = [
             sys.executable,
@@ -152,7 +158,8 @@ def bench_serve(model: str, policy: str, args, port: int, convs) -> dict:
             "--port",
             str(port),
             "--policy",
-            policy,
+            base,
+            *(["--split"] if split == "split" else []),
             "--snic-mbps",
             str(args.snic_mbps),
             "--store",
@@ -172,8 +179,11 @@ def bench_serve(model: str, policy: str, args, port: int, convs) -> dict:
                 text, ttft, _ = await _stream(session, f"{url}/v1/completions", body)
                 return text, ttft
 
-            result = asyncio.run(run_agents(target, model, convs, args.gen))
             import urllib.request
+
+            with NicSampler(f"{url}/metrics") as sampler:
+                result = asyncio.run(run_agents(target, model, convs, args.gen))
+            result["nic_busy"] = sampler.busy_fractions()
 
             result["metrics"] = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
             decisions = urllib.request.urlopen(f"{url}/debug/decisions", timeout=10).read()
@@ -224,17 +234,62 @@ def bench_plain(model: str, args, port: int, convs) -> dict:
         return asyncio.run(run_agents(target, model, convs, args.gen))
 
 
-def _snic_bytes(metrics: str) -> dict[str, float]:
-    """Bytes read through the storage NICs of the PEs ("pe") and of the DEs ("de"), from the proxy's /metrics."""
+def _snic_bytes(metrics: str, by_instance: bool = False) -> dict[str, float]:
+    """Bytes read through the storage NICs of the PEs ("pe") and of the DEs ("de"), from the proxy's /metrics
+    (``by_instance``: per instance name instead)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     read: dict[str, float] = {}
     for family in text_string_to_metric_families(metrics):
         for sample in family.samples:
             if sample.name == "adp_snic_read_bytes":
-                side = "pe" if sample.labels["instance"].startswith("prefill") else "de"
+                name = sample.labels["instance"]
+                side = name if by_instance else ("pe" if name.startswith("prefill") else "de")
                 read[side] = read.get(side, 0.0) + sample.value
     return read
+
+
+class NicSampler:
+    """Samples each instance's storage-NIC read bytes from the proxy's ``/metrics`` every ``SAMPLE_S`` on a thread
+    while the ``with`` block runs; :meth:`busy_fractions` says how busy each NIC was over the hit phase."""
+
+    def __init__(self, url: str) -> None:
+        import threading
+
+        self.url, self.samples, self._stop = url, [], threading.Event()
+        self._thread = threading.Thread(target=self._run, name="nic-sampler", daemon=True)
+
+    def _run(self) -> None:
+        import urllib.request
+
+        while not self._stop.wait(SAMPLE_S):
+            try:
+                text = urllib.request.urlopen(self.url, timeout=5).read().decode()
+            except OSError:
+                continue  # a scrape lost under load: the interval merges with the next
+            self.samples.append((time.perf_counter(), _snic_bytes(text, by_instance=True)))
+
+    def __enter__(self) -> NicSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def busy_fractions(self) -> dict[str, float]:
+        """Instance -> the fraction of the hit phase (first to last interval any NIC read in) its NIC read in."""
+        grew = [
+            (t1 - t0, {k for k, v in b.items() if v > a.get(k, 0.0)})
+            for (t0, a), (t1, b) in zip(self.samples, self.samples[1:], strict=False)
+        ]
+        active = [i for i, (_, names) in enumerate(grew) if names]
+        if not active:
+            return {}
+        phase = grew[active[0] : active[-1] + 1]
+        total = sum(dt for dt, _ in phase)
+        names = {k for _, b in self.samples for k in b}
+        return {k: sum(dt for dt, busy in phase if k in busy) / total for k in sorted(names)}
 
 
 def bench_example(model: str, args, ports: tuple[int, int], convs) -> dict:
@@ -295,8 +350,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_workload_arguments(parser, agents=4, turns=4, gen=16, snic_mbps=4.0)
     parser.add_argument("--skip-example", action="store_true", help="leave out the ExampleConnector baseline")
-    parser.add_argument("--policies", default="dual,pe", help="DualPath read-path policies, one deployment each")
+    parser.add_argument(
+        "--policies",
+        default="dual,pe",
+        help="DualPath read-path policies (dual, pe, de, dual+split), one deployment each",
+    )
+    parser.add_argument("--repeats", type=int, default=1, help="runs of every policy, interleaved, in one run")
     args = parser.parse_args()
+    for policy in args.policies.split(","):
+        if policy.partition("+")[0] not in ("dual", "pe", "de") or policy.partition("+")[2] not in ("", "split"):
+            parser.error(f"--policies: {policy!r} is not dual, pe or de, optionally +split")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     with model_dir(args.model) as model:
         return run(args, model)
 
@@ -306,14 +371,21 @@ def run(args, model: str) -> int:
 
     convs = conversations(model, args.agents, args.turns, args.opening, args.append)
     policies = args.policies.split(",")
-    ports = iter(pick_instance_ports(len(policies) + 3))
-    results = {policy: bench_serve(model, policy, args, next(ports), convs) for policy in policies}
+    ports = iter(pick_instance_ports(len(policies) * args.repeats + 3))
+    results = {}
+    for repeat in range(args.repeats):
+        for policy in policies:
+            name = policy if args.repeats == 1 else f"{policy}#{repeat + 1}"
+            results[name] = bench_serve(model, policy, args, next(ports), convs)
     if not args.skip_example:
         results["example"] = bench_example(model, args, (next(ports), next(ports)), convs)
     results["plain"] = bench_plain(model, args, next(ports), convs)
     reference = results["plain"]["texts"]
     print(f"{args.agents} agents x {args.turns} turns, SNIC cap {args.snic_mbps} MB/s per instance")
-    print(f"{'deployment':<12}{'JCT s':>9}{'TTFT p50 s':>12}{'TTFT p99 s':>12}  text = plain's  SNIC MB read (pe/de)")
+    print(
+        f"{'deployment':<14}{'JCT s':>9}{'TTFT p50 s':>12}{'TTFT p99 s':>12}  text = plain's  SNIC MB read (pe/de)"
+        "  NIC busy (pe/de)"
+    )
     for name, r in results.items():
         if "error" in r:
             print(f"{name:<12}failed: {r['error']}; decode log: {r['decode_log']}")
@@ -322,12 +394,19 @@ def run(args, model: str) -> int:
         read = _snic_bytes(r["metrics"]) if "metrics" in r else {}
         r["snic_read_bytes"] = read
         snic = f"{read.get('pe', 0) / 1e6:.1f} / {read.get('de', 0) / 1e6:.1f}" if read else "-"
+        busy = r.get("nic_busy", {})
+        order = sorted(busy, key=lambda k: (not k.startswith("prefill"), k))
+        nics = "/".join(f"{busy[k]:.0%}" for k in order) if busy else "-"
         print(
-            f"{name:<12}{r['jct_s']:>9.2f}{r['ttft_p50_s']:>12.3f}{r['ttft_p99_s']:>12.3f}  "
-            f"{same:>6}/{args.agents * args.turns:<8}{snic:>20}"
+            f"{name:<14}{r['jct_s']:>9.2f}{r['ttft_p50_s']:>12.3f}{r['ttft_p99_s']:>12.3f}  "
+            f"{same:>6}/{args.agents * args.turns:<8}{snic:>20}  {nics:>16}"
         )
-    if {"dual", "pe"} <= results.keys():
-        print(f"dual vs pe: {results['pe']['jct_s'] / results['dual']['jct_s']:.2f}x job completion time")
+    for repeat in range(1, args.repeats + 1):
+        tag = "" if args.repeats == 1 else f"#{repeat}"
+        for policy in ("dual", "dual+split"):
+            if {f"{policy}{tag}", f"pe{tag}"} <= results.keys():
+                ratio = results[f"pe{tag}"]["jct_s"] / results[f"{policy}{tag}"]["jct_s"]
+                print(f"{policy} vs pe{tag}: {ratio:.2f}x job completion time")
     if args.out:
         Path(args.out).write_text(
             json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "metrics"} for k, v in results.items()}, indent=1)

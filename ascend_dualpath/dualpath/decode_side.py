@@ -7,8 +7,11 @@ PE plans afterwards uses it. All PEs' leases come from the DE's one registered h
 Per request (``plan``), the lease holds ``L x P x C`` bytes: complete layers ``[L, P, C]`` when the PE sends them
 (PE read path, or after any fallback), else the hit Full Blocks ``[H / T, L, T, C]`` then the PE's new rows
 ``[L, P - H, C]``. The DE reads the hit blocks the PE does not (all of them on the DE read path; on a split the PE
-reads ``pe_blocks`` of them, writes them into the lease's hit-block area and says ``hits``) and pushes the hit
-layers of its own half into the PE's two window slots, two layers ahead of what the PE consumed.
+reads ``pe_blocks`` of them, writes them into the lease's hit-block area and says ``hits``) as soon as the plan
+arrives, which is before the PE's step takes the request (the read before the batch): once read it writes the
+plan's ``ready_magic`` into the PE's notify slot ``notify_base``, and waits (at most ``hold_s``) for the PE's
+``start``, which names the two window slots; then it pushes the hit layers of its own half into them, two layers
+ahead of what the PE consumed. A request's receive timeout counts from its ``start``.
 
 A lease goes back to the host buffer only when nothing can still write into it or read from it: the DE's own
 storage reads and pushes (the pusher's, waited for with a bound) and the PE's RDMA writes (its new rows, a split's
@@ -39,7 +42,7 @@ from ascend_dualpath.dualpath.scheduler import ReadPath
 from ascend_dualpath.dualpath.settings import ConnectorSettings
 from ascend_dualpath.dualpath.side_channel import expect, request_once
 from ascend_dualpath.dualpath.specs import RecvSpec
-from ascend_dualpath.errors import BoundsError, ChecksumMismatch, ProtocolError, WaitTimeout
+from ascend_dualpath.errors import AdmissionDeferred, BoundsError, ChecksumMismatch, ProtocolError, WaitTimeout
 from ascend_dualpath.kv.layout import BLOCK_ID_BYTES, KVLayout
 from ascend_dualpath.kv.read_queue import ReadQueue
 from ascend_dualpath.kv.store import LocalBlockStore
@@ -62,7 +65,7 @@ class _DeXfer:
     lease: Any
     full_rows: bool
     received_end: int
-    created: float
+    created: float  # the plan's arrival, then its start: the receive's timeout counts from there
     reads_ok: bool = False  # the DE's own hit reads (and pushes) are done
     hits_ok: bool = True  # a split's PE half has landed in the lease
     error: str | None = None
@@ -77,17 +80,18 @@ class _DeXfer:
     reads_ended: bool = True  # under the lock, once the pusher is done: none of its reads or pushes is in flight
     pushes: list = dataclasses.field(default_factory=list)  # the pusher's push tickets (appended by the pusher)
     peer_done: bool | None = None  # under the lock: the request let go of read_lease; whether the PE writes no more
+    slots: list[int] = dataclasses.field(default_factory=list)  # the PE's two window slots, from its start
+    started: threading.Event = dataclasses.field(default_factory=threading.Event)  # the PE's step took the request
 
     def __post_init__(self) -> None:
         self.quiet.set()
 
 
-def check_plan(plan: m.Plan, layout: KVLayout, pe_window: tuple[int, int] | None) -> None:
+def check_plan(plan: m.Plan, layout: KVLayout, pushes: bool) -> None:
     """Refuse a plan whose numbers do not describe one request of ``layout`` before anything is leased or read:
     token counts and block alignment, one 16-byte store id per hit block, the PE's share, and when the DE pushes
-    (``pe_window``: the PE's window ``(addr, size)``) two slots inside that window, each holding the DE's half of a
-    layer, a notify group inside the link's slots and one valid notify value per layer. BoundsError names the field,
-    its value and the limit."""
+    (``pushes``) a notify group inside the link's slots and one valid notify value per layer, for the abort and
+    for the reads being done. BoundsError names the field, its value and the limit."""
     T, P, H, start = layout.block_tokens, plan.prompt_tokens, plan.hit_tokens, plan.load_start
     where = f"plan of request {plan.xfer_id!r}"
     if plan.path not in (ReadPath.PE.value, ReadPath.DE.value):
@@ -100,25 +104,30 @@ def check_plan(plan: m.Plan, layout: KVLayout, pe_window: tuple[int, int] | None
                           f"{len(plan.store_ids)}")  # fmt: skip
     if not 0 <= plan.pe_blocks <= (H - start) // T:
         raise BoundsError(f"{where}: pe_blocks {plan.pe_blocks} not in [0, {(H - start) // T}]")
-    if pe_window is not None:
-        _check_pushes(plan, layout, pe_window, where)
+    if pushes:
+        _check_notify(plan, layout, where)
 
 
-def _check_pushes(plan: m.Plan, layout: KVLayout, pe_window: tuple[int, int], where: str) -> None:
+def check_start(start: m.Start, plan: m.Plan, layout: KVLayout, pe_window: tuple[int, int]) -> None:
+    """Refuse a start whose slots are not two inside the PE's window (``(addr, size)``), each holding the DE's half
+    of a layer of ``plan``; BoundsError names them and the window."""
     base, size = pe_window
     slot_bytes = (
         (plan.hit_tokens - plan.load_start) // layout.block_tokens - plan.pe_blocks
     ) * layout.layer_block_bytes
-    if len(plan.slots) != 2 or any(not (base <= a and a + slot_bytes <= base + size) for a in plan.slots):
-        raise BoundsError(f"{where}: two slots of {slot_bytes} bytes inside the PE's window [{base:#x}, "
-                          f"{base + size:#x}), got {[hex(a) for a in plan.slots]}")  # fmt: skip
+    if len(start.slots) != 2 or any(not (base <= a and a + slot_bytes <= base + size) for a in start.slots):
+        raise BoundsError(f"start of request {plan.xfer_id!r}: two slots of {slot_bytes} bytes inside the PE's window "
+                          f"[{base:#x}, {base + size:#x}), got {[hex(a) for a in start.slots]}")  # fmt: skip
+
+
+def _check_notify(plan: m.Plan, layout: KVLayout, where: str) -> None:
     if not 0 <= plan.notify_base <= NUM_NOTIFY_SLOTS - NOTIFY_SLOTS_PER_XFER:
         raise BoundsError(f"{where}: notify_base {plan.notify_base} not in "
                           f"[0, {NUM_NOTIFY_SLOTS - NOTIFY_SLOTS_PER_XFER}]")  # fmt: skip
-    values = [*plan.magics, plan.abort_magic]
+    values = [*plan.magics, plan.abort_magic, plan.ready_magic]
     if len(plan.magics) != layout.num_layers or any(not 1 <= v <= NOTIFY_VALUE_MAX for v in values):
         raise BoundsError(f"{where}: one notify value in [1, {NOTIFY_VALUE_MAX}] per layer ({layout.num_layers}) "
-                          f"and for the abort, got {len(plan.magics)} layers")  # fmt: skip
+                          f"and for the abort and the reads' end, got {len(plan.magics)} layers")  # fmt: skip
 
 
 class DecodeSide:
@@ -168,6 +177,7 @@ class DecodeSide:
         return {
             m.Hello: self._on_hello,
             m.Plan: self._on_plan,
+            m.Start: self._on_start,
             m.Consumed: self._on_consumed,
             m.Hits: self._on_hits,
             m.Rows: self._on_rows,
@@ -212,14 +222,18 @@ class DecodeSide:
             raise ProtocolError(f"plan of request {message.xfer_id!r} from {message.pe!r}, which sent no hello")
         P, H, xfer_id = message.prompt_tokens, message.hit_tokens, message.xfer_id
         full = message.path == ReadPath.PE.value or H == message.load_start
-        check_plan(message, self.layout, None if full else link.peer_window())
+        check_plan(message, self.layout, pushes=not full)
         with self._lock:
             in_use = xfer_id in self._xfers
         if in_use:  # refused, never overwritten: the earlier plan's lease may be written into right now
             raise ProtocolError(f"plan of request {xfer_id!r}: that transfer id is already planned here")
-        lease = self.dataplane.host.allocate(
-            xfer_id, LeaseLayout.complete(self.layout, P).nbytes, timeout_s=self.settings.timeout_s
-        )
+        nbytes = LeaseLayout.complete(self.layout, P).nbytes
+        try:
+            lease = self.dataplane.host.allocate(xfer_id, nbytes, timeout_s=0 if message.defer else None)
+        except AdmissionDeferred:
+            if message.defer:  # the PE tries again at a later step; nothing is planned here
+                return m.Planned(lease_addr=0, deferred=True)
+            raise
         xfer = _DeXfer(
             message,
             link,
@@ -242,6 +256,24 @@ class DecodeSide:
             xfer.pusher = threading.Thread(target=self._push_hits, args=(xfer,), name="adp-de-push", daemon=True)
             xfer.pusher.start()
         return m.Planned(lease_addr=int(lease.addr))
+
+    def _on_start(self, message: m.Start) -> m.Ok:
+        """The PE's step takes the request: the receive's timeout counts from now, and when this DE pushes hit
+        layers they go into ``slots`` (checked against the PE's window; none otherwise)."""
+        xfer = self._xfer(message)
+        if xfer is None:
+            raise ProtocolError(f"start of request {message.xfer_id!r}, which has no plan here")
+        if xfer.started.is_set():
+            raise ProtocolError(f"start of request {message.xfer_id!r}: it was started already")
+        if not xfer.full_rows:  # this DE pushes hit layers (no fallback since the plan)
+            check_start(message, xfer.plan, self.layout, xfer.link.peer_window())
+        elif message.slots:
+            raise BoundsError(f"start of request {message.xfer_id!r}: no slots for a plan this DE pushes nothing for, "
+                              f"got {len(message.slots)}")  # fmt: skip
+        with self._lock:
+            xfer.slots, xfer.created = list(message.slots), time.monotonic()
+        xfer.started.set()
+        return m.Ok()
 
     def _on_consumed(self, message: m.Consumed) -> m.Ok:
         if not 0 <= message.layer < self.layout.num_layers:
@@ -302,9 +334,19 @@ class DecodeSide:
         return m.Planned(lease_addr=int(lease.addr), pushes_ended=pushes_ended)
 
     def _on_abort(self, message: m.Abort) -> m.Ok:
+        """The PE gave the request up: its receive fails; a plan no receive waits for yet (the PE dropped a load
+        read ahead of its step) is let go of at once, its lease released when the DE's reads into it ended and
+        (``settled``) the PE wrote nothing into it."""
         xfer = self._xfer(message)
-        if xfer is not None:
-            self._de_fail(xfer, f"the PE aborted: {message.reason}")
+        if xfer is None:
+            return m.Ok()
+        self._de_fail(xfer, f"the PE aborted: {message.reason}")
+        with self._lock:
+            orphan = message.xfer_id not in self._recvs and self._xfers.pop(message.xfer_id, None) is xfer
+        if orphan:
+            xfer.stop.set()
+            self.read_queue.cancel(list(xfer.reads))  # queued reads end now; started ones run to their end
+            self._let_go(xfer, xfer.lease, message.settled, "the PE aborted it: its writes may not have ended")
         return m.Ok()
 
     def _on_pushes_ended(self, message: m.PushesEnded) -> m.Ended:
@@ -319,7 +361,8 @@ class DecodeSide:
 
     # -- the pusher --------------------------------------------------------------------------------------------------
     def _push_hits(self, xfer: _DeXfer) -> None:
-        """Read the DE's hit blocks, then push its half's hit layers two ahead of what the PE consumed.
+        """Read the DE's hit blocks, say so (``ready_magic``), wait for the PE's ``start``, then push its half's hit
+        layers two ahead of what the PE consumed.
 
         On a failure the DE raises the request's abort flag; the PE then falls back (``fallback``).
         """
@@ -327,6 +370,9 @@ class DecodeSide:
         try:
             self._read_hits(xfer, lease)
             xfer.reads_ok = True
+            if not xfer.started.is_set():  # a PE that already started the request does not poll for it
+                xfer.link.leg.record(PE_RANK, plan.notify_base, plan.ready_magic)
+            self._await_start(xfer)
             self._push_layers(xfer, lease, pushes)
         except _PushStopped:
             pass
@@ -382,6 +428,18 @@ class DecodeSide:
         if first_error is not None:
             raise first_error
 
+    def _await_start(self, xfer: _DeXfer) -> None:
+        """Wait (at most ``hold_s``) for the PE's step to take the request; a stop ends the wait at once."""
+        deadline = time.monotonic() + self.settings.hold_s
+        while not xfer.started.wait(CONSUMED_POLL_S):
+            if xfer.stop.is_set():
+                raise _PushStopped()
+            if time.monotonic() > deadline:
+                raise WaitTimeout(
+                    f"the PE's step did not take request {xfer.plan.xfer_id} within hold_s={self.settings.hold_s} s "
+                    "of its hit reads"
+                )
+
     def _push_layers(self, xfer: _DeXfer, lease: Any, pushes: list) -> None:
         plan, hits, leg = xfer.plan, self._hit_lease(xfer.plan), xfer.link.leg
         first = plan.load_start // self.block_size + plan.pe_blocks
@@ -399,7 +457,7 @@ class DecodeSide:
                         layer,
                         segments,
                         PE_RANK,
-                        plan.slots[layer % 2],
+                        xfer.slots[layer % 2],
                         plan.notify_base + layer % 2,
                         plan.magics[layer],
                     )
@@ -507,7 +565,7 @@ class DecodeSide:
                 xfer.error = (
                     f"the plan is for {xfer.plan.prompt_tokens} prompt tokens, the request has {spec.prompt_tokens}"
                 )
-            if xfer.error is not None or now - xfer.created > self.settings.timeout_s:
+            if xfer.error is not None or self._overdue(xfer, now):
                 self._end_recv(xfer_id, spec, xfer, failed=True)
             elif xfer.reads_ok and xfer.hits_ok and xfer.received_end >= xfer.plan.prompt_tokens:
                 if spec.report:
@@ -515,17 +573,19 @@ class DecodeSide:
                 self._end_recv(xfer_id, spec, xfer, failed=False)
         self.expire_plans()
 
+    def _overdue(self, xfer: _DeXfer, now: float) -> bool:
+        """A plan the PE's step has not taken within ``hold_s`` of its arrival, or a started one not received within
+        ``timeout_s`` of its start."""
+        limit = self.settings.timeout_s if xfer.started.is_set() else self.settings.hold_s
+        return now - xfer.created > limit
+
     def expire_plans(self) -> int:
-        """Let go of plans no request took within ``timeout_s`` of their arrival (the DE refused the request, or
-        the client went away before vLLM scheduled it); returns how many. Called each step and on ``status``, so an
-        idle DE gives their leases back too."""
+        """Let go of plans no request took in time (:meth:`_overdue`: the DE refused the request, or the client
+        went away before vLLM scheduled it); returns how many. Called each step and on ``status``, so an idle DE
+        gives their leases back too."""
         now = time.monotonic()
         with self._lock:
-            expired = [
-                x
-                for xfer_id, x in self._xfers.items()
-                if xfer_id not in self._recvs and now - x.created > self.settings.timeout_s
-            ]
+            expired = [x for xfer_id, x in self._xfers.items() if xfer_id not in self._recvs and self._overdue(x, now)]
             for xfer in expired:
                 del self._xfers[xfer.plan.xfer_id]
         for xfer in expired:

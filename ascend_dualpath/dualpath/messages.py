@@ -33,7 +33,9 @@ from ascend_dualpath.transport.mooncake import MooncakePeer
 # 2: the side channel frames every message (dualpath.side_channel.seal); a peer of 1 sends bare msgpack and is
 # answered by a bare Error naming the difference. The demo engines' wave messages (Setup, Prefill of Turns) replaced
 # their plan messages.
-PROTOCOL_VERSION = 2
+# 3: the read before the batch: a plan carries no window slots (a Start does, when the PE's step takes the request),
+# the DE signals its hit reads done with the plan's ready_magic, and a plan may ask to be deferred, not waited for.
+PROTOCOL_VERSION = 3
 
 
 class Compat(msgspec.Struct, frozen=True):
@@ -102,9 +104,11 @@ class StatusQuery(Message, tag="status"):
 class Plan(Message, tag="plan"):
     """What is coming for one transfer ``xfer_id``: ``prompt_tokens`` rows in all, ``hit_tokens`` of them stored
     (``store_ids``: the full blocks), computing from ``load_start``; ``path`` ``pe`` or ``de`` (who reads the
-    hits); ``pe_blocks`` of the hit blocks the PE reads itself in a split. When the DE pushes hit layers:
-    the PE's two layer ``slots`` (window addresses), ``notify_base`` (slot 0 and 1 per layer parity, +2 abort),
-    one notify value per layer (``magics``) and ``abort_magic``."""
+    hits); ``pe_blocks`` of the hit blocks the PE reads itself in a split. When the DE reads hit blocks:
+    ``notify_base`` (slot 0 and 1 per layer parity, +2 abort), one notify value per layer (``magics``),
+    ``abort_magic``, and ``ready_magic``, which the DE writes into slot ``notify_base`` once its reads are done
+    (its pushes wait for :class:`Start`). ``defer``: a full host buffer answers ``Planned(deferred=True)`` at once
+    instead of waiting for space (a read ahead of its step tries again later)."""
 
     pe: str
     xfer_id: str
@@ -114,10 +118,18 @@ class Plan(Message, tag="plan"):
     load_start: int
     store_ids: list[bytes]
     pe_blocks: int = 0
-    slots: list[int] = []
     notify_base: int = -1
     magics: list[int] = []
     abort_magic: int = 0
+    ready_magic: int = 0
+    defer: bool = False
+
+
+class Start(Message, tag="start"):
+    """The PE's step takes ``xfer_id``: the DE pushes its half's hit layers into these two window ``slots``."""
+
+    xfer_id: str
+    slots: list[int]
 
 
 class Consumed(Message, tag="consumed"):
@@ -151,10 +163,11 @@ class Fallback(Message, tag="fallback"):
 
 
 class Abort(Message, tag="abort"):
-    """The PE gave ``xfer_id`` up (``reason``)."""
+    """The PE gave ``xfer_id`` up (``reason``); ``settled``: none of its writes into the lease is in flight."""
 
     xfer_id: str
     reason: str
+    settled: bool = False
 
 
 class PushesEnded(Message, tag="pushes_ended"):
@@ -191,10 +204,12 @@ class Welcome(Message, tag="welcome"):
 
 class Planned(Message, tag="planned"):
     """The DE's answer to :class:`Plan` and :class:`Fallback`: the lease the rows go to (``lease_addr``);
-    ``pushes_ended`` (fallback): the DE's pushes into the PE's slots ended."""
+    ``pushes_ended`` (fallback): the DE's pushes into the PE's slots ended; ``deferred`` (a plan with ``defer``):
+    the DE's host buffer is full, nothing was planned (``lease_addr`` 0)."""
 
     lease_addr: int
     pushes_ended: bool = False
+    deferred: bool = False
 
 
 class Ended(Message, tag="ended"):
@@ -284,7 +299,7 @@ class Stop(Message, tag="stop"):
 
 EngineMessage = Setup | Ok | Error | Prefill | Prefilled | Stop
 
-Request = Hello | StatusQuery | Plan | Consumed | Hits | Rows | Fallback | Abort | PushesEnded | WritesEnded
+Request = Hello | StatusQuery | Plan | Start | Consumed | Hits | Rows | Fallback | Abort | PushesEnded | WritesEnded
 Reply = Ok | Error | Welcome | Planned | Ended | Status
 
 _encoder = msgspec.msgpack.Encoder()

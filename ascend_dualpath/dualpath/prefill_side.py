@@ -63,7 +63,7 @@ from ascend_dualpath.dualpath.settings import ConnectorSettings
 from ascend_dualpath.dualpath.side_channel import PeerClient, XferParams, expect, request_once
 from ascend_dualpath.dualpath.specs import LoadSpec, SaveSpec
 from ascend_dualpath.dualpath.transfer_leg import Segment, wait_notify
-from ascend_dualpath.errors import ChecksumMismatch, ProtocolError
+from ascend_dualpath.errors import AdmissionDeferred, ChecksumMismatch, ProtocolError
 from ascend_dualpath.kv.buffers import HostBuffer
 from ascend_dualpath.kv.layout import KVLayout
 from ascend_dualpath.kv.read_queue import ReadQueue
@@ -111,6 +111,11 @@ class _Load:
     notify_base: int = -1
     magics: list[int] = dataclasses.field(default_factory=list)
     abort_magic: int = 0
+    ready_magic: int = 0
+    de_half: bool = False  # the DE reads and pushes blocks [first + own_blocks, last) (until a takeover)
+    since: float = 0.0  # when its reads started (a read ahead of its step is held at most hold_s)
+    planned: bool = False  # this load made the transfer's plan (a preempted prefill taken again did not)
+    usable_last: int | None = None  # read ahead: once every read ended, the end of the good prefix (a block)
     hits_ticket: Any = None  # a split's own half going to the DE lease
     error: BaseException | None = None
     bad_blocks: list[int] = dataclasses.field(default_factory=list)  # after a failure: what the host recomputes
@@ -177,6 +182,7 @@ class PrefillSide:
         self._peers: dict[str, _Peer] = {}  # DE side channel -> its peer
         self._loads: list[_Load] = []
         self._prefetched: dict[str, _Load] = {}  # req_id -> a load started ahead of its step
+        self._deferred: dict[str, LoadSpec] = {}  # req_id -> a load to read ahead once there is room (in order)
         self._saves: list[tuple[SaveSpec, _PeXfer, list]] = []
         self._invalid_blocks: set[int] = set()
         self._pe_xfers: dict[str, _PeXfer] = {}
@@ -192,24 +198,135 @@ class PrefillSide:
         self.caches, self.adapter, self.dataplane, self.address = caches, adapter, dataplane, address
 
     def prefetch(self, loads: list[LoadSpec]) -> None:
-        """Start loads ahead of the steps that take them: their storage reads and their plans with the DE (whose
-        reads and first pushes then start too); nothing here waits for a read. :meth:`start` takes each load by its
-        request id; :meth:`finish` drops one no step took."""
+        """Read loads ahead of the steps that take them (the read before the batch): their storage reads into host
+        leases and their plans with the DE, whose own reads start too; nothing here waits for a read. A load the
+        host buffer (or the DE's) has no room for, or beyond ``prefetch_max_mb`` of reads ahead, waits its turn.
+        :meth:`ready` says when each load's reads ended and how many hit tokens are good; :meth:`start` takes it by
+        request id (its ``block_ids`` may then be empty here); :meth:`finish` drops one no step took."""
         for spec in loads:
-            if spec.req_id in self._prefetched:
+            if spec.req_id in self._prefetched or spec.req_id in self._deferred:
                 raise ProtocolError(f"request {spec.req_id} is already prefetched")
-            self._prefetched[spec.req_id] = self._start_load(spec)
+            self._deferred[spec.req_id] = spec
+        self._start_deferred()
+
+    def _start_deferred(self) -> None:
+        """Start waiting loads in arrival order while the cap of reads ahead and the host buffers allow."""
+        cap = int(self.settings.prefetch_max_mb * (1 << 20))
+        for req_id, spec in list(self._deferred.items()):
+            held = sum(r.lease.nbytes for load in self._prefetched.values() for r in load.reads)
+            need = (spec.hit_tokens - spec.computed) // self.block_size * self.layout.full_block_bytes
+            if held and held + need > cap:
+                return
+            load = self._start_load(spec, defer=True)
+            if load is None:
+                return  # a full host buffer: the next step tries again
+            del self._deferred[req_id]
+            self._prefetched[req_id] = load
+
+    def ready(self) -> dict[str, int]:
+        """Loads read ahead whose reads all ended since the last call: request id -> the hit tokens the step may
+        take (the prompt's tokens up to the first block that failed or was corrupt; the load's ``computed`` when
+        none is good). Never waits for a read; drops loads held beyond ``hold_s``."""
+        self._start_deferred()
+        now, ready = time.monotonic(), {}
+        for req_id, load in list(self._prefetched.items()):
+            if load.usable_last is None and self._read_ahead_end(load, now) is not None:
+                ready[req_id] = max(load.usable_last * self.block_size, load.spec.computed)
+            elif load.usable_last is not None and now - load.since > self.settings.hold_s:
+                log.warning("DualPath: request %s was not taken within hold_s=%s s of its reads", req_id,
+                            self.settings.hold_s)  # fmt: skip
+                self._drop(self._prefetched.pop(req_id), f"not taken within hold_s={self.settings.hold_s} s")
+        return ready
+
+    def _read_ahead_end(self, load: _Load, now: float) -> int | None:
+        """``load.usable_last`` once every read of a load read ahead ended (None before): the end of its good
+        prefix, in blocks. A DE half that aborted, or is not read within ``timeout_s``, is read by this PE instead;
+        a failed block shortens the prefix (a corrupt one leaves the store) and the DE then takes complete layers."""
+        try:
+            if load.error is None and load.de_half:
+                link = load.peer.link
+                if link.comm.notify_value(load.notify_base + 2) == load.abort_magic:
+                    self._take_over_now(load, "the DE's hit reads failed")
+                elif now - load.since > self.settings.timeout_s:
+                    self._take_over_now(load, f"the DE's hit reads did not end within {self.settings.timeout_s} s")
+                elif link.comm.notify_value(load.notify_base) != load.ready_magic:
+                    return None
+            if load.error is None and not all(t.done for r in load.reads for t in r.tickets):
+                return None
+            load.usable_last = load.first if load.error is not None else self._good_prefix(load)
+        except Exception as error:
+            self._fail_load(load, error)
+            load.usable_last = load.first
+        return load.usable_last
+
+    def _good_prefix(self, load: _Load) -> int:
+        """The block where the load's good prefix ends (all its reads ended): the first whose read failed, else
+        ``load.last``. A corrupt block leaves the store; a DE half still pushing is told to send nothing."""
+        bad = load.last
+        for reads in load.reads:
+            for i, ticket in enumerate(reads.tickets):
+                if ticket.error is not None and reads.first + i < bad:
+                    bad, error = reads.first + i, ticket.error
+        if bad == load.last:
+            return bad
+        log.warning("DualPath: hit block %d of request %s failed, its prefix ends there: %s: %s", bad,
+                    load.spec.req_id, type(error).__name__, error)  # fmt: skip
+        if isinstance(error, ChecksumMismatch):
+            self.counters.checksum_errors += 1
+            self.store.remove(load.spec.store_ids[bad])  # and its descendants: persisted again when finished
+        self.counters.fallbacks += 1
+        if load.de_half:  # the DE's half lies beyond the failed block: the DE takes complete layers instead
+            self._fall_back_early(load, f"{type(error).__name__}: {error}")
+        return bad
+
+    def _fall_back_early(self, load: _Load, reason: str) -> None:
+        """Before the step: the DE pushes nothing and takes complete layers (nothing of this PE is in its lease)."""
+        load.de_half = False
+        xfer = self._pe_xfer(load.spec.req_id)
+        if xfer is not None:
+            xfer.full_rows, xfer.first_save, xfer.resend_below = True, True, 0
+            self._peer_fallback(load, xfer, reason, settled=True)
+
+    def _take_over_now(self, load: _Load, reason: str) -> None:
+        """The DE's half failed before the step: it falls back, this PE reads that half itself."""
+        log.warning("DualPath: request %s: %s; this PE reads the DE's half", load.spec.req_id, reason)
+        self._fall_back_early(load, reason)
+        self.counters.takeovers += 1
+        self._queue_reads(load, load.first + load.own_blocks, load.peer_blocks)
+
+    def _drop(self, load: _Load, reason: str) -> None:
+        """A load read ahead that no step takes: queued reads are cancelled, the DE lets go of its plan (nothing of
+        this PE is in its lease), the leases go back once their reads ended."""
+        for reads in load.reads:
+            self.read_queue.cancel(reads.tickets)
+        if load.planned and self._pe_xfers.pop(load.spec.xfer.xfer_id, None) is not None:
+            self._pe_xfer_of.pop(load.spec.req_id, None)
+            try:
+                self._peer_request(load.peer, m.Abort(xfer_id=load.spec.xfer.xfer_id, reason=reason, settled=True))
+            except Exception as exc:  # the DE then lets go of the plan after hold_s
+                log.warning("DualPath: the DE did not take the abort of request %s: %s", load.spec.req_id, exc)
+        self._release_load(load)
+
+    def pending_prefetches(self) -> int:
+        """Loads read ahead that no step took yet (waiting for room, reading, or read)."""
+        return len(self._deferred) + len(self._prefetched)
 
     def start(self, loads: list[LoadSpec], saves: list[SaveSpec]) -> None:
         """A step's loads and saves, before its forward: reads and plans start here (or at :meth:`prefetch`)."""
         self._invalid_blocks = set()
         self._loads = []
         for spec in loads:
+            self._deferred.pop(spec.req_id, None)  # taken before it could start: it starts now, with its step
             load = self._prefetched.pop(spec.req_id, None)
             if load is None:
                 load = self._start_load(spec)
-            elif load.error is not None:  # failed before its step: reported with the step's errors
-                self._invalid_blocks.update(load.bad_blocks)
+                if load.error is None:
+                    self._begin(load)
+            elif load.error is not None:  # failed while read ahead: ready() offered no hit, nothing to report
+                load.spec = spec
+            else:
+                load.spec = spec  # the step's block table; the hit it takes may be shorter than what was read
+                self._begin(load)
             self._loads.append(load)
         self._saves = []
         for spec in saves:
@@ -235,9 +352,10 @@ class PrefillSide:
         for xfer_id in list(self._lease_writes):
             self._writes_pending(xfer_id)
         for req_id in req_ids:
+            self._deferred.pop(req_id, None)
             load = self._prefetched.pop(req_id, None)
-            if load is not None:  # no step took it: its reads and the DE's pushes end, its memory goes back
-                self._fail_load(load, ProtocolError(f"request {req_id} finished before a step took its load"))
+            if load is not None:  # no step took it: its reads end, the DE lets go of its plan, its memory goes back
+                self._drop(load, f"request {req_id} finished before a step took its load")
             self._pe_xfers.pop(self._pe_xfer_of.pop(req_id, None), None)
             self.blocks_read.pop(req_id, None)
 
@@ -246,20 +364,47 @@ class PrefillSide:
             peer.client.close()
         self._peers.clear()
 
-    def _start_load(self, spec: LoadSpec) -> _Load:
+    def _start_load(self, spec: LoadSpec, defer: bool = False) -> _Load | None:
+        """Plan the load with its DE and queue this PE's reads; None (nothing held) when ``defer`` and a host buffer
+        has no room now. A preempted prefill taken again reads its whole hit here, its transfer's plan unchanged."""
         first, last = spec.computed // self.block_size, spec.hit_tokens // self.block_size
-        load = _Load(spec, first, last, own_blocks=last - first)
+        load = _Load(spec, first, last, own_blocks=last - first, since=time.monotonic())
         try:
+            again = spec.xfer is not None and self._pe_xfer_of.get(spec.req_id) == spec.xfer.xfer_id
             if spec.xfer is not None:
                 load.peer = self.connect_peer(spec.xfer.peer)
-                load.own_blocks = self._own_blocks(load)
-                self._plan(load)
-            if load.own_blocks > 0:
-                self._queue_reads(load, load.first, load.own_blocks)
+                load.own_blocks = load.own_blocks if again else self._own_blocks(load)
+            reads = self._lease_reads(load, load.first, load.own_blocks, defer) if load.own_blocks > 0 else None
+            if load.own_blocks > 0 and reads is None:
+                return None
+            if spec.xfer is not None and not again and not self._plan(load, defer):
+                self._release_load(load)
+                return None
+            if reads is not None:
+                self._submit_reads(load, reads)
             self._count(load)
         except Exception as error:  # a load that cannot even start fails like one that broke later
             self._fail_load(load, error)
         return load
+
+    def _begin(self, load: _Load) -> None:
+        """The step takes the load: a DE that pushes gets its two window slots (held only while the step runs),
+        a planned DE learns that its receive's timeout runs from now (``start``)."""
+        if not load.planned or self._pe_xfer(load.spec.req_id) is None:
+            return
+        link, slots = load.peer.link, []
+        try:
+            if load.de_half:
+                slot_bytes = load.peer_blocks * self.block_size * self.layout.token_bytes
+                load.slots = slots = [link.window_alloc(slot_bytes) for _ in range(2)]
+            self._peer_request(load.peer, m.Start(xfer_id=load.spec.xfer.xfer_id, slots=slots))
+        except Exception as error:
+            if load.de_half:  # its pushes never come: this PE reads the DE's half
+                self._take_over_now(load, f"start refused: {type(error).__name__}: {error}")
+            else:
+                log.warning("DualPath: the DE did not take the start of request %s: %s", load.spec.req_id, error)
+                self._abort_peer(load.peer, load.spec.xfer, f"start refused: {error}")
+                self._pe_xfers.pop(load.spec.xfer.xfer_id, None)
 
     def _own_blocks(self, load: _Load) -> int:
         """How many of the load's hit blocks the PE reads: all (PE path), none (DE path), or a split's share
@@ -295,18 +440,34 @@ class PrefillSide:
 
     def _queue_reads(self, load: _Load, first: int, count: int) -> _Reads:
         """Queue hit blocks ``[first, first + count)`` on this PE's storage read queue into a fresh host lease."""
-        spec, fb = load.spec, self.layout.full_block_bytes
+        reads = self._lease_reads(load, first, count, defer=False)
+        self._submit_reads(load, reads)
+        return reads
+
+    def _lease_reads(self, load: _Load, first: int, count: int, defer: bool) -> _Reads | None:
+        """A host lease for hit blocks ``[first, first + count)``, kept in ``load.reads`` (so a failure later leaves
+        it to :meth:`_release_load`); None when ``defer`` and the buffer has no room now (waits, bounded, else)."""
+        try:
+            timeout_s = 0 if defer else self.settings.timeout_s
+            lease = self._host().allocate(load.spec.req_id, count * self.layout.full_block_bytes, timeout_s=timeout_s)
+        except AdmissionDeferred:
+            if defer:
+                return None
+            raise
+        reads = _Reads(first, count, lease, [])
+        load.reads.append(reads)
+        return reads
+
+    def _submit_reads(self, load: _Load, reads: _Reads) -> None:
+        """Queue the reads of ``reads``'s blocks on this PE's storage read queue into its lease."""
+        spec, fb, first, count = load.spec, self.layout.full_block_bytes, reads.first, reads.count
         self.store.refresh(spec.store_ids[: first + count])  # the scheduler half's store saw them; this may not
         own = LeaseLayout.blocks(self.layout, count)
         self.blocks_read[spec.req_id] = self.blocks_read.get(spec.req_id, 0) + count
-        lease = self._host().allocate(spec.req_id, count * fb, timeout_s=self.settings.timeout_s)
-        reads = _Reads(first, count, lease, [])
-        load.reads.append(reads)  # before the submits: a failing submit leaves the lease to _release_load
-        reads.tickets = [
-            self.read_queue.submit(spec.store_ids[first + i], lease.slice(own.block_offset(i), fb).view)
-            for i in range(count)
-        ]
-        return reads
+        for i in range(count):  # appended one by one: a failing submit leaves those queued to _release_load
+            reads.tickets.append(
+                self.read_queue.submit(spec.store_ids[first + i], reads.lease.slice(own.block_offset(i), fb).view)
+            )
 
     @property
     def block_size(self) -> int:
@@ -339,7 +500,7 @@ class PrefillSide:
         (:meth:`_take_over`)."""
         for reads in list(load.reads):
             self._write_reads(load, reads, layer)
-            if reads is load.reads[0] and layer == 0 and not load.full_rows:
+            if reads is load.reads[0] and layer == 0 and load.de_half:
                 self._send_own_hits(load)
         if load.slots:  # the DE pushed this layer of its half into slot layer % 2
             try:
@@ -348,13 +509,25 @@ class PrefillSide:
                 self._take_over(load, layer, error)
 
     def _write_reads(self, load: _Load, reads: _Reads, layer: int) -> None:
-        """Layer ``layer``'s rows of the blocks ``reads`` holds, once its storage reads completed (bounded)."""
+        """Layer ``layer``'s rows of the blocks ``reads`` holds that the step takes, once their storage reads
+        completed (bounded)."""
+        taken = min(reads.count, -(-load.spec.hit_tokens // self.block_size) - reads.first)
+        if taken <= 0:
+            return
         if not reads.waited:
-            for ticket in reads.tickets:
+            for ticket in reads.tickets[:taken]:
                 ticket.wait(self.settings.timeout_s)
             reads.waited = True
         rows = LeaseLayout.blocks(self.layout, reads.count).hit_rows(reads.lease.tensor, layer)
-        self.adapter.write_tokens(self.caches[layer], load.spec.block_ids, reads.first * self.block_size, rows)
+        self._write_rows(load, layer, reads.first * self.block_size, rows)
+
+    def _write_rows(self, load: _Load, layer: int, start: int, rows: torch.Tensor) -> None:
+        """Token rows ``[start, start + len(rows))`` (``[n, C]`` uint8) of ``layer`` into the paged cache, but only
+        those the step takes, ``[computed, hit_tokens)``: a read ahead may hold more (the local prefix cache grew
+        meanwhile, or a later block failed), and the blocks below ``computed`` are shared prefix-cache blocks."""
+        lo, hi = max(start, load.spec.computed), min(start + rows.shape[0], load.spec.hit_tokens)
+        if lo < hi:
+            self.adapter.write_tokens(self.caches[layer], load.spec.block_ids, lo, rows[lo - start : hi - start])
 
     def _write_pushed(self, load: _Load, layer: int) -> None:
         """Layer ``layer`` of the DE's half from window slot ``layer % 2``, after its notify; then tell the DE the
@@ -364,9 +537,7 @@ class PrefillSide:
         rows = load.peer_blocks * T
         view = load.peer.link.window_view(load.slots[layer % 2], rows * C)
         start = (load.first + load.own_blocks) * T
-        self.adapter.write_tokens(
-            self.caches[layer], spec.block_ids, start, torch.frombuffer(view, dtype=torch.uint8).view(rows, C)
-        )
+        self._write_rows(load, layer, start, torch.frombuffer(view, dtype=torch.uint8).view(rows, C))
         if layer + 2 < self.layout.num_layers:
             self._peer_request(load.peer, m.Consumed(xfer_id=spec.xfer.xfer_id, layer=layer))
 
@@ -388,6 +559,7 @@ class PrefillSide:
         if xfer is None:
             raise error
         xfer.full_rows, xfer.first_save, xfer.resend_below = True, True, layer
+        load.de_half = False
         self._peer_fallback(load, xfer, f"{type(error).__name__}: {error}", self._quiesce(load))
         if self._pe_xfer(spec.req_id) is None:  # the DE refused the fallback: its receive is aborted, send it nothing
             self._saves = [save for save in self._saves if save[0].req_id != spec.req_id]
@@ -439,13 +611,15 @@ class PrefillSide:
         if isinstance(error, ChecksumMismatch):
             self.counters.checksum_errors += 1
             first_bad = self._drop_corrupt(load, error)
-        load.bad_blocks = list(spec.block_ids[first_bad : load.last])
+        T = self.block_size
+        load.bad_blocks = list(spec.block_ids[max(first_bad, spec.computed // T) : spec.hit_tokens // T])
         self._invalid_blocks.update(load.bad_blocks)
         self.counters.fallbacks += 1
         xfer = self._pe_xfer(spec.req_id)
         if xfer is not None:
             xfer.full_rows, xfer.first_save, xfer.resend_below = True, True, 0
-            if load.slots:  # the DE must stop pushing before the slots are freed
+            if load.de_half:  # the DE must stop pushing before the slots are freed
+                load.de_half = False
                 self._peer_fallback(load, xfer, f"{type(error).__name__}: {error}", self._quiesce(load))
         self._release_load(load)
 
@@ -458,16 +632,16 @@ class PrefillSide:
         spec, T = load.spec, self.block_size
         for reads in load.reads:
             for i, ticket in enumerate(reads.tickets):
-                if ticket.done and getattr(ticket, "_error", None) is error:
+                if ticket.error is error:
                     bad = reads.first + i
                     self.store.remove(spec.store_ids[bad])
                     for held in load.reads:
                         count = min(held.count, bad - held.first)
                         if count > 0:
                             good = LeaseLayout.blocks(self.layout, count)
-                            for layer, cache in enumerate(self.caches):
+                            for layer in range(len(self.caches)):
                                 rows = good.hit_rows(held.lease.tensor, layer)
-                                self.adapter.write_tokens(cache, spec.block_ids, held.first * T, rows)
+                                self._write_rows(load, layer, held.first * T, rows)
                     return bad
         return load.first
 
@@ -528,6 +702,8 @@ class PrefillSide:
         if load.slots:
             self._retire_slots(load, load.error is None or load.slots_settled)
             load.slots = []
+        elif load.peer is not None:
+            self._free_notify(load)
 
     def _retire_slots(self, load: _Load, settled: bool) -> None:
         """Free the load's window slots and notify group, unless a DE push may still land there (``settled``: every
@@ -535,6 +711,7 @@ class PrefillSide:
         (``quarantined_slots``), so no later buffer gets the bytes, until the DE answers ``pushes_ended`` for the
         request."""
         link, slots, notify_base = load.peer.link, list(load.slots), load.notify_base
+        load.notify_base = -1  # freed with the slots
         message, address = m.PushesEnded(xfer_id=load.spec.xfer.xfer_id), load.peer.client.address
 
         def release() -> None:
@@ -590,14 +767,15 @@ class PrefillSide:
         """The transfer this PE request planned (None: it planned none, or its plan was refused)."""
         return self._pe_xfers.get(self._pe_xfer_of.get(req_id))
 
-    def _plan(self, load: _Load) -> None:
-        """Tell the DE what is coming (and, when it pushes hit layers, where); take its lease.
+    def _plan(self, load: _Load, defer: bool = False) -> bool:
+        """Tell the DE what is coming (and, when it reads hit blocks, its notify values); take its lease. False (and
+        nothing planned) when ``defer`` and the DE's host buffer has no room now.
 
         A transfer id already planned by another request is refused before anything is sent: vLLM gives every
         engine request of one HTTP request (a prompt list, ``n > 1``) the same ``kv_transfer_params``, and two
         requests on one transfer would write into one lease.
         """
-        spec, link, C = load.spec, load.peer.link, self.layout.token_bytes
+        spec, link = load.spec, load.peer.link
         if spec.xfer.xfer_id in self._pe_xfers:
             owner = next((r for r, x in self._pe_xfer_of.items() if x == spec.xfer.xfer_id), "?")
             raise ProtocolError(
@@ -614,18 +792,33 @@ class PrefillSide:
             load_start=spec.computed,
             store_ids=spec.store_ids[: load.last],
         )
+        message.defer = defer
         if load.peer_blocks > 0:
             load.notify_base = message.notify_base = link.notify_alloc()
-            load.slots = message.slots = [link.window_alloc(load.peer_blocks * self.block_size * C) for _ in range(2)]
             load.magics = message.magics = [link.comm.next_magic() for _ in range(self.layout.num_layers)]
             load.abort_magic = message.abort_magic = link.comm.next_magic()
-        reply = self._peer_request(load.peer, message, reply=m.Planned)
+            load.ready_magic = message.ready_magic = link.comm.next_magic()
+        try:
+            reply = self._peer_request(load.peer, message, reply=m.Planned)
+        except Exception:
+            self._free_notify(load)  # the DE planned nothing: it never writes these slots
+            raise
+        if reply.deferred:
+            self._free_notify(load)
+            return False
         nbytes = LeaseLayout.complete(self.layout, spec.prompt_tokens).nbytes
         lease_addr = link.check_peer_lease(reply.lease_addr, nbytes, f"plan of request {spec.xfer.xfer_id}")
         self._pe_xfers[spec.xfer.xfer_id] = _PeXfer(
             load.peer, lease_addr, load.full_rows, spec.hit_tokens, spec.prompt_tokens
         )
         self._pe_xfer_of[spec.req_id] = spec.xfer.xfer_id
+        load.planned, load.de_half = True, load.peer_blocks > 0
+        return True
+
+    def _free_notify(self, load: _Load) -> None:
+        if load.notify_base >= 0:
+            load.peer.link.notify_free(load.notify_base)
+            load.notify_base = -1
 
     def save_kv_layer(self, layer: int, kv_layer: torch.Tensor) -> None:
         """Queue this step's computed rows of ``layer`` (from ``kv_layer``, the layer's paged cache) to each DE."""

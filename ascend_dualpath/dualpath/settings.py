@@ -53,6 +53,12 @@ class ConnectorSettings:
     persist_wait_s : float
         How long a lookup that stops at a block announced for persisting waits for it
         (the vLLM host's persisting).
+    hold_s : float
+        How long a load read ahead of its step (:meth:`~ascend_dualpath.dualpath.prefill_side.PrefillSide.prefetch`)
+        may wait for the step that takes it, on the PE (its leases) and on the DE (its plan and pusher).
+    prefetch_max_mb : float
+        Cap of the host-buffer bytes this instance's loads read ahead of their steps hold at once; more loads wait
+        (deferred, not refused) until some are taken.
     engine : str
         What moves the KV bytes between a PE and a DE: ``emulator`` (the emulated fabric of one host, the default)
         or ``mooncake`` (the Mooncake Transfer Engine: the instances may be on different hosts).
@@ -73,6 +79,8 @@ class ConnectorSettings:
     hccl_buffer_mb: int = 64
     host_buffer_mb: int = 256
     persist_wait_s: float = 5.0
+    hold_s: float = 120.0
+    prefetch_max_mb: float = 128.0
     side_host: str = "127.0.0.1"
     side_advertise: str | None = None
     side_token: bytes | None = dataclasses.field(default=None, repr=False)

@@ -1,4 +1,5 @@
-"""Fault injection for the block store's tests: failed reads, corrupted payloads, a crash before a write's rename."""
+"""Fault injection for the block store's tests: failed reads, corrupted payloads, a crash before a write's sync or
+rename."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 
 class FaultInjector:
     """Test hooks: make chosen reads fail, corrupt the bytes a read delivers, slow every read, or crash a write before
-    its rename.
+    its files are made durable (its sync) or before a block's rename.
 
     Each armed fault fires once per matching call (``block_id=None`` matches any block).
     """
@@ -23,6 +24,7 @@ class FaultInjector:
         self._read_errors: list[tuple[bytes | None, int]] = []
         self._corruptions: list[tuple[bytes | None, int]] = []
         self._crashes: list[tuple[bytes | None]] = []
+        self._sync_crashes = 0
         self.read_delay_s = 0.0
 
     def fail_next_read(self, block_id: bytes | None = None, error: int = errno.EIO) -> None:
@@ -42,6 +44,11 @@ class FaultInjector:
     def crash_next_write_before_rename(self, block_id: bytes | None = None) -> None:
         with self._lock:
             self._crashes.append((block_id,))
+
+    def crash_next_write_before_sync(self) -> None:
+        """The next write's files are written, not yet made durable nor renamed, when its process dies."""
+        with self._lock:
+            self._sync_crashes += 1
 
     def _take(self, armed: list[tuple], block_id: bytes) -> tuple | None:
         with self._lock:
@@ -65,3 +72,9 @@ class FaultInjector:
     def before_rename(self, block_id: bytes) -> None:
         if self._take(self._crashes, block_id) is not None:
             raise FaultInjector.SimulatedCrash(f"simulated crash before renaming block {block_id.hex()}")
+
+    def before_sync(self) -> None:
+        with self._lock:
+            armed, self._sync_crashes = self._sync_crashes > 0, max(0, self._sync_crashes - 1)
+        if armed:
+            raise FaultInjector.SimulatedCrash("simulated crash after writing the files, before making them durable")

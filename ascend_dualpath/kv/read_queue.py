@@ -34,6 +34,11 @@ class ReadTicket:
     def done(self) -> bool:
         return self._done.is_set()
 
+    @property
+    def error(self) -> BaseException | None:
+        """The read's error once it is done (None while queued or reading, and after a good read)."""
+        return self._error if self._done.is_set() else None
+
     def wait(self, timeout_s: float | None = None) -> None:
         timeout = (
             check_bound("timeout_s", timeout_s, zero_ok=True, where=f"read of block {self.block_id.hex()}")
@@ -163,6 +168,19 @@ class ReadQueue:
         if len(block_ids) != len(dests):
             raise ValueError(f"{len(block_ids)} block ids but {len(dests)} destinations")
         return [self.submit(block_id, dest) for block_id, dest in zip(block_ids, dests, strict=True)]
+
+    def cancel(self, tickets: Sequence[ReadTicket]) -> int:
+        """Take ``tickets`` still queued off the queue (they end with QueueError, nothing is read into their
+        destinations); reads already started run to their end. Returns how many were cancelled."""
+        wanted = {id(t) for t in tickets}
+        with self._cond:
+            cancelled = [(t, r) for t, r in self._queue if id(t) in wanted]
+            if cancelled:
+                self._queue = collections.deque((t, r) for t, r in self._queue if id(t) not in wanted)
+                self._queued_bytes -= sum(t.nbytes for t, _ in cancelled)
+        for ticket, _ in cancelled:
+            ticket._finish(self.clock.now(), QueueError(f"read of block {ticket.block_id.hex()} cancelled"))
+        return len(cancelled)
 
     def stats(self) -> ReadQueueStats:
         with self._cond:

@@ -3,9 +3,11 @@
 On disk (see ``docs/kv.md``) each Full Block is one file ``<root>/blocks/<id[:2]>/<id>.kvb``: a 4096-byte
 header (magic, version, layout fingerprint, block id, parent id, payload size, CRC-32 of the payload and of
 the header) followed by the ``[L, T, C]`` payload, zero-padded to a multiple of 4096 bytes so that
-``O_DIRECT`` reads stay aligned. Writes go to a temporary file in the same directory, are fsync'ed and then
-renamed over the final name (and the directory fsync'ed, once per directory for a chain written together), so a
-crash leaves either the whole block or nothing visible; temporaries left by a crash are removed when a store is
+``O_DIRECT`` reads stay aligned. Writes go to a temporary file in the same directory, are made durable and then
+renamed over the final name, and the renames made durable before the blocks are indexed, so a crash leaves either
+the whole block or nothing visible. A chain written together costs one ``syncfs`` for its files and one for its
+renames (Linux >= 5.8, not on FUSE), else an fsync per file and per directory (:attr:`LocalBlockStore.sync_mode`
+says which and why). Temporaries left by a crash are removed when a store is
 opened, once older than :data:`STALE_TEMP_S` (a younger one may be another instance's write in progress: several
 instances, on several hosts, share one store). A temporary's name carries its writer's host, pid and a random part,
 so two writers never share one. The index follows the disk: a block whose file was deleted behind the store's back counts as absent
@@ -19,11 +21,14 @@ only use that protocol. The read queue that paces reads to a storage NIC is :mod
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import errno
 import logging
 import mmap
 import os
+import platform
+import re
 import secrets
 import socket
 import struct
@@ -59,6 +64,7 @@ _HEADER = struct.Struct("<8sHHQI16s16s16s?3x")
 _HEADER_CRC = struct.Struct("<I")
 BLOCK_SUFFIX = ".kvb"
 TEMP_SUFFIX = ".tmp"
+SYNC_MODES = ("syncfs", "fsync")
 STALE_TEMP_S = 600.0  # a temporary this old is a crashed write's (a block's write takes far less)
 _WRITER = f"{socket.gethostname()}.{os.getpid()}"  # the host part tells two hosts' writers of one pid apart
 
@@ -74,6 +80,67 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+try:
+    _LIBC_SYNCFS = getattr(ctypes.CDLL(None, use_errno=True), "syncfs", None)
+except OSError:  # no C library to load: per-file fsync
+    _LIBC_SYNCFS = None
+SYNCFS_ERRORS_SINCE = (5, 8)  # the first Linux whose syncfs(2) reports write-back errors (before: always 0)
+
+
+def _syncfs(fd: int) -> None:
+    """syncfs(2): write back every dirty page and inode of the file system holding ``fd`` and wait for them; raises
+    the write-back errors of that file system since ``fd`` was opened (or last synced)."""
+    if _LIBC_SYNCFS(fd) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"syncfs: {os.strerror(error)}")
+
+
+def _fs_type(path: Path) -> str:
+    """The type of the file system ``path`` lives on (``/proc/self/mounts``: its longest mount point), "" unknown."""
+    try:
+        lines = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return ""
+    resolved, best, fs_type = str(path.resolve()), -1, ""
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        mount = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[1])  # "\040" is a space
+        inside = resolved == mount or resolved.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) > best:
+            best, fs_type = len(mount), fields[2]
+    return fs_type
+
+
+class _SyncRound:
+    """The durability barriers of one chain's write. ``"syncfs"``: one syncfs after the files are written, one
+    after their renames, on a descriptor opened before the first write (syncfs reports the write-back errors since
+    its descriptor opened). ``"fsync"``: each file when written, each directory after the renames."""
+
+    def __init__(self, blocks_dir: Path, mode: str) -> None:
+        self.fd = os.open(blocks_dir, os.O_RDONLY | os.O_DIRECTORY) if mode == "syncfs" else None
+
+    def file_written(self, fd: int) -> None:
+        if self.fd is None:
+            os.fsync(fd)
+
+    def files_durable(self) -> None:
+        if self.fd is not None:
+            _syncfs(self.fd)
+
+    def renames_durable(self, directories: set[Path]) -> None:
+        if self.fd is not None:
+            _syncfs(self.fd)
+            return
+        for directory in sorted(directories):
+            _fsync_dir(directory)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
 
 
 def _pread_exact(fd: int, view: memoryview, offset: int, what: str) -> None:
@@ -165,6 +232,11 @@ class LocalBlockStore:
         ``None`` (default) uses ``O_DIRECT`` when a probe at open shows the filesystem accepts it, else falls back
         to buffered reads; ``True`` requires it (:class:`ConfigError` otherwise); ``False`` never uses it.
         The outcome is in :attr:`io_mode` and :attr:`io_mode_reason`.
+    sync : str, optional
+        How a write is made durable: ``None`` (default) ``"syncfs"`` where Linux (>= 5.8, so that syncfs reports
+        write-back errors) offers it and the store is not on FUSE (whose daemon may not persist on syncfs), else
+        ``"fsync"``; ``"syncfs"`` requires it (:class:`ConfigError` otherwise); ``"fsync"`` never uses it. The
+        outcome is in :attr:`sync_mode` and :attr:`sync_mode_reason`.
     faults : FaultInjector, optional
         Test hooks.
 
@@ -174,11 +246,19 @@ class LocalBlockStore:
     """
 
     def __init__(
-        self, root: str | Path, layout: KVLayout, *, direct_io: bool | None = None, faults: FaultInjector | None = None
+        self,
+        root: str | Path,
+        layout: KVLayout,
+        *,
+        direct_io: bool | None = None,
+        sync: str | None = None,
+        faults: FaultInjector | None = None,
     ) -> None:
         check_type("root", root, (str, os.PathLike), where="LocalBlockStore")
         check_type("layout", layout, KVLayout, where="LocalBlockStore")
         check_type("direct_io", direct_io, (bool, type(None)), where="LocalBlockStore")
+        if sync not in (None, *SYNC_MODES):
+            raise ConfigError(f"sync={sync!r} is not one of {SYNC_MODES} or None (LocalBlockStore)")
         check_type("faults", faults, (FaultInjector, type(None)), where="LocalBlockStore")
         self._closed = False
         self.root = Path(root)
@@ -188,6 +268,7 @@ class LocalBlockStore:
         self._blocks_dir.mkdir(parents=True, exist_ok=True)
         self._scratch = threading.local()
         self.io_mode, self.io_mode_reason = self._probe_direct_io(direct_io)
+        self.sync_mode, self.sync_mode_reason = self._probe_sync(sync)
         if self.io_mode != "direct" and direct_io is None:
             log.info("block store %s reads buffered: %s", self.root, self.io_mode_reason)
         self.removed_temporaries = self._remove_temporaries()
@@ -220,6 +301,27 @@ class LocalBlockStore:
         if requested:
             raise ConfigError(f"direct_io=True but {reason}")
         return "buffered", reason
+
+    def _probe_sync(self, requested: str | None) -> tuple[str, str]:
+        if requested == "fsync":
+            return "fsync", "per-file fsync chosen by the caller"
+        found = re.match(r"(\d+)\.(\d+)", platform.release()) if platform.system() == "Linux" else None
+        kernel = (int(found.group(1)), int(found.group(2))) if found else (0, 0)
+        fs_type = _fs_type(self.root)
+        if _LIBC_SYNCFS is None:
+            reason = "the C library has no syncfs"
+        elif kernel < SYNCFS_ERRORS_SINCE:
+            reason = f"syncfs reports write-back errors from Linux 5.8 on; this is {platform.release() or 'unknown'}"
+        elif fs_type == "fuse" or fs_type.startswith(("fuse.", "fuseblk")):
+            reason = f"{self.root} is on {fs_type}, whose daemon may not persist on syncfs"
+        else:
+            return (
+                "syncfs",
+                f"one syncfs per chain's files and one per its renames ({fs_type or 'unknown'} file system)",
+            )
+        if requested == "syncfs":
+            raise ConfigError(f"sync='syncfs' but {reason}")
+        return "fsync", reason
 
     def _remove_temporaries(self) -> int:
         """Remove the temporaries of crashed writes: those older than :data:`STALE_TEMP_S` (by their mtime, so the
@@ -339,33 +441,43 @@ class LocalBlockStore:
         return self.write_blocks([(block_id, parent_id, payload)])[0]
 
     def write_blocks(self, chain: Sequence[tuple[bytes, bytes | None, Any]]) -> list[bool]:
-        """Persist ``(block_id, parent_id, payload)`` blocks in order, durably and atomically, with one fsync round.
+        """Persist ``(block_id, parent_id, payload)`` blocks in order, durably and atomically, in one sync round.
 
-        Each block is written to a temporary file, fsync'ed and renamed over its final name; then every directory
-        the renames touched (the blocks' ``blocks/<id[:2]>`` and ``blocks`` where a shard was created) is fsync'ed
-        once, and only then are the blocks indexed: ``len(chain)`` + (directories) fsyncs in all. A crash leaves
-        each block whole or invisible; a power loss before the directories' fsync may lose a renamed block, whose
-        descendants are then orphans, skipped when a store opens. A parent must be stored or come earlier in
-        ``chain``. Every entry is checked before anything is written (a bad one raises, nothing written); an I/O
-        error stops at its block, the blocks renamed before it still made durable and indexed. Returns, per block,
-        whether it was newly stored (False: already stored, or an earlier entry of ``chain``).
+        Every new block is written to a temporary file; then the files are made durable (``syncfs`` mode: one syncfs;
+        ``fsync`` mode: each file's fsync, as it is written), renamed over their final names, the renames made durable
+        (one syncfs; or one fsync per directory they touched: the shards ``blocks/<id[:2]>``, and ``blocks`` where a
+        shard was created), and only then are the blocks indexed: 2 syncfs, or ``len(chain)`` + (directories) fsyncs.
+        A crash leaves each block whole or invisible (its temporary is removed once stale); a power loss before the
+        renames are durable may lose a renamed block, whose descendants are then orphans, skipped when a store opens.
+        A parent must be stored or come earlier in ``chain``. Every entry is checked before anything is written (a
+        bad one raises, nothing written); an I/O error writing a block stops there, the blocks before it still stored
+        (durable and indexed), no temporary left. Returns, per block, whether it was newly stored (False: already
+        stored, or an earlier entry of ``chain``).
         """
         self._check_open("write a block")
-        items = self._checked_chain(chain)
+        stored, fresh, seen = [], [], set()
+        for block_id, parent_id, data in self._checked_chain(chain):
+            new = block_id not in self.index and block_id not in seen
+            stored.append(new)
+            seen.add(block_id)
+            if new:
+                fresh.append((block_id, parent_id, data))
+        if not fresh:
+            return stored
+        sync = _SyncRound(self._blocks_dir, self.sync_mode)
+        written: list[tuple[bytes, bytes | None, Path, Path]] = []
         directories: set[Path] = set()
-        renamed: dict[bytes, bytes | None] = {}
-        stored = []
         try:
-            for block_id, parent_id, data in items:
-                fresh = block_id not in self.index and block_id not in renamed
-                if fresh:
-                    self._write_visible(block_id, parent_id, data, directories)
-                    renamed[block_id] = parent_id
-                stored.append(fresh)
-        except Exception:  # not a crash (BaseException): what is renamed is whole, make it durable and known
-            self._make_durable(directories, renamed)
-            raise
-        self._make_durable(directories, renamed)
+            try:
+                for block_id, parent_id, data in fresh:
+                    written.append(self._write_temporary(block_id, parent_id, data, sync, directories))
+            except Exception:  # not a crash (BaseException): the blocks written before it are whole, store them
+                if written:
+                    self._publish(written, sync, directories)
+                raise
+            self._publish(written, sync, directories)
+        finally:
+            sync.close()
         return stored
 
     def _checked_chain(self, chain: Sequence[tuple[bytes, bytes | None, Any]]) -> list[tuple]:
@@ -394,11 +506,11 @@ class LocalBlockStore:
             earlier.add(block_id)
         return items
 
-    def _write_visible(
-        self, block_id: bytes, parent_id: bytes | None, data: memoryview, directories: set[Path]
-    ) -> None:
-        """Write one block to a temporary file, fsync it and rename it over its final name; ``directories`` gets
-        the directories whose entries changed (fsync'ed by :meth:`_make_durable`)."""
+    def _write_temporary(
+        self, block_id: bytes, parent_id: bytes | None, data: memoryview, sync: _SyncRound, directories: set[Path]
+    ) -> tuple[bytes, bytes | None, Path, Path]:
+        """Write one block to a temporary file beside its final name (``fsync`` mode: and fsync it); returns
+        ``(block_id, parent_id, temporary, final)``. ``directories`` gets ``blocks`` when a shard was created."""
         header = BlockHeader(data.nbytes, zlib.crc32(data), self.layout.fingerprint(), block_id, parent_id)
         final = self.path_of(block_id)
         if not final.parent.exists():
@@ -420,20 +532,40 @@ class LocalBlockStore:
                     pending.append(chunk[skip:])
                     skip = 0
                 written += os.pwritev(fd, pending, written)
-            os.fsync(fd)
+            sync.file_written(fd)
         except BaseException:
             os.close(fd)
             temporary.unlink(missing_ok=True)
             raise
         os.close(fd)
-        self.faults.before_rename(block_id)  # a crash here must leave no visible block
-        os.replace(temporary, final)
-        directories.add(final.parent)
+        return block_id, parent_id, temporary, final
 
-    def _make_durable(self, directories: set[Path], renamed: dict[bytes, bytes | None]) -> None:
-        """fsync each directory once, then index the renamed blocks (in chain order): known once durable."""
-        for directory in sorted(directories):
-            _fsync_dir(directory)
+    def _publish(self, written: list, sync: _SyncRound, directories: set[Path]) -> None:
+        """Make the ``written`` temporaries durable, rename each over its final name, make the renames durable, then
+        index the blocks (in chain order): a block is known only once it is durable. An error (not a crash) leaves
+        no temporary: those not renamed are removed, those renamed are made durable and indexed."""
+        self.faults.before_sync()  # a crash here must leave only temporaries
+        pending, renamed = list(written), {}
+        try:
+            sync.files_durable()
+            while pending:
+                block_id, parent_id, temporary, final = pending[0]
+                self.faults.before_rename(block_id)  # a crash here must leave this block and the later ones invisible
+                os.replace(temporary, final)
+                pending.pop(0)
+                directories.add(final.parent)
+                renamed[block_id] = parent_id
+        except Exception:
+            for _, _, temporary, _ in pending:
+                temporary.unlink(missing_ok=True)
+            if renamed:
+                self._make_durable(sync, directories, renamed)
+            raise
+        self._make_durable(sync, directories, renamed)
+
+    def _make_durable(self, sync: _SyncRound, directories: set[Path], renamed: dict[bytes, bytes | None]) -> None:
+        """Make the renames durable, then index the renamed blocks (in chain order)."""
+        sync.renames_durable(directories)
         for block_id, parent_id in renamed.items():
             self.index.add(block_id, parent_id)
 

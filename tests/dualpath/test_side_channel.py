@@ -375,7 +375,8 @@ def test_the_default_limit_holds_a_plan_of_a_long_prompt_and_a_hello():
     blocks = 262_144 // 16  # a 256 k-token prompt of 16-token blocks, all hits
     plan = m.Plan(pe="tcp://192.168.100.200:65535", xfer_id="x" * 64, path="de", hit_tokens=262_144,
                   prompt_tokens=262_144, load_start=262_144, store_ids=[os.urandom(BLOCK_ID_BYTES)] * blocks,
-                  slots=[2**63 - 1] * 2, notify_base=2**31, magics=[2**63 - 1] * 128, abort_magic=2**63 - 1)  # fmt: skip
+                  notify_base=2**31, magics=[2**63 - 1] * 128, abort_magic=2**63 - 1,
+                  ready_magic=2**63 - 1)  # fmt: skip
     hello = m.Hello(pe="tcp://192.168.100.200:65535", device_id=2**31, rank_info=os.urandom(4096),
                     host_mem=(2**63 - 1, 2**40, 2**32 - 1),
                     speaks=m.Speaks.of(m.Compat("mla", 128, 128, "x:bfloat16:[576]" * 8, "mooncake")))  # fmt: skip

@@ -20,6 +20,7 @@ from ascend_dualpath.errors import (
     QueueError,
     StorageReadError,
 )
+from ascend_dualpath.kv import store as store_mod
 from ascend_dualpath.kv.buffers import de_buffer
 from ascend_dualpath.kv.clocks import ManualClock, TokenBucket
 from ascend_dualpath.kv.faults import FaultInjector
@@ -192,31 +193,131 @@ def chain_of(layout: KVLayout, blocks: torch.Tensor) -> list[tuple[bytes, bytes 
     return [(block_id, ids[b - 1] if b else None, blocks[b]) for b, block_id in enumerate(ids)]
 
 
+class SyncCalls:
+    """Counts ``os.fsync`` and the store's ``syncfs`` calls while entered (hypothesis and monkeypatch do not mix)."""
+
+    def __enter__(self) -> SyncCalls:
+        self.fsyncs, self.syncfs = [], []
+        self._fsync, self._syncfs = os.fsync, store_mod._syncfs
+        os.fsync = lambda fd: (self.fsyncs.append(fd), self._fsync(fd))[1]
+        store_mod._syncfs = lambda fd: (self.syncfs.append(fd), self._syncfs(fd))[1]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.fsync, store_mod._syncfs = self._fsync, self._syncfs
+
+
 @settings(max_examples=20, deadline=None)
-@given(count=st.integers(1, 8), stored_before=st.integers(0, 8), seed=st.integers(0, 2**16))
-def test_a_chain_costs_one_fsync_per_new_block_and_one_per_directory(tmp_path_factory, count, stored_before, seed):
-    """``write_blocks``: one fsync per new block's file, then one per directory its renames touched (its shards,
-    and ``blocks`` where a shard was new), against two per block written one at a time; blocks already stored
-    cost nothing and return False; every block reads back bit-exact."""
-    store = LocalBlockStore(tmp_path_factory.mktemp("s"), FP8_LAYOUT)
+@given(
+    count=st.integers(1, 8),
+    stored_before=st.integers(0, 8),
+    seed=st.integers(0, 2**16),
+    mode=st.sampled_from(["syncfs", "fsync"]),
+)
+def test_a_chain_costs_two_syncfs_or_one_fsync_per_new_block_and_directory(
+    tmp_path_factory, count, stored_before, seed, mode
+):
+    """``write_blocks``: ``syncfs`` mode, one syncfs for the chain's files and one for its renames, whatever its
+    length (the blocks' shards differ: per-file and per-directory fsyncs came to about two per block); ``fsync``
+    mode, one fsync per new block's file, then one per directory its renames touched (its shards, and ``blocks``
+    where a shard was new). Blocks already stored cost nothing and return False; every block reads back bit-exact."""
+    store = LocalBlockStore(tmp_path_factory.mktemp("s"), FP8_LAYOUT, sync=mode)
+    assert store.sync_mode == mode
     chain = chain_of(FP8_LAYOUT, make_blocks(FP8_LAYOUT, count, seed))
     stored_before = min(stored_before, count)
     assert store.write_blocks(chain[:stored_before]) == [True] * stored_before
     old_shards = {store.path_of(block_id).parent for block_id, _, _ in chain[:stored_before]}
     new_shards = {store.path_of(block_id).parent for block_id, _, _ in chain[stored_before:]}
-    fsyncs = []
-    real_fsync = os.fsync
-    os.fsync = lambda fd: (fsyncs.append(fd), real_fsync(fd))[1]  # hypothesis and monkeypatch do not mix
-    try:
+    with SyncCalls() as calls:
         assert store.write_blocks(chain) == [False] * stored_before + [True] * (count - stored_before)
-    finally:
-        os.fsync = real_fsync
-    assert len(fsyncs) == (count - stored_before) + len(new_shards) + bool(new_shards - old_shards)
+    new = count - stored_before
+    if mode == "syncfs":
+        assert (len(calls.fsyncs), len(calls.syncfs)) == (0, 2 if new else 0)
+    else:
+        assert len(calls.syncfs) == 0
+        assert len(calls.fsyncs) == new + len(new_shards) + bool(new_shards - old_shards)
     out = poisoned(FP8_LAYOUT.full_block_bytes)
     for block_id, _, block in chain:
         store.read_into(block_id, out)
         assert torch.equal(out, block)
     store.close()
+
+
+def test_the_sync_mode_is_chosen_at_open_and_says_why(tmp_path, monkeypatch):
+    assert LocalBlockStore(tmp_path / "a", FP8_LAYOUT).sync_mode == "syncfs"  # Linux >= 5.8 on a local disk
+    fsync = LocalBlockStore(tmp_path / "b", FP8_LAYOUT, sync="fsync")
+    assert (fsync.sync_mode, fsync.sync_mode_reason) == ("fsync", "per-file fsync chosen by the caller")
+    with pytest.raises(ConfigError, match="sync='always' is not one of"):
+        LocalBlockStore(tmp_path / "c", FP8_LAYOUT, sync="always")
+    monkeypatch.setattr(store_mod, "_fs_type", lambda path: "fuse.3fs")
+    fuse = LocalBlockStore(tmp_path / "d", FP8_LAYOUT)
+    assert fuse.sync_mode == "fsync" and "fuse.3fs" in fuse.sync_mode_reason
+    monkeypatch.setattr(store_mod, "_fs_type", lambda path: "ext4")
+    monkeypatch.setattr(store_mod.platform, "release", lambda: "5.4.0-150-generic")
+    assert (
+        "from Linux 5.8 on; this is 5.4.0-150-generic" in LocalBlockStore(tmp_path / "e", FP8_LAYOUT).sync_mode_reason
+    )
+    monkeypatch.setattr(store_mod, "_LIBC_SYNCFS", None)
+    with pytest.raises(ConfigError, match="sync='syncfs' but the C library has no syncfs"):
+        LocalBlockStore(tmp_path / "f", FP8_LAYOUT, sync="syncfs")
+
+
+def test_the_file_system_of_a_path_is_its_longest_mount_point(tmp_path, monkeypatch):
+    mounts = "/dev/vda / ext4 rw 0 0\nfs0 /mnt/my\\040store fuse.3fs rw 0 0\nx /mnt/my xfs rw 0 0\n"
+    real_read_text = store_mod.Path.read_text
+    monkeypatch.setattr(
+        store_mod.Path, "read_text", lambda p: mounts if str(p) == "/proc/self/mounts" else real_read_text(p)
+    )
+    assert store_mod._fs_type(store_mod.Path("/mnt/my store/blocks")) == "fuse.3fs"
+    assert store_mod._fs_type(store_mod.Path("/mnt/my/blocks")) == "xfs"
+    assert store_mod._fs_type(store_mod.Path("/mnt/mystore")) == "ext4"
+
+
+@pytest.mark.parametrize("mode", ["syncfs", "fsync"])
+def test_a_crash_before_the_files_are_durable_leaves_no_block_known_or_visible(tmp_path, mode):
+    """A process dying after a chain's files are written, before they are made durable: no block is indexed or
+    visible under its name (a lookup, a restart find none), only temporaries, removed once stale; the chain is
+    written again whole."""
+    faults = FaultInjector()
+    store = LocalBlockStore(tmp_path, FP8_LAYOUT, sync=mode, faults=faults)
+    chain = chain_of(FP8_LAYOUT, make_blocks(FP8_LAYOUT, 3))
+    ids = [block_id for block_id, _, _ in chain]
+    faults.crash_next_write_before_sync()
+    with pytest.raises(FaultInjector.SimulatedCrash):
+        store.write_blocks(chain)
+    assert store.longest_prefix(ids) == 0 and not any(store.path_of(block_id).exists() for block_id in ids)
+    assert len(list(tmp_path.rglob(".*.tmp"))) == 3
+    assert LocalBlockStore(tmp_path, FP8_LAYOUT).longest_prefix(ids) == 0  # another instance, or a restart
+    _age_temporaries(tmp_path)
+    restarted = LocalBlockStore(tmp_path, FP8_LAYOUT)
+    assert restarted.removed_temporaries == 3 and list(tmp_path.rglob("*.tmp")) == []
+    assert restarted.write_blocks(chain) == [True] * 3
+    out = torch.empty(FP8_LAYOUT.full_block_bytes, dtype=torch.uint8)
+    for block_id, _, block in chain:
+        restarted.read_into(block_id, out)
+        assert torch.equal(out, block)
+
+
+@pytest.mark.parametrize("failing", ["files", "renames"])
+def test_a_failed_syncfs_stores_nothing_and_leaves_no_temporary(tmp_path, monkeypatch, failing):
+    """syncfs reporting a write-back error (EIO): on the files, nothing is renamed and the temporaries go; on the
+    renames, the blocks are visible but not indexed (not known durable). Either way the error reaches the caller."""
+    store = LocalBlockStore(tmp_path, FP8_LAYOUT, sync="syncfs")
+    chain = chain_of(FP8_LAYOUT, make_blocks(FP8_LAYOUT, 3))
+    ids = [block_id for block_id, _, _ in chain]
+    calls, real_syncfs = [], store_mod._syncfs
+
+    def syncfs(fd):
+        calls.append(fd)
+        if len(calls) == (1 if failing == "files" else 2):
+            raise OSError(errno.EIO, "syncfs: injected write-back error")
+        real_syncfs(fd)
+
+    monkeypatch.setattr(store_mod, "_syncfs", syncfs)
+    with pytest.raises(OSError, match="injected write-back error"):
+        store.write_blocks(chain)
+    assert store.index.longest_prefix(ids) == 0 and list(tmp_path.rglob("*.tmp")) == []
+    assert [store.path_of(block_id).exists() for block_id in ids] == [failing == "renames"] * 3
 
 
 def test_a_crash_inside_a_chain_leaves_the_blocks_before_whole_and_the_rest_invisible(tmp_path):
@@ -227,12 +328,12 @@ def test_a_crash_inside_a_chain_leaves_the_blocks_before_whole_and_the_rest_invi
     faults.crash_next_write_before_rename(ids[2])
     with pytest.raises(FaultInjector.SimulatedCrash):
         store.write_blocks(chain)
-    # blocks 0 and 1 were renamed whole; block 2 is a fsync'ed temporary, block 3 was never started
+    # blocks 0 and 1 were renamed whole (their files durable); blocks 2 and 3 are durable temporaries, not renamed
     assert [store.path_of(block_id).exists() for block_id in ids] == [True, True, False, False]
-    assert len(list(tmp_path.rglob(".*.tmp"))) == 1
+    assert len(list(tmp_path.rglob(".*.tmp"))) == 2
     _age_temporaries(tmp_path)
     restarted = LocalBlockStore(tmp_path, FP8_LAYOUT)
-    assert restarted.removed_temporaries == 1 and list(tmp_path.rglob("*.tmp")) == []
+    assert restarted.removed_temporaries == 2 and list(tmp_path.rglob("*.tmp")) == []
     assert restarted.longest_prefix(ids) == 2
     out = torch.empty(FP8_LAYOUT.full_block_bytes, dtype=torch.uint8)
     for block_id, _, block in chain[:2]:
@@ -242,7 +343,8 @@ def test_a_crash_inside_a_chain_leaves_the_blocks_before_whole_and_the_rest_invi
     assert restarted.longest_prefix(ids) == 4
 
 
-def test_an_io_error_inside_a_chain_keeps_the_blocks_before_durable_and_known(tmp_path, monkeypatch):
+@pytest.mark.parametrize("failing", [1, 3])
+def test_an_io_error_inside_a_chain_keeps_the_blocks_before_durable_and_known(tmp_path, monkeypatch, failing):
     store = LocalBlockStore(tmp_path, FP8_LAYOUT)
     chain = chain_of(FP8_LAYOUT, make_blocks(FP8_LAYOUT, 4))
     ids = [block_id for block_id, _, _ in chain]
@@ -250,15 +352,15 @@ def test_an_io_error_inside_a_chain_keeps_the_blocks_before_durable_and_known(tm
 
     def pwritev(fd, buffers, offset):
         calls.append(fd)
-        if len(calls) == 3:  # the third block's file
+        if len(calls) == failing:  # that block's file
             raise OSError(errno.ENOSPC, "injected: no space left")
         return real_pwritev(fd, buffers, offset)
 
     monkeypatch.setattr(os, "pwritev", pwritev)
     with pytest.raises(OSError, match="no space left"):
         store.write_blocks(chain)
-    assert store.longest_prefix(ids) == 2 and list(tmp_path.rglob("*.tmp")) == []
-    assert LocalBlockStore(tmp_path, FP8_LAYOUT).longest_prefix(ids) == 2
+    assert store.longest_prefix(ids) == failing - 1 and list(tmp_path.rglob("*.tmp")) == []
+    assert LocalBlockStore(tmp_path, FP8_LAYOUT).longest_prefix(ids) == failing - 1
 
 
 def test_a_bad_entry_refuses_the_whole_chain_before_anything_is_written(store):

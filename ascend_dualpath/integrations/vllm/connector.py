@@ -15,17 +15,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
 )
 
 from ascend_dualpath.errors import ConfigError
-from ascend_dualpath.integrations.vllm.metadata import DualPathMetadata
+from ascend_dualpath.integrations.vllm.metadata import DualPathMetadata, DualPathWorkerMeta
 from ascend_dualpath.integrations.vllm.scheduler import DualPathScheduler
 from ascend_dualpath.integrations.vllm.settings import from_kv_transfer_config, store_namespace
 from ascend_dualpath.integrations.vllm.stats import DualPathKVConnectorStats, DualPathPromMetrics
 from ascend_dualpath.kv.layout import KVLayout
 from ascend_dualpath.kv.store import LocalBlockStore
 
-KVConnectorMetadata.register(DualPathMetadata)  # metadata.py stays free of vLLM (the worker half is tested without it)
+# metadata.py stays free of vLLM (the worker half is tested without it)
+KVConnectorMetadata.register(DualPathMetadata)
+KVConnectorWorkerMetadata.register(DualPathWorkerMeta)
 
 
 def model_kv_layout(vllm_config: Any) -> KVLayout:
@@ -155,6 +158,10 @@ class DualPathConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> DualPathWorkerMeta | None:
+        """The reads ahead that ended since the last step (None: none), for the scheduler's next step."""
+        return self._worker.build_worker_meta()
 
     # -- vLLM's metrics (stats.py) ----------------------------------------------------------------------------------
     def get_kv_connector_stats(self) -> DualPathKVConnectorStats | None:

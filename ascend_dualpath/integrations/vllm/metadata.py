@@ -1,8 +1,9 @@
-"""What the scheduler half tells the worker half each step (vLLM pickles it to the workers).
+"""What the scheduler half tells the worker half each step, and what the worker half answers (vLLM pickles both).
 
 No vLLM import here, so the worker half runs (and is tested) without vLLM: ``connector.py`` registers
 :class:`DualPathMetadata` as a virtual subclass of vLLM's ``KVConnectorMetadata`` (an empty ABC that vLLM only
-names in type hints).
+names in type hints) and :class:`DualPathWorkerMeta` of ``KVConnectorWorkerMetadata`` (``build_connector_worker_meta``
+-> the scheduler's ``update_connector_output``).
 """
 
 from __future__ import annotations
@@ -28,9 +29,27 @@ class PersistSpec:
 
 @dataclasses.dataclass
 class DualPathMetadata:
-    """One step's work for the worker: loads (PE, standalone), saves (PE), receives (DE), persists."""
+    """One step's work for the worker: loads to read ahead of their step (``prefetches``: PE, standalone; their
+    ``block_ids`` are empty), loads into this step (PE, standalone), saves (PE), receives (DE), persists."""
 
+    prefetches: list[LoadSpec] = dataclasses.field(default_factory=list)
     loads: list[LoadSpec] = dataclasses.field(default_factory=list)
     saves: list[SaveSpec] = dataclasses.field(default_factory=list)
     recvs: list[RecvSpec] = dataclasses.field(default_factory=list)
     persists: list[PersistSpec] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class DualPathWorkerMeta:
+    """A worker's answer after a step: ``ready`` maps each request whose read ahead ended since the last answer to
+    the hit tokens its load may take (the good prefix)."""
+
+    ready: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def aggregate(self, other: DualPathWorkerMeta) -> DualPathWorkerMeta:
+        """vLLM merges its workers' answers of one step (one worker: tensor parallelism is refused): the shortest
+        prefix any reports."""
+        merged = dict(self.ready)
+        for req_id, tokens in other.ready.items():
+            merged[req_id] = min(tokens, merged.get(req_id, tokens))
+        return DualPathWorkerMeta(merged)

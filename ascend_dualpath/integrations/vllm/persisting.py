@@ -12,9 +12,10 @@ An announcement is an empty file ``<store>/persisting/<block id hex>`` beside th
 instance sharing the store sees it.
 
 :class:`Persister` writes the blocks: their bytes are copied out of vLLM's cache when the request finishes (the
-blocks may be reused afterwards), then written in chain order on one writer thread, one request's blocks with one
-fsync round (each block's file, then each directory once); their announcements are withdrawn when the writing
-ends, however it ends: a block is indexed and its announcement withdrawn only once it is durable.
+blocks may be reused afterwards), then written in chain order on one writer thread, one request's blocks in one
+sync round (one syncfs for their files and one for their renames; where syncfs is not used, each file's fsync and
+each directory's once); their announcements are withdrawn when the writing ends, however it ends: a block is indexed
+and its announcement withdrawn only once it is durable.
 """
 
 from __future__ import annotations
@@ -93,9 +94,9 @@ class Persister:
 
     def write_blocks(self, spec: Any, payloads: list) -> None:
         """Write ``payloads`` ``[(block index, bytes)]`` of ``spec`` as one chain, each block chained to the one
-        before, with the store's one fsync round (:meth:`~ascend_dualpath.kv.store.LocalBlockStore.write_blocks`:
-        one fsync per block, then one per directory the request's blocks went to, instead of two per block); the
-        announcements are withdrawn once the blocks are durable (or the write failed)."""
+        before, in the store's one sync round (:meth:`~ascend_dualpath.kv.store.LocalBlockStore.write_blocks`: two
+        syncfs calls whatever the request's length, instead of about two fsyncs per block); the announcements are
+        withdrawn once the blocks are durable (or the write failed)."""
         chain = [(spec.store_ids[i], spec.store_ids[i - 1] if i > 0 else None, payload) for i, payload in payloads]
         try:
             self.counters.persisted_blocks += sum(self.store.write_blocks(chain))

@@ -4,7 +4,11 @@ It decides, per request, how many prompt tokens come from outside the forward pa
 
 - **prefill** (the PE, ``kv_transfer_params.dualpath.role == "prefill"``) and **standalone** requests: the
   longest stored prefix of the prompt's full blocks, block-aligned and strictly below the prompt length (one
-  token is always computed), loaded *synchronously*, layer by layer inside the forward pass;
+  token is always computed), read from storage *before* the request enters a batch and loaded *synchronously*,
+  layer by layer from host memory inside the forward pass. At its first sight the prefix is frozen and read ahead
+  (a ``prefetch`` in the step's metadata); the request is skipped (``None``) until the worker reports the reads
+  ended (``DualPathWorkerMeta.ready``, through ``update_connector_output``) with the good prefix, which it then
+  takes (a failed or corrupt block shortens it: vLLM computes the rest). A preempted request is looked up again;
 - **decode** (the DE): the whole prompt beyond the local prefix-cache hit, received *asynchronously* (the
   request waits in ``WAITING_FOR_REMOTE_KVS`` until the worker reports it in ``finished_recving``);
 
@@ -20,7 +24,7 @@ from vllm.v1.request import RequestStatus
 
 from ascend_dualpath.dualpath.side_channel import XferParams
 from ascend_dualpath.dualpath.specs import LoadSpec, RecvSpec, SaveSpec
-from ascend_dualpath.integrations.vllm.metadata import DualPathMetadata, PersistSpec
+from ascend_dualpath.integrations.vllm.metadata import DualPathMetadata, DualPathWorkerMeta, PersistSpec
 from ascend_dualpath.integrations.vllm.persisting import PersistAnnouncements
 from ascend_dualpath.integrations.vllm.settings import ConnectorSettings, store_ids
 from ascend_dualpath.kv.store import LocalBlockStore
@@ -54,6 +58,9 @@ class DualPathScheduler:
         self._pending_persists: list[PersistSpec] = []
         self._prefill: dict[str, tuple[XferParams, list[int], int]] = {}  # req_id -> (xfer, block table, prompt)
         self._hits: dict[str, tuple[int, list[bytes]]] = {}  # req_id -> (hit tokens, store ids)
+        self._pending_prefetches: list[LoadSpec] = []
+        self._prefetches: dict[str, LoadSpec] = {}  # req_id -> its read ahead (computed and hit frozen)
+        self._ready: dict[str, int] = {}  # req_id -> good hit tokens, once the worker reported its read ahead
         self._persisting: set[str] = set()  # finished requests whose blocks are being written
         self._receiving: set[str] = set()  # decode requests vLLM waits for (WAITING_FOR_REMOTE_KVS)
         # ... of them, those vLLM finished meanwhile (aborted, or ended by an error): vLLM frees them only when the
@@ -71,10 +78,29 @@ class DualPathScheduler:
                 return 0, False  # its receive failed and vLLM recomputes it (kv_load_failure_policy=recompute)
             missing = self.received_end(prompt) - num_computed_tokens
             return (missing, True) if missing > 0 else (0, False)
+        rid = request.request_id
+        if rid in self._prefetches:
+            return self._after_prefetch(rid, num_computed_tokens)
         hit = self.stored_prefix_tokens(request, num_computed_tokens)
         if hit is None:
             return None, False  # vLLM asks again at its next step
-        return (hit - num_computed_tokens, False) if hit > num_computed_tokens else (0, False)
+        if hit <= num_computed_tokens:
+            return 0, False
+        _, ids = self._hits.pop(rid)
+        spec = LoadSpec(rid, xfer, num_computed_tokens, hit, prompt, ids, [])
+        self._prefetches[rid] = spec
+        self._pending_prefetches.append(spec)
+        return None, False  # read before the batch: skipped until the worker reports the reads ended
+
+    def _after_prefetch(self, rid: str, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """A request read ahead: skipped (None) until its reads ended; then the good prefix beyond the local hit.
+        A local hit that shrank below the frozen one meanwhile (evicted blocks) takes nothing from the read."""
+        if rid not in self._ready:
+            return None, False
+        spec = self._prefetches[rid]
+        good = self._ready[rid] if num_computed_tokens >= spec.computed else num_computed_tokens
+        self._hits[rid] = (max(good, num_computed_tokens), spec.store_ids)
+        return max(0, good - num_computed_tokens), False
 
     def received_end(self, prompt_tokens: int) -> int:
         """End of the rows a DE takes from its PE: the full blocks below the last prompt token. The DE computes
@@ -119,7 +145,9 @@ class DualPathScheduler:
             )
             return
         hit, ids = self._hits.pop(request.request_id, (0, []))
-        if num_external_tokens > 0 or (xfer is not None and xfer.role == "prefill"):
+        read_ahead = self._prefetches.pop(request.request_id, None) is not None
+        self._ready.pop(request.request_id, None)
+        if num_external_tokens > 0 or read_ahead or (xfer is not None and xfer.role == "prefill"):
             # a prefill request always gets a plan, so its DE learns the hit length even when it is 0
             self._pending_loads[request.request_id] = LoadSpec(
                 request.request_id, xfer, computed, max(hit, computed), request.num_prompt_tokens, ids, block_ids
@@ -128,11 +156,13 @@ class DualPathScheduler:
     # -- each step ------------------------------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> DualPathMetadata:
         meta = DualPathMetadata(
+            prefetches=self._pending_prefetches,
             loads=list(self._pending_loads.values()),
             recvs=list(self._pending_recvs.values()),
             persists=self._pending_persists,
         )
         self._pending_loads, self._pending_recvs, self._pending_persists = {}, {}, []
+        self._pending_prefetches = []
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             if new.req_id in self._prefill:
@@ -159,6 +189,8 @@ class DualPathScheduler:
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         """Persist a finished decode/standalone request's new full blocks; True keeps its blocks until written."""
         self._hits.pop(request.request_id, None)
+        self._prefetches.pop(request.request_id, None)  # the worker drops its read ahead (finished_req_ids)
+        self._ready.pop(request.request_id, None)
         self._received.discard(request.request_id)
         if request.request_id in self._receiving:
             self._ended_receiving.add(request.request_id)
@@ -179,6 +211,9 @@ class DualPathScheduler:
         return True, None
 
     def update_connector_output(self, connector_output: Any) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, DualPathWorkerMeta):  # reads ahead that ended: their requests are scheduled next
+            self._ready.update({rid: tokens for rid, tokens in meta.ready.items() if rid in self._prefetches})
         self._persisting.difference_update(connector_output.finished_sending or ())
         received = connector_output.finished_recving or ()
         self._receiving.difference_update(received)

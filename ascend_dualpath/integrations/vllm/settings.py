@@ -50,9 +50,9 @@ def from_kv_transfer_config(kv_transfer_config: Any) -> ConnectorSettings:
         fabric=str(extra.get("fabric", "adpvllm")),
         timeout_s=timeout,
         device_id=device_id,
-        hccl_buffer_mb=int(_positive("hccl_buffer_mb", extra.get("hccl_buffer_mb", 64))),
-        host_buffer_mb=int(_positive("host_buffer_mb", extra.get("host_buffer_mb", 256))),
         persist_wait_s=_positive("persist_wait_s", extra.get("persist_wait_s", 5.0)),
+        hold_s=_positive("hold_s", extra.get("hold_s", 120.0)),
+        **_buffer_settings(extra),
         **side,
         **_engine_settings(extra),
     )
@@ -67,6 +67,16 @@ def _engine_settings(extra: dict) -> dict:
     if host is not None and not (isinstance(host, str) and host and host != "0.0.0.0"):
         raise ConfigError(f"{_key('mooncake_host')} must be an address peers can reach, got {host!r}")
     return {"engine": engine, "mooncake_protocol": protocol, "mooncake_host": host}
+
+
+def _buffer_settings(extra: dict) -> dict:
+    """The HCCL window, the host buffer and the cap of reads ahead in it (ConfigError names the key and value)."""
+    host_mb = int(_positive("host_buffer_mb", extra.get("host_buffer_mb", 256)))
+    prefetch_mb = _positive("prefetch_max_mb", extra.get("prefetch_max_mb", min(128, host_mb)))
+    if prefetch_mb > host_mb:
+        raise ConfigError(f"{_key('prefetch_max_mb')} must be <= host_buffer_mb ({host_mb}), got {prefetch_mb}")
+    hccl_mb = int(_positive("hccl_buffer_mb", extra.get("hccl_buffer_mb", 64)))
+    return {"hccl_buffer_mb": hccl_mb, "host_buffer_mb": host_mb, "prefetch_max_mb": prefetch_mb}
 
 
 def _side_settings(extra: dict) -> dict:

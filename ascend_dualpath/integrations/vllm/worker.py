@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Any
 
 import torch
@@ -29,13 +30,14 @@ from ascend_dualpath.dualpath.quarantine import Quarantine
 from ascend_dualpath.dualpath.settings import ConnectorSettings
 from ascend_dualpath.dualpath.side_channel import SideChannel
 from ascend_dualpath.errors import ProtocolError
-from ascend_dualpath.integrations.vllm.metadata import DualPathMetadata, PersistSpec
+from ascend_dualpath.integrations.vllm.metadata import DualPathMetadata, DualPathWorkerMeta, PersistSpec
 from ascend_dualpath.integrations.vllm.persisting import PersistAnnouncements, Persister
 from ascend_dualpath.kv.layout import KVLayout
 from ascend_dualpath.kv.read_queue import ReadQueue
 from ascend_dualpath.kv.store import LocalBlockStore
 
 log = logging.getLogger(__name__)
+IDLE_STEP_S = 0.005  # a step with only reads ahead pending: ready() is polled at most ~200 times a second
 
 
 class DualPathWorker:
@@ -70,6 +72,7 @@ class DualPathWorker:
         self.prefill = PrefillSide(settings, layout, store, self.read_queue, self.counters, self.quarantine)
         self.decode = DecodeSide(settings, layout, store, self.read_queue, self.counters, self.quarantine)
         self._finished_sending: set[str] = set()
+        self._step_idle = True  # the last step had nothing but reads ahead
         # vLLM's metrics (stats_since_last): the counters as last handed over, and layer waits not yet handed over
         self._reported: dict[str, int] = {}
         self._reported_quarantine: int | None = None
@@ -109,7 +112,10 @@ class DualPathWorker:
     # -- the step ------------------------------------------------------------------------------------------------------
     def start_step(self, meta: DualPathMetadata) -> None:
         """Everything of one step that must precede its forward: vLLM calls ``start_load_kv`` after the forward
-        when no request of the step loads synchronously, but binds the metadata before it."""
+        when no request of the step loads synchronously, but binds the metadata before it. Reads ahead start here
+        and are not waited for."""
+        self._step_idle = not (meta.loads or meta.saves or meta.recvs or meta.persists)
+        self.prefill.prefetch(meta.prefetches)
         self.prefill.start(meta.loads, meta.saves)
         for spec in meta.recvs:
             self.decode.add_recv(spec)
@@ -132,6 +138,14 @@ class DualPathWorker:
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.prefill.block_ids_with_load_errors()
+
+    def build_worker_meta(self) -> DualPathWorkerMeta | None:
+        """The reads ahead that ended since the last call (None: none). While only reads ahead are pending, vLLM
+        steps with nothing to compute; each such step waits ``IDLE_STEP_S`` here so the loop does not spin a core."""
+        ready = self.prefill.ready()
+        if not ready and self._step_idle and self.prefill.pending_prefetches():
+            time.sleep(IDLE_STEP_S)
+        return DualPathWorkerMeta(ready) if ready else None
 
     # -- the side channel --------------------------------------------------------------------------------------------
     def _handle(self, message: m.Request) -> m.Reply:

@@ -417,8 +417,13 @@ def test_a_failed_load_keeps_its_window_slots_while_the_des_pushes_may_still_lan
     rows = Deployment.true_rows(15, 21)
     pe_req, de_req = d.request("pe0", "de0", rows, 2, "de")
     d.expect_recv("de0", de_req)
-    nic = de.dataplane.device.nic
-    nic.set_paused(True)  # the DE's pushes into the PE's slots are posted and wait there
+    nic, on_start = de.dataplane.device.nic, de.decode._on_start
+
+    def start_paused(message: m.Start) -> m.Ok:
+        nic.set_paused(True)  # the DE read its half; the pushes the start lets go are posted and wait in its NIC
+        return on_start(message)
+
+    de.decode._on_start = start_paused
     try:
         assert d.prefill("pe0", pe_req) == set()  # read by the PE instead, every layer before its attention
         assert pe.counters.takeovers == 1

@@ -13,6 +13,8 @@ import torch
 from ascend_dualpath.errors import AdpError, ArgumentTypeError, ConfigError
 from ascend_dualpath.integrations.vllm.metadata import PersistSpec
 from ascend_dualpath.integrations.vllm.persisting import PersistAnnouncements, Persister
+from ascend_dualpath.kv import store as store_mod
+from ascend_dualpath.kv.faults import FaultInjector
 from ascend_dualpath.kv.layout import KVLayout, block_hashes
 from ascend_dualpath.kv.store import LocalBlockStore
 
@@ -83,27 +85,33 @@ def _persist_and_wait(persister: Persister, spec: PersistSpec, block) -> None:
         time.sleep(0.01)
 
 
+@pytest.mark.parametrize("mode", ["syncfs", "fsync"])
 @pytest.mark.parametrize("blocks", [1, 6])
-def test_a_request_is_persisted_with_one_fsync_per_block_and_one_per_directory(tmp_path, monkeypatch, blocks):
-    """A request of N new blocks costs N fsyncs (each block's file) plus one per directory its blocks went to
-    (their ``blocks/<id[:2]>`` shards, and ``blocks`` itself when a shard was created), not two per block; the
-    blocks read back bit-exact and no announcement is left."""
+def test_a_request_is_persisted_with_one_sync_round(tmp_path, monkeypatch, blocks, mode):
+    """A request of N new blocks costs one syncfs for its files and one for their renames (``syncfs`` mode), or N
+    fsyncs (each block's file) plus one per directory its blocks went to (``fsync`` mode: their ``blocks/<id[:2]>``
+    shards, and ``blocks`` itself when a shard was created): about two per block, as blocks land in different
+    shards; the blocks read back bit-exact and no announcement is left."""
     layout = KVLayout.mla_fp8(num_layers=2, block_tokens=4)
-    store = LocalBlockStore(tmp_path, layout)
+    store = LocalBlockStore(tmp_path, layout, sync=mode)
     ids = block_hashes(list(range(4 * blocks)), 4, namespace=layout.fingerprint())
     payloads = torch.randint(0, 256, (blocks, layout.full_block_bytes), dtype=torch.uint8)
     announcements = PersistAnnouncements(tmp_path, 60.0)
     announcements.announce(ids)
-    fsyncs = []
-    real_fsync = os.fsync
+    fsyncs, syncfs = [], []
+    real_fsync, real_syncfs = os.fsync, store_mod._syncfs
     monkeypatch.setattr(os, "fsync", lambda fd: (fsyncs.append(fd), real_fsync(fd))[1])
+    monkeypatch.setattr(store_mod, "_syncfs", lambda fd: (syncfs.append(fd), real_syncfs(fd))[1])
     persister = Persister(store, announcements, SimpleNamespace(persisted_blocks=0, failures=0))
     try:
         _persist_and_wait(persister, PersistSpec("r", 0, ids, list(range(blocks))), lambda i: payloads[i].clone())
     finally:
         persister.close()
     shards = {store.path_of(block_id).parent for block_id in ids}
-    assert len(fsyncs) == blocks + len(shards) + 1  # + 1: ``blocks``, where every shard was new
+    if mode == "syncfs":
+        assert (len(fsyncs), len(syncfs)) == (0, 2)
+    else:  # + 1: ``blocks``, where every shard was new
+        assert (len(fsyncs), len(syncfs)) == (blocks + len(shards) + 1, 0)
     assert persister.counters.persisted_blocks == blocks and store.longest_prefix(ids) == blocks
     out = torch.empty(layout.full_block_bytes, dtype=torch.uint8)
     for block_id, payload in zip(ids, payloads, strict=True):
@@ -111,3 +119,25 @@ def test_a_request_is_persisted_with_one_fsync_per_block_and_one_per_directory(t
         assert torch.equal(out, payload)
     assert not any(announcements.pending(block_id) for block_id in ids)
     store.close()
+
+
+def test_a_crash_between_writing_and_syncing_a_request_leaves_none_of_its_blocks_stored(tmp_path):
+    """The writer dies after a request's block files are written, before they are made durable: none of its blocks
+    is indexed or visible, so no lookup (here or in a restarted instance) finds one; only temporaries remain (removed
+    once stale, tests/kv/test_store.py)."""
+    layout = KVLayout.mla_fp8(num_layers=2, block_tokens=4)
+    faults = FaultInjector()
+    store = LocalBlockStore(tmp_path, layout, faults=faults)
+    ids = block_hashes(list(range(12)), 4, namespace=layout.fingerprint())
+    announcements = PersistAnnouncements(tmp_path, 60.0)
+    persister = Persister(store, announcements, SimpleNamespace(persisted_blocks=0, failures=0))
+    faults.crash_next_write_before_sync()
+    try:
+        block = lambda i: torch.full((layout.full_block_bytes,), i, dtype=torch.uint8)  # noqa: E731
+        _persist_and_wait(persister, PersistSpec("r", 0, ids, [0, 1, 2]), block)
+    finally:
+        persister.close()
+    assert persister.counters.persisted_blocks == 0 and store.longest_prefix(ids) == 0
+    assert not any(store.path_of(block_id).exists() for block_id in ids)
+    assert LocalBlockStore(tmp_path, layout).longest_prefix(ids) == 0
+    assert len(list((tmp_path / "blocks").rglob(".*.tmp"))) == 3

@@ -1,7 +1,8 @@
 """The DualPath connector's scheduler half on vLLM's real Scheduler (no model, no worker).
 
-Hits from the block store are counted block-aligned and below the prompt length; the read path the proxy chose
-reaches the worker in the metadata; the DE receives asynchronously (``WAITING_FOR_REMOTE_KVS`` until
+Hits from the block store are counted block-aligned and below the prompt length; a hit is read before the batch:
+the request is skipped (its read ahead in the step's metadata) until the worker reports the reads ended, then
+scheduled with the good prefix; the read path the proxy chose reaches the worker in the metadata; the DE receives asynchronously (``WAITING_FOR_REMOTE_KVS`` until
 ``finished_recving``); an injected load error (``invalid_block_ids``) under ``recompute`` and ``fail``; finished
 requests persist their new full blocks.
 """
@@ -17,6 +18,7 @@ pytest.importorskip("vllm")
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
+from ascend_dualpath.integrations.vllm.metadata import DualPathWorkerMeta  # noqa: E402
 from ascend_dualpath.integrations.vllm.settings import store_ids  # noqa: E402
 from ascend_dualpath.kv.store import LocalBlockStore
 from tests.integrations.vllm.scheduler_harness import (  # noqa: E402
@@ -68,6 +70,25 @@ def persist_prefix(scheduler, request, num_blocks: int) -> list[bytes]:
     return store_ids(connector.namespace, request.block_hashes)
 
 
+def report_read(scheduler, req_id: str, good: int | None = None):
+    """The read ahead of ``req_id``: its first step emits it (no block table yet) and schedules nothing of the
+    request; the next step's output reports the reads ended with ``good`` tokens (default: the whole hit). Returns
+    the read ahead; the step after schedules the request."""
+    scheduled, _ = step(scheduler)
+    (spec,) = [p for p in scheduled.kv_connector_metadata.prefetches if p.req_id == req_id]
+    assert req_id not in scheduled.num_scheduled_tokens and spec.block_ids == []
+    report = DualPathWorkerMeta({req_id: spec.hit_tokens if good is None else good})
+    scheduled, _ = step(scheduler, kv_connector_worker_meta=report)
+    assert req_id not in scheduled.num_scheduled_tokens and scheduled.kv_connector_metadata.prefetches == []
+    return spec
+
+
+def read_ahead(scheduler, req_id: str, good: int | None = None):
+    """:func:`report_read`, then the step that schedules the request: ``(scheduled, outputs)``."""
+    report_read(scheduler, req_id, good)
+    return step(scheduler)
+
+
 # -- hits ---------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("length", "stored", "hit"),
@@ -78,7 +99,7 @@ def test_store_hits_are_block_aligned_and_below_the_prompt_length(instance, leng
     request = make_request(config, "r", prompt(1000 * length + stored, length))
     ids = persist_prefix(scheduler, request, stored)
     scheduler.add_request(request)
-    scheduled, _ = step(scheduler)
+    scheduled, _ = read_ahead(scheduler, "r") if hit else step(scheduler)
 
     (new,) = scheduled.scheduled_new_reqs
     assert new.num_computed_tokens == hit and scheduled.num_scheduled_tokens == {"r": length - hit}
@@ -115,7 +136,7 @@ def test_the_path_chosen_reaches_the_worker_in_the_metadata(instance, path):
     request = make_request(config, "p", prompt(11, 100), max_tokens=1, kv_transfer_params=dualpath("prefill", path))
     persist_prefix(scheduler, request, 2)
     scheduler.add_request(request)
-    scheduled, _ = step(scheduler)
+    scheduled, _ = read_ahead(scheduler, "p")
 
     meta = scheduled.kv_connector_metadata
     (load,) = meta.loads
@@ -193,6 +214,7 @@ def test_a_bad_block_of_a_store_load(instance, policy):
     request = make_request(config, "r", prompt(41 if policy == "fail" else 42, 100))
     persist_prefix(scheduler, request, 3)
     scheduler.add_request(request)
+    report_read(scheduler, "r")
     scheduled = scheduler.schedule()
     (load,) = scheduled.kv_connector_metadata.loads
     outputs = scheduler.update_from_output(
@@ -293,13 +315,14 @@ def test_the_next_turn_on_another_instance_waits_for_the_blocks_being_persisted(
 
     second = make_request(config, "b", [*tokens, *first.output_token_ids, *prompt(74, 40)])
     other.add_request(second)
-    for _ in range(3):  # held back: admitting it now would recompute what the first turn is writing
+    for _ in range(3):  # held back, not even read ahead: admitting it now would recompute what the first turn writes
         scheduled, _ = step(other)
         assert scheduled.scheduled_new_reqs == [] and second.num_computed_tokens == 0
+        assert scheduled.kv_connector_metadata.prefetches == []
 
     persist_prefix(finishing, first, 3)  # the DE's worker writes the blocks, then withdraws the announcement
     finishing.connector._scheduler.announcements.withdraw(announced)
-    scheduled, _ = step(other)
+    scheduled, _ = read_ahead(other, "b")
     (new,) = scheduled.scheduled_new_reqs
     assert new.num_computed_tokens == 96
 
@@ -315,3 +338,76 @@ def test_a_stale_announcement_does_not_hold_a_request_back(instance, monkeypatch
     scheduled, _ = step(scheduler)
     (new,) = scheduled.scheduled_new_reqs
     assert new.num_computed_tokens == 0  # recomputed at once, not waited for
+
+
+# -- the read before the batch ---------------------------------------------------------------------------------------
+def test_a_stored_hit_is_not_scheduled_before_it_has_been_read(instance):
+    """However many steps pass, a request whose hit is being read is not scheduled (vLLM's other requests are) and
+    its read ahead is asked once; once the worker reports it, the request is scheduled with the full hit."""
+    config, scheduler = instance()
+    request = make_request(config, "r", prompt(81, 100))
+    persist_prefix(scheduler, request, 3)
+    other = make_request(config, "o", prompt(82, 40))
+    scheduler.add_request(request)
+    scheduler.add_request(other)
+    scheduled, _ = step(scheduler)
+    (spec,) = scheduled.kv_connector_metadata.prefetches
+    assert (spec.req_id, spec.computed, spec.hit_tokens, spec.prompt_tokens, spec.block_ids) == ("r", 0, 96, 100, [])
+    assert set(scheduled.num_scheduled_tokens) == {"o"}  # the other request is not held up
+    for _ in range(4):
+        scheduled, _ = step(scheduler)
+        assert "r" not in scheduled.num_scheduled_tokens and scheduled.kv_connector_metadata.prefetches == []
+        assert request.num_computed_tokens == 0 and request.status == RequestStatus.WAITING
+    step(scheduler, kv_connector_worker_meta=DualPathWorkerMeta({"r": 96}))
+    scheduled, _ = step(scheduler)
+    (new,) = scheduled.scheduled_new_reqs
+    assert new.num_computed_tokens == 96 and scheduled.num_scheduled_tokens == {"r": 4}
+    (load,) = scheduled.kv_connector_metadata.loads
+    assert (load.computed, load.hit_tokens, load.block_ids) == (0, 96, list(new.block_ids[0]))
+
+
+@pytest.mark.parametrize("good", [64, 32, 0])
+def test_a_shorter_good_prefix_is_taken_and_the_rest_computed(instance, good):
+    """A block of the read failed: the worker reports the prefix before it, vLLM computes the rest; nothing is
+    reported invalid (the load takes only good blocks)."""
+    config, scheduler = instance()
+    request = make_request(config, "r", prompt(83 + good, 100))
+    persist_prefix(scheduler, request, 3)
+    scheduler.add_request(request)
+    scheduled, _ = read_ahead(scheduler, "r", good)
+    (new,) = scheduled.scheduled_new_reqs
+    assert new.num_computed_tokens == good and scheduled.num_scheduled_tokens == {"r": 100 - good}
+    (load,) = scheduled.kv_connector_metadata.loads  # taken even with no good block: the worker lets go of the read
+    assert (load.computed, load.hit_tokens) == (0, good)
+
+
+def test_a_request_aborted_while_reading_ahead_is_forgotten(instance):
+    """The abort reaches the worker in ``finished_req_ids`` (it drops the read ahead); a late report is ignored."""
+    config, scheduler = instance()
+    request = make_request(config, "r", prompt(90, 100))
+    persist_prefix(scheduler, request, 3)
+    scheduler.add_request(request)
+    step(scheduler)
+    scheduler.finish_requests("r", RequestStatus.FINISHED_ABORTED)
+    scheduled, _ = step(scheduler, kv_connector_worker_meta=DualPathWorkerMeta({"r": 96}))
+    assert "r" in scheduled.finished_req_ids and scheduled.num_scheduled_tokens == {}
+    side = scheduler.connector._scheduler
+    assert not side._prefetches and not side._ready and not side._hits
+
+
+def test_a_preempted_prefill_is_read_ahead_again(instance):
+    """vLLM preempts a running request (its blocks freed): the next time it is considered, its hit is read ahead
+    again before it is scheduled."""
+    config, scheduler = instance()
+    request = make_request(config, "r", prompt(91, 100), max_tokens=8)
+    persist_prefix(scheduler, request, 3)
+    scheduler.add_request(request)
+    read_ahead(scheduler, "r")
+    assert request.status == RequestStatus.RUNNING
+    assert scheduler.reset_prefix_cache(reset_running_requests=True)  # preempts every running request
+    assert request.status == RequestStatus.PREEMPTED
+    spec = report_read(scheduler, "r")
+    assert (spec.computed, spec.hit_tokens) == (0, 96)
+    generated = len(request.output_token_ids)
+    scheduled, _ = step(scheduler)
+    assert scheduled.num_scheduled_tokens["r"] == 100 + generated - 96  # the hit, then the rest computed again

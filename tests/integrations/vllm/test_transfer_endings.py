@@ -240,10 +240,10 @@ def _connected(d: Deployment):
 
 
 def _de_plan(d: Deployment, window: int, **overrides) -> m.Plan:
-    """A DE-path plan of 2 hit blocks and 3 new tokens whose slots lie in the PE's window."""
+    """A DE-path plan of 2 hit blocks and 3 new tokens (its start names slots in the PE's ``window``)."""
     fields = dict(pe=d.instances["pe0"].address, xfer_id="bad", path="de", hit_tokens=2 * BLOCK,
-                  prompt_tokens=2 * BLOCK + 3, load_start=0, store_ids=[bytes(16)] * 2, slots=[window, window + 4096],
-                  notify_base=0, magics=[7] * LAYERS, abort_magic=9)  # fmt: skip
+                  prompt_tokens=2 * BLOCK + 3, load_start=0, store_ids=[bytes(16)] * 2,
+                  notify_base=0, magics=[7] * LAYERS, abort_magic=9, ready_magic=11)  # fmt: skip
     return m.Plan(**{**fields, **overrides})
 
 
@@ -256,11 +256,14 @@ BAD_PLANS = {
     "store ids": (dict(store_ids=[bytes(16)]), "store ids"),
     "store id bytes": (dict(store_ids=[bytes(16), bytes(3)]), "store ids"),
     "pe share": (dict(pe_blocks=3), "pe_blocks 3"),
-    "one slot": (dict(slots=[0]), "two slots"),
-    "slot outside the window": (dict(slots=[1 << 40, 1 << 40]), "inside the PE's window"),
     "notify group": (dict(notify_base=1 << 20), "notify_base"),
     "magics": (dict(magics=[7]), "notify value"),
     "zero magic": (dict(abort_magic=0), "notify value"),
+    "zero ready magic": (dict(ready_magic=0), "notify value"),
+}
+BAD_STARTS = {
+    "one slot": ([0], "two slots"),
+    "slot outside the window": ([1 << 40, 1 << 40], "inside the PE's window"),
 }
 
 
@@ -277,6 +280,26 @@ def test_a_plan_that_does_not_describe_one_request_is_refused_before_anything_is
     assert "bad" not in de._xfers and de.dataplane.host.stats().live_leases == leases
     de._on_plan(_de_plan(d, window, xfer_id="good"))  # the same plan with sound numbers is taken
     assert "good" in de._xfers
+
+
+@pytest.mark.parametrize("case", list(BAD_STARTS))
+def test_a_start_naming_slots_outside_the_pes_window_is_refused_and_nothing_is_pushed(deploy, case):
+    """The DE pushes only into two slots inside the PE's window, whatever a start names; a refused start leaves the
+    plan waiting for a sound one, and a second start is refused."""
+    d = deploy(1, 1)
+    de, window = _connected(d)
+    de._on_plan(_de_plan(d, window, xfer_id="s"))
+    slots, match = BAD_STARTS[case]
+    with pytest.raises(BoundsError, match=match):
+        de._on_start(m.Start(xfer_id="s", slots=slots))
+    xfer = de._xfers["s"]
+    assert not xfer.started.is_set() and xfer.slots == [] and xfer.pushes == []
+    de._on_start(m.Start(xfer_id="s", slots=[window, window + 4096]))
+    assert xfer.started.is_set() and xfer.slots == [window, window + 4096]
+    with pytest.raises(ProtocolError, match="started already"):
+        de._on_start(m.Start(xfer_id="s", slots=[window, window + 4096]))
+    with pytest.raises(ProtocolError, match="no plan here"):
+        de._on_start(m.Start(xfer_id="nobody", slots=[]))
 
 
 def test_rows_and_consumed_layers_outside_the_request_are_refused(deploy):

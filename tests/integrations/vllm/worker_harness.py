@@ -103,6 +103,7 @@ class Deployment:
         self.fabric = f"t{os.getpid()}x{secrets.token_hex(4)}"
         self.instances: dict[str, Instance] = {}
         self._ids = itertools.count()
+        self.layer_waits: list[float] = []  # every wait_for_layer_load of prefill(), in seconds
         snic = snic or {}
         try:
             for i, role in enumerate(["prefill"] * num_pe + ["decode"] * num_de):
@@ -178,19 +179,43 @@ class Deployment:
         with inst.lock:
             inst.worker.start_step(DualPathMetadata(recvs=[spec]))
 
-    def prefill(self, pe: str, req: PeRequest, *, check_layers: bool = True) -> set[int]:
+    def read_ahead(self, pe: str, reqs: list[PeRequest]) -> float:
+        """One step that reads ``reqs``' hits ahead of their steps (as the scheduler half asks at first sight, with
+        no block table yet); returns how long the step took (s)."""
+        specs = [LoadSpec(r.req_id, r.xfer, 0, r.hit_tokens, r.prompt, r.store_ids, []) for r in reqs]
+        start = time.monotonic()
+        self.instances[pe].worker.start_step(DualPathMetadata(prefetches=specs))
+        return time.monotonic() - start
+
+    def await_ready(self, pe: str, req_ids: set[str], timeout_s: float = TIMEOUT_S) -> dict[str, int]:
+        """Poll the PE (as vLLM's steps do) until every read ahead of ``req_ids`` ended: request id -> good tokens."""
+        worker, ready = self.instances[pe].worker, {}
+        deadline = time.monotonic() + timeout_s
+        while not req_ids <= ready.keys():
+            assert time.monotonic() < deadline, f"reads ahead of {sorted(req_ids - ready.keys())} did not end"
+            meta = worker.build_worker_meta()
+            ready |= meta.ready if meta is not None else {}
+            time.sleep(0.002)
+        return ready
+
+    def prefill(self, pe: str, req: PeRequest, *, check_layers: bool = True, hit_tokens: int | None = None) -> set[int]:
         """One PE request's forward (and the recompute step after a failed load); returns the blocks reported bad.
 
+        ``hit_tokens``: what the step takes of the hit (default: all of it; after a read ahead, what it reported).
         With ``check_layers``, asserts after each ``wait_for_layer_load(l)`` of a load that did not fail that the
         PE cache holds layer ``l``'s hit rows (the layer order: rows are there before the layer's attention).
         """
         inst = self.instances[pe]
         worker, names = inst.worker, inst.layer_names()
+        if hit_tokens is not None:
+            req = dataclasses.replace(req, hit_tokens=hit_tokens)
         load = LoadSpec(req.req_id, req.xfer, 0, req.hit_tokens, req.prompt, req.store_ids, req.block_ids)
         save = SaveSpec(req.req_id, req.xfer, req.hit_tokens, req.prompt, req.block_ids)
         worker.start_step(DualPathMetadata(loads=[load], saves=[save]))
         for layer, name in enumerate(names):
+            started = time.monotonic()
             worker.wait_for_layer_load(name)
+            self.layer_waits.append(time.monotonic() - started)
             cache = inst.caches[layer]
             if check_layers and not worker.prefill._invalid_blocks and req.hit_tokens:
                 got = ADAPTER.read_tokens(cache, req.block_ids, 0, req.hit_tokens)
