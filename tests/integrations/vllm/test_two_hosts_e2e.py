@@ -133,7 +133,7 @@ def two_hosts(model, tmp_path_factory):
 
 def _proxy(d: TwoHosts, policy: str) -> tuple[subprocess.Popen, str]:
     """The proxy beside the PE (namespace 0), told both instances by address; its URL once it answers."""
-    port = pick_instance_ports(1)[0]
+    port = d.hosts.call(0, lambda: pick_instance_ports(1)[0], CALL_S)  # free where the proxy runs: beside the PE
     a = d.hosts.addrs
     argv = [
         sys.executable, "-m", "ascend_dualpath", "proxy", "--port", str(port), "--policy", policy, "--timeout", "20",
