@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
 import socket
 import statistics
@@ -29,6 +28,8 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from ascend_dualpath.bench.netns import Hosts, unavailable  # noqa: E402
+
 BLOCK, BLOCKS, POOL = 42 * 1024, 61, 64
 BIG = 64 << 20
 CASES = (("61 x 42 KiB", BLOCKS * BLOCK), ("64 MiB", BIG))
@@ -37,47 +38,13 @@ READY_TIMEOUT_S = 120.0  # the roles import torch and Mooncake before they answe
 RUN_TIMEOUT_S = 600.0
 
 
-def run(*command: str) -> None:
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=30)
-
-
-class Hosts:
-    """Two namespaces joined by a veth pair; ``close`` removes them (the veth pair goes with them)."""
-
-    def __init__(self) -> None:
-        tag = os.getpid() % 100000
-        self.names = (f"adp-mc-{tag}-s", f"adp-mc-{tag}-r")
-        self.ifaces = (f"adpmc{tag}s", f"adpmc{tag}r")
-        net = tag % 250
-        self.addrs = (f"10.231.{net}.1", f"10.231.{net}.2")
-        self.made: list[str] = []
-
-    def __enter__(self) -> Hosts:
-        for name in self.names:
-            run("ip", "netns", "add", name)
-            self.made.append(name)
-        run("ip", "link", "add", self.ifaces[0], "type", "veth", "peer", "name", self.ifaces[1])
-        for name, iface in zip(self.names, self.ifaces, strict=True):
-            run("ip", "link", "set", iface, "netns", name)
-        for name, iface, addr in zip(self.names, self.ifaces, self.addrs, strict=True):
-            run("ip", "-n", name, "addr", "add", f"{addr}/30", "dev", iface)
-            run("ip", "-n", name, "link", "set", iface, "up")
-            run("ip", "-n", name, "link", "set", "lo", "up")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for name in self.made:
-            subprocess.run(["ip", "netns", "del", name], stderr=subprocess.DEVNULL, timeout=30)
-        for iface in self.ifaces:  # left in this namespace only when moving it failed
-            subprocess.run(["ip", "link", "del", iface], stderr=subprocess.DEVNULL, timeout=30)
-
-    def spawn(self, side: int, *args: str) -> subprocess.Popen:
-        """This script in role ``args`` inside namespace ``side`` (0: sender, 1: receiver), in its own group."""
-        env = dict(os.environ, PYTHONPATH=ROOT, GLOO_SOCKET_IFNAME=self.ifaces[side])
-        command = ["ip", "netns", "exec", self.names[side], sys.executable, os.path.abspath(__file__), *args]
-        return subprocess.Popen(
-            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, start_new_session=True, text=True
-        )
+def spawn(hosts: Hosts, side: int, *args: str) -> subprocess.Popen:
+    """This script in role ``args`` inside namespace ``side`` (0: sender, 1: receiver), in its own group."""
+    env = dict(os.environ, PYTHONPATH=ROOT, GLOO_SOCKET_IFNAME=hosts.ifaces[side])
+    command = hosts.command(side, [sys.executable, os.path.abspath(__file__), *args])
+    return subprocess.Popen(
+        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, start_new_session=True, text=True
+    )
 
 
 def read_line(proc: subprocess.Popen, timeout_s: float, what: str) -> str:
@@ -100,8 +67,9 @@ def stop(procs: list[subprocess.Popen]) -> None:
 
 
 def orchestrate(args: argparse.Namespace) -> int:
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        print("bench_mooncake: needs root and iproute2 (ip netns) to make its two hosts", file=sys.stderr)
+    why = unavailable()
+    if why is not None:
+        print(f"bench_mooncake: {why} (its two hosts)", file=sys.stderr)
         return 2
     # Ctrl-C and SIGTERM both unwind through the finally blocks below (SIGINT too where a shell started this in the
     # background, with SIGINT ignored)
@@ -110,11 +78,11 @@ def orchestrate(args: argparse.Namespace) -> int:
     procs: list[subprocess.Popen] = []
     try:
         with Hosts() as hosts:
-            receiver = hosts.spawn(1, "--role", "receiver", "--addr", hosts.addrs[1])
+            receiver = spawn(hosts, 1, "--role", "receiver", "--addr", hosts.addrs[1])
             procs.append(receiver)
             ready = read_line(receiver, READY_TIMEOUT_S, "receiver's addresses")
-            sender = hosts.spawn(
-                0, "--role", "sender", "--addr", hosts.addrs[0], "--iterations", str(args.iterations),
+            sender = spawn(
+                hosts, 0, "--role", "sender", "--addr", hosts.addrs[0], "--iterations", str(args.iterations),
                 "--warmup", str(args.warmup),
             )  # fmt: skip
             procs.append(sender)

@@ -28,7 +28,10 @@ COMMANDS = {
         "ascend_dualpath.cli.proxy",
         "OpenAI-compatible proxy placing requests on vLLM prefill and decode instances",
     ),
-    "serve": ("ascend_dualpath.cli.serve", "N prefill and M decode vLLM instances plus the proxy, on this machine"),
+    "serve": (
+        "ascend_dualpath.cli.serve",
+        "N prefill and M decode vLLM instances plus the proxy, on this machine; or one instance (--role)",
+    ),
 }
 
 

@@ -1,5 +1,6 @@
 """``python -m ascend_dualpath serve --model DIR [--prefill N --decode M] [options] [-- vllm serve args...]``: N PEs,
-M DEs and the proxy.
+M DEs and the proxy; ``serve --role prefill|decode --model DIR --host ADDR --port N --kv-port P --engine mooncake
+--store DIR [--node NAME] [--snic-mbps X] [-- VLLM_ARGS]``: one instance of a deployment across machines.
 
 See :mod:`ascend_dualpath.integrations.vllm.serve` for what starts, the CPU defaults and the clean-up.
 """
@@ -15,7 +16,32 @@ SNIC_MBPS = _args.positive_float(1e7)  # a storage-NIC cap, MB/s
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, metavar="DIR", help="model directory (e.g. from make-tiny-model)")
-    parser.add_argument("--port", type=_args.PORT, default=8000, help="the proxy's port (default 8000)")
+    parser.add_argument(
+        "--port",
+        type=_args.PORT,
+        default=8000,
+        help="the proxy's port; with --role this instance's HTTP port (default 8000)",
+    )
+    parser.add_argument(
+        "--role", choices=["prefill", "decode"], default=None,
+        help="start one instance of a deployment across machines (no proxy; docs/vllm.md, 'Across machines')",
+    )  # fmt: skip
+    parser.add_argument(
+        "--host", default="127.0.0.1", metavar="ADDR",
+        help="with --role: the IPv4 address the instance's HTTP API, side channel and Mooncake bind (default 127.0.0.1)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--kv-port", type=_args.PORT, default=None, metavar="P", help="with --role: the side channel's port"
+    )
+    parser.add_argument(
+        "--engine", default="emulator", metavar="ENGINE",
+        help="what moves the KV between a PE and a DE: emulator (one host, default) or mooncake (any hosts)",
+    )  # fmt: skip
+    parser.add_argument("--node", default=None, metavar="NAME", help="with --role: the storage NIC's name in metrics")
+    parser.add_argument(
+        "--side-token-file", default=None, metavar="FILE",
+        help="with --role: the deployment token, the same on every host and the proxy (default ADP_SIDE_TOKEN)",
+    )  # fmt: skip
     parser.add_argument(
         "--prefill", type=_args.positive_int(64), default=1, metavar="N", help="prefill (PE) instances (default 1)"
     )
@@ -145,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
         decode_groups=args.decode_groups, node_snic_mbps=caps,
         instance_args={name: tuple(shlex.split(value)) for name, value in args.instance_args}, layout=args.layout,
         placement=args.placement, split=args.split, alpha_tokens=args.alpha_tokens, beta_tokens=args.beta_tokens,
-        compute_quota_s=args.compute_quota, log_dir=args.log_dir,
+        compute_quota_s=args.compute_quota, log_dir=args.log_dir, engine=args.engine, role=args.role, host=args.host,
+        kv_port=args.kv_port, node=args.node, side_token_file=args.side_token_file,
     )  # fmt: skip
     return serve(opts)

@@ -8,8 +8,15 @@ the pair's first ``hello`` (the PE is rank 0 and the DE rank 1 of every pair; ra
 side channel instead of a process group). A device holds several communicators, so a PE has one link per DE it
 talks to and a DE one per PE. Layer blocks move through the link's
 :class:`~ascend_dualpath.dualpath.transfer_leg.TransportTransferLeg`, i.e. through the transfer engine's gates
-(``aiv`` from the PE's HCCL window, ``staging`` from a host buffer). The ``cuda`` and ``npu`` engines are not
-wired into the connector yet: :func:`open_dataplane` refuses them by name.
+(``aiv`` from the PE's HCCL window, ``staging`` from a host buffer).
+
+On the ``mooncake`` engine (``ConnectorSettings.engine``) the instances may live on different hosts: each link is a
+:class:`MooncakeLink`, one :class:`~ascend_dualpath.transport.mooncake.MooncakeTransferEngine` (its own session,
+its own notify area) that registers the instance's host region and, on the PE, the link's window; the hello
+carries a :class:`~ascend_dualpath.dualpath.messages.MooncakeRank` (the session, the registered buffers, the
+window) instead of the emulator's rank info. The halves see one interface, :class:`PairLink`'s: its ``comm`` is
+what they poll notifies on and draw magics from, its leg writes through the link's engine. The ``cuda`` and
+``npu`` engines are not wired into the connector yet: :func:`open_dataplane` refuses them by name.
 
 Memory of one instance:
 
@@ -22,16 +29,20 @@ Memory of one instance:
 
 from __future__ import annotations
 
+import itertools
 import os
+import secrets
 import threading
 from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from ascend_dualpath.backends import Backend, get_backend
 from ascend_dualpath.dualpath import messages as m
 from ascend_dualpath.dualpath.settings import ConnectorSettings
 from ascend_dualpath.dualpath.transfer_leg import ABORT_SLOT, KV_COMM_FIELDS, TransportTransferLeg
-from ascend_dualpath.errors import BackendUnavailable, BoundsError, CapacityError, ConfigError
+from ascend_dualpath.errors import BackendUnavailable, BoundsError, CapacityError, ConfigError, ProtocolError
 from ascend_dualpath.kv.buffers import HostBuffer
 from ascend_dualpath.kv.layout import KVLayout
 from ascend_dualpath.transport.engine import StagingPool
@@ -41,7 +52,20 @@ NOTIFY_SLOTS_PER_XFER = 3  # two layer slots and one abort flag per request whos
 NUM_NOTIFY_SLOTS = ABORT_SLOT  # slots [0, ABORT_SLOT) are ours; ABORT_SLOT is the engines' own
 SHM_DIR = "/dev/shm"
 EngineFactory = Callable[[Any, int], Any]  # (communicator, rank) -> the TransferEngine writing to that rank
-ENGINE_KIND = "emulator"  # the transfer engine every instance's dataplane moves KV bytes with
+ENGINE_KIND = "emulator"  # the transfer engine of the default dataplane (one host, the emulated fabric)
+ENGINES = ("emulator", "mooncake")  # the engines the connector's dataplane moves KV bytes with
+UNWIRED_ENGINES = ("cuda", "npu")  # transfer engines of the library the connector does not use yet
+
+
+def check_engine(engine: object, where: str) -> str:
+    """``engine`` if the connector can move KV with it; ConfigError naming the value otherwise (``where``: whose)."""
+    if engine in UNWIRED_ENGINES:
+        raise ConfigError(
+            f"{where} {engine!r}: the {engine} engine is not wired into the connector yet (use one of {', '.join(ENGINES)})"
+        )
+    if engine not in ENGINES:
+        raise ConfigError(f"{where} must be one of {', '.join(ENGINES)}, got {engine!r}")
+    return str(engine)
 
 
 def open_fabric(name: str, timeout_s: float):
@@ -77,8 +101,12 @@ class PairLink:
             dataplane.device, self.rank, 2, emu.comm_config(hcclBufferSize=settings.hccl_buffer_mb, **KV_COMM_FIELDS)
         )
         window = self.comm.windows_in
-        self.window = StagingPool(window.addr, window.size)
-        self.window_bytes = memoryview(window)
+        self._pools(window.addr, window.size, memoryview(window))
+
+    def _pools(self, window_addr: int, window_size: int, window_bytes: memoryview) -> None:
+        """The window's pool, the notify-slot groups, and no leg yet (every link's state beside its transport)."""
+        self.window = StagingPool(window_addr, window_size)
+        self.window_bytes = window_bytes
         self._lock = threading.Lock()
         self._notify_free = list(range(0, NUM_NOTIFY_SLOTS - NOTIFY_SLOTS_PER_XFER + 1, NOTIFY_SLOTS_PER_XFER))
         self.leg: TransportTransferLeg | None = None
@@ -158,6 +186,9 @@ class Dataplane:
     shutdown (closes every link). ``engines(comm, rank)`` makes the TransferEngine a link's leg writes to ``rank``
     with (None: the emulator's engines of the link's communicator)."""
 
+    link_type: type[PairLink] = PairLink
+    shared_fabric = True  # every instance's device is on one fabric: device ids must differ
+
     def __init__(self, settings: ConnectorSettings, rank: int, engines: EngineFactory | None = None) -> None:
         from ascend_dualpath import _ext
         from ascend_dualpath.backends import emulator as emu
@@ -194,7 +225,7 @@ class Dataplane:
         """
         with self._lock:
             taken = {key: other.peer_device for key, other in self.links.items() if key != peer}
-            if peer_device == self.device_id or peer_device in taken.values():
+            if self.shared_fabric and (peer_device == self.device_id or peer_device in taken.values()):
                 raise ConfigError(
                     f"device_id {peer_device} of {peer} is not unique: this instance is device {self.device_id}, "
                     f"its other peers are {taken}"
@@ -202,7 +233,7 @@ class Dataplane:
             old = self.links.pop(peer, None)
             if old is not None:
                 old.close()
-            link = self.links[peer] = PairLink(self, peer_device)
+            link = self.links[peer] = self.link_type(self, peer_device)
             return link
 
     def close(self) -> None:
@@ -213,17 +244,140 @@ class Dataplane:
             closable.close()
 
 
+class MooncakeNotify:
+    """What the halves use of a Mooncake link's ``comm``: the link engine's notify area (where the peer's notifies
+    land) and fresh magics. Magics count up from a random start, so a value left in a reused slot by an earlier
+    request, or by an earlier process of this link's address, never equals a fresh one."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self._magics = itertools.count(secrets.randbits(48) + 1)
+
+    def notify_value(self, slot: int) -> int:
+        return self.engine.notify_value(slot)
+
+    def next_magic(self) -> int:
+        return next(self._magics)
+
+
+class MooncakeLink(PairLink):
+    """A :class:`PairLink` over one :class:`~ascend_dualpath.transport.mooncake.MooncakeTransferEngine`: the peer
+    may be on another host. The engine registers the instance's host region and, on the PE, this link's window
+    (a host array of ``hccl_buffer_mb``: the layer slots the DE pushes into and the send buffers of layer saves);
+    the DE has no window. :meth:`local_info` is the :class:`~ascend_dualpath.dualpath.messages.MooncakeRank` the
+    hello carries."""
+
+    def __init__(self, dataplane: MooncakeDataplane, peer_device: int) -> None:
+        from ascend_dualpath.transport.mooncake import MooncakeTransferEngine
+
+        self.dataplane, self.peer_device = dataplane, peer_device
+        settings = dataplane.settings
+        self.rank, self.peer = dataplane.rank, 1 - dataplane.rank
+        self.engine = MooncakeTransferEngine(
+            self.peer,
+            hostname=dataplane.local_address,
+            protocol=settings.mooncake_protocol,
+            timeout_s=settings.timeout_s,
+        )
+        # the DE's window is one unused page: only the PE's layer slots and send buffers live in a window
+        window_bytes = settings.hccl_buffer_mb << 20 if self.rank == PE_RANK else 4096
+        self._window = np.zeros(window_bytes, np.uint8)
+        try:
+            addr, size, _ = dataplane.host_mem()
+            self.engine.register(addr, size)
+            self.engine.register(self._window)
+        except BaseException:
+            self.engine.close()
+            raise
+        self.comm = MooncakeNotify(self.engine)
+        self._pools(self._window.ctypes.data, self._window.nbytes, memoryview(self._window))
+        self._peer_window = (0, 0)
+
+    def local_info(self) -> m.MooncakeRank:
+        return m.MooncakeRank(self.engine.info(), (self.window.base_addr, self._window.nbytes))
+
+    def connect(self, peer_info: Any, peer_host_mem: tuple[int, int, int]) -> None:
+        """Write to the peer's Mooncake engine (``peer_info``: its :class:`~ascend_dualpath.dualpath.messages.
+        MooncakeRank`; probed now, so an unreachable peer fails the hello); its host region becomes writable."""
+        if not isinstance(peer_info, m.MooncakeRank):
+            raise ProtocolError(
+                f"the peer sent the rank info of another engine ({type(peer_info).__name__}); this link moves KV "
+                f"over Mooncake"
+            )
+        self.engine.connect(peer_info.engine)
+        self._peer_window = (int(peer_info.window[0]), int(peer_info.window[1]))
+        self.peer_host = (int(peer_host_mem[0]), int(peer_host_mem[1]))
+        self.leg = TransportTransferLeg(None, self.dataplane.settings.timeout_s, engines=self._engine_to)
+
+    def _engine_to(self, rank: int) -> Any:
+        if rank != self.peer:
+            raise ConfigError(f"a Mooncake link writes only to its peer, rank {self.peer}, not to rank {rank}")
+        return self.engine
+
+    def peer_window(self) -> tuple[int, int]:
+        """``(addr, size)`` of the peer's window (the PE's layer slots), as its hello named it."""
+        return self._peer_window
+
+    def close(self) -> None:
+        try:
+            if self.leg is not None:
+                self.leg.close()
+        finally:
+            self.engine.close()
+
+
+class MooncakeDataplane(Dataplane):
+    """One instance's host buffer and its :class:`MooncakeLink` s: no device, no fabric, nothing in ``/dev/shm``.
+    Mooncake listens on ``settings.mooncake_host`` (None: the address peers reach the side channel at)."""
+
+    link_type = MooncakeLink
+    shared_fabric = False  # device ids name no memory here; peers on other hosts may share one
+
+    def __init__(self, settings: ConnectorSettings, rank: int) -> None:
+        from ascend_dualpath.transport.mooncake import load_mooncake
+
+        load_mooncake()  # BackendUnavailable naming what is missing, before anything is allocated
+        self.settings, self.rank, self.engines = settings, rank, None
+        self.local_address = settings.mooncake_host or settings.side_advertise or settings.side_host
+        self.host = HostBuffer(
+            settings.host_buffer_mb << 20,
+            role="pe_buffer" if rank == PE_RANK else "de_buffer",
+            timeout_s=settings.timeout_s,
+        )
+        self.host_region = self.host.backing
+        self.links: dict[str, PairLink] = {}
+        self._lock = threading.Lock()
+
+    def compat(self, layout: KVLayout) -> m.Compat:
+        return m.Compat.of(layout, f"mooncake-{self.settings.mooncake_protocol}")
+
+    def host_mem(self) -> tuple[int, int, int]:
+        """``(addr, size, 0)`` of the host buffer's backing (Mooncake needs no key)."""
+        registration = self.host.registration
+        return int(registration.addr), int(registration.size), 0
+
+    def close(self) -> None:
+        for link in self.links.values():
+            link.close()
+        self.links.clear()
+
+
 def open_dataplane(
     settings: ConnectorSettings, rank: int, backend: str | Backend = "auto", engines: EngineFactory | None = None
 ) -> Dataplane:
-    """The dataplane of ``backend`` (``auto`` through :func:`~ascend_dualpath.backends.get_backend`); ``engines``
-    as :class:`Dataplane` takes it."""
+    """The dataplane of ``settings.engine``: ``mooncake`` (any hosts), else the emulator's on ``backend`` (``auto``
+    through :func:`~ascend_dualpath.backends.get_backend`); ``engines`` as :class:`Dataplane` takes it (emulator
+    only)."""
+    if rank not in (PE_RANK, DE_RANK):
+        raise ConfigError(f"rank must be {PE_RANK} (PE) or {DE_RANK} (DE), got {rank}")
+    if check_engine(settings.engine, "engine") == "mooncake":
+        if engines is not None:
+            raise ConfigError("the mooncake dataplane makes its own engines (one per link); engines= is emulator-only")
+        return MooncakeDataplane(settings, rank)
     chosen = get_backend(backend) if isinstance(backend, str) else backend
     if chosen is not Backend.EMULATOR:
         raise BackendUnavailable(
-            f"the vLLM connector moves KV over the emulator's fabric only; backend "
+            f"the vLLM connector's emulator engine moves KV over the emulator's fabric only; backend "
             f"{chosen.value!r} has no connector dataplane yet"
         )
-    if rank not in (PE_RANK, DE_RANK):
-        raise ConfigError(f"rank must be {PE_RANK} (PE) or {DE_RANK} (DE), got {rank}")
     return Dataplane(settings, rank, engines)

@@ -27,6 +27,7 @@ import msgspec
 
 from ascend_dualpath.errors import ProtocolError
 from ascend_dualpath.kv.layout import KVLayout
+from ascend_dualpath.transport.mooncake import MooncakePeer
 
 # Bumped whenever a message's fields or meaning change: peers of different versions refuse each other at hello.
 # 2: the side channel frames every message (dualpath.side_channel.seal); a peer of 1 sends bare msgpack and is
@@ -70,6 +71,15 @@ class Speaks(msgspec.Struct, frozen=True):
         return cls(PROTOCOL_VERSION, compat, compat.digest)
 
 
+class MooncakeRank(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A Mooncake link's rank info (the ``rank_info`` of :class:`Hello` and :class:`Welcome` where the
+    :class:`Compat` engine is ``mooncake-<protocol>``): the link engine's ``engine`` info (its session, the
+    buffers it registered, its notify area) and the ``window`` ``(addr, size)`` holding the PE's layer slots."""
+
+    engine: MooncakePeer
+    window: tuple[int, int]
+
+
 class Message(msgspec.Struct, tag_field="op"):
     """Base of every control message (``op`` on the wire is the subclass's tag)."""
 
@@ -77,11 +87,12 @@ class Message(msgspec.Struct, tag_field="op"):
 # -- PE -> DE requests -------------------------------------------------------------------------------------------
 class Hello(Message, tag="hello"):
     """A PE's first message to a DE: who it is (``pe``: its side channel), its ``device_id`` on the fabric, its
-    communicator's ``rank_info``, its host region ``host_mem`` ``(addr, size, rkey)``, and what it speaks."""
+    link's ``rank_info`` (the emulated communicator's serialized rank info, or a :class:`MooncakeRank`), its host
+    region ``host_mem`` ``(addr, size, rkey)``, and what it speaks."""
 
     pe: str
     device_id: int
-    rank_info: bytes
+    rank_info: bytes | MooncakeRank
     host_mem: tuple[int, int, int]
     speaks: Speaks
 
@@ -184,9 +195,10 @@ class Error(Message, tag="error"):
 
 
 class Welcome(Message, tag="welcome"):
-    """The DE's answer to :class:`Hello`: its communicator's ``rank_info`` and host region ``host_mem``."""
+    """The DE's answer to :class:`Hello`: its link's ``rank_info`` (as :class:`Hello`'s) and host region
+    ``host_mem``."""
 
-    rank_info: bytes
+    rank_info: bytes | MooncakeRank
     host_mem: tuple[int, int, int]
 
 

@@ -59,6 +59,13 @@ class ConnectorSettings:
     prefetch_max_mb : float
         Cap of the host-buffer bytes this instance's loads read ahead of their steps hold at once; more loads wait
         (deferred, not refused) until some are taken.
+    engine : str
+        What moves the KV bytes between a PE and a DE: ``emulator`` (the emulated fabric of one host, the default)
+        or ``mooncake`` (the Mooncake Transfer Engine: the instances may be on different hosts).
+    mooncake_protocol : str
+        Mooncake's transport (``tcp``, ``rdma``, ``ascend``) on the ``mooncake`` engine.
+    mooncake_host : str or None
+        Address Mooncake listens on and publishes to peers (None: the address peers reach the side channel at).
     """
 
     role: str
@@ -78,6 +85,9 @@ class ConnectorSettings:
     side_advertise: str | None = None
     side_token: bytes | None = dataclasses.field(default=None, repr=False)
     side_max_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    engine: str = "emulator"
+    mooncake_protocol: str = "tcp"
+    mooncake_host: str | None = None
 
     @property
     def side_framing(self) -> dict:

@@ -1,4 +1,5 @@
-"""``serve``: N prefill (PE) and M decode (DE) ``vllm serve`` instances plus the DualPath proxy, on this machine.
+"""``serve``: N prefill (PE) and M decode (DE) ``vllm serve`` instances plus the DualPath proxy, on this machine; or,
+with ``--role``, one instance of a deployment whose parts run on several machines (:func:`role_plan`).
 
 The launcher picks free ports (each instance's HTTP port ``p`` and its side channel ``p + 100``), gives every
 instance its node, DE group, storage-NIC cap, ``device_id`` (its index: PEs 0..N-1, then DEs) and a share of this
@@ -19,6 +20,12 @@ Children die with the launcher even when it is killed with SIGKILL, by the rules
 :mod:`ascend_dualpath._process` for programs that are not the library's: each child runs in a process group of
 its own with ``PR_SET_PDEATHSIG``, and a group watcher SIGKILLs those groups when the launcher dies (vLLM's
 engine-core and worker processes do not follow a killed API server on their own; checked on vLLM 0.32.0 CPU).
+
+With ``--role prefill|decode`` serve starts one ``vllm serve`` instance with the connector, its HTTP API on
+``--host:--port`` and its side channel on ``--host:--kv-port``, moving KV over ``--engine mooncake`` (the emulator's
+fabric is one host's ``/dev/shm``), reading and writing the shared ``--store``; no proxy (the proxy, on any host, is
+told every instance's URL and ``kv=tcp://host:kv-port``). The deployment token comes from ``ADP_SIDE_TOKEN`` or
+``--side-token-file``, the same on every host and the proxy; the same lifecycle, logs and clean-up as above.
 
 ``ADP_VLLM_SERVE_CMD`` (tests): the command that replaces ``python -m vllm.entrypoints.openai.api_server``
 (the ``vllm serve`` server; see :func:`vllm_serve_command`).
@@ -52,7 +59,8 @@ from ascend_dualpath._process import (
     start_group_watcher,
     stop,
 )
-from ascend_dualpath.dualpath.side_channel import load_token, write_token
+from ascend_dualpath.dualpath.dataplane import ENGINES, check_engine
+from ascend_dualpath.dualpath.side_channel import check_bind, load_token, write_token
 from ascend_dualpath.errors import ConfigError, WaitTimeout
 from ascend_dualpath.integrations.vllm.cluster import NODE_PREFIX, SIDE_PORT_OFFSET
 
@@ -68,14 +76,16 @@ INSTANCE_ENV_DEFAULTS = {
     "HF_HUB_OFFLINE": "1",
 }
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+LOOPBACK = "127.0.0.1"
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float": 4, "half": 2}
 
 
 @dataclasses.dataclass(frozen=True)
 class InstancePlan:
     """One ``vllm serve`` child: ``name`` (``prefill<i>`` / ``decode<i>``), role, ``device_id`` (unique in the
-    deployment), HTTP ``port`` (side channel ``port + 100``), storage ``node``, DE ``group``, storage-NIC cap
-    (None: uncapped), thread binding, and the vLLM arguments for it alone (after the common ones)."""
+    deployment), HTTP ``port`` (side channel ``side_port``, None: ``port + 100``), storage ``node``, DE ``group``,
+    storage-NIC cap (None: uncapped), thread binding, the vLLM arguments for it alone (after the common ones), and
+    the ``host`` address its HTTP API and side channel bind."""
 
     name: str
     role: str
@@ -86,10 +96,16 @@ class InstancePlan:
     snic_mbps: float | None = None
     bind: str = "0"
     vllm_args: tuple[str, ...] = ()
+    host: str = LOOPBACK
+    side_port: int | None = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def kv_port(self) -> int:
+        return self.port + SIDE_PORT_OFFSET if self.side_port is None else self.side_port
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +114,8 @@ class ServePlan:
 
     ``vllm_args`` go to every ``vllm serve`` command unchanged, after the launcher's own arguments (and before
     an instance's own ``InstancePlan.vllm_args``); ``proxy_args`` go to the proxy. ``token_file``: the
-    deployment's side-channel token, handed to every instance and the proxy ("": none).
+    deployment's side-channel token, handed to every instance and the proxy ("": none). ``engine`` moves the KV
+    (``ConnectorSettings.engine``); ``proxy``: whether serve starts the proxy (not with ``--role``).
     """
 
     model: str
@@ -112,6 +129,8 @@ class ServePlan:
     load_failure_policy: str = "recompute"
     proxy_args: tuple[str, ...] = ()
     token_file: str = ""
+    engine: str = "emulator"
+    proxy: bool = True
 
 
 def _port_is_free(port: int) -> bool:
@@ -150,11 +169,15 @@ def kv_transfer_config(plan: ServePlan, inst: InstancePlan) -> dict:
     extra = {
         "store": plan.store,
         "node": inst.node,
-        "side_port": inst.port + SIDE_PORT_OFFSET,
+        "side_port": inst.kv_port,
         "fabric": plan.fabric,
         "timeout_s": plan.timeout_s,
         "device_id": inst.device_id,
     }
+    if inst.host != LOOPBACK:
+        extra["side_host"] = inst.host
+    if plan.engine != "emulator":
+        extra["engine"] = plan.engine
     if inst.snic_mbps is not None:
         extra["snic_mbps"] = inst.snic_mbps
     if plan.token_file:
@@ -180,12 +203,12 @@ def vllm_serve_command() -> list[str]:
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
 
 
-def server_argv(model: str, port: int, block_size: int = 32) -> list[str]:
-    """One vLLM OpenAI API server of ``model`` on 127.0.0.1:``port`` as ``serve`` starts its instances, without a
+def server_argv(model: str, port: int, block_size: int = 32, host: str = LOOPBACK) -> list[str]:
+    """One vLLM OpenAI API server of ``model`` on ``host``:``port`` as ``serve`` starts its instances, without a
     connector: with no more arguments it is the plain-vLLM reference the tests and the benchmark compare with."""
     return [
         *vllm_serve_command(), "--model", model,
-        "--host", "127.0.0.1", "--port", str(port),
+        "--host", host, "--port", str(port),
         "--enforce-eager", "--block-size", str(block_size),
         # the block store is the cache: vLLM's own prefix cache would serve repeated prefixes from HBM and hide
         # the storage reads DualPath schedules (an --enable-prefix-caching after -- wins)
@@ -196,7 +219,7 @@ def server_argv(model: str, port: int, block_size: int = 32) -> list[str]:
 def instance_argv(plan: ServePlan, inst: InstancePlan) -> list[str]:
     """The full command line of one ``vllm serve`` child."""
     return [
-        *server_argv(plan.model, inst.port, plan.block_size),
+        *server_argv(plan.model, inst.port, plan.block_size, inst.host),
         "--kv-transfer-config", json.dumps(kv_transfer_config(plan, inst), separators=(",", ":")),
         *plan.vllm_args, *inst.vllm_args,
     ]  # fmt: skip
@@ -370,7 +393,11 @@ class ServeOptions:
     instance on it gets that cap; others get ``snic_mbps``); ``instance_args``: vLLM arguments for one instance
     by name (``decode1``), after the common ``vllm_args``; ``layout``: a JSON file with the same per-instance
     facts (see :func:`load_layout`), which then also gives the counts; ``log_dir``: where every part's log goes
-    (default :func:`default_log_dir`).
+    (default :func:`default_log_dir`); ``engine``: what moves the KV (``emulator``, ``mooncake``).
+
+    ``role`` (``prefill`` / ``decode``): one instance of a multi-host deployment (module docstring): ``port`` is
+    its HTTP port, ``host`` the address it binds and publishes, ``kv_port`` its side channel, ``node`` its storage
+    NIC's name (default ``pe0`` / ``de0``), ``side_token_file`` the deployment token (else ``ADP_SIDE_TOKEN``).
     """
 
     model: str
@@ -396,8 +423,17 @@ class ServeOptions:
     beta_tokens: int | None = None
     compute_quota_s: float = 0.0
     log_dir: str | None = None
+    engine: str = "emulator"
+    role: str | None = None
+    host: str = LOOPBACK
+    kv_port: int | None = None
+    node: str | None = None
+    side_token_file: str | None = None
 
     def validate(self) -> None:
+        check_engine(self.engine, "--engine")
+        if self.role is not None:
+            self._validate_role()
         if not os.path.isdir(self.model):
             raise ConfigError(f"--model {self.model!r} is not a directory (make one with make-tiny-model)")
         if self.block_size <= 0 or self.block_size % 32:
@@ -410,6 +446,37 @@ class ServeOptions:
             raise ConfigError(f"--port {self.port} is not a TCP port")
         if self.prefill < 1 or self.decode < 1:
             raise ConfigError(f"--prefill {self.prefill} and --decode {self.decode} must both be >= 1")
+
+    # the options of a whole deployment on this machine, which --role (one instance) does not take
+    DEPLOYMENT_ONLY = {
+        "--prefill": ("prefill", 1), "--decode": ("decode", 1), "--nodes": ("nodes", ()),
+        "--decode-groups": ("decode_groups", ()), "--node-snic-mbps": ("node_snic_mbps", {}),
+        "--instance-args": ("instance_args", {}), "--layout": ("layout", None), "--split": ("split", False),
+        "--placement": ("placement", "scheduler"), "--policy": ("policy", "dual"), "--alpha-tokens": ("alpha_tokens", None),
+        "--beta-tokens": ("beta_tokens", None), "--compute-quota": ("compute_quota_s", 0.0),
+    }  # fmt: skip
+
+    def _validate_role(self) -> None:
+        """One instance of a multi-host deployment: ConfigError naming the first bad value, before any work."""
+        if self.role not in KV_ROLES:
+            raise ConfigError(f"--role {self.role!r} must be one of {', '.join(KV_ROLES)}")
+        given = [flag for flag, (name, default) in self.DEPLOYMENT_ONLY.items() if getattr(self, name) != default]
+        if given:
+            raise ConfigError(f"--role starts one instance: {', '.join(given)} belong to a deployment on one machine "
+                              "(give the proxy its own options)")  # fmt: skip
+        if self.engine != "mooncake":
+            raise ConfigError(f"--role needs --engine mooncake: {self.engine!r} moves KV only inside one host "
+                              f"(engines: {', '.join(ENGINES)})")  # fmt: skip
+        if self.kv_port is None or not 0 < self.kv_port < 65536 or self.kv_port == self.port:
+            raise ConfigError(f"--kv-port {self.kv_port} must be a TCP port other than --port {self.port}")
+        if not self.store or not os.path.isdir(self.store):
+            raise ConfigError(f"--store {self.store!r} must be an existing directory (the store every host mounts)")
+        if self.node is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.node):
+            raise ConfigError(f"--node {self.node!r} must be 1 to 64 letters, digits, '_', '.' or '-'")
+        token = load_token(self.side_token_file, "--side-token-file")
+        check_bind(self.host, None, token, {"side_host": "--host", "side_token_file": "--side-token-file"}.get)
+        if self.host == "0.0.0.0":
+            raise ConfigError("--host '0.0.0.0': give the address the other hosts reach this one at")
 
 
 LAYOUT_KEYS = {"prefill": {"node", "snic_mbps", "vllm_args"}, "decode": {"node", "group", "snic_mbps", "vllm_args"}}
@@ -504,7 +571,36 @@ def make_plan(opts: ServeOptions, store: str, cores: list[int] | None = None, to
         model=model, port=opts.port, store=store, block_size=opts.block_size, timeout_s=opts.timeout_s,
         fabric=f"serve{os.getpid()}x{secrets.token_hex(4)}", instances=instances, vllm_args=tuple(opts.vllm_args),
         load_failure_policy=opts.load_failure_policy, proxy_args=proxy_options(opts, model), token_file=token_file,
+        engine=opts.engine,
     )  # fmt: skip
+
+
+def role_plan(opts: ServeOptions, token_file: str = "") -> ServePlan:
+    """The plan of one instance (``opts.role``) of a multi-host deployment: no proxy, every core of this process."""
+    cores = sorted(os.sched_getaffinity(0))
+    inst = InstancePlan(
+        f"{opts.role}0", opts.role, 0 if opts.role == "prefill" else 1, opts.port,
+        opts.node or f"{NODE_PREFIX[opts.role]}0", snic_mbps=opts.snic_mbps, bind=omp_binds(1, cores)[0],
+        host=opts.host, side_port=opts.kv_port,
+    )  # fmt: skip
+    return ServePlan(
+        model=os.path.abspath(opts.model), port=opts.port, store=os.path.abspath(str(opts.store)),
+        block_size=opts.block_size, timeout_s=opts.timeout_s, fabric=f"serve{os.getpid()}x{secrets.token_hex(4)}",
+        instances=(inst,), vllm_args=tuple(opts.vllm_args), load_failure_policy=opts.load_failure_policy,
+        token_file=token_file, engine=opts.engine, proxy=False,
+    )  # fmt: skip
+
+
+def ready_line(plan: ServePlan, store: str) -> str:
+    """What serve prints once every part answers ``/health``."""
+    if not plan.proxy:
+        inst = plan.instances[0]
+        return (f"serve: ready at {inst.url}/v1 ({inst.name}, side channel tcp://{inst.host}:{inst.kv_port}, node "
+                f"{inst.node}, engine {plan.engine}; store {store})")  # fmt: skip
+    parts = ", ".join(f"{i.name} :{i.port} node {i.node}" for i in plan.instances)
+    return (
+        f"serve: ready at http://127.0.0.1:{plan.port}/v1 ({parts}; proxy {' '.join(plan.proxy_args)}; store {store})"
+    )
 
 
 def start_all(plan: ServePlan, log_dir: str, run_dir: str) -> list[Child]:
@@ -512,8 +608,10 @@ def start_all(plan: ServePlan, log_dir: str, run_dir: str) -> list[Child]:
     concurrently); every child's temporary files go to ``run_dir``."""
     children = []
     for inst in plan.instances:
-        children.append(start_child(inst.name, instance_argv(plan, inst), child_env(inst.bind, tmp=run_dir),
-                                    f"{inst.url}/health", log_dir))  # fmt: skip
+        env = child_env(inst.bind, tmp=run_dir) | ({"VLLM_HOST_IP": inst.host} if inst.host != LOOPBACK else {})
+        children.append(start_child(inst.name, instance_argv(plan, inst), env, f"{inst.url}/health", log_dir))
+    if not plan.proxy:
+        return children
     cluster_file = os.path.join(log_dir, "cluster.json")
     with open(cluster_file, "w") as f:
         json.dump(cluster_spec(plan), f)
@@ -563,7 +661,8 @@ def serve(opts: ServeOptions) -> int:
     the log directory is printed to stderr first and named again on every way out, and is never removed.
     """
     opts.validate()
-    instance_layout(opts)  # its errors before anything exists to clean up
+    if opts.role is None:
+        instance_layout(opts)  # its errors before anything exists to clean up
     log_dir = os.path.abspath(opts.log_dir or default_log_dir())
     try:
         os.makedirs(log_dir, exist_ok=True)
@@ -573,20 +672,21 @@ def serve(opts: ServeOptions) -> int:
     run_dir = new_run_dir()
     store = opts.store or os.path.join(run_dir, "store")
     os.makedirs(store, exist_ok=True)
-    # one token per deployment (ADP_SIDE_TOKEN when set, so the operator can ask the side channels too), so no
-    # other process of this machine can talk to its side channels; removed with the run directory
-    token_file = os.path.join(run_dir, "side_token")
-    write_token(token_file, load_token(None))
-    plan = make_plan(opts, store, token_file=token_file)
+    if opts.role is not None:  # the token every host shares: the given file, else ADP_SIDE_TOKEN (inherited)
+        plan = role_plan(opts, opts.side_token_file or "")
+    else:
+        # one token per deployment (ADP_SIDE_TOKEN when set, so the operator can ask the side channels too), so
+        # no other process of this machine can talk to its side channels; removed with the run directory
+        token_file = os.path.join(run_dir, "side_token")
+        write_token(token_file, load_token(None))
+        plan = make_plan(opts, store, token_file=token_file)
     children: list[Child] = []
     watcher = None
     try:
         children = start_all(plan, log_dir, run_dir)
         watcher = start_group_watcher([c.process.pid for c in children])
         wait_until_healthy(children, opts.startup_timeout_s)
-        parts = ", ".join(f"{i.name} :{i.port} node {i.node}" for i in plan.instances)
-        print(f"serve: ready at http://127.0.0.1:{plan.port}/v1 ({parts}; proxy {' '.join(plan.proxy_args)}; "
-              f"store {store})", flush=True)  # fmt: skip
+        print(ready_line(plan, store), flush=True)
         _serve_until_a_child_exits(children)
     except (WaitTimeout, RuntimeError, OSError) as exc:
         print(f"serve: {exc}", file=sys.stderr, flush=True)

@@ -7,10 +7,12 @@ import math
 from typing import Any
 
 from ascend_dualpath import _env
+from ascend_dualpath.dualpath.dataplane import check_engine
 from ascend_dualpath.dualpath.settings import UNCAPPED_BYTES_PER_S, ConnectorSettings
 from ascend_dualpath.dualpath.side_channel import MAX_FRAME_BYTES, MIN_FRAME_BYTES, check_bind, load_token
 from ascend_dualpath.errors import ConfigError
 from ascend_dualpath.kv.layout import BLOCK_ID_BYTES
+from ascend_dualpath.transport.mooncake import PROTOCOLS
 
 # vLLM's kv_role -> what this instance is in DualPath
 INSTANCE_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "standalone"}
@@ -52,7 +54,19 @@ def from_kv_transfer_config(kv_transfer_config: Any) -> ConnectorSettings:
         hold_s=_positive("hold_s", extra.get("hold_s", 120.0)),
         **_buffer_settings(extra),
         **side,
+        **_engine_settings(extra),
     )
+
+
+def _engine_settings(extra: dict) -> dict:
+    """The KV engine and, on ``mooncake``, its protocol and listening address (ConfigError names key and value)."""
+    engine = check_engine(extra.get("engine", "emulator"), _key("engine"))
+    protocol, host = extra.get("mooncake_protocol", "tcp"), extra.get("mooncake_host")
+    if protocol not in PROTOCOLS:
+        raise ConfigError(f"{_key('mooncake_protocol')} must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
+    if host is not None and not (isinstance(host, str) and host and host != "0.0.0.0"):
+        raise ConfigError(f"{_key('mooncake_host')} must be an address peers can reach, got {host!r}")
+    return {"engine": engine, "mooncake_protocol": protocol, "mooncake_host": host}
 
 
 def _buffer_settings(extra: dict) -> dict:

@@ -36,24 +36,10 @@ from tests.integrations.vllm.worker_harness import (
     assert_caches_equal,
     expected_de_caches,
     remove_fabric_shm,
+    run_request,
 )
 
 PATHS = [("pe", False), ("de", False), ("de", True)]
-
-
-def _run(d: Deployment, pe: str, de: str, prompt: int, hit_blocks: int, path: str, split: bool, seed: int):
-    """One request PE -> DE; returns ``(de_request, rows, bad blocks)`` once the DE's receive ended."""
-    rows = Deployment.true_rows(seed, prompt)
-    pe_req, de_req = d.request(pe, de, rows, hit_blocks, path, split)
-    d.expect_recv(de, de_req)
-    bad = d.prefill(pe, pe_req)
-    if de_req.report:
-        _, failed = d.finish(de, {de_req.req_id})
-        assert failed == set(), f"the DE's receive of {de_req.req_id} failed"
-    else:  # the prompt ends inside the first block: the DE computes it, vLLM waits for nothing
-        d.drain(de, de_req)
-    d.done(pe, pe_req)
-    return de_req, rows, bad
 
 
 def test_every_pe_works_with_every_de_on_every_path(deploy):
@@ -65,7 +51,7 @@ def test_every_pe_works_with_every_de_on_every_path(deploy):
         try:
             for i, (path, split) in enumerate(PATHS * 2):
                 de = f"de{i % 2}"
-                de_req, rows, bad = _run(d, pe, de, 29 + i, 6, path, split, seed + i)
+                de_req, rows, bad = run_request(d, pe, de, 29 + i, 6, path, split, seed + i)
                 assert bad == set()
                 written[de].append((de_req, rows))
         except BaseException as error:  # reported by the main thread
@@ -98,7 +84,7 @@ def test_the_status_names_the_transfers_whose_reads_are_queued_or_running(deploy
     instance reading them names its xfer id in ``reading`` and no other instance does; once read, none does."""
     d = deploy(1, 1, snic={"pe0": 15e3, "de0": 15e3})
     outcome: list = []
-    thread = threading.Thread(target=lambda: outcome.append(_run(d, "pe0", "de0", 37, 8, path, split, 3)))
+    thread = threading.Thread(target=lambda: outcome.append(run_request(d, "pe0", "de0", 37, 8, path, split, 3)))
     thread.start()
     seen: set[str] = set()
     while thread.is_alive():  # the read, then the prefill: the harness bounds each wait
@@ -115,7 +101,7 @@ def test_the_split_follows_the_storage_nic_caps(deploy):
     d = deploy(1, 1, snic={"pe0": 40e6, "de0": 10e6})
     written = []
     for seed in range(3):
-        de_req, rows, bad = _run(d, "pe0", "de0", 83, 20, "pe", True, seed)
+        de_req, rows, bad = run_request(d, "pe0", "de0", 83, 20, "pe", True, seed)
         assert bad == set()
         written.append((de_req, rows))
     assert_caches_equal(d.instances["de0"].caches, expected_de_caches(written))
@@ -168,7 +154,7 @@ def test_either_half_failing_falls_back_with_correct_kv(
     assert not d.store.contains(pe_req.store_ids[bad_block]) or how == "missing"
 
     # the next request on the same pair is unaffected
-    de_req2, rows2, bad2 = _run(d, "pe0", "de0", 21, 4, "de", True, 8)
+    de_req2, rows2, bad2 = run_request(d, "pe0", "de0", 21, 4, "de", True, 8)
     assert bad2 == set()
     assert_caches_equal(d.instances["de0"].caches, expected_de_caches([(de_req, rows), (de_req2, rows2)]))
 
@@ -203,7 +189,7 @@ def test_a_takeover_after_some_pushed_layers_sends_the_de_every_layer_again(depl
     """The DE's push of hit layer ``failing_push`` fails after the layers before it arrived: the PE takes over from
     that layer, and the layers this step had already sent into the DE's old lease go again into the fresh one."""
     d = deploy(1, 1)
-    first_req, first_rows, _ = _run(d, "pe0", "de0", 17, 2, "de", False, 3)  # the pair's link exists now
+    first_req, first_rows, _ = run_request(d, "pe0", "de0", 17, 2, "de", False, 3)  # the pair's link exists now
     de = d.instances["de0"].worker
     link = de.dataplane.links[d.instances["pe0"].address]
     link.leg = FaultInjectingLeg(link.leg)
@@ -258,7 +244,7 @@ def test_the_split_merge_is_bit_exact_for_any_hit_and_prompt(pair, hit_blocks, e
     de.worker.settings = dataclasses.replace(de.worker.settings, snic_bytes_per_s=1e12 * de_cap_ratio)
     prompt = hit_blocks * BLOCK + extra
     pe_before = pair.instances["pe0"].status()
-    de_req, rows, bad = _run(pair, "pe0", "de0", prompt, hit_blocks, "de", True, hit_blocks * 100 + extra)
+    de_req, rows, bad = run_request(pair, "pe0", "de0", prompt, hit_blocks, "de", True, hit_blocks * 100 + extra)
     assert bad == set()
     assert_caches_equal(de.caches, expected_de_caches([(de_req, rows)]))
     pe_after = pair.instances["pe0"].status()
@@ -375,7 +361,7 @@ def test_a_timed_out_receive_keeps_its_lease_from_the_next_requests_while_its_re
     probe.tensor.fill_(POISON)
 
     de.decode.settings = dataclasses.replace(de.decode.settings, timeout_s=10.0)
-    de_req2, rows2, bad = _run(d, "pe1", "de0", 21, 2, "pe", False, 13)
+    de_req2, rows2, bad = run_request(d, "pe1", "de0", 21, 2, "pe", False, 13)
     assert bad == set()
     assert_caches_equal(d.instances["de0"].caches, expected_de_caches([(de_req2, rows2)]))
     deadline = time.monotonic() + 10

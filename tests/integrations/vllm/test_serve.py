@@ -41,7 +41,8 @@ with open(os.path.join(out, f"{port}.json"), "w") as f:
     json.dump({"argv": argv, "pid": os.getpid(), "grandchild": grandchild.pid,
                "bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), "host_ip": os.environ.get("VLLM_HOST_IP"),
                "offline": os.environ.get("HF_HUB_OFFLINE"), "tmpdir": os.environ.get("TMPDIR"),
-               "token_mode": os.stat(config["kv_connector_extra_config"]["side_token_file"]).st_mode & 0o777}, f)
+               "token_mode": os.stat(token).st_mode & 0o777
+               if (token := config["kv_connector_extra_config"].get("side_token_file")) else None}, f)
 
 class Health(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
@@ -195,6 +196,40 @@ def test_options_name_the_bad_value(tmp_path):
         serve_mod.instance_layout(ServeOptions(model=str(tmp_path), nodes=("a", "b", "c")))
     with pytest.raises(ConfigError, match=r"unknown \['decode5'\]"):
         serve_mod.instance_layout(ServeOptions(model=str(tmp_path), instance_args={"decode5": ()}))
+
+
+def test_role_options_name_the_bad_value(tmp_path, monkeypatch):
+    monkeypatch.delenv("ADP_SIDE_TOKEN", raising=False)
+    good = dict(model=str(tmp_path), role="prefill", engine="mooncake", port=9000, kv_port=9100, store=str(tmp_path))
+    ServeOptions(**good).validate()
+    for change, match in [
+        ({"role": "both"}, r"--role 'both' must be one of prefill, decode"),
+        ({"engine": "cuda"}, r"--engine 'cuda': the cuda engine is not wired into the connector yet"),
+        ({"engine": "emulator"}, r"--role needs --engine mooncake: 'emulator' moves KV only inside one host"),
+        ({"kv_port": None}, r"--kv-port None must be a TCP port other than --port 9000"),
+        ({"kv_port": 9000}, r"--kv-port 9000 must be a TCP port other than --port 9000"),
+        ({"store": str(tmp_path / "absent")}, r"--store '.*absent' must be an existing directory"),
+        ({"node": "a b"}, r"--node 'a b' must be 1 to 64 letters"),
+        ({"host": "my-host"}, r"--host must be an IPv4 address to bind, got 'my-host'"),
+        ({"host": "10.0.0.5"}, r"--host is '10\.0\.0\.5', beyond loopback: .*ADP_SIDE_TOKEN or --side-token-file"),
+        ({"decode": 2, "split": True}, r"--role starts one instance: --decode, --split belong to a deployment"),
+    ]:
+        with pytest.raises(ConfigError, match=match) as error:
+            ServeOptions(**{**good, **change}).validate()
+        assert "\n" not in str(error.value)
+
+
+def test_a_bad_role_value_is_one_line_and_exit_2_before_any_work(tmp_path):
+    argv = [sys.executable, "-m", "ascend_dualpath", "serve", "--role", "decode", "--model", str(tmp_path),
+            "--port", "9000", "--kv-port", "9100", "--engine", "npu", "--store", str(tmp_path)]  # fmt: skip
+    done = subprocess.run(
+        argv, capture_output=True, text=True, timeout=60, env={**os.environ, "XDG_STATE_HOME": str(tmp_path / "s")}
+    )
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.splitlines() == [
+        "serve: --engine 'npu': the npu engine is not wired into the connector yet (use one of emulator, mooncake)"
+    ]
+    assert not (tmp_path / "s").exists()  # no log directory: nothing was started
 
 
 def _alive(pid: int) -> bool:
@@ -362,6 +397,34 @@ def test_serve_stops_on_signal_and_leaves_nothing_behind(deploy, signum, code):
     assert os.path.basename(run_dir).startswith(f"adp-serve-{deployment.process.pid}-")
     assert all(r["tmpdir"] == run_dir for r in records)
     assert not os.path.exists(run_dir) and list(deployment.tmp.iterdir()) == []
+
+
+def test_one_role_instance_binds_its_host_and_kv_port_and_stops_on_sigterm(deploy, tmp_path, monkeypatch):
+    monkeypatch.setenv("ADP_SIDE_TOKEN", "a-deployment-token-of-32-bytes!!")
+    kv_port = serve_mod.pick_instance_ports(1)[0]
+    (tmp_path / "shared").mkdir()
+    deployment = deploy("--role", "decode", "--engine", "mooncake", "--kv-port", str(kv_port), "--store",
+                        str(tmp_path / "shared"), "--node", "rack1", "--snic-mbps", "50")  # fmt: skip
+    ready = deployment.wait_ready()
+    assert ready.startswith(f"serve: ready at http://127.0.0.1:{deployment.port}/v1 (decode0, side channel "
+                            f"tcp://127.0.0.1:{kv_port}, node rack1, engine mooncake;")  # fmt: skip
+    (record,) = deployment.instances()
+    argv, extra = record["argv"], _extra(record)
+    assert argv[argv.index("--host") + 1] == "127.0.0.1" and argv[argv.index("--port") + 1] == str(deployment.port)
+    assert (extra["side_port"], extra["engine"], extra["node"], extra["snic_mbps"]) == (
+        kv_port,
+        "mooncake",
+        "rack1",
+        50.0,
+    )
+    assert extra["store"] == str(tmp_path / "shared") and "side_token_file" not in extra  # ADP_SIDE_TOKEN, inherited
+    assert len(deployment.known_pids) == 3  # the fake, its sleep, the watcher: no proxy
+    deployment.process.send_signal(signal.SIGTERM)
+    _, err = deployment.process.communicate(timeout=60)
+    assert deployment.process.returncode == 143, err
+    assert "1 children stopped; store kept at" in err
+    assert _wait_dead(deployment.known_pids) == []
+    assert (tmp_path / "shared").is_dir() and list(deployment.tmp.iterdir()) == []
 
 
 def test_children_die_when_serve_is_killed(deploy, tmp_path):

@@ -62,3 +62,32 @@ def test_a_short_token_file_is_refused(tmp_path):
     path.write_text("short\n")
     with pytest.raises(ConfigError, match=r"side_token_file'\]='.*' has 5 bytes, at least 16 needed"):
         from_kv_transfer_config(config(side_token_file=str(path)))
+
+
+def test_the_kv_engine_is_the_emulator_unless_mooncake_is_asked_for():
+    settings = from_kv_transfer_config(config())
+    assert (settings.engine, settings.mooncake_protocol, settings.mooncake_host) == ("emulator", "tcp", None)
+    settings = from_kv_transfer_config(config(engine="mooncake", mooncake_protocol="rdma", mooncake_host="10.0.0.5"))
+    assert (settings.engine, settings.mooncake_protocol, settings.mooncake_host) == ("mooncake", "rdma", "10.0.0.5")
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"engine": "cuda"}, r"\['engine'\] 'cuda': the cuda engine is not wired into the connector yet"),
+        ({"engine": "npu"}, r"\['engine'\] 'npu': the npu engine is not wired into the connector yet"),
+        ({"engine": "nixl"}, r"\['engine'\] must be one of emulator, mooncake, got 'nixl'"),
+        (
+            {"engine": "mooncake", "mooncake_protocol": "udp"},
+            r"\['mooncake_protocol'\] must be one of tcp, rdma.*'udp'",
+        ),
+        (
+            {"engine": "mooncake", "mooncake_host": "0.0.0.0"},
+            r"\['mooncake_host'\] must be an address peers.*'0\.0\.0\.0'",
+        ),
+    ],
+)
+def test_a_bad_kv_engine_setting_is_one_line_naming_the_key_and_value(extra, match):
+    with pytest.raises(ConfigError, match=match) as error:
+        from_kv_transfer_config(config(**extra))
+    assert "\n" not in str(error.value)

@@ -87,10 +87,19 @@ class Instance:
 
 class Deployment:
     """``num_pe`` PEs and ``num_de`` DEs on one fabric and one store; ``snic`` caps by instance name
-    (``pe0``, ``de1``, ...; bytes/s)."""
+    (``pe0``, ``de1``, ...; bytes/s); ``engine`` moves the KV (``emulator`` or ``mooncake``; a dict by instance
+    name, ``emulator`` for the instances it leaves out)."""
 
-    def __init__(self, root, num_pe: int, num_de: int, snic: dict[str, float] | None = None) -> None:
+    def __init__(
+        self,
+        root,
+        num_pe: int,
+        num_de: int,
+        snic: dict[str, float] | None = None,
+        engine: str | dict[str, str] = "emulator",
+    ) -> None:
         self.root = str(root)
+        self.engine = engine
         self.fabric = f"t{os.getpid()}x{secrets.token_hex(4)}"
         self.instances: dict[str, Instance] = {}
         self._ids = itertools.count()
@@ -117,6 +126,7 @@ class Deployment:
             device_id=device_id,
             hccl_buffer_mb=2,
             host_buffer_mb=4,
+            engine=self.engine if isinstance(self.engine, str) else self.engine.get(name, "emulator"),
         )
         worker = DualPathWorker(settings, LAYOUT, LocalBlockStore(self.root, LAYOUT), lambda _n, c: ADAPTER)
         caches = [new_cache(POISON if role == "decode" else 0) for _ in range(LAYERS)]
@@ -255,6 +265,21 @@ class Deployment:
 
     def done(self, pe: str, req: PeRequest) -> None:
         self.instances[pe].worker.get_finished({req.req_id})
+
+
+def run_request(d: Deployment, pe: str, de: str, prompt: int, hit_blocks: int, path: str, split: bool, seed: int):
+    """One request PE -> DE; returns ``(de_request, rows, bad blocks)`` once the DE's receive ended."""
+    rows = Deployment.true_rows(seed, prompt)
+    pe_req, de_req = d.request(pe, de, rows, hit_blocks, path, split)
+    d.expect_recv(de, de_req)
+    bad = d.prefill(pe, pe_req)
+    if de_req.report:
+        _, failed = d.finish(de, {de_req.req_id})
+        assert failed == set(), f"the DE's receive of {de_req.req_id} failed"
+    else:  # the prompt ends inside the first block: the DE computes it, vLLM waits for nothing
+        d.drain(de, de_req)
+    d.done(pe, pe_req)
+    return de_req, rows, bad
 
 
 @dataclasses.dataclass
