@@ -198,7 +198,8 @@ class DecodeSide:
     def reading(self) -> list[str]:
         """The transfers whose hit reads through this DE's storage NIC are queued or running."""
         with self._lock:
-            return [xfer_id for xfer_id, x in self._xfers.items() if not all(t.done for t in x.reads)]
+            # from the plan on (the pusher submits its reads a moment later) until they ended
+            return [xfer_id for xfer_id, x in self._xfers.items() if x.pusher and not (x.reads_ok or x.pusher_done)]
 
     # -- handlers --------------------------------------------------------------------------------------------------
     def _on_hello(self, message: m.Hello) -> m.Welcome:

@@ -69,16 +69,16 @@ def test_a_step_starts_the_reads_of_every_path_without_waiting_and_the_next_step
     d = deploy(1, 1)
     _slow_reads(d, SLOW_BLOCK_S)
     pe, de = d.instances["pe0"].worker, d.instances["de0"].worker
-    requests = [
+    requests = [  # the split first: it sizes its shares on both NICs' backlogs, empty then, so both read
+        d.request("pe0", "de0", Deployment.true_rows(3, 8 * BLOCK + 2), 8, "de", split=True),
         d.request("pe0", "de0", Deployment.true_rows(1, 6 * BLOCK + 3), 6, "pe"),
         d.request("pe0", "de0", Deployment.true_rows(2, 6 * BLOCK + 1), 6, "de"),
-        d.request("pe0", "de0", Deployment.true_rows(3, 8 * BLOCK + 2), 8, "de", split=True),
     ]
     took = d.read_ahead("pe0", [pe_req for pe_req, _ in requests])
     assert took < SLOW_BLOCK_S, f"the step waited {took:.3f} s for reads"
     xfers = {pe_req.xfer.xfer_id for pe_req, _ in requests}
-    assert {requests[0][0].xfer.xfer_id, requests[2][0].xfer.xfer_id} <= set(pe.status().reading)
-    assert {requests[1][0].xfer.xfer_id, requests[2][0].xfer.xfer_id} <= set(de.status().reading)
+    assert {requests[0][0].xfer.xfer_id, requests[1][0].xfer.xfer_id} <= set(pe.status().reading)
+    assert {requests[0][0].xfer.xfer_id, requests[2][0].xfer.xfer_id} <= set(de.status().reading)
     assert pe.counters.split_blocks_pe > 0 and pe.counters.split_blocks_de > 0
     assert d.await_ready("pe0", {r.req_id for r, _ in requests}) == {r.req_id: r.hit_tokens for r, _ in requests}
     assert not xfers & set(pe.status().reading) and not xfers & set(de.status().reading)
