@@ -128,15 +128,14 @@ def test_vllms_prometheus_logger_path_registers_and_observes_the_metrics():
 
 
 def test_the_worker_hands_over_what_changed_since_its_last_call(tmp_path):
-    from tests.integrations.vllm.test_pairs_and_split import _run
-    from tests.integrations.vllm.worker_harness import LAYERS, LAYOUT, Deployment
+    from tests.integrations.vllm.worker_harness import LAYERS, LAYOUT, Deployment, run_request
 
     d = Deployment(tmp_path / "store", 1, 1)
     try:
         pe, de = d.instances["pe0"].worker, d.instances["de0"].worker
         assert pe.stats_since_last() == ({}, [], 0) and pe.stats_since_last() is None  # then nothing changed
         de.stats_since_last()
-        _run(d, "pe0", "de0", 29, 6, "de", False, 7)
+        run_request(d, "pe0", "de0", 29, 6, "de", False, 7)
         increments, waits, held = pe.stats_since_last()
         assert increments == {"loads_de": 1} and len(waits) == LAYERS and held == 0  # one wait per pushed layer
         increments, waits, held = de.stats_since_last()
