@@ -211,9 +211,11 @@ class PrefillSide:
 
     def _start_deferred(self) -> None:
         """Start waiting loads in arrival order while the cap of reads ahead and the host buffers allow."""
+        if not self._deferred:
+            return
         cap = int(self.settings.prefetch_max_mb * (1 << 20))
+        held = sum(r.lease.nbytes for load in self._prefetched.values() for r in load.reads)
         for req_id, spec in list(self._deferred.items()):
-            held = sum(r.lease.nbytes for load in self._prefetched.values() for r in load.reads)
             need = (spec.hit_tokens - spec.computed) // self.block_size * self.layout.full_block_bytes
             if held and held + need > cap:
                 return
@@ -222,6 +224,7 @@ class PrefillSide:
                 return  # a full host buffer: the next step tries again
             del self._deferred[req_id]
             self._prefetched[req_id] = load
+            held += sum(r.lease.nbytes for r in load.reads)
 
     def ready(self) -> dict[str, int]:
         """Loads read ahead whose reads all ended since the last call: request id -> the hit tokens the step may
@@ -320,13 +323,12 @@ class PrefillSide:
             load = self._prefetched.pop(spec.req_id, None)
             if load is None:
                 load = self._start_load(spec)
-                if load.error is None:
-                    self._begin(load)
-            elif load.error is not None:  # failed while read ahead: ready() offered no hit, nothing to report
-                load.spec = spec
-            else:
-                load.spec = spec  # the step's block table; the hit it takes may be shorter than what was read
+            load.spec = spec  # the step's block table; the hit it takes may be shorter than what was read ahead
+            if load.error is None:
                 self._begin(load)
+            else:  # failed before its step: the hit the step takes is recomputed (none once ready() said so)
+                T = self.block_size
+                self._invalid_blocks.update(spec.block_ids[spec.computed // T : spec.hit_tokens // T])
             self._loads.append(load)
         self._saves = []
         for spec in saves:

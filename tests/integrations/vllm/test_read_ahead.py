@@ -46,6 +46,19 @@ def _idle(d: Deployment) -> None:
         assert not w.prefill.pending_prefetches() and not w.decode._xfers and not w.decode._pushing
 
 
+def _take(d: Deployment, requests: list, hits: dict[str, int] | None = None) -> None:
+    """Each request's step on the PE (taking ``hits[req_id]`` tokens of its hit, default all) with no block reported
+    bad, every receive on the DE ended well, the DE's caches exact, nothing left anywhere."""
+    for pe_req, de_req in requests:
+        d.expect_recv("de0", de_req)
+        assert d.prefill("pe0", pe_req, hit_tokens=(hits or {}).get(pe_req.req_id)) == set()
+        d.done("pe0", pe_req)
+    assert d.finish("de0", {de_req.req_id for _, de_req in requests})[1] == set()
+    written = [(de_req, pe_req.rows) for pe_req, de_req in requests]
+    assert_caches_equal(d.instances["de0"].caches, expected_de_caches(written))
+    _idle(d)
+
+
 @pytest.fixture
 def store_faults(monkeypatch):
     """Every store a Deployment opens gets a FaultInjector (``store.faults``)."""
@@ -82,14 +95,8 @@ def test_a_step_starts_the_reads_of_every_path_without_waiting_and_the_next_step
     assert pe.counters.split_blocks_pe > 0 and pe.counters.split_blocks_de > 0
     assert d.await_ready("pe0", {r.req_id for r, _ in requests}) == {r.req_id: r.hit_tokens for r, _ in requests}
     assert not xfers & set(pe.status().reading) and not xfers & set(de.status().reading)
-    for pe_req, de_req in requests:
-        d.expect_recv("de0", de_req)
-        assert d.prefill("pe0", pe_req) == set()
-        d.done("pe0", pe_req)
-    assert d.finish("de0", {de_req.req_id for _, de_req in requests})[1] == set()
+    _take(d, requests)
     assert max(d.layer_waits) < LAYER_WAIT_LIMIT_S, f"a layer waited {max(d.layer_waits):.3f} s"
-    assert_caches_equal(d.instances["de0"].caches, expected_de_caches([(de, pe.rows) for pe, de in requests]))
-    _idle(d)
 
 
 @pytest.mark.parametrize(("path", "bad_block"), [("pe", 2), ("de", 1), ("de", 4)])
@@ -110,13 +117,8 @@ def test_a_corrupt_block_makes_the_good_prefix_shorter_and_the_rest_is_computed(
     ready = d.await_ready("pe0", {pe_req.req_id})
     assert ready == {pe_req.req_id: bad_block * BLOCK}
     assert not path_of.exists()
-    d.expect_recv("de0", de_req)
-    assert d.prefill("pe0", pe_req, hit_tokens=bad_block * BLOCK) == set()  # nothing for vLLM to recompute
-    d.done("pe0", pe_req)
-    assert d.finish("de0", {de_req.req_id})[1] == set()
-    assert_caches_equal(d.instances["de0"].caches, expected_de_caches([(de_req, rows)]))
+    _take(d, [(pe_req, de_req)], ready)  # the rest computed, nothing for vLLM to recompute
     assert pe.counters.checksum_errors + d.instances["de0"].worker.counters.checksum_errors == 1
-    _idle(d)
 
 
 @pytest.mark.parametrize("path", ["pe", "de", "split"])
@@ -139,26 +141,23 @@ def test_a_request_ended_while_reading_ahead_releases_everything(deploy, store_f
     assert len(link._notify_free) == groups and link.window.in_use_bytes == 0
 
 
-def test_a_full_host_buffer_defers_a_read_ahead_without_blocking_the_step(deploy):
-    """No room in the PE's host buffer: the step returns at once, the read ahead waits (nothing read, nothing
-    planned); once room is back a later step starts it and it completes."""
+@pytest.mark.parametrize(("full", "path"), [("pe0", "pe"), ("de0", "de")])
+def test_a_full_host_buffer_defers_a_read_ahead_without_blocking_the_step(deploy, full, path):
+    """No room in the PE's host buffer (PE path), or in the DE's (its answer to a deferrable plan says so at once):
+    the step returns at once and the read ahead waits, nothing read and nothing planned; once room is back a later
+    step starts it and it completes."""
     d = deploy(1, 1)
     pe, de = d.instances["pe0"].worker, d.instances["de0"].worker
-    host = pe.dataplane.host
+    host = d.instances[full].worker.dataplane.host
     probe = host.allocate("probe", host.capacity_bytes - LAYOUT.full_block_bytes, timeout_s=0)
-    rows = Deployment.true_rows(30, 4 * BLOCK + 1)
-    pe_req, de_req = d.request("pe0", "de0", rows, 4, "pe")
+    pe_req, de_req = d.request("pe0", "de0", Deployment.true_rows(30, 4 * BLOCK + 1), 4, path)
     assert d.read_ahead("pe0", [pe_req]) < 0.5 * pe.settings.timeout_s
     assert pe.build_worker_meta() is None and pe.prefill.pending_prefetches() == 1
-    assert pe.read_queue.stats().completed_requests == 0 and not de.decode._xfers
+    assert pe.read_queue.stats().completed_requests == de.read_queue.stats().completed_requests == 0
+    assert not de.decode._xfers
     probe.release()
     assert d.await_ready("pe0", {pe_req.req_id}) == {pe_req.req_id: 4 * BLOCK}
-    d.expect_recv("de0", de_req)
-    assert d.prefill("pe0", pe_req) == set()
-    d.done("pe0", pe_req)
-    assert d.finish("de0", {de_req.req_id})[1] == set()
-    assert_caches_equal(d.instances["de0"].caches, expected_de_caches([(de_req, rows)]))
-    _idle(d)
+    _take(d, [(pe_req, de_req)])
 
 
 def test_reads_ahead_beyond_the_cap_wait_for_earlier_ones_to_be_taken(deploy):
@@ -254,27 +253,6 @@ def test_a_preempted_prefill_read_ahead_again_reads_its_hit_itself(deploy):
     d.read_ahead("pe0", [pe_req])  # preempted: its blocks freed, looked up and read ahead again
     assert d.await_ready("pe0", {pe_req.req_id}) == {pe_req.req_id: 5 * BLOCK}
     assert pe.read_queue.stats().completed_requests - read_before == 5
-    assert d.prefill("pe0", pe_req) == set()
-    d.done("pe0", pe_req)
-    assert d.finish("de0", {de_req.req_id})[1] == set()
-    assert_caches_equal(d.instances["de0"].caches, expected_de_caches([(de_req, rows)]))
-    _idle(d)
-
-
-def test_a_plan_the_des_full_buffer_cannot_take_is_deferred_not_waited_for(deploy):
-    """The DE's host buffer is full: its answer to a deferrable plan says so at once, the PE's step returns, and the
-    read ahead starts once the DE has room."""
-    d = deploy(1, 1)
-    de = d.instances["de0"].worker
-    host = de.dataplane.host
-    probe = host.allocate("probe", host.capacity_bytes - LAYOUT.full_block_bytes, timeout_s=0)
-    rows = Deployment.true_rows(70, 4 * BLOCK + 1)
-    pe_req, de_req = d.request("pe0", "de0", rows, 4, "de")
-    assert d.read_ahead("pe0", [pe_req]) < 1.0
-    assert d.instances["pe0"].worker.build_worker_meta() is None and not de.decode._xfers
-    probe.release()
-    assert d.await_ready("pe0", {pe_req.req_id}) == {pe_req.req_id: 4 * BLOCK}
-    d.expect_recv("de0", de_req)
     assert d.prefill("pe0", pe_req) == set()
     d.done("pe0", pe_req)
     assert d.finish("de0", {de_req.req_id})[1] == set()
