@@ -345,7 +345,8 @@ class DecodeSide:
         with self._lock:
             orphan = message.xfer_id not in self._recvs and self._xfers.pop(message.xfer_id, None) is xfer
         if orphan:
-            xfer.stop.set()
+            with xfer.push_lock:  # once set, no signal of the plan lands in the PE's notify group, which it frees next
+                xfer.stop.set()
             self.read_queue.cancel(list(xfer.reads))  # queued reads end now; started ones run to their end
             self._let_go(xfer, xfer.lease, message.settled, "the PE aborted it: its writes may not have ended")
         return m.Ok()
@@ -361,6 +362,16 @@ class DecodeSide:
         return m.Ended(ended=ended)
 
     # -- the pusher --------------------------------------------------------------------------------------------------
+    @staticmethod
+    def _signal(xfer: _DeXfer, slot: int, magic: int, unless_started: bool = False) -> None:
+        """Write ``magic`` into the PE's notify ``slot`` unless the PE let go of the plan (``stop``, set under
+        ``push_lock``): the PE frees the plan's notify group once its abort was answered, and a later request's
+        signal in that group must not be overwritten by this one."""
+        with xfer.push_lock:
+            if xfer.stop.is_set() or (unless_started and xfer.started.is_set()):
+                return  # a PE that already started the request does not poll for its ready signal
+            xfer.link.leg.record(PE_RANK, slot, magic)
+
     def _push_hits(self, xfer: _DeXfer) -> None:
         """Read the DE's hit blocks, say so (``ready_magic``), wait for the PE's ``start``, then push its half's hit
         layers two ahead of what the PE consumed.
@@ -371,8 +382,7 @@ class DecodeSide:
         try:
             self._read_hits(xfer, lease)
             xfer.reads_ok = True
-            if not xfer.started.is_set():  # a PE that already started the request does not poll for it
-                xfer.link.leg.record(PE_RANK, plan.notify_base, plan.ready_magic)
+            self._signal(xfer, plan.notify_base, plan.ready_magic, unless_started=True)
             self._await_start(xfer)
             self._push_layers(xfer, lease, pushes)
         except _PushStopped:
@@ -388,7 +398,7 @@ class DecodeSide:
             if isinstance(error, ChecksumMismatch):
                 self.counters.checksum_errors += 1
             try:
-                xfer.link.leg.record(PE_RANK, plan.notify_base + 2, plan.abort_magic)
+                self._signal(xfer, plan.notify_base + 2, plan.abort_magic)
             except Exception:  # the PE then times out waiting for the layer, within its bound
                 pass
         finally:

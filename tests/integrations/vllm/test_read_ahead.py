@@ -133,12 +133,19 @@ def test_a_request_ended_while_reading_ahead_releases_everything(deploy, store_f
     rows = Deployment.true_rows(20, 8 * BLOCK + 1)
     pe_req, _ = d.request("pe0", "de0", rows, 8, "pe" if path == "pe" else "de", split=path == "split")
     d.read_ahead("pe0", [pe_req])
+    load = pe.prefill._prefetched[pe_req.req_id]
+    plan, base = d.instances["de0"].worker.decode._xfers[pe_req.xfer.xfer_id], load.notify_base
     started = time.monotonic()
     pe.get_finished({pe_req.req_id})  # vLLM's finished_req_ids of the abort
     assert time.monotonic() - started < 8 * SLOW_BLOCK_S, "ending the request waited for its queued reads"
     assert pe.build_worker_meta() is None  # never reported ready
     _idle(d)
     assert len(link._notify_free) == groups and link.window.in_use_bytes == 0
+    assert (base < 0) == (path == "pe")  # the DE signals only a half it reads itself
+    if base >= 0:  # the freed notify group is the next request's: no signal of this plan may land there
+        assert plan.quiet.wait(10), "the DE's pusher of the aborted plan did not end"
+        signals = {load.abort_magic, load.ready_magic, *load.magics}
+        assert not signals & {link.comm.notify_value(slot) for slot in range(base, base + 3)}
 
 
 @pytest.mark.parametrize(("full", "path"), [("pe0", "pe"), ("de0", "de")])
