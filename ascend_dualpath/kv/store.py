@@ -826,8 +826,9 @@ class ShardStore:
     """A tensor-parallel rank's view of a :class:`LocalBlockStore`: the :class:`BlockStore` of its local layout.
 
     Reads take only the rank's byte ranges of each stored Full Block (``read_into(..., shard=)``); lookups, refreshes
-    and removals are the store's. Writing is refused: a rank holds only its heads of a block, and stored blocks hold
-    every head (persisting under tensor parallelism needs the ranks' shards gathered first).
+    and removals are the store's. Writing is refused to a rank holding some heads: stored blocks hold every head
+    (persisting under tensor parallelism needs the ranks' shards gathered first); a rank holding whole rows (MLA)
+    writes as the store does.
 
     Parameters
     ----------
@@ -860,6 +861,10 @@ class ShardStore:
         return self.write_blocks([(block_id, parent_id, payload)])[0]
 
     def write_blocks(self, chain: Sequence[tuple[bytes, bytes | None, Any]]) -> list[bool]:
+        """The store's :meth:`LocalBlockStore.write_blocks` for a rank holding whole rows (MLA, or size 1); refused
+        for a rank holding some heads."""
+        if self.shard.whole:
+            return self.store.write_blocks(chain)
         raise ConfigError(
             f"tensor-parallel rank {self.shard.rank} of {self.shard.size} holds only its heads: it cannot write the "
             f"full blocks of the store at {self.store.root}"

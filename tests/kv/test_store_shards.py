@@ -195,3 +195,14 @@ def test_a_rank_view_refuses_writes_and_foreign_shards(tmp_path):
     with pytest.raises(ConfigError, match="does not belong"):
         store.read_into(bytes(16), torch.empty(other.local.full_block_bytes, dtype=torch.uint8), shard=other)
     store.close()
+
+
+def test_a_rank_holding_whole_rows_writes_and_reads_as_the_store(tmp_path):
+    layout = KVLayout.mla(num_layers=2, latent_dim=12, dtype=torch.float16, block_tokens=3)
+    store = LocalBlockStore(tmp_path, layout)
+    view = ShardStore(store, layout.shard(4, 3))
+    block = make_blocks(layout, 1, seed=5)[0]
+    assert view.write_block(bytes(16), None, block) and not view.write_block(bytes(16), None, block)
+    dest = torch.empty(layout.full_block_bytes, dtype=torch.uint8)
+    assert view.read_into(bytes(16), dest) == layout.full_block_bytes and torch.equal(dest, block)
+    store.close()
