@@ -25,6 +25,7 @@ stored blocks hold every unit, and the fingerprint knows nothing of the parallel
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -392,10 +393,9 @@ class KVShard:
 
     def byte_ranges(self) -> tuple[tuple[int, int], ...]:
         """``(offset, nbytes)`` within a Full Block ``[L, T, C]`` of the rank's bytes, in file order, adjacent ones
-        merged; concatenated, they are the rank's local Full Block ``[L, T, C_r]``."""
-        C, rows = self.full.token_bytes, self.full.num_layers * self.full.block_tokens
-        segments = self.row_segments()
-        return _merged([(row * C + offset, nbytes) for row in range(rows) for offset, nbytes in segments])
+        merged; concatenated, they are the rank's local Full Block ``[L, T, C_r]``. Up to ``2 L T`` ranges (GQA: its
+        heads' K and V of each row), computed once per shard: every read of a rank asks for them."""
+        return _byte_ranges(self)
 
     def take(self, full_blocks: torch.Tensor) -> torch.Tensor:
         """The rank's bytes of Full Blocks: ``uint8 [..., L, T, C] -> [..., L, T, C_r]`` (a copy)."""
@@ -405,6 +405,13 @@ class KVShard:
                 f"{list(full_blocks.shape)}"
             )
         return torch.cat([full_blocks.narrow(-1, off, n) for off, n in self.row_segments()], dim=-1)
+
+
+@functools.lru_cache(maxsize=64)
+def _byte_ranges(shard: KVShard) -> tuple[tuple[int, int], ...]:
+    C, rows = shard.full.token_bytes, shard.full.num_layers * shard.full.block_tokens
+    segments = shard.row_segments()
+    return _merged([(row * C + offset, nbytes) for row in range(rows) for offset, nbytes in segments])
 
 
 def _merged(ranges: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
