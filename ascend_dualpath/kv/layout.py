@@ -397,6 +397,40 @@ class KVShard:
         heads' K and V of each row), computed once per shard: every read of a rank asks for them."""
         return _byte_ranges(self)
 
+    def overlap(self, other: KVShard) -> tuple[tuple[int, int, int], ...]:
+        """The units this rank and ``other`` (a rank of any size over the same layout) both hold, as ``(offset in
+        this rank's local row, offset in other's local row, nbytes)`` segments, merged where contiguous in both: what
+        one sends the other of each token row when the two sides' tensor-parallel sizes differ."""
+        if other.full != self.full:
+            raise ConfigError("shards of different layouts have nothing in common")
+        segments = []
+        for unit in range(max(self.units.start, other.units.start), min(self.units.stop, other.units.stop)):
+            mine = self.local.unit_segments(unit - self.units.start)
+            theirs = other.local.unit_segments(unit - other.units.start)
+            segments += [(a, b, n) for (a, n), (b, _) in zip(mine, theirs, strict=True)]
+        segments.sort()
+        merged: list[list[int]] = []
+        for a, b, n in segments:
+            if merged and merged[-1][0] + merged[-1][2] == a and merged[-1][1] + merged[-1][2] == b:
+                merged[-1][2] += n
+            else:
+                merged.append([a, b, n])
+        return tuple((a, b, n) for a, b, n in merged)
+
+    def sources(self, size: int) -> tuple[tuple[int, tuple[tuple[int, int, int], ...]], ...]:
+        """Where this rank's units come from on a side of tensor-parallel size ``size``: ``(rank there, overlap
+        segments as :meth:`overlap` gives them from this side)``, each unit from exactly one rank (the lowest that
+        holds it, where that side replicates heads)."""
+        taken: set[int] = set()
+        found = []
+        for rank in range(size):
+            there = self.full.shard(size, rank)
+            fresh = set(there.units) & set(self.units) - taken
+            if fresh:
+                found.append((rank, self.overlap(there)))
+                taken |= fresh
+        return tuple(found)
+
     def take(self, full_blocks: torch.Tensor) -> torch.Tensor:
         """The rank's bytes of Full Blocks: ``uint8 [..., L, T, C] -> [..., L, T, C_r]`` (a copy)."""
         if full_blocks.dtype != torch.uint8 or full_blocks.shape[-1] != self.full.token_bytes:

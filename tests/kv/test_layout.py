@@ -262,3 +262,41 @@ def test_the_fingerprint_does_not_depend_on_the_parallel_layout():
 def test_bad_shards_are_refused_naming_the_value(heads, size, rank, match):
     with pytest.raises(ConfigError, match=match):
         KVLayout.gqa(1, heads, 4).shard(size, rank)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    layout=st.one_of(gqa_layouts(), layouts().filter(lambda lay: lay.kind != "gqa")),
+    sizes=st.tuples(st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 4])),
+    seed=st.integers(0, 2**16),
+)
+def test_a_rank_gets_each_of_its_bytes_once_from_the_ranks_of_another_size(layout, sizes, seed):
+    """Different tensor-parallel sizes on the two sides: the overlaps with the sending side's ranks tile each
+    receiving rank's row exactly once, and copying them rebuilds its share bit for bit."""
+    size_from, size_to = sizes
+    if layout.kind == "gqa" and (layout.num_units % size_from and size_from % layout.num_units):
+        return
+    if layout.kind == "gqa" and (layout.num_units % size_to and size_to % layout.num_units):
+        return
+    full = layout.as_full_blocks(random_bytes(layout.full_block_bytes, seed), 1)
+    for rank in range(size_to):
+        shard = layout.shard(size_to, rank)
+        rebuilt = torch.zeros_like(shard.take(full))
+        writes = torch.zeros(shard.local.token_bytes, dtype=torch.int64)
+        for source, segments in shard.sources(size_from):
+            sent = layout.shard(size_from, source).take(full)
+            for mine, theirs, nbytes in segments:
+                rebuilt[..., mine : mine + nbytes] = sent[..., theirs : theirs + nbytes]
+                writes[mine : mine + nbytes] += 1
+        assert bool((writes == 1).all()), f"row bytes written {writes.tolist()} times"
+        assert torch.equal(rebuilt, shard.take(full))
+
+
+def test_overlaps_name_the_common_heads_of_two_sizes():
+    layout = KVLayout.gqa(1, 4, 2, torch.float16, 1)  # a head is 4 bytes; a row K0..K3 V0..V3
+    pe, de = layout.shard(2, 1), layout.shard(4, 3)  # heads 2-3 and head 3
+    assert de.overlap(pe) == ((0, 4, 4), (4, 12, 4))  # its K3 and V3 from the PE rank's second K and second V
+    assert de.sources(2) == ((1, ((0, 4, 4), (4, 12, 4))),)
+    assert layout.shard(1, 0).sources(4) == tuple((r, ((4 * r, 0, 4), (16 + 4 * r, 4, 4))) for r in range(4))
+    with pytest.raises(ConfigError, match="different layouts"):
+        pe.overlap(KVLayout.gqa(1, 8, 2, torch.float16, 1).shard(2, 0))
