@@ -15,10 +15,17 @@ A Full Block is ``[L, T, C]`` with the layer as its outermost axis, so layer ``l
 contiguous slice ``full[l]`` and concatenating the L Layer Blocks gives the Full Block byte for byte.
 Block ids come from a hash chain over token ids (:func:`block_hashes`): a block's id covers its own
 tokens *and* every token before it, so equal ids mean equal prefixes.
+
+Tensor parallelism (:meth:`KVLayout.shard`, :class:`KVShard`): a token row is made of *units*, the pieces a
+tensor-parallel rank holds whole (GQA: one KV head, i.e. its K and its V; MLA: the whole row, which every rank
+holds). Rank ``r`` of ``t`` holds some units; its bytes of a Full Block are a list of byte ranges, and its own
+blocks are ``[L, T, C_r]`` of only those bytes, in the same order. The storage format does not depend on ``t``:
+stored blocks hold every unit, and the fingerprint knows nothing of the parallel layout.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -169,6 +176,26 @@ class KVLayout:
                 return field
         raise KeyError(f"layout {self.kind!r} has no field {name!r}; fields: {[f.name for f in self.fields]}")
 
+    # -- tensor-parallel shards --------------------------------------------------------------------------------
+    @property
+    def num_units(self) -> int:
+        """Units of a token row that tensor-parallel ranks hold whole: GQA its KV heads, MLA 1 (the whole row)."""
+        return self.fields[0].shape[1] if self.kind == "gqa" else 1
+
+    def unit_segments(self, unit: int) -> tuple[tuple[int, int], ...]:
+        """``(offset, nbytes)`` within a token row of unit ``unit``'s bytes, in row order (GQA: its K, its V)."""
+        if not 0 <= unit < self.num_units:
+            raise BoundsError(f"unit {unit} out of range [0, {self.num_units})")
+        if self.kind != "gqa":
+            return ((0, self.token_bytes),)
+        kv = self.fields[0]
+        head_bytes = kv.shape[2] * kv.dtype.itemsize
+        return ((unit * head_bytes, head_bytes), ((kv.shape[1] + unit) * head_bytes, head_bytes))
+
+    def shard(self, size: int, rank: int) -> KVShard:
+        """What tensor-parallel rank ``rank`` of ``size`` holds of this layout's rows (see :class:`KVShard`)."""
+        return KVShard(self, size, rank)
+
     def fingerprint(self) -> bytes:
         """Stable 16-byte digest of the layout; stored with every block so a store never mixes layouts."""
         text = f"{self.kind}|L={self.num_layers}|T={self.block_tokens}|" + "|".join(
@@ -297,6 +324,139 @@ class KVLayout:
             raise ConfigError(f"gqa_kv needs a gqa layout, this one is {self.kind!r}")
         kv = self.field_view(rows, "kv")
         return kv.select(-3, 0), kv.select(-3, 1)
+
+
+TP_SIZE_MAX = 1024  # far above any tensor-parallel size served; bounds the shard arithmetic
+
+
+@dataclass(frozen=True)
+class KVShard:
+    """Tensor-parallel rank ``rank`` of ``size``'s part of a layout's token rows, as vLLM shards attention.
+
+    GQA with ``kv_heads >= size`` (``kv_heads % size == 0``): heads ``[r * kv_heads / size, (r + 1) * kv_heads /
+    size)``. GQA with ``kv_heads < size`` (``size % kv_heads == 0``): vLLM replicates heads, rank ``r`` holds head
+    ``r * kv_heads // size``. MLA: every rank holds the whole latent.
+
+    Attributes
+    ----------
+    units : range
+        The units (GQA heads) the rank holds.
+    local : KVLayout
+        The rank's own rows: ``[L, T, C_r]`` blocks of only its bytes (GQA: a GQA layout of its heads; MLA: the
+        full layout).
+    """
+
+    full: KVLayout
+    size: int
+    rank: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.size <= TP_SIZE_MAX:
+            raise ConfigError(f"tensor-parallel size must be in [1, {TP_SIZE_MAX}], got {self.size}")
+        if not 0 <= self.rank < self.size:
+            raise ConfigError(f"tensor-parallel rank {self.rank} out of range [0, {self.size})")
+        heads = self.full.num_units
+        if self.full.kind == "gqa" and heads % self.size and self.size % heads:
+            raise ConfigError(
+                f"{heads} KV heads cannot be sharded over tensor-parallel size {self.size}: one must divide the other"
+            )
+
+    @property
+    def units(self) -> range:
+        heads = self.full.num_units
+        if self.full.kind != "gqa":
+            return range(1)
+        if heads >= self.size:
+            per_rank = heads // self.size
+            return range(self.rank * per_rank, (self.rank + 1) * per_rank)
+        head = self.rank * heads // self.size
+        return range(head, head + 1)
+
+    @property
+    def whole(self) -> bool:
+        """Whether the rank holds every byte of a row (MLA, or GQA at size 1)."""
+        return len(self.units) == self.full.num_units
+
+    @property
+    def local(self) -> KVLayout:
+        if self.whole:
+            return self.full
+        kv = self.full.fields[0]
+        return KVLayout.gqa(self.full.num_layers, len(self.units), kv.shape[2], kv.dtype, self.full.block_tokens)
+
+    def row_segments(self) -> tuple[tuple[int, int], ...]:
+        """``(offset, nbytes)`` within a full token row of the rank's bytes, in the order of its local row
+        (GQA: its heads' K, then their V), adjacent segments merged."""
+        segments = [seg for unit in self.units for seg in self.full.unit_segments(unit)]
+        segments.sort(key=lambda seg: seg[0])  # K of every held head precede their V: the local row's order
+        return _merged(segments)
+
+    def byte_ranges(self) -> tuple[tuple[int, int], ...]:
+        """``(offset, nbytes)`` within a Full Block ``[L, T, C]`` of the rank's bytes, in file order, adjacent ones
+        merged; concatenated, they are the rank's local Full Block ``[L, T, C_r]``. Up to ``2 L T`` ranges (GQA: its
+        heads' K and V of each row), computed once per shard: every read of a rank asks for them."""
+        return _byte_ranges(self)
+
+    def overlap(self, other: KVShard) -> tuple[tuple[int, int, int], ...]:
+        """The units this rank and ``other`` (a rank of any size over the same layout) both hold, as ``(offset in
+        this rank's local row, offset in other's local row, nbytes)`` segments, merged where contiguous in both: what
+        one sends the other of each token row when the two sides' tensor-parallel sizes differ."""
+        if other.full != self.full:
+            raise ConfigError("shards of different layouts have nothing in common")
+        segments = []
+        for unit in range(max(self.units.start, other.units.start), min(self.units.stop, other.units.stop)):
+            mine = self.local.unit_segments(unit - self.units.start)
+            theirs = other.local.unit_segments(unit - other.units.start)
+            segments += [(a, b, n) for (a, n), (b, _) in zip(mine, theirs, strict=True)]
+        segments.sort()
+        merged: list[list[int]] = []
+        for a, b, n in segments:
+            if merged and merged[-1][0] + merged[-1][2] == a and merged[-1][1] + merged[-1][2] == b:
+                merged[-1][2] += n
+            else:
+                merged.append([a, b, n])
+        return tuple((a, b, n) for a, b, n in merged)
+
+    def sources(self, size: int) -> tuple[tuple[int, tuple[tuple[int, int, int], ...]], ...]:
+        """Where this rank's units come from on a side of tensor-parallel size ``size``: ``(rank there, overlap
+        segments as :meth:`overlap` gives them from this side)``, each unit from exactly one rank (the lowest that
+        holds it, where that side replicates heads)."""
+        taken: set[int] = set()
+        found = []
+        for rank in range(size):
+            there = self.full.shard(size, rank)
+            fresh = set(there.units) & set(self.units) - taken
+            if fresh:
+                found.append((rank, self.overlap(there)))
+                taken |= fresh
+        return tuple(found)
+
+    def take(self, full_blocks: torch.Tensor) -> torch.Tensor:
+        """The rank's bytes of Full Blocks: ``uint8 [..., L, T, C] -> [..., L, T, C_r]`` (a copy)."""
+        if full_blocks.dtype != torch.uint8 or full_blocks.shape[-1] != self.full.token_bytes:
+            raise ValueError(
+                f"Full Blocks must be uint8 [..., {self.full.token_bytes}], got {full_blocks.dtype} "
+                f"{list(full_blocks.shape)}"
+            )
+        return torch.cat([full_blocks.narrow(-1, off, n) for off, n in self.row_segments()], dim=-1)
+
+
+@functools.lru_cache(maxsize=64)
+def _byte_ranges(shard: KVShard) -> tuple[tuple[int, int], ...]:
+    C, rows = shard.full.token_bytes, shard.full.num_layers * shard.full.block_tokens
+    segments = shard.row_segments()
+    return _merged([(row * C + offset, nbytes) for row in range(rows) for offset, nbytes in segments])
+
+
+def _merged(ranges: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """Sorted, disjoint ``(offset, nbytes)`` ranges with touching neighbours joined."""
+    merged: list[list[int]] = []
+    for offset, nbytes in ranges:
+        if merged and merged[-1][0] + merged[-1][1] == offset:
+            merged[-1][1] += nbytes
+        else:
+            merged.append([offset, nbytes])
+    return tuple((offset, nbytes) for offset, nbytes in merged)
 
 
 def block_hashes(

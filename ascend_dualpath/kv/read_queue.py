@@ -85,7 +85,9 @@ class ReadQueue:
     """FIFO of block reads for one node, paced to a storage-NIC bandwidth cap.
 
     A dispatcher thread starts reads in submission order once the token bucket allows their bytes, and hands
-    them to ``io_depth`` reader threads. Reads go to ``store.read_into``.
+    them to ``io_depth`` reader threads. Reads go to ``store.read_into``. A read is paced by its destination's size;
+    where the store reports having read more (a tensor-parallel rank's read of a version-1 block reads it whole), the
+    excess is taken from the bucket after it and counted in ``completed_bytes``, which is what the NIC carried.
 
     Parameters
     ----------
@@ -230,18 +232,23 @@ class ReadQueue:
                 self._inflight_bytes += ticket.nbytes
             self._readers.submit(self._run, ticket, read)
 
-    def _run(self, ticket: ReadTicket, read: Callable[[], None]) -> None:
+    def _run(self, ticket: ReadTicket, read: Callable[[], int | None]) -> None:
+        """One read on a reader thread; ``read`` returns the payload bytes it read (None: the ticket's)."""
         error: BaseException | None = None
+        carried = ticket.nbytes
         try:
-            read()
+            reported = read()
+            carried = reported if isinstance(reported, int) else ticket.nbytes
         except Exception as caught:  # handed to the waiter through the ticket
             error = caught
         with self._cond:
             self._inflight_requests -= 1
             self._inflight_bytes -= ticket.nbytes
+            if carried > ticket.nbytes:  # the NIC carried more than was paced: later reads wait for it
+                self.bucket.take(carried - ticket.nbytes, self.clock.now())
             if error is None:
                 self._completed_requests += 1
-                self._completed_bytes += ticket.nbytes
+                self._completed_bytes += carried
             else:
                 self._failed_requests += 1
         ticket._finish(self.clock.now(), error)

@@ -1,9 +1,14 @@
 """Block store: Full Blocks on a local filesystem, read straight into host buffers, behind a paced read queue.
 
-On disk (see ``docs/kv.md``) each Full Block is one file ``<root>/blocks/<id[:2]>/<id>.kvb``: a 4096-byte
-header (magic, version, layout fingerprint, block id, parent id, payload size, CRC-32 of the payload and of
-the header) followed by the ``[L, T, C]`` payload, zero-padded to a multiple of 4096 bytes so that
-``O_DIRECT`` reads stay aligned. Writes go to a temporary file in the same directory, are made durable and then
+On disk (see ``docs/kv.md``) each Full Block is one file ``<root>/blocks/<id[:2]>/<id>.kvb``: a header (magic,
+version, layout fingerprint, block id, parent id, payload size, CRC-32 of the payload and of the header; from
+version 2 also a CRC-32 per layer and unit, see below) padded to a multiple of 4096 bytes, followed by the
+``[L, T, C]`` payload, zero-padded to a multiple of 4096 bytes so that ``O_DIRECT`` reads stay aligned.
+
+A tensor-parallel rank reads only its bytes of a block (``read_into(..., shard=)``, :class:`ShardStore`): it cannot
+check the payload's CRC, so version 2 stores one CRC-32 per (layer, unit) (GQA: a KV head; see
+:class:`~ascend_dualpath.kv.layout.KVShard`), over the unit's bytes of the layer's rows in row order, and a rank
+checks those of its units. A version-1 block (written before) is read whole, checked, and the rank's bytes taken. Writes go to a temporary file in the same directory, are made durable and then
 renamed over the final name, and the renames made durable before the blocks are indexed, so a crash leaves either
 the whole block or nothing visible. A chain written together costs one ``syncfs`` for its files and one for its
 renames (Linux >= 5.8, not on FUSE), else an fsync per file and per directory (:attr:`LocalBlockStore.sync_mode`
@@ -39,6 +44,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+import torch
+
 from ascend_dualpath._checks import check_type
 from ascend_dualpath.errors import (
     BoundsError,
@@ -49,7 +56,7 @@ from ascend_dualpath.errors import (
     StorageReadError,
 )
 from ascend_dualpath.kv.faults import FaultInjector
-from ascend_dualpath.kv.layout import BLOCK_ID_BYTES, KVLayout
+from ascend_dualpath.kv.layout import BLOCK_ID_BYTES, KVLayout, KVShard
 from ascend_dualpath.kv.memory import as_memoryview, buffer_address
 from ascend_dualpath.kv.prefix_index import PrefixIndex
 
@@ -58,10 +65,13 @@ log = logging.getLogger(__name__)
 IO_ALIGN = 4096
 HEADER_BYTES = IO_ALIGN
 MAGIC = b"ADPKVBK1"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what writes write; reads take 1 (no unit CRCs) too
+READ_VERSIONS = (1, 2)
 # magic, version, header size, payload bytes, payload crc32, layout fingerprint, block id, parent id, has parent
 _HEADER = struct.Struct("<8sHHQI16s16s16s?3x")
 _HEADER_CRC = struct.Struct("<I")
+# version 2, after the fixed part and its CRC: the number of unit CRCs, then the CRCs, then the CRC of both
+_UNIT_COUNT = struct.Struct("<I")
 BLOCK_SUFFIX = ".kvb"
 TEMP_SUFFIX = ".tmp"
 SYNC_MODES = ("syncfs", "fsync")
@@ -155,6 +165,27 @@ def _pread_exact(fd: int, view: memoryview, offset: int, what: str) -> None:
         done += count
 
 
+def unit_checksums(layout: KVLayout, blocks: Any) -> tuple[int, ...]:
+    """CRC-32 of each (layer, unit) of one Full Block, layer-major: unit ``u``'s bytes of layer ``l``'s rows, in row
+    order (``layout.unit_segments(u)`` of each row).
+
+    Parameters
+    ----------
+    layout : KVLayout
+        The block's layout (a tensor-parallel rank's local layout: its units, numbered from 0).
+    blocks : buffer or torch.Tensor
+        ``full_block_bytes`` bytes of a ``uint8 [L, T, C]`` block.
+    """
+    rows = torch.frombuffer(as_memoryview(blocks, writable=False), dtype=torch.uint8)
+    rows = rows.view(layout.num_layers, layout.block_tokens, layout.token_bytes)
+    crcs = []
+    for layer in range(layout.num_layers):
+        for unit in range(layout.num_units):
+            segments = [rows[layer].narrow(-1, offset, nbytes) for offset, nbytes in layout.unit_segments(unit)]
+            crcs.append(zlib.crc32(torch.cat(segments, dim=-1).numpy()))
+    return tuple(crcs)
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockHeader:
     payload_bytes: int
@@ -162,12 +193,16 @@ class BlockHeader:
     layout_fingerprint: bytes
     block_id: bytes
     parent_id: bytes | None
+    unit_crcs: tuple[int, ...] | None = None  # CRC-32 per (layer, unit), layer-major: written, or parsed (v2)
+    header_bytes: int = HEADER_BYTES
+    version: int = FORMAT_VERSION
 
     def pack(self) -> bytes:
+        """The header's bytes (version 2 with unit CRCs, else 1), padded to :attr:`header_bytes`."""
         fixed = _HEADER.pack(
             MAGIC,
-            FORMAT_VERSION,
-            HEADER_BYTES,
+            self.version if self.unit_crcs is None else FORMAT_VERSION,
+            self.header_bytes,
             self.payload_bytes,
             self.checksum,
             self.layout_fingerprint,
@@ -176,10 +211,38 @@ class BlockHeader:
             self.parent_id is not None,
         )
         fixed += _HEADER_CRC.pack(zlib.crc32(fixed))
-        return fixed + bytes(HEADER_BYTES - len(fixed))
+        if self.unit_crcs is not None:  # version 2
+            table = _UNIT_COUNT.pack(len(self.unit_crcs)) + struct.pack(f"<{len(self.unit_crcs)}I", *self.unit_crcs)
+            fixed += table + _HEADER_CRC.pack(zlib.crc32(table))
+        return fixed + bytes(self.header_bytes - len(fixed))
+
+    @staticmethod
+    def size_for(unit_count: int) -> int:
+        """Bytes of a version-2 header with ``unit_count`` unit CRCs: a multiple of :data:`IO_ALIGN`."""
+        used = _HEADER.size + _HEADER_CRC.size + _UNIT_COUNT.size + 4 * unit_count + _HEADER_CRC.size
+        return -(-used // IO_ALIGN) * IO_ALIGN
+
+    def with_unit_crcs(self, raw: bytes | memoryview, where: str) -> BlockHeader:
+        """This (version-2) header with its unit CRCs, parsed from ``raw``: the whole header's bytes."""
+        start = _HEADER.size + _HEADER_CRC.size
+        (count,) = _UNIT_COUNT.unpack_from(raw, start)
+        end = start + _UNIT_COUNT.size + 4 * count
+        if end + _HEADER_CRC.size > min(len(raw), self.header_bytes):
+            raise StorageReadError(
+                errno.EIO, f"{where}: {count} unit CRCs do not fit a {self.header_bytes}-byte header"
+            )
+        table = bytes(raw[start:end])
+        (stored,) = _HEADER_CRC.unpack_from(raw, end)
+        if zlib.crc32(table) != stored:
+            raise ChecksumMismatch(
+                errno.EIO, f"{where}: unit CRC table CRC {zlib.crc32(table):#010x} != {stored:#010x}"
+            )
+        return dataclasses.replace(self, unit_crcs=struct.unpack_from(f"<{count}I", table, _UNIT_COUNT.size))
 
     @classmethod
     def unpack(cls, raw: bytes | memoryview, where: str) -> BlockHeader:
+        """The fixed part of a header (version 1 or 2) from its first :data:`IO_ALIGN` bytes; a version-2 header's unit
+        CRCs come from :meth:`with_unit_crcs` (``unit_crcs`` stays None here)."""
         fixed = bytes(raw[: _HEADER.size])
         (stored_crc,) = _HEADER_CRC.unpack_from(raw, _HEADER.size)
         if zlib.crc32(fixed) != stored_crc:
@@ -189,13 +252,19 @@ class BlockHeader:
         magic, version, header_bytes, payload_bytes, checksum, fingerprint, block_id, parent_id, has_parent = (
             _HEADER.unpack(fixed)
         )
-        if magic != MAGIC or version != FORMAT_VERSION or header_bytes != HEADER_BYTES:
+        sized = (
+            header_bytes == HEADER_BYTES
+            if version == 1
+            else header_bytes >= HEADER_BYTES and not header_bytes % IO_ALIGN
+        )
+        if magic != MAGIC or version not in READ_VERSIONS or not sized:
             raise StorageReadError(
                 errno.EIO,
-                f"{where}: not a v{FORMAT_VERSION} block file "
+                f"{where}: not a block file of version {READ_VERSIONS} "
                 f"(magic {magic!r}, version {version}, header {header_bytes} bytes)",
             )
-        return cls(payload_bytes, checksum, fingerprint, block_id, parent_id if has_parent else None)
+        header = cls(payload_bytes, checksum, fingerprint, block_id, parent_id if has_parent else None)
+        return dataclasses.replace(header, header_bytes=header_bytes, version=version)
 
 
 @runtime_checkable
@@ -214,7 +283,7 @@ class BlockStore(Protocol):
 
     def write_blocks(self, chain: Sequence[tuple[bytes, bytes | None, Any]]) -> list[bool]: ...
 
-    def read_into(self, block_id: bytes, dest: Any) -> None: ...
+    def read_into(self, block_id: bytes, dest: Any) -> int | None: ...
 
     def close(self) -> None: ...
 
@@ -511,7 +580,11 @@ class LocalBlockStore:
     ) -> tuple[bytes, bytes | None, Path, Path]:
         """Write one block to a temporary file beside its final name (``fsync`` mode: and fsync it); returns
         ``(block_id, parent_id, temporary, final)``. ``directories`` gets ``blocks`` when a shard was created."""
-        header = BlockHeader(data.nbytes, zlib.crc32(data), self.layout.fingerprint(), block_id, parent_id)
+        units = unit_checksums(self.layout, data)
+        header = BlockHeader(
+            data.nbytes, zlib.crc32(data), self.layout.fingerprint(), block_id, parent_id, units,
+            BlockHeader.size_for(len(units)),
+        )  # fmt: skip
         final = self.path_of(block_id)
         if not final.parent.exists():
             final.parent.mkdir(exist_ok=True)
@@ -585,8 +658,10 @@ class LocalBlockStore:
             page = self._scratch.page = _aligned_scratch(IO_ALIGN)
         return page
 
-    def read_into(self, block_id: bytes, dest: Any, *, preserve_on_error: bool = True) -> None:
-        """Read one Full Block straight into ``dest`` and verify its checksum.
+    def read_into(
+        self, block_id: bytes, dest: Any, *, preserve_on_error: bool = True, shard: KVShard | None = None
+    ) -> int:
+        """Read one Full Block (or a tensor-parallel rank's bytes of it) straight into ``dest`` and verify it.
 
         Parameters
         ----------
@@ -595,11 +670,20 @@ class LocalBlockStore:
         dest : writable buffer or torch.Tensor
             Exactly ``full_block_bytes`` bytes (e.g. a host-buffer lease); receives the ``[L, T, C]`` payload.
             With ``O_DIRECT`` and a 4096-byte-aligned ``dest`` the payload is DMA'd in place; otherwise the
-            page cache copies it in.
+            page cache copies it in. With ``shard``: ``shard.local.full_block_bytes``, the rank's ``[L, T, C_r]``.
         preserve_on_error : bool
             Keep a copy of ``dest`` first so that on any failure (I/O error, checksum mismatch) ``dest`` is
             restored to its prior bytes. Costs one memcpy; pass False for a freshly allocated destination whose
             contents do not matter.
+        shard : KVShard, optional
+            Read only this rank's byte ranges (``shard.byte_ranges()``, one ``pread`` each, through the page cache)
+            and check its units' CRCs; a corrupt byte outside them goes unnoticed by this read. A version-1 block
+            has no unit CRCs: it is read whole, checked, and the rank's bytes taken.
+
+        Returns
+        -------
+        int
+            Payload bytes read from storage (what the storage NIC carried).
 
         Raises
         ------
@@ -607,45 +691,26 @@ class LocalBlockStore:
             The block is not stored, its file vanished (ENOENT; the block and its descendants leave the index),
             or its file is short, malformed or unreadable.
         ChecksumMismatch
-            The bytes read do not match the stored CRC-32.
+            The bytes read do not match the stored CRC-32 (of the payload, or of one of the rank's units).
         """
         self._check_open("read a block")
         self._check_id("block_id", block_id)
+        check_type("shard", shard, (KVShard, type(None)), where=f"block store at {self.root}")
+        if shard is not None and shard.full != self.layout:
+            raise ConfigError(f"shard of layout {shard.full.kind!r} does not belong to this store's layout")
+        ranged = shard if shard is not None and not shard.whole else None
         view = as_memoryview(dest, writable=True)
-        expected = self.layout.full_block_bytes
+        expected = (ranged.local if ranged else self.layout).full_block_bytes
         if view.nbytes != expected:
-            raise BoundsError(f"block {block_id.hex()}: destination is {view.nbytes} bytes, a Full Block is {expected}")
+            what = f"rank {ranged.rank} of {ranged.size}'s share of a Full Block" if ranged else "a Full Block"
+            raise BoundsError(f"block {block_id.hex()}: destination is {view.nbytes} bytes, {what} is {expected}")
         if block_id not in self.index:
             raise StorageReadError(errno.ENOENT, f"block {block_id.hex()} is not in the store at {self.root}")
         path = self.path_of(block_id)
         saved = bytes(view) if preserve_on_error else None
         try:
             self.faults.before_read(block_id)
-            direct = self.io_mode == "direct"
-            fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
-            try:
-                page = memoryview(self._scratch_page())
-                _pread_exact(fd, page, 0, f"{path} header")
-                header = BlockHeader.unpack(page, str(path))
-                if header.block_id != block_id or header.layout_fingerprint != self.layout.fingerprint():
-                    raise StorageReadError(
-                        errno.EIO, f"{path}: header names block {header.block_id.hex()} or another layout"
-                    )
-                if header.payload_bytes != expected:
-                    raise StorageReadError(
-                        errno.EIO, f"{path}: payload of {header.payload_bytes} bytes, layout needs {expected}"
-                    )
-                self._read_payload(fd, view, direct, str(path))
-            finally:
-                os.close(fd)
-            self.faults.after_read(block_id, view)
-            actual = zlib.crc32(view)
-            if actual != header.checksum:
-                raise ChecksumMismatch(
-                    errno.EIO,
-                    f"block {block_id.hex()} at {path}: CRC-32 of the payload is "
-                    f"{actual:#010x}, stored {header.checksum:#010x}",
-                )
+            return self._read_checked(block_id, path, view, ranged)
         except StorageReadError:
             self._restore(view, saved)
             raise
@@ -657,30 +722,95 @@ class LocalBlockStore:
                 error.errno or errno.EIO, f"reading block {block_id.hex()} from {path} failed: {error}"
             ) from error
 
+    def _read_checked(self, block_id: bytes, path: Path, view: memoryview, shard: KVShard | None) -> int:
+        """Read the header, then the payload (``shard``: the rank's ranges) into ``view``, and verify them."""
+        direct = self.io_mode == "direct" and shard is None  # ranges are not aligned: the page cache reads them
+        fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+        try:
+            page = memoryview(self._scratch_page())
+            _pread_exact(fd, page, 0, f"{path} header")
+            header = BlockHeader.unpack(page, str(path))
+            if header.block_id != block_id or header.layout_fingerprint != self.layout.fingerprint():
+                raise StorageReadError(
+                    errno.EIO, f"{path}: header names block {header.block_id.hex()} or another layout"
+                )
+            if header.payload_bytes != self.layout.full_block_bytes:
+                raise StorageReadError(
+                    errno.EIO,
+                    f"{path}: payload of {header.payload_bytes} bytes, layout needs {self.layout.full_block_bytes}",
+                )
+            if shard is not None and header.version > 1:
+                raw = page if header.header_bytes == IO_ALIGN else bytearray(header.header_bytes)
+                if raw is not page:
+                    _pread_exact(fd, memoryview(raw), 0, f"{path} header")
+                return self._read_units(fd, block_id, view, header.with_unit_crcs(raw, str(path)), shard)
+            whole = view if shard is None else memoryview(bytearray(header.payload_bytes))
+            self._read_payload(fd, whole, direct, str(path), header.header_bytes)
+        finally:
+            os.close(fd)
+        self.faults.after_read(block_id, whole)
+        actual = zlib.crc32(whole)
+        if actual != header.checksum:
+            raise ChecksumMismatch(
+                errno.EIO,
+                f"block {block_id.hex()} at {path}: CRC-32 of the payload is "
+                f"{actual:#010x}, stored {header.checksum:#010x}",
+            )
+        if shard is not None:  # a version-1 block: read whole, its rank's bytes taken
+            full = self.layout.as_full_blocks(torch.frombuffer(whole, dtype=torch.uint8), 1)
+            torch.frombuffer(view, dtype=torch.uint8).copy_(shard.take(full).reshape(-1))
+        return whole.nbytes
+
+    def _read_units(self, fd: int, block_id: bytes, view: memoryview, header: BlockHeader, shard: KVShard) -> int:
+        """Read ``shard``'s byte ranges of a version-2 block into ``view`` (in order) and check its units' CRCs."""
+        where, units = str(self.path_of(block_id)), self.layout.num_units
+        if len(header.unit_crcs) != self.layout.num_layers * units:
+            raise StorageReadError(
+                errno.EIO,
+                f"{where}: {len(header.unit_crcs)} unit CRCs, the layout has {self.layout.num_layers} x {units}",
+            )
+        done = 0
+        for offset, nbytes in shard.byte_ranges():
+            _pread_exact(fd, view[done : done + nbytes], header.header_bytes + offset, where)
+            done += nbytes
+        self.faults.after_read(block_id, view)
+        got = unit_checksums(shard.local, view)
+        for index, actual in enumerate(got):
+            layer, local_unit = divmod(index, len(shard.units))
+            stored = header.unit_crcs[layer * units + shard.units[local_unit]]
+            if actual != stored:
+                raise ChecksumMismatch(
+                    errno.EIO,
+                    f"block {block_id.hex()} at {where}: CRC-32 of layer {layer} unit {shard.units[local_unit]} is "
+                    f"{actual:#010x}, stored {stored:#010x}",
+                )
+        return done
+
     @staticmethod
     def _restore(view: memoryview, saved: bytes | None) -> None:
         if saved is not None:
             view[:] = saved
 
-    def _read_payload(self, fd: int, view: memoryview, direct: bool, where: str) -> None:
+    def _read_payload(self, fd: int, view: memoryview, direct: bool, where: str, start: int) -> None:
+        """Read the payload, which starts at file offset ``start`` (the header's size), into ``view``."""
         if direct and buffer_address(view) % IO_ALIGN:
             # O_DIRECT needs an aligned destination: read this one through the page cache instead.
             fd_buffered = os.open(where, os.O_RDONLY)
             try:
-                _pread_exact(fd_buffered, view, HEADER_BYTES, where)
+                _pread_exact(fd_buffered, view, start, where)
             finally:
                 os.close(fd_buffered)
             return
         if not direct:
-            _pread_exact(fd, view, HEADER_BYTES, where)
+            _pread_exact(fd, view, start, where)
             return
         bulk = view.nbytes - view.nbytes % IO_ALIGN
         if bulk:
-            _pread_exact(fd, view[:bulk], HEADER_BYTES, where)
+            _pread_exact(fd, view[:bulk], start, where)
         tail = view.nbytes - bulk
         if tail:  # the file is padded to IO_ALIGN, so read a whole aligned page and keep its head
             page = memoryview(self._scratch_page())
-            _pread_exact(fd, page, HEADER_BYTES + bulk, where)
+            _pread_exact(fd, page, start + bulk, where)
             view[bulk:] = page[:tail]
 
     def close(self) -> None:
@@ -690,6 +820,62 @@ class LocalBlockStore:
         if page is not None:
             page.close()
             self._scratch.page = None
+
+
+class ShardStore:
+    """A tensor-parallel rank's view of a :class:`LocalBlockStore`: the :class:`BlockStore` of its local layout.
+
+    Reads take only the rank's byte ranges of each stored Full Block (``read_into(..., shard=)``); lookups, refreshes
+    and removals are the store's. Writing is refused to a rank holding some heads: stored blocks hold every head
+    (persisting under tensor parallelism needs the ranks' shards gathered first); a rank holding whole rows (MLA)
+    writes as the store does.
+
+    Parameters
+    ----------
+    store : LocalBlockStore
+        The shared store of full blocks.
+    shard : KVShard
+        The rank's part of ``store.layout``.
+    """
+
+    def __init__(self, store: LocalBlockStore, shard: KVShard) -> None:
+        check_type("store", store, LocalBlockStore, where="ShardStore")
+        check_type("shard", shard, KVShard, where="ShardStore")
+        if shard.full != store.layout:
+            raise ConfigError(f"ShardStore: the shard's layout is not the store's ({store.root})")
+        self.store, self.shard, self.layout = store, shard, shard.local
+
+    def contains(self, block_id: bytes) -> bool:
+        return self.store.contains(block_id)
+
+    def longest_prefix(self, block_ids: Sequence[bytes]) -> int:
+        return self.store.longest_prefix(block_ids)
+
+    def refresh(self, block_ids: Sequence[bytes]) -> int:
+        return self.store.refresh(block_ids)
+
+    def remove(self, block_id: bytes) -> list[bytes]:
+        return self.store.remove(block_id)
+
+    def write_block(self, block_id: bytes, parent_id: bytes | None, payload: Any) -> bool:
+        return self.write_blocks([(block_id, parent_id, payload)])[0]
+
+    def write_blocks(self, chain: Sequence[tuple[bytes, bytes | None, Any]]) -> list[bool]:
+        """The store's :meth:`LocalBlockStore.write_blocks` for a rank holding whole rows (MLA, or size 1); refused
+        for a rank holding some heads."""
+        if self.shard.whole:
+            return self.store.write_blocks(chain)
+        raise ConfigError(
+            f"tensor-parallel rank {self.shard.rank} of {self.shard.size} holds only its heads: it cannot write the "
+            f"full blocks of the store at {self.store.root}"
+        )
+
+    def read_into(self, block_id: bytes, dest: Any, *, preserve_on_error: bool = True) -> int:
+        """The rank's ``[L, T, C_r]`` bytes of block ``block_id`` into ``dest``; returns the payload bytes read."""
+        return self.store.read_into(block_id, dest, preserve_on_error=preserve_on_error, shard=self.shard)
+
+    def close(self) -> None:
+        self.store.close()
 
 
 # The read queue and its clocks moved to their own modules; their old import path from here keeps working (lazily:

@@ -180,3 +180,123 @@ def test_full_blocks_from_layers_inverts_layer_rows(layout, num_blocks, seed):
     if layout.block_tokens > 1:
         with pytest.raises(BoundsError, match="whole number"):
             layout.full_blocks_from_layers([r[:-1] for r in rows])
+
+
+# -- tensor-parallel shards ----------------------------------------------------------------------------------------
+@st.composite
+def gqa_layouts(draw, min_heads: int = 1) -> KVLayout:
+    return KVLayout.gqa(
+        draw(st.integers(1, 4)),
+        draw(st.sampled_from([h for h in (1, 2, 4, 8) if h >= min_heads])),
+        draw(st.integers(1, 9)),
+        draw(st.sampled_from(GQA_DTYPES)),
+        draw(st.integers(1, 6)),
+    )
+
+
+def shard_bytes(layout: KVLayout, size: int, rank: int) -> torch.Tensor:
+    """Every byte index of a Full Block that rank ``rank`` of ``size`` holds, from its byte ranges."""
+    ranges = layout.shard(size, rank).byte_ranges()
+    return torch.cat([torch.arange(offset, offset + nbytes) for offset, nbytes in ranges])
+
+
+@settings(max_examples=40, deadline=None)
+@given(layout=gqa_layouts(min_heads=4), size=st.sampled_from([1, 2, 4]))
+def test_the_ranks_of_a_gqa_tp_size_tile_every_byte_of_a_block_once(layout, size):
+    held = torch.cat([shard_bytes(layout, size, rank) for rank in range(size)])
+    counts = torch.bincount(held, minlength=layout.full_block_bytes)
+    assert counts.numel() == layout.full_block_bytes
+    assert bool((counts == 1).all()), f"bytes held {counts.min()}..{counts.max()} times"
+    heads = [list(layout.shard(size, rank).units) for rank in range(size)]
+    assert sum(heads, []) == list(range(layout.num_units))
+
+
+@settings(max_examples=40, deadline=None)
+@given(layout=gqa_layouts(), size=st.sampled_from([1, 2, 4]), seed=st.integers(0, 2**16))
+def test_a_ranks_bytes_are_its_heads_k_and_v_in_its_local_layout(layout, size, seed):
+    """The rank's byte ranges, gathered, are its local Full Block: its heads' K and V of every row, bit for bit."""
+    full = layout.as_full_blocks(random_bytes(layout.full_block_bytes, seed), 1)
+    for rank in range(size):
+        shard = layout.shard(size, rank)
+        flat = full.reshape(-1)
+        gathered = torch.cat([flat[off : off + n] for off, n in shard.byte_ranges()])
+        local = shard.local.as_full_blocks(gathered, 1)
+        assert torch.equal(local, shard.take(full))
+        k_full, v_full = layout.gqa_kv(full)
+        k_local, v_local = shard.local.gqa_kv(local)
+        heads = slice(shard.units.start, shard.units.stop)
+        assert torch.equal(k_local.view(torch.uint8), k_full[..., heads, :].contiguous().view(torch.uint8))
+        assert torch.equal(v_local.view(torch.uint8), v_full[..., heads, :].contiguous().view(torch.uint8))
+
+
+@pytest.mark.parametrize(("heads", "size", "expected"), [(1, 2, [0, 0]), (2, 4, [0, 0, 1, 1]), (1, 4, [0] * 4)])
+def test_fewer_kv_heads_than_ranks_replicate_heads_as_vllm_does(heads, size, expected):
+    layout = KVLayout.gqa(2, heads, 4, block_tokens=3)
+    shards = [layout.shard(size, rank) for rank in range(size)]
+    assert [list(s.units) for s in shards] == [[h] for h in expected]
+    for shard in shards:  # a replica holds its one head's K and V of every row, nothing else
+        assert shard.local == KVLayout.gqa(2, 1, 4, block_tokens=3)
+        assert sum(n for _, n in shard.byte_ranges()) == shard.local.full_block_bytes
+
+
+@settings(max_examples=20, deadline=None)
+@given(layout=layouts().filter(lambda lay: lay.kind != "gqa"), size=st.sampled_from([1, 2, 4]))
+def test_every_mla_rank_holds_the_whole_latent(layout, size):
+    for rank in range(size):
+        shard = layout.shard(size, rank)
+        assert shard.whole and shard.local == layout
+        assert shard.byte_ranges() == ((0, layout.full_block_bytes),)
+
+
+def test_the_fingerprint_does_not_depend_on_the_parallel_layout():
+    layout = KVLayout.gqa(3, 8, 16)
+    assert layout.shard(2, 1).full.fingerprint() == layout.fingerprint()
+    assert layout.shard(1, 0).local.fingerprint() == layout.fingerprint()
+
+
+@pytest.mark.parametrize(
+    ("heads", "size", "rank", "match"),
+    [(3, 2, 0, "3 KV heads cannot be sharded over tensor-parallel size 2"), (4, 2, 2, r"rank 2 out of range \[0, 2\)"),
+     (4, 0, 0, r"size must be in \[1, 1024\], got 0")],
+)  # fmt: skip
+def test_bad_shards_are_refused_naming_the_value(heads, size, rank, match):
+    with pytest.raises(ConfigError, match=match):
+        KVLayout.gqa(1, heads, 4).shard(size, rank)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    layout=st.one_of(gqa_layouts(), layouts().filter(lambda lay: lay.kind != "gqa")),
+    sizes=st.tuples(st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 4])),
+    seed=st.integers(0, 2**16),
+)
+def test_a_rank_gets_each_of_its_bytes_once_from_the_ranks_of_another_size(layout, sizes, seed):
+    """Different tensor-parallel sizes on the two sides: the overlaps with the sending side's ranks tile each
+    receiving rank's row exactly once, and copying them rebuilds its share bit for bit."""
+    size_from, size_to = sizes
+    if layout.kind == "gqa" and (layout.num_units % size_from and size_from % layout.num_units):
+        return
+    if layout.kind == "gqa" and (layout.num_units % size_to and size_to % layout.num_units):
+        return
+    full = layout.as_full_blocks(random_bytes(layout.full_block_bytes, seed), 1)
+    for rank in range(size_to):
+        shard = layout.shard(size_to, rank)
+        rebuilt = torch.zeros_like(shard.take(full))
+        writes = torch.zeros(shard.local.token_bytes, dtype=torch.int64)
+        for source, segments in shard.sources(size_from):
+            sent = layout.shard(size_from, source).take(full)
+            for mine, theirs, nbytes in segments:
+                rebuilt[..., mine : mine + nbytes] = sent[..., theirs : theirs + nbytes]
+                writes[mine : mine + nbytes] += 1
+        assert bool((writes == 1).all()), f"row bytes written {writes.tolist()} times"
+        assert torch.equal(rebuilt, shard.take(full))
+
+
+def test_overlaps_name_the_common_heads_of_two_sizes():
+    layout = KVLayout.gqa(1, 4, 2, torch.float16, 1)  # a head is 4 bytes; a row K0..K3 V0..V3
+    pe, de = layout.shard(2, 1), layout.shard(4, 3)  # heads 2-3 and head 3
+    assert de.overlap(pe) == ((0, 4, 4), (4, 12, 4))  # its K3 and V3 from the PE rank's second K and second V
+    assert de.sources(2) == ((1, ((0, 4, 4), (4, 12, 4))),)
+    assert layout.shard(1, 0).sources(4) == tuple((r, ((4 * r, 0, 4), (16 + 4 * r, 4, 4))) for r in range(4))
+    with pytest.raises(ConfigError, match="different layouts"):
+        pe.overlap(KVLayout.gqa(1, 8, 2, torch.float16, 1).shard(2, 0))

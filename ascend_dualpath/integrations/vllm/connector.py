@@ -37,7 +37,8 @@ def model_kv_layout(vllm_config: Any) -> KVLayout:
     if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
         raise ConfigError(
             "the DualPath connector supports tensor and pipeline parallel size 1 for now, got "
-            f"{parallel.tensor_parallel_size} and {parallel.pipeline_parallel_size}"
+            f"{parallel.tensor_parallel_size} and {parallel.pipeline_parallel_size} (tensor-parallel ranks read and "
+            "move their heads' share outside vLLM only; persisting from a rank is not there yet, see docs/vllm.md)"
         )
     cache_dtype = vllm_config.cache_config.cache_dtype
     if cache_dtype not in ("auto", None):

@@ -34,7 +34,7 @@ from ascend_dualpath.integrations.vllm.metadata import DualPathMetadata, DualPat
 from ascend_dualpath.integrations.vllm.persisting import PersistAnnouncements, Persister
 from ascend_dualpath.kv.layout import KVLayout
 from ascend_dualpath.kv.read_queue import ReadQueue
-from ascend_dualpath.kv.store import LocalBlockStore
+from ascend_dualpath.kv.store import LocalBlockStore, ShardStore
 
 log = logging.getLogger(__name__)
 IDLE_STEP_S = 0.005  # a step with only reads ahead pending: ready() is polled at most ~200 times a second
@@ -49,14 +49,18 @@ class DualPathWorker:
         The instance's connector settings.
     layout : KVLayout
         Token rows of this model (must match the adapter's).
-    store : LocalBlockStore
-        The shared block store.
+    store : LocalBlockStore or ShardStore
+        The shared block store; a tensor-parallel rank's :class:`~ascend_dualpath.kv.store.ShardStore` (its
+        ``layout`` the rank's share, reads of its byte ranges only; a rank holding some heads cannot persist, so
+        such a worker is only driven without persists, in the worker harness).
     adapter_factory : callable
         ``(layer_name, cache) -> adapter``: the paged-layout adapter of the model's attention backend
         (``write_tokens(cache, block_ids, start, rows)``, ``read_tokens(cache, block_ids, start, end)``).
     """
 
-    def __init__(self, settings: ConnectorSettings, layout: KVLayout, store: LocalBlockStore, adapter_factory):
+    def __init__(
+        self, settings: ConnectorSettings, layout: KVLayout, store: LocalBlockStore | ShardStore, adapter_factory
+    ):
         self.settings, self.layout, self.store = settings, layout, store
         self._adapter_factory = adapter_factory
         self.read_queue = ReadQueue(store, settings.snic_bytes_per_s, node=settings.node)

@@ -7,6 +7,11 @@ per-layer FLASH_ATTN-layout caches. :meth:`Deployment.prefill` drives one PE req
 and, when the load reports bad blocks, the recompute step vLLM runs next (``kv_load_failure_policy=recompute``).
 The KV of every request is known in advance (:meth:`Deployment.true_rows`), so the DE's caches can be checked
 bit for bit.
+
+Tensor parallelism: a :class:`Model` names the KV geometry (GQA with some KV heads, or MLA) and the rank whose share
+an instance's worker holds; a :class:`TpDeployment` is one :class:`Deployment` per rank on one fabric and one store,
+PE rank ``r`` paired with DE rank ``r`` (each its own side channel and link), every worker holding its rank's heads
+and reading only its byte ranges of the stored full blocks (:class:`~ascend_dualpath.kv.store.ShardStore`).
 """
 
 from __future__ import annotations
@@ -27,10 +32,11 @@ from ascend_dualpath.dualpath.scheduler import ReadPath
 from ascend_dualpath.dualpath.settings import UNCAPPED_BYTES_PER_S, ConnectorSettings
 from ascend_dualpath.dualpath.side_channel import XferParams
 from ascend_dualpath.dualpath.specs import LoadSpec, RecvSpec, SaveSpec
-from ascend_dualpath.integrations.vllm.layouts import FlashAttnAdapter
+from ascend_dualpath.integrations.vllm.layouts import FlashAttnAdapter, MlaAdapter, PagedKVAdapter
 from ascend_dualpath.integrations.vllm.metadata import DualPathMetadata
 from ascend_dualpath.integrations.vllm.worker import DualPathWorker
-from ascend_dualpath.kv.store import LocalBlockStore
+from ascend_dualpath.kv.layout import KVLayout, KVShard
+from ascend_dualpath.kv.store import LocalBlockStore, ShardStore
 
 LAYERS, KV_HEADS, HEAD, BLOCK = 3, 2, 8, 4
 NUM_BLOCKS = 256
@@ -58,6 +64,46 @@ def new_cache(fill: int = 0) -> torch.Tensor:
 
 ADAPTER = FlashAttnAdapter.from_cache(new_cache())
 LAYOUT = ADAPTER.kv_layout(LAYERS)
+LATENT = 24  # MLA's latent elements per token in the harness (float16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """The KV geometry served (``kind`` ``gqa`` with ``kv_heads`` heads of ``HEAD`` elements, or ``mla`` with a
+    ``LATENT`` latent; float16) and tensor-parallel rank ``rank`` of ``tp``, whose share a worker holds."""
+
+    kind: str = "gqa"
+    kv_heads: int = KV_HEADS
+    tp: int = 1
+    rank: int = 0
+
+    @property
+    def full(self) -> KVLayout:
+        """The stored layout: every head."""
+        if self.kind == "mla":
+            return KVLayout.mla(LAYERS, LATENT, torch.float16, BLOCK)
+        return KVLayout.gqa(LAYERS, self.kv_heads, HEAD, torch.float16, BLOCK)
+
+    @property
+    def shard(self) -> KVShard:
+        return self.full.shard(self.tp, self.rank)
+
+    def new_cache(self, fill: int = 0) -> torch.Tensor:
+        """One layer's cache of the rank, every byte ``fill``: FLASH_ATTN ``float16 [NUM_BLOCKS, heads, BLOCK,
+        2 * HEAD]`` with the rank's heads, or MLA ``float16 [NUM_BLOCKS, BLOCK, LATENT]``."""
+        if self.kind == "mla":
+            cache = torch.empty((NUM_BLOCKS, BLOCK, LATENT), dtype=torch.float16)
+        else:
+            cache = torch.empty((NUM_BLOCKS, len(self.shard.units), BLOCK, 2 * HEAD), dtype=torch.float16)
+        cache.view(torch.uint8).fill_(fill)
+        return cache
+
+    @property
+    def adapter(self) -> PagedKVAdapter:
+        kind = MlaAdapter if self.kind == "mla" else FlashAttnAdapter
+        adapter = kind.from_cache(self.new_cache())
+        assert adapter.kv_layout(LAYERS) == self.shard.local, "the rank's cache rows are not its shard's rows"
+        return adapter
 
 
 @dataclasses.dataclass
@@ -97,10 +143,14 @@ class Deployment:
         num_de: int,
         snic: dict[str, float] | None = None,
         engine: str | dict[str, str] = "emulator",
+        model: Model | None = None,
+        fabric: str | None = None,
     ) -> None:
         self.root = str(root)
         self.engine = engine
-        self.fabric = f"t{os.getpid()}x{secrets.token_hex(4)}"
+        self.model = model or Model()
+        self.adapter = self.model.adapter
+        self.fabric = fabric or f"t{os.getpid()}x{secrets.token_hex(4)}"
         self.instances: dict[str, Instance] = {}
         self._ids = itertools.count()
         self.layer_waits: list[float] = []  # every wait_for_layer_load of prefill(), in seconds
@@ -108,17 +158,18 @@ class Deployment:
         try:
             for i, role in enumerate(["prefill"] * num_pe + ["decode"] * num_de):
                 name = f"pe{i}" if role == "prefill" else f"de{i - num_pe}"
-                self.instances[name] = self._start(name, role, i, snic.get(name, UNCAPPED_BYTES_PER_S))
+                device = self.model.rank * (num_pe + num_de) + i  # unique on a fabric the ranks share
+                self.instances[name] = self._start(name, role, device, snic.get(name, UNCAPPED_BYTES_PER_S))
         except BaseException:
             self.close()
             raise
-        self.store = LocalBlockStore(self.root, LAYOUT)
+        self.store = LocalBlockStore(self.root, self.model.full)
 
     def _start(self, name: str, role: str, device_id: int, snic: float) -> Instance:
         settings = ConnectorSettings(
             role=role,
             store=self.root,
-            node=name,
+            node=name if self.model.tp == 1 else f"{name}.tp{self.model.rank}",
             snic_bytes_per_s=snic,
             side_port=free_port(),
             fabric=self.fabric,
@@ -128,8 +179,10 @@ class Deployment:
             host_buffer_mb=4,
             engine=self.engine if isinstance(self.engine, str) else self.engine.get(name, "emulator"),
         )
-        worker = DualPathWorker(settings, LAYOUT, LocalBlockStore(self.root, LAYOUT), lambda _n, c: ADAPTER)
-        caches = [new_cache(POISON if role == "decode" else 0) for _ in range(LAYERS)]
+        full, shard = LocalBlockStore(self.root, self.model.full), self.model.shard
+        store = full if shard.whole else ShardStore(full, shard)
+        worker = DualPathWorker(settings, shard.local, store, lambda _n, c: self.adapter)
+        caches = [self.model.new_cache(POISON if role == "decode" else 0) for _ in range(LAYERS)]
         names = [f"layers.{i}.attn" for i in range(LAYERS)]
         worker.register_kv_caches(dict(zip(names, caches, strict=True)), lambda n: int(n.split(".")[1]))
         return Instance(worker, caches, worker.side.address, role)
@@ -144,10 +197,10 @@ class Deployment:
 
     # -- requests ---------------------------------------------------------------------------------------------
     @staticmethod
-    def true_rows(seed: int, prompt: int) -> torch.Tensor:
+    def true_rows(seed: int, prompt: int, layout: KVLayout = LAYOUT) -> torch.Tensor:
         """``uint8 [L, prompt, C]``: the request's KV (finite float16 values, so every copy keeps the bits)."""
         gen = torch.Generator().manual_seed(seed)
-        values = torch.randn((LAYERS, prompt, LAYOUT.token_bytes // 2), generator=gen).to(torch.float16)
+        values = torch.randn((LAYERS, prompt, layout.token_bytes // 2), generator=gen).to(torch.float16)
         return values.view(torch.uint8)
 
     def store_prefix(self, rows: torch.Tensor, hit_blocks: int, tag: int) -> list[bytes]:
@@ -159,12 +212,14 @@ class Deployment:
             assert self.store.write_block(ids[b], ids[b - 1] if b else None, payload)
         return ids
 
-    def request(self, pe: str, de: str, rows: torch.Tensor, hit_blocks: int, path: str, split: bool = False):
-        """Everything one request needs on both sides: returns ``(xfer_id, pe_request, de_request)``."""
+    def request(self, pe: str, de: str, rows: torch.Tensor, hit_blocks: int, path: str, split: bool = False, ids=None):
+        """Everything one request needs on both sides: returns ``(pe_request, de_request)``. ``ids``: the store ids
+        of a prefix stored already (a tensor-parallel request's, stored once for every rank); else ``rows``'s first
+        ``hit_blocks`` blocks are stored here."""
         n = next(self._ids)
         xfer_id = f"x{n}"
         prompt = rows.shape[1]
-        ids = self.store_prefix(rows, hit_blocks, n)
+        ids = self.store_prefix(rows, hit_blocks, n) if ids is None else ids
         pe_inst, de_inst = self.instances[pe], self.instances[de]
         pe_xfer = XferParams(xfer_id, "prefill", ReadPath(path), de_inst.address, split)
         de_xfer = XferParams(xfer_id, "decode", ReadPath(path), pe_inst.address, split)
@@ -218,9 +273,9 @@ class Deployment:
             self.layer_waits.append(time.monotonic() - started)
             cache = inst.caches[layer]
             if check_layers and not worker.prefill._invalid_blocks and req.hit_tokens:
-                got = ADAPTER.read_tokens(cache, req.block_ids, 0, req.hit_tokens)
+                got = self.adapter.read_tokens(cache, req.block_ids, 0, req.hit_tokens)
                 assert torch.equal(got, req.rows[layer, : req.hit_tokens]), f"hit rows of layer {layer} missing"
-            ADAPTER.write_tokens(cache, req.block_ids, req.hit_tokens, req.rows[layer, req.hit_tokens :])
+            self.adapter.write_tokens(cache, req.block_ids, req.hit_tokens, req.rows[layer, req.hit_tokens :])
             worker.save_kv_layer(name, cache)
         worker.wait_for_save()
         bad = worker.get_block_ids_with_load_errors()
@@ -230,7 +285,7 @@ class Deployment:
             worker.start_step(DualPathMetadata(saves=[recompute]))
             for layer, name in enumerate(names):
                 cache = inst.caches[layer]
-                ADAPTER.write_tokens(cache, req.block_ids, start, req.rows[layer, start:])
+                self.adapter.write_tokens(cache, req.block_ids, start, req.rows[layer, start:])
                 worker.save_kv_layer(name, cache)
             worker.wait_for_save()
         return bad
@@ -267,10 +322,15 @@ class Deployment:
         self.instances[pe].worker.get_finished({req.req_id})
 
 
-def run_request(d: Deployment, pe: str, de: str, prompt: int, hit_blocks: int, path: str, split: bool, seed: int):
-    """One request PE -> DE; returns ``(de_request, rows, bad blocks)`` once the DE's receive ended."""
-    rows = Deployment.true_rows(seed, prompt)
-    pe_req, de_req = d.request(pe, de, rows, hit_blocks, path, split)
+def run_request(
+    d: Deployment, pe: str, de: str, prompt: int, hit_blocks: int, path: str, split: bool, seed: int, ids=None
+):
+    """One request PE -> DE; returns ``(de_request, rows, bad blocks)`` once the DE's receive ended. ``ids``: a
+    stored prefix's ids (a tensor-parallel request's; ``rows`` are then the rank's share of the seed's rows)."""
+    rows = Deployment.true_rows(seed, prompt, d.model.full)
+    if ids is not None:
+        rows = d.model.shard.take(rows)
+    pe_req, de_req = d.request(pe, de, rows, hit_blocks, path, split, ids)
     d.expect_recv(de, de_req)
     bad = d.prefill(pe, pe_req)
     if de_req.report:
@@ -293,12 +353,13 @@ class PeRequest:
     rows: torch.Tensor
 
 
-def expected_de_caches(written: list[tuple[RecvSpec, torch.Tensor]]) -> list[torch.Tensor]:
-    """The DE caches after ``written`` receives: poison everywhere but each receive's rows."""
-    caches = [new_cache(POISON) for _ in range(LAYERS)]
+def expected_de_caches(written: list[tuple[RecvSpec, torch.Tensor]], model: Model | None = None) -> list[torch.Tensor]:
+    """The DE caches (of ``model``'s rank) after ``written`` receives: poison everywhere but each receive's rows."""
+    model = model or Model()
+    caches = [model.new_cache(POISON) for _ in range(LAYERS)]
     for spec, rows in written:
         for layer in range(LAYERS):
-            ADAPTER.write_tokens(caches[layer], spec.block_ids, 0, rows[layer, : spec.end])
+            model.adapter.write_tokens(caches[layer], spec.block_ids, 0, rows[layer, : spec.end])
     return caches
 
 
@@ -306,3 +367,42 @@ def assert_caches_equal(got: list[torch.Tensor], expected: list[torch.Tensor]) -
     for layer, (a, b) in enumerate(zip(got, expected, strict=True)):
         diff = (a.view(torch.uint8) != b.view(torch.uint8)).nonzero()
         assert diff.numel() == 0, f"layer {layer}: {diff.shape[0]} bytes differ, first at {diff[0].tolist()}"
+
+
+class TpDeployment:
+    """``num_pe`` PEs and ``num_de`` DEs of ``tp`` tensor-parallel ranks each, serving ``kind`` (``gqa`` with
+    ``kv_heads`` heads, or ``mla``): one :class:`Deployment` per rank (:attr:`ranks`), on one fabric and one store.
+    PE rank ``r`` sends to DE rank ``r`` only; each moves and reads its rank's share."""
+
+    def __init__(self, root, num_pe: int, num_de: int, tp: int, kind: str = "gqa", kv_heads: int = KV_HEADS) -> None:
+        fabric = f"t{os.getpid()}x{secrets.token_hex(4)}"
+        self.fabric, self.ranks = fabric, []
+        try:
+            for rank in range(tp):
+                model = Model(kind, kv_heads, tp, rank)
+                self.ranks.append(Deployment(root, num_pe, num_de, model=model, fabric=fabric))
+        except BaseException:
+            self.close()
+            raise
+        self.model = Model(kind, kv_heads, tp, 0)
+        self._ids = itertools.count()
+
+    def run(self, pe: str, de: str, prompt: int, hit_blocks: int, path: str, split: bool, seed: int):
+        """One request PE -> DE on every rank (its prefix stored once, whole); returns ``[(de_request, rank rows)]``
+        by rank once every rank's receive ended."""
+        rows = Deployment.true_rows(seed, prompt, self.model.full)
+        ids = self.ranks[0].store_prefix(rows, hit_blocks, 1000 + next(self._ids))
+        done = []
+        for deployment in self.ranks:
+            de_req, rank_rows, bad = run_request(deployment, pe, de, prompt, hit_blocks, path, split, seed, ids)
+            assert bad == set(), f"rank {deployment.model.rank}: blocks {sorted(bad)} failed to load"
+            done.append((de_req, rank_rows))
+        return done
+
+    def bytes_read(self, name: str) -> int:
+        """Payload bytes instance ``name``'s ranks read from the store (their storage-NIC accounting)."""
+        return sum(d.instances[name].worker.read_queue.stats().completed_bytes for d in self.ranks)
+
+    def close(self) -> None:
+        for deployment in self.ranks:
+            deployment.close()
