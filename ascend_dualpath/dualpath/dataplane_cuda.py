@@ -327,12 +327,12 @@ class CudaDataplane(Dataplane):
     shared_fabric = False  # device ids name no memory here; the GPU is the current one
 
     def __init__(self, settings: ConnectorSettings, rank: int) -> None:
+        reap_dead_owners(SHM_DIR, SHM_PREFIX, "x")  # what crashed instances of this host left
         if not torch.cuda.is_available():
             raise BackendUnavailable(
                 "engine 'cuda': the connector's cuda engine needs a CUDA GPU and a CUDA build of torch "
                 "(torch.cuda.is_available() is False here); use engine 'emulator' or 'mooncake'"
             )
-        reap_dead_owners(SHM_DIR, SHM_PREFIX, "x")  # what crashed instances of this host left
         self.settings, self.rank, self.engines = settings, rank, None
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.host_region = SharedHostRegion.create(settings.host_buffer_mb << 20)

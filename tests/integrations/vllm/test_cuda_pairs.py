@@ -9,13 +9,16 @@ layout, no vLLM) leaves the DE caches bit-exact and every byte no request wrote 
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from ascend_dualpath.dualpath import messages as m
-from ascend_dualpath.dualpath.dataplane import open_dataplane
+from ascend_dualpath.dualpath.dataplane import SHM_DIR, open_dataplane
 from ascend_dualpath.dualpath.dataplane_cuda import NOTIFY_WORDS, LinkEngine, SharedHostRegion
 from ascend_dualpath.dualpath.settings import ConnectorSettings
 from ascend_dualpath.errors import BackendUnavailable, BoundsError, ConfigError
@@ -31,6 +34,24 @@ PATHS = [("pe", False), ("de", False), ("de", True)]
 def settings(tmp_path, role: str = "prefill") -> ConnectorSettings:
     return ConnectorSettings(role, str(tmp_path), "pe", 1e15, 7000, "unused", 5.0, engine="cuda",
                              hccl_buffer_mb=1, host_buffer_mb=1)  # fmt: skip
+
+
+def test_a_host_region_file_a_dead_instance_left_is_removed_when_a_cuda_dataplane_opens(tmp_path):
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    left, alive = f"{SHM_DIR}/adpcuda.{dead.stdout.strip()}x{'0' * 16}", f"{SHM_DIR}/adpcuda.{os.getpid()}x{'1' * 16}"
+    for path in (left, alive):
+        open(path, "wb").close()
+    try:
+        with contextlib.suppress(BackendUnavailable):  # on a GPU the dataplane opens, and closes below
+            open_dataplane(settings(tmp_path), 0).close()
+        assert not os.path.exists(left) and os.path.exists(alive)  # a live instance's region stays
+    finally:
+        for path in (left, alive):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
 
 def test_the_cuda_engine_without_a_gpu_is_one_clear_error(tmp_path):
