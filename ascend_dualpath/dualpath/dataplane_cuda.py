@@ -45,7 +45,7 @@ from ascend_dualpath.dualpath import messages as m
 from ascend_dualpath.dualpath.dataplane import PE_RANK, SHM_DIR, Dataplane, LinkNotify, PairLink
 from ascend_dualpath.dualpath.settings import ConnectorSettings
 from ascend_dualpath.dualpath.transfer_leg import ABORT_SLOT, TransportTransferLeg
-from ascend_dualpath.errors import BackendUnavailable, BoundsError, ConfigError, ProtocolError
+from ascend_dualpath.errors import BackendUnavailable, BoundsError, ConfigError, ProtocolError, QueueError
 from ascend_dualpath.kv.buffers import HostBuffer
 from ascend_dualpath.kv.layout import KVLayout
 from ascend_dualpath.transport import cudart
@@ -170,15 +170,24 @@ class DeviceMemory:
         self._poll_stream = torch.cuda.Stream(device)
         self._word = torch.zeros(1, dtype=torch.int64, pin_memory=True)
         self._poll_lock = threading.Lock()
+        self.closed = False
+
+    def check_open(self, what: str) -> None:
+        if self.closed:
+            raise QueueError(f"the link's device memory was freed (the link is closed): cannot {what}")
 
     def notify_value(self, slot: int) -> int:
         """The value in notify word ``slot`` now, read on a stream of its own (not behind the forward's work)."""
+        self.check_open(f"read notify slot {slot}")
         with self._poll_lock, torch.cuda.stream(self._poll_stream):
             self._word.copy_(self.notify[slot], non_blocking=True)
             self._poll_stream.synchronize()
             return int(self._word[0])
 
     def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
         torch.cuda.synchronize(self.device)  # nothing queued here still touches the memory
         self.window = self.notify = self.bytes = torch.empty(0, dtype=torch.uint8)
         cudart.device_free(self.addr)
@@ -294,6 +303,7 @@ class CudaLink(PairLink):
 
     def window_tensor(self, addr: int, nbytes: int) -> torch.Tensor:
         """``uint8 [nbytes]`` CUDA tensor over the window's bytes at ``addr``."""
+        self.memory.check_open(f"reach {nbytes} window bytes at {addr:#x}")
         offset = addr - self.window.base_addr
         return self.memory.window[offset : offset + nbytes]
 

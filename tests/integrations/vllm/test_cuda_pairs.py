@@ -21,7 +21,7 @@ from ascend_dualpath.dualpath import messages as m
 from ascend_dualpath.dualpath.dataplane import SHM_DIR, open_dataplane
 from ascend_dualpath.dualpath.dataplane_cuda import NOTIFY_WORDS, LinkEngine, SharedHostRegion
 from ascend_dualpath.dualpath.settings import ConnectorSettings
-from ascend_dualpath.errors import BackendUnavailable, BoundsError, ConfigError
+from ascend_dualpath.errors import BackendUnavailable, BoundsError, ConfigError, QueueError
 from ascend_dualpath.transport.segments import RemoteSlot
 from tests.integrations.vllm.worker_harness import LAYOUT, assert_caches_equal, expected_de_caches, run_request
 
@@ -152,18 +152,24 @@ def test_later_requests_reuse_the_links_slots_with_fresh_magics(cuda_deploy):
 
 
 @pytest.mark.cuda
-def test_a_peer_on_another_host_or_an_unseen_gpu_is_refused_at_connect(tmp_path):
+def test_a_peer_on_another_host_or_an_unseen_gpu_is_refused_at_connect_and_a_closed_link_refuses_use(tmp_path):
     from tests.conftest import cuda_torch
 
     cuda_torch()
     dp = open_dataplane(settings(tmp_path), 0)
+    link = dp.new_link("tcp://a", 1)
     try:
-        mine = dp.new_link("tcp://a", 1).local_info()
+        mine = link.local_info()
         elsewhere = msgspec.structs.replace(mine, host_id="another-boot-id")
         with pytest.raises(ConfigError, match="the peer runs on another host"):
             dp.new_link("tcp://b", 2).connect(elsewhere, dp.host_mem())
         unseen = msgspec.structs.replace(mine, gpu="GPU-not-here")
         with pytest.raises(ConfigError, match="the peer's GPU GPU-not-here is not visible"):
             dp.new_link("tcp://c", 3).connect(unseen, dp.host_mem())
+        assert link.comm.notify_value(0) == 0 and link.window_tensor(link.window_alloc(64), 64).is_cuda
     finally:
         dp.close()
+    with pytest.raises(QueueError, match="the link is closed"):
+        link.comm.notify_value(0)
+    with pytest.raises(QueueError, match="the link is closed"):
+        link.window_tensor(link.window.base_addr, 64)
