@@ -35,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--engine", default="emulator", metavar="ENGINE",
-        help="what moves the KV between a PE and a DE: emulator (one host, default) or mooncake (any hosts)",
+        help="what moves the KV between a PE and a DE: emulator (one host, default), mooncake (any hosts) or cuda "
+        "(processes on GPUs of one host)",
     )  # fmt: skip
     parser.add_argument("--node", default=None, metavar="NAME", help="with --role: the storage NIC's name in metrics")
     parser.add_argument(

@@ -14,9 +14,13 @@ On the ``mooncake`` engine (``ConnectorSettings.engine``) the instances may live
 :class:`MooncakeLink`, one :class:`~ascend_dualpath.transport.mooncake.MooncakeTransferEngine` (its own session,
 its own notify area) that registers the instance's host region and, on the PE, the link's window; the hello
 carries a :class:`~ascend_dualpath.dualpath.messages.MooncakeRank` (the session, the registered buffers, the
-window) instead of the emulator's rank info. The halves see one interface, :class:`PairLink`'s: its ``comm`` is
-what they poll notifies on and draw magics from, its leg writes through the link's engine. The ``cuda`` and
-``npu`` engines are not wired into the connector yet: :func:`open_dataplane` refuses them by name.
+window) instead of the emulator's rank info. On the ``cuda`` engine the PE and DE are processes on GPUs of one
+host: each link is a :class:`~ascend_dualpath.dualpath.dataplane_cuda.CudaLink` (its window and notify words in
+device memory the peer opens through CUDA IPC, host regions in ``/dev/shm`` files both map; that module says
+more). The halves see one interface, :class:`PairLink`'s: its ``comm`` is what they poll notifies on and draw
+magics from, its leg writes through the link's engine, :meth:`PairLink.window_tensor` is a window range as a
+tensor (on the host, or on the GPU on ``cuda``). The ``npu`` engine is not wired into the connector yet:
+:func:`open_dataplane` refuses it by name.
 
 Memory of one instance:
 
@@ -53,8 +57,8 @@ NUM_NOTIFY_SLOTS = ABORT_SLOT  # slots [0, ABORT_SLOT) are ours; ABORT_SLOT is t
 SHM_DIR = "/dev/shm"
 EngineFactory = Callable[[Any, int], Any]  # (communicator, rank) -> the TransferEngine writing to that rank
 ENGINE_KIND = "emulator"  # the transfer engine of the default dataplane (one host, the emulated fabric)
-ENGINES = ("emulator", "mooncake")  # the engines the connector's dataplane moves KV bytes with
-UNWIRED_ENGINES = ("cuda", "npu")  # transfer engines of the library the connector does not use yet
+ENGINES = ("emulator", "mooncake", "cuda")  # the engines the connector's dataplane moves KV bytes with
+UNWIRED_ENGINES = ("npu",)  # transfer engines of the library the connector does not use yet
 
 
 def check_engine(engine: object, where: str) -> str:
@@ -161,6 +165,16 @@ class PairLink:
         offset = addr - self.window.base_addr
         return self.window_bytes[offset : offset + nbytes]
 
+    def window_tensor(self, addr: int, nbytes: int):
+        """``uint8 [nbytes]`` tensor over the window's bytes at ``addr`` (where the window lives: host memory here)."""
+        import torch
+
+        return torch.frombuffer(self.window_view(addr, nbytes), dtype=torch.uint8)
+
+    def window_read_done(self) -> None:
+        """Before the peer may overwrite window bytes this instance read: reads of a host window are done already
+        (a device window's reads are queued work, :class:`~ascend_dualpath.dualpath.dataplane_cuda.CudaLink`)."""
+
     def notify_alloc(self) -> int:
         """First of ``NOTIFY_SLOTS_PER_XFER`` consecutive notify slots for one request."""
         with self._lock:
@@ -244,17 +258,17 @@ class Dataplane:
             closable.close()
 
 
-class MooncakeNotify:
-    """What the halves use of a Mooncake link's ``comm``: the link engine's notify area (where the peer's notifies
-    land) and fresh magics. Magics count up from a random start, so a value left in a reused slot by an earlier
-    request, or by an earlier process of this link's address, never equals a fresh one."""
+class LinkNotify:
+    """What the halves use of a Mooncake or CUDA link's ``comm``: ``read(slot)``, the value in the link's notify area
+    (where the peer's notifies land), and fresh magics. Magics count up from a random start, so a value left in a
+    reused slot by an earlier request, or by an earlier process of this link's address, never equals a fresh one."""
 
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
+    def __init__(self, read: Callable[[int], int]) -> None:
+        self.read = read
         self._magics = itertools.count(secrets.randbits(48) + 1)
 
     def notify_value(self, slot: int) -> int:
-        return self.engine.notify_value(slot)
+        return self.read(slot)
 
     def next_magic(self) -> int:
         return next(self._magics)
@@ -289,7 +303,7 @@ class MooncakeLink(PairLink):
         except BaseException:
             self.engine.close()
             raise
-        self.comm = MooncakeNotify(self.engine)
+        self.comm = LinkNotify(self.engine.notify_value)
         self._pools(self._window.ctypes.data, self._window.nbytes, memoryview(self._window))
         self._peer_window = (0, 0)
 
@@ -365,15 +379,20 @@ class MooncakeDataplane(Dataplane):
 def open_dataplane(
     settings: ConnectorSettings, rank: int, backend: str | Backend = "auto", engines: EngineFactory | None = None
 ) -> Dataplane:
-    """The dataplane of ``settings.engine``: ``mooncake`` (any hosts), else the emulator's on ``backend`` (``auto``
-    through :func:`~ascend_dualpath.backends.get_backend`); ``engines`` as :class:`Dataplane` takes it (emulator
-    only)."""
+    """The dataplane of ``settings.engine``: ``mooncake`` (any hosts), ``cuda`` (GPUs of one host), else the
+    emulator's on ``backend`` (``auto`` through :func:`~ascend_dualpath.backends.get_backend`); ``engines`` as
+    :class:`Dataplane` takes it (emulator only)."""
     if rank not in (PE_RANK, DE_RANK):
         raise ConfigError(f"rank must be {PE_RANK} (PE) or {DE_RANK} (DE), got {rank}")
-    if check_engine(settings.engine, "engine") == "mooncake":
-        if engines is not None:
-            raise ConfigError("the mooncake dataplane makes its own engines (one per link); engines= is emulator-only")
+    engine = check_engine(settings.engine, "engine")
+    if engine != ENGINE_KIND and engines is not None:
+        raise ConfigError(f"the {engine} dataplane makes its own engines (one per link); engines= is emulator-only")
+    if engine == "mooncake":
         return MooncakeDataplane(settings, rank)
+    if engine == "cuda":
+        from ascend_dualpath.dualpath.dataplane_cuda import CudaDataplane
+
+        return CudaDataplane(settings, rank)
     chosen = get_backend(backend) if isinstance(backend, str) else backend
     if chosen is not Backend.EMULATOR:
         raise BackendUnavailable(

@@ -35,7 +35,9 @@ from ascend_dualpath.transport.mooncake import MooncakePeer
 # their plan messages.
 # 3: the read before the batch: a plan carries no window slots (a Start does, when the PE's step takes the request),
 # the DE signals its hit reads done with the plan's ready_magic, and a plan may ask to be deferred, not waited for.
-PROTOCOL_VERSION = 3
+# 4: a link's rank info is tagged by its engine (``MooncakeRank`` carries ``"type": "mooncake"``), since a hello may
+# now carry a CudaRank too.
+PROTOCOL_VERSION = 4
 
 
 class Compat(msgspec.Struct, frozen=True):
@@ -71,13 +73,30 @@ class Speaks(msgspec.Struct, frozen=True):
         return cls(PROTOCOL_VERSION, compat, compat.digest)
 
 
-class MooncakeRank(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class MooncakeRank(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="mooncake"):
     """A Mooncake link's rank info (the ``rank_info`` of :class:`Hello` and :class:`Welcome` where the
     :class:`Compat` engine is ``mooncake-<protocol>``): the link engine's ``engine`` info (its session, the
     buffers it registered, its notify area) and the ``window`` ``(addr, size)`` holding the PE's layer slots."""
 
     engine: MooncakePeer
     window: tuple[int, int]
+
+
+class CudaRank(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="cuda"):
+    """A CUDA link's rank info (the ``rank_info`` of :class:`Hello` and :class:`Welcome` where the :class:`Compat`
+    engine is ``cuda``): what a process on the same host needs to write into this one.
+
+    ``host_id`` is the host's boot id and ``gpu`` the UUID of the GPU holding ``memory``, a ``cudaMalloc``
+    allocation exported by its 64-byte CUDA IPC ``handle``; its first ``window[1]`` bytes are the link's window,
+    named in this process's addresses from ``window[0]`` (the PE's layer slots), then ``notify_slots`` int64 notify
+    words. ``host_shm`` names the ``/dev/shm`` file of the instance's host region (the hello's ``host_mem``)."""
+
+    host_id: str
+    gpu: str
+    handle: bytes
+    window: tuple[int, int]
+    notify_slots: int
+    host_shm: str
 
 
 class Message(msgspec.Struct, tag_field="op"):
@@ -87,12 +106,12 @@ class Message(msgspec.Struct, tag_field="op"):
 # -- PE -> DE requests -------------------------------------------------------------------------------------------
 class Hello(Message, tag="hello"):
     """A PE's first message to a DE: who it is (``pe``: its side channel), its ``device_id`` on the fabric, its
-    link's ``rank_info`` (the emulated communicator's serialized rank info, or a :class:`MooncakeRank`), its host
+    link's ``rank_info`` (the emulated communicator's serialized rank info, a :class:`MooncakeRank` or a :class:`CudaRank`), its host
     region ``host_mem`` ``(addr, size, rkey)``, and what it speaks."""
 
     pe: str
     device_id: int
-    rank_info: bytes | MooncakeRank
+    rank_info: bytes | MooncakeRank | CudaRank
     host_mem: tuple[int, int, int]
     speaks: Speaks
 
@@ -198,7 +217,7 @@ class Welcome(Message, tag="welcome"):
     """The DE's answer to :class:`Hello`: its link's ``rank_info`` (as :class:`Hello`'s) and host region
     ``host_mem``."""
 
-    rank_info: bytes | MooncakeRank
+    rank_info: bytes | MooncakeRank | CudaRank
     host_mem: tuple[int, int, int]
 
 

@@ -537,10 +537,11 @@ class PrefillSide:
         C, T, spec = self.layout.token_bytes, self.block_size, load.spec
         self._wait_notify(load, layer)
         rows = load.peer_blocks * T
-        view = load.peer.link.window_view(load.slots[layer % 2], rows * C)
+        link = load.peer.link
         start = (load.first + load.own_blocks) * T
-        self._write_rows(load, layer, start, torch.frombuffer(view, dtype=torch.uint8).view(rows, C))
+        self._write_rows(load, layer, start, link.window_tensor(load.slots[layer % 2], rows * C).view(rows, C))
         if layer + 2 < self.layout.num_layers:
+            link.window_read_done()  # the DE's push of layer + 2 overwrites the slot
             self._peer_request(load.peer, m.Consumed(xfer_id=spec.xfer.xfer_id, layer=layer))
 
     def _take_over(self, load: _Load, layer: int, error: BaseException) -> None:
@@ -717,6 +718,7 @@ class PrefillSide:
         message, address = m.PushesEnded(xfer_id=load.spec.xfer.xfer_id), load.peer.client.address
 
         def release() -> None:
+            link.window_read_done()  # a later request's pushes may land in these slots
             for addr in slots:
                 link.window_free(addr)
             link.notify_free(notify_base)
@@ -845,7 +847,7 @@ class PrefillSide:
         rows = self.adapter.read_tokens(kv_layer, spec.block_ids, start, spec.end)
         nbytes = rows.numel()
         addr = link.window_alloc(nbytes)
-        torch.frombuffer(link.window_view(addr, nbytes), dtype=torch.uint8).copy_(rows.reshape(-1))
+        link.window_tensor(addr, nbytes).copy_(rows.reshape(-1))
         offset = xfer.lease(self.layout).rows_offset(layer, start)
         ticket = link.leg.submit(layer, [Segment(addr, nbytes, 0)], DE_RANK, xfer.lease_addr + offset)
         self._track_write(spec.xfer.xfer_id, ticket)

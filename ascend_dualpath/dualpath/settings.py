@@ -60,8 +60,9 @@ class ConnectorSettings:
         Cap of the host-buffer bytes this instance's loads read ahead of their steps hold at once; more loads wait
         (deferred, not refused) until some are taken.
     engine : str
-        What moves the KV bytes between a PE and a DE: ``emulator`` (the emulated fabric of one host, the default)
-        or ``mooncake`` (the Mooncake Transfer Engine: the instances may be on different hosts).
+        What moves the KV bytes between a PE and a DE: ``emulator`` (the emulated fabric of one host, the default),
+        ``mooncake`` (the Mooncake Transfer Engine: the instances may be on different hosts) or ``cuda`` (processes
+        on GPUs of one host: CUDA IPC and shared host memory, :mod:`~ascend_dualpath.dualpath.dataplane_cuda`).
     mooncake_protocol : str
         Mooncake's transport (``tcp``, ``rdma``, ``ascend``) on the ``mooncake`` engine.
     mooncake_host : str or None

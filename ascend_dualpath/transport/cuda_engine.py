@@ -42,7 +42,9 @@ replayed from then on; the graph bakes in no notify value (a replay with the cal
 value cell first, in stream order).
 
 Before anything moves, every range is checked where it lives (one driver query per allocation): device sources in
-the engine's GPU, host sources inside a registered pinned buffer, the remote slot in the destination GPU.
+the engine's GPU, host sources inside a registered pinned buffer, the remote slot in the destination GPU or inside
+a registered pinned host buffer mapped for the GPU (another process's shared host region, as the connector's
+``cuda`` dataplane maps its peer's).
 """
 
 from __future__ import annotations
@@ -662,12 +664,25 @@ class CudaTransferEngine(TransferEngine):
                     f"sources must be memory of {self.device} or of a registered host buffer; the unregistered "
                     f"sources lie in {_where(found)} (first at {device[0].local_addr:#x})"
                 )
+        if self._host_destination(remote):
+            return
         found = cudart.memory_devices([remote.addr], [remote.nbytes])
         if found != {self.peer_device.index}:
             raise E.BoundsError(
                 f"remote slot [{remote.addr:#x}, +{remote.nbytes}) must lie in memory of "
-                f"{self.peer_device}; it lies in {_where(found)}"
+                f"{self.peer_device} or inside one registered host buffer mapped for the GPU; it lies in "
+                f"{_where(found)}"
             )
+
+    def _host_destination(self, remote: RemoteSlot) -> bool:
+        """Whether the remote slot lies wholly inside a registered host buffer mapped for the GPU (a peer process's
+        shared host region mapped here: the copy engine and the device kernel write it at its own address)."""
+        buffer = self._host_buffer(remote.addr)
+        return (
+            buffer is not None
+            and self._mapped(remote.addr)
+            and remote.addr + remote.nbytes <= buffer.data_ptr() + buffer.numel()
+        )
 
     def capture(self, prepared: PreparedTransfer, first_magic: int | None = None):
         """The prepared ``aiv`` request's CUDA graph (:class:`~.cuda.GraphedCopy`), captured anew: its ``replay()``

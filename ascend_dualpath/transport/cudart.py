@@ -437,3 +437,68 @@ def memory_devices(addrs: Sequence[int], nbytes: Sequence[int]) -> set[int]:
         devices.add(ordinal.value)
         known_end = start.value + size.value - 1
     return devices
+
+
+IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
+IPC_LAZY_ENABLE_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
+HOST_REGISTER_PORTABLE_MAPPED = 0x01 | 0x02  # cudaHostRegisterPortable | cudaHostRegisterMapped
+
+
+class _IpcHandle(ctypes.Structure):
+    """``cudaIpcMemHandle_t``: 64 opaque bytes."""
+
+    _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
+
+
+def _check(code: int, what: str) -> None:
+    if code:
+        raise E.BackendUnavailable(f"{what} failed: {runtime().error(code)}")
+
+
+def device_malloc(nbytes: int) -> int:
+    """``cudaMalloc`` of ``nbytes`` on the current GPU: an allocation of its own, so that an IPC handle of it
+    (:func:`ipc_handle`) exports exactly these bytes (torch's caching allocator carves tensors out of larger
+    segments, and a handle exports a whole segment). Free it with :func:`device_free`."""
+    ptr = ctypes.c_void_p()
+    _check(runtime().lib.cudaMalloc(ctypes.byref(ptr), ctypes.c_size_t(nbytes)), f"cudaMalloc of {nbytes} bytes")
+    return int(ptr.value)
+
+
+def device_free(addr: int) -> None:
+    _check(runtime().lib.cudaFree(ctypes.c_void_p(addr)), f"cudaFree of {addr:#x}")
+
+
+def ipc_handle(addr: int) -> bytes:
+    """The ``cudaIpcMemHandle_t`` (64 bytes) of the allocation at ``addr`` (from :func:`device_malloc`)."""
+    handle = ctypes.create_string_buffer(IPC_HANDLE_BYTES)
+    _check(runtime().lib.cudaIpcGetMemHandle(handle, ctypes.c_void_p(addr)), f"cudaIpcGetMemHandle of {addr:#x}")
+    return handle.raw
+
+
+def ipc_open(handle: bytes) -> int:
+    """The address here of another process's allocation named by ``handle`` (``cudaIpcOpenMemHandle``, peer access
+    enabled lazily where it lies on another GPU); close it with :func:`ipc_close`."""
+    if len(handle) != IPC_HANDLE_BYTES:
+        raise E.ConfigError(f"a CUDA IPC handle is {IPC_HANDLE_BYTES} bytes, got {len(handle)}")
+    raw = _IpcHandle.from_buffer_copy(handle)  # a struct, passed by value as the runtime takes it
+    ptr = ctypes.c_void_p()
+    lib = runtime().lib
+    lib.cudaIpcOpenMemHandle.argtypes = [ctypes.c_void_p, _IpcHandle, ctypes.c_uint]
+    _check(lib.cudaIpcOpenMemHandle(ctypes.byref(ptr), raw, IPC_LAZY_ENABLE_PEER_ACCESS), "cudaIpcOpenMemHandle")
+    return int(ptr.value)
+
+
+def ipc_close(addr: int) -> None:
+    _check(runtime().lib.cudaIpcCloseMemHandle(ctypes.c_void_p(addr)), f"cudaIpcCloseMemHandle of {addr:#x}")
+
+
+def host_register(addr: int, nbytes: int) -> None:
+    """Pin ``nbytes`` of host memory at ``addr`` (``cudaHostRegister``, portable and mapped for every GPU): a
+    registered source, or destination, of the transfer engine. Undo with :func:`host_unregister`."""
+    lib = runtime().lib
+    code = lib.cudaHostRegister(ctypes.c_void_p(addr), ctypes.c_size_t(nbytes), HOST_REGISTER_PORTABLE_MAPPED)
+    _check(code, f"cudaHostRegister of {nbytes} bytes at {addr:#x}")
+
+
+def host_unregister(addr: int) -> None:
+    _check(runtime().lib.cudaHostUnregister(ctypes.c_void_p(addr)), f"cudaHostUnregister of {addr:#x}")

@@ -393,7 +393,7 @@ class ServeOptions:
     instance on it gets that cap; others get ``snic_mbps``); ``instance_args``: vLLM arguments for one instance
     by name (``decode1``), after the common ``vllm_args``; ``layout``: a JSON file with the same per-instance
     facts (see :func:`load_layout`), which then also gives the counts; ``log_dir``: where every part's log goes
-    (default :func:`default_log_dir`); ``engine``: what moves the KV (``emulator``, ``mooncake``).
+    (default :func:`default_log_dir`); ``engine``: what moves the KV (``emulator``, ``mooncake``, ``cuda``).
 
     ``role`` (``prefill`` / ``decode``): one instance of a multi-host deployment (module docstring): ``port`` is
     its HTTP port, ``host`` the address it binds and publishes, ``kv_port`` its side channel, ``node`` its storage

@@ -71,8 +71,8 @@ def test_the_dataplane_refuses_unwired_engines_and_foreign_engine_factories(tmp_
         return ConnectorSettings("prefill", str(tmp_path), "pe", 1e15, 7000, "unused", 5.0, engine=engine,
                                  hccl_buffer_mb=1, host_buffer_mb=1)  # fmt: skip
 
-    with pytest.raises(ConfigError, match=r"engine 'cuda': the cuda engine is not wired into the connector yet"):
-        open_dataplane(settings("cuda"), 0)
+    with pytest.raises(ConfigError, match=r"engine 'npu': the npu engine is not wired into the connector yet"):
+        open_dataplane(settings("npu"), 0)
     with pytest.raises(ConfigError, match=r"engines= is emulator-only"):
         open_dataplane(settings("mooncake"), 0, engines=lambda comm, rank: None)
     dp = open_dataplane(settings("mooncake"), 0)

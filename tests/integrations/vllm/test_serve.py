@@ -204,7 +204,8 @@ def test_role_options_name_the_bad_value(tmp_path, monkeypatch):
     ServeOptions(**good).validate()
     for change, match in [
         ({"role": "both"}, r"--role 'both' must be one of prefill, decode"),
-        ({"engine": "cuda"}, r"--engine 'cuda': the cuda engine is not wired into the connector yet"),
+        ({"engine": "npu"}, r"--engine 'npu': the npu engine is not wired into the connector yet"),
+        ({"engine": "cuda"}, r"--role needs --engine mooncake: 'cuda' moves KV only inside one host"),
         ({"engine": "emulator"}, r"--role needs --engine mooncake: 'emulator' moves KV only inside one host"),
         ({"kv_port": None}, r"--kv-port None must be a TCP port other than --port 9000"),
         ({"kv_port": 9000}, r"--kv-port 9000 must be a TCP port other than --port 9000"),
@@ -227,7 +228,7 @@ def test_a_bad_role_value_is_one_line_and_exit_2_before_any_work(tmp_path):
     )
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.splitlines() == [
-        "serve: --engine 'npu': the npu engine is not wired into the connector yet (use one of emulator, mooncake)"
+        "serve: --engine 'npu': the npu engine is not wired into the connector yet (use one of emulator, mooncake, cuda)"
     ]
     assert not (tmp_path / "s").exists()  # no log directory: nothing was started
 

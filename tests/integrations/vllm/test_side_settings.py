@@ -64,19 +64,19 @@ def test_a_short_token_file_is_refused(tmp_path):
         from_kv_transfer_config(config(side_token_file=str(path)))
 
 
-def test_the_kv_engine_is_the_emulator_unless_mooncake_is_asked_for():
+def test_the_kv_engine_is_the_emulator_unless_mooncake_or_cuda_is_asked_for():
     settings = from_kv_transfer_config(config())
     assert (settings.engine, settings.mooncake_protocol, settings.mooncake_host) == ("emulator", "tcp", None)
     settings = from_kv_transfer_config(config(engine="mooncake", mooncake_protocol="rdma", mooncake_host="10.0.0.5"))
     assert (settings.engine, settings.mooncake_protocol, settings.mooncake_host) == ("mooncake", "rdma", "10.0.0.5")
+    assert from_kv_transfer_config(config(engine="cuda")).engine == "cuda"
 
 
 @pytest.mark.parametrize(
     ("extra", "match"),
     [
-        ({"engine": "cuda"}, r"\['engine'\] 'cuda': the cuda engine is not wired into the connector yet"),
         ({"engine": "npu"}, r"\['engine'\] 'npu': the npu engine is not wired into the connector yet"),
-        ({"engine": "nixl"}, r"\['engine'\] must be one of emulator, mooncake, got 'nixl'"),
+        ({"engine": "nixl"}, r"\['engine'\] must be one of emulator, mooncake, cuda, got 'nixl'"),
         (
             {"engine": "mooncake", "mooncake_protocol": "udp"},
             r"\['mooncake_protocol'\] must be one of tcp, rdma.*'udp'",

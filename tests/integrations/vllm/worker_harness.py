@@ -55,11 +55,16 @@ def remove_fabric_shm(fabric: str) -> None:
         os.unlink(path)
 
 
-def new_cache(fill: int = 0) -> torch.Tensor:
-    """One layer's FLASH_ATTN cache ``float16 [NUM_BLOCKS, KV_HEADS, BLOCK, 2 * HEAD]``, every byte ``fill``."""
-    cache = torch.empty((NUM_BLOCKS, KV_HEADS, BLOCK, 2 * HEAD), dtype=torch.float16)
+def new_cache(fill: int = 0, device: str = "cpu", heads: int = KV_HEADS) -> torch.Tensor:
+    """One layer's FLASH_ATTN cache ``float16 [NUM_BLOCKS, heads, BLOCK, 2 * HEAD]``, every byte ``fill``. On a
+    GPU it is laid out as vLLM's CUDA FLASH_ATTN cache is by default (NHD): the logical view is the transpose of a
+    contiguous ``[NUM_BLOCKS, BLOCK, heads, 2 * HEAD]`` tensor."""
+    if device == "cpu":
+        cache = torch.empty((NUM_BLOCKS, heads, BLOCK, 2 * HEAD), dtype=torch.float16)
+    else:
+        cache = torch.empty((NUM_BLOCKS, BLOCK, heads, 2 * HEAD), dtype=torch.float16, device=device)
     cache.view(torch.uint8).fill_(fill)
-    return cache
+    return cache if device == "cpu" else cache.transpose(1, 2)
 
 
 ADAPTER = FlashAttnAdapter.from_cache(new_cache())
@@ -88,13 +93,12 @@ class Model:
     def shard(self) -> KVShard:
         return self.full.shard(self.tp, self.rank)
 
-    def new_cache(self, fill: int = 0) -> torch.Tensor:
-        """One layer's cache of the rank, every byte ``fill``: FLASH_ATTN ``float16 [NUM_BLOCKS, heads, BLOCK,
-        2 * HEAD]`` with the rank's heads, or MLA ``float16 [NUM_BLOCKS, BLOCK, LATENT]``."""
-        if self.kind == "mla":
-            cache = torch.empty((NUM_BLOCKS, BLOCK, LATENT), dtype=torch.float16)
-        else:
-            cache = torch.empty((NUM_BLOCKS, len(self.shard.units), BLOCK, 2 * HEAD), dtype=torch.float16)
+    def new_cache(self, fill: int = 0, device: str = "cpu") -> torch.Tensor:
+        """One layer's cache of the rank on ``device``, every byte ``fill``: FLASH_ATTN (:func:`new_cache`) with the
+        rank's heads, or MLA ``float16 [NUM_BLOCKS, BLOCK, LATENT]``."""
+        if self.kind != "mla":
+            return new_cache(fill, device, len(self.shard.units))
+        cache = torch.empty((NUM_BLOCKS, BLOCK, LATENT), dtype=torch.float16, device=device)
         cache.view(torch.uint8).fill_(fill)
         return cache
 
@@ -134,7 +138,11 @@ class Instance:
 class Deployment:
     """``num_pe`` PEs and ``num_de`` DEs on one fabric and one store; ``snic`` caps by instance name
     (``pe0``, ``de1``, ...; bytes/s); ``engine`` moves the KV (``emulator`` or ``mooncake``; a dict by instance
-    name, ``emulator`` for the instances it leaves out)."""
+    name, ``emulator`` for the instances it leaves out). ``device``: where the caches live; ``hccl_buffer_mb``,
+    ``host_buffer_mb``: each instance's window and host buffer."""
+
+    device = "cpu"
+    hccl_buffer_mb, host_buffer_mb = 2, 4
 
     def __init__(
         self,
@@ -175,14 +183,14 @@ class Deployment:
             fabric=self.fabric,
             timeout_s=TIMEOUT_S,
             device_id=device_id,
-            hccl_buffer_mb=2,
-            host_buffer_mb=4,
+            hccl_buffer_mb=self.hccl_buffer_mb,
+            host_buffer_mb=self.host_buffer_mb,
             engine=self.engine if isinstance(self.engine, str) else self.engine.get(name, "emulator"),
         )
         full, shard = LocalBlockStore(self.root, self.model.full), self.model.shard
         store = full if shard.whole else ShardStore(full, shard)
         worker = DualPathWorker(settings, shard.local, store, lambda _n, c: self.adapter)
-        caches = [self.model.new_cache(POISON if role == "decode" else 0) for _ in range(LAYERS)]
+        caches = [self.model.new_cache(POISON if role == "decode" else 0, self.device) for _ in range(LAYERS)]
         names = [f"layers.{i}.attn" for i in range(LAYERS)]
         worker.register_kv_caches(dict(zip(names, caches, strict=True)), lambda n: int(n.split(".")[1]))
         return Instance(worker, caches, worker.side.address, role)
