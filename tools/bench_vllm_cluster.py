@@ -80,6 +80,9 @@ def bench_deployment(model: str, extra: list[str], caps: dict[str, float], args,
             result = asyncio.run(run_agents(target, model, convs, args.gen))
             metrics = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
             decisions = json.loads(urllib.request.urlopen(f"{url}/debug/decisions", timeout=30).read())
+        except BaseException:  # the deployment's own account of what broke goes before the temporary dir does
+            sys.stderr.write("".join(Path(f"{tmp}/serve.log").read_text(errors="replace").splitlines(True)[-80:]))
+            raise
         finally:
             _stop(proc)
     read = snic_read_bytes(metrics)

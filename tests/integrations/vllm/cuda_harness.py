@@ -28,7 +28,7 @@ from ascend_dualpath.dualpath.settings import UNCAPPED_BYTES_PER_S
 from ascend_dualpath.dualpath.transfer_leg import Segment
 from ascend_dualpath.kv.store import LocalBlockStore
 from ascend_dualpath.transport import cudart
-from tests.integrations.vllm.worker_harness import LAYOUT, TIMEOUT_S, Deployment, Instance
+from tests.integrations.vllm.worker_harness import TIMEOUT_S, Deployment, Instance, Model
 
 START_TIMEOUT_S = 120.0  # a fresh process imports torch and initialises CUDA
 CALL_TIMEOUT_S = 60.0
@@ -41,11 +41,13 @@ class Half(Deployment):
 
     def __init__(self, root: str, name: str, role: str, index: int, buffers_mb: tuple[int, int]) -> None:
         self.root, self.engine = root, "cuda"
+        self.model = Model()  # one rank of the default GQA model: the caches vLLM's CUDA FLASH_ATTN backend keeps
+        self.adapter = self.model.adapter
         self.fabric = f"unused{os.getpid()}x{secrets.token_hex(4)}"  # no fabric is made on the cuda engine
         self.hccl_buffer_mb, self.host_buffer_mb = buffers_mb
         self.instances, self._ids, self.layer_waits = {}, itertools.count(), []
         self.instances[name] = self._start(name, role, index, UNCAPPED_BYTES_PER_S)
-        self.store = LocalBlockStore(self.root, LAYOUT)
+        self.store = LocalBlockStore(self.root, self.model.full)
 
     def prefill(self, pe: str, req, **kwargs) -> set[int]:
         return super().prefill(pe, dataclasses.replace(req, rows=req.rows.to(self.device)), **kwargs)
@@ -159,6 +161,8 @@ class CudaDeployment(Deployment):
 
     def __init__(self, root, num_pe: int = 1, num_de: int = 1, buffers_mb: tuple[int, int] = (2, 4)) -> None:
         self.root, self.engine = str(root), "cuda"
+        self.model = Model()
+        self.adapter = self.model.adapter
         self.fabric = f"unused{os.getpid()}x{secrets.token_hex(4)}"
         self.instances, self._ids, self.layer_waits = {}, itertools.count(), []
         self._children: dict[str, tuple[Any, Any]] = {}
@@ -176,7 +180,7 @@ class CudaDeployment(Deployment):
         except BaseException:
             self.close()
             raise
-        self.store = LocalBlockStore(self.root, LAYOUT)
+        self.store = LocalBlockStore(self.root, self.model.full)
 
     def _answer(self, name: str, what: str, timeout_s: float) -> Any:
         process, conn = self._children[name]
