@@ -34,11 +34,17 @@ KVConnectorWorkerMetadata.register(DualPathWorkerMeta)
 def model_kv_layout(vllm_config: Any) -> KVLayout:
     """The token rows of the served model's KV cache (GQA/MHA; MLA latents), one Full Block per vLLM block."""
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+    if parallel.pipeline_parallel_size != 1:
         raise ConfigError(
-            "the DualPath connector supports tensor and pipeline parallel size 1 for now, got "
-            f"{parallel.tensor_parallel_size} and {parallel.pipeline_parallel_size} (tensor-parallel ranks read and "
-            "move their heads' share outside vLLM only; persisting from a rank is not there yet, see docs/vllm.md)"
+            f"the DualPath connector does not support pipeline parallelism (pipeline_parallel_size "
+            f"{parallel.pipeline_parallel_size}, supported: 1): a stage holds only its own layers, and a Full Block's "
+            "layers would have to be read and pushed per stage, with a side channel per stage (docs/vllm.md)"
+        )
+    if parallel.tensor_parallel_size != 1:
+        raise ConfigError(
+            f"the DualPath connector supports tensor_parallel_size 1 inside vLLM for now, got "
+            f"{parallel.tensor_parallel_size} (tensor-parallel ranks read and move their heads' share outside vLLM "
+            "only; persisting from a rank is not there yet, see docs/vllm.md)"
         )
     cache_dtype = vllm_config.cache_config.cache_dtype
     if cache_dtype not in ("auto", None):

@@ -402,3 +402,24 @@ def test_cpu_adapter_on_the_cache_vllm_allocates_for_the_cpu_backend():
     assert torch.equal(adapter.read_tokens(views[1], table, start, end), rows)
     layer0 = slice(0, num_blocks * spec.page_size_bytes)
     assert torch.equal(raw[layer0], before[layer0])
+
+
+@pytest.mark.parametrize(
+    ("tp", "pp", "match"),
+    [
+        (1, 2, r"pipeline parallelism \(pipeline_parallel_size 2, supported: 1\): a stage holds only its own layers"),
+        (2, 2, r"pipeline_parallel_size 2"),
+        (2, 1, r"tensor_parallel_size 1 inside vLLM for now, got 2 .*outside vLLM only"),
+    ],
+)
+def test_parallel_layouts_the_connector_cannot_serve_are_refused_with_the_reason(tp, pp, match):
+    """Pipeline parallelism stays refused, naming why; tensor parallelism inside vLLM is refused until it works."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from ascend_dualpath.integrations.vllm.connector import model_kv_layout
+
+    config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+                             model_config=None, cache_config=None)  # fmt: skip
+    with pytest.raises(ConfigError, match=match):
+        model_kv_layout(config)
