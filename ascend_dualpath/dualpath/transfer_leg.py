@@ -62,7 +62,7 @@ def contiguous(segments: Sequence[tuple[int, int]]) -> list[Segment]:
 class TransferTicket:
     """One submitted layer transfer. ``vtime_ns`` is the emulator's virtual completion time once it ended well;
     ``error`` what ended it otherwise. While ``pending`` (the engine's ticket of the layer's notified request)
-    is set, bytes of the layer may still land."""
+    is set, bytes of the layer may still land; a wait for it that timed out leaves it set (``waited_out``)."""
 
     layer: int
     nbytes: int
@@ -71,6 +71,7 @@ class TransferTicket:
     pending: Any = dataclasses.field(default=None, repr=False)
     vtime_ns: float | None = None
     error: BaseException | None = None
+    waited_out: bool = False  # a wait for ``pending`` timed out: later polls of done() look without waiting
 
     def done(self) -> bool:
         """Whether the transfer ended (no byte of it may still land). Never waits for another thread; when its
@@ -261,10 +262,10 @@ class TransportTransferLeg:
         with self._locked(self.timeout_s, f"the transfer of {what}"):
             if self._closed:
                 raise QueueError(f"the transfer leg is closed; cannot send {what}")
-            if self._in_flight is not None:  # one request in flight: the previous one ends (and notifies) first
-                self._settle(self._in_flight, self.timeout_s)
-            ticket.vtime_ns = self.last_vtime_ns
             try:
+                if self._in_flight is not None:  # one request in flight: the previous one ends (and notifies) first
+                    self._settle(self._in_flight, self.timeout_s)  # its timeout fails this one: nothing moved
+                ticket.vtime_ns = self.last_vtime_ns
                 for sources, slot in requests[:-1]:  # earlier runs land before the last one carries the notify
                     self._account(ticket, engine.transfer(sources, slot, timeout_s=self.timeout_s))
                 if requests:
@@ -289,23 +290,31 @@ class TransportTransferLeg:
             self.last_vtime_ns = max(self.last_vtime_ns, ticket.vtime_ns or 0.0)
 
     def _settle(self, ticket: TransferTicket, timeout_s: float) -> None:
-        """Wait (bounded, lock held) for ``ticket``'s request in flight: its bytes, then the engine's notify."""
-        pending, ticket.pending = ticket.pending, None
-        if self._in_flight is ticket:
-            self._in_flight = None
+        """Wait (bounded, lock held) for ``ticket``'s request in flight: its bytes, then the engine's notify. Raises
+        WaitTimeout, leaving it in flight, when the engine's ticket did not end in time (its bytes may still land)."""
+        pending = ticket.pending
         if pending is None:
             return
         try:
             self._account(ticket, pending.wait(timeout_s))
+        except WaitTimeout as error:
+            if not getattr(pending, "finished", True):  # still under way: not ended, the next wait resumes it
+                ticket.waited_out = True
+                raise
+            ticket.error = error
         except Exception as error:
             ticket.error = error
+        ticket.pending = None
+        if self._in_flight is ticket:
+            self._in_flight = None
         self._ended(ticket)
 
     def progress(self, ticket: TransferTicket) -> None:
         """Finish ``ticket``'s request if it is in flight and no other thread holds the leg (never waits for one)."""
         if ticket.pending is not None and self._lock.acquire(blocking=False):
             try:
-                self._settle(ticket, self.timeout_s)
+                with contextlib.suppress(WaitTimeout):  # still under way: done() says False, wait() says why
+                    self._settle(ticket, 0.0 if ticket.waited_out else self.timeout_s)
             finally:
                 self._lock.release()
 
@@ -326,7 +335,10 @@ class TransportTransferLeg:
         )
         if ticket.pending is not None:
             with self._locked(timeout, f"the wait for {ticket.what}"):
-                self._settle(ticket, timeout)
+                try:
+                    self._settle(ticket, timeout)
+                except WaitTimeout as error:
+                    raise WaitTimeout(f"transfer of {ticket.what} not done after {timeout} s: {error}") from error
         return self._outcome(ticket, timeout)
 
     @staticmethod
@@ -347,8 +359,10 @@ class TransportTransferLeg:
     def close(self) -> None:
         """End the request in flight (bounded); later submits raise QueueError."""
         with self._locked(self.timeout_s, "closing the transfer leg"):
-            if self._in_flight is not None:
-                self._settle(self._in_flight, self.timeout_s)
+            # one still under way after the bound stays pending (its done() False) for whoever holds its lease
+            with contextlib.suppress(WaitTimeout):
+                if self._in_flight is not None:
+                    self._settle(self._in_flight, self.timeout_s)
             self._closed = True
 
 

@@ -385,15 +385,16 @@ class EmulatedTransferEngine(TransferEngine):
         return self._collect(ticket, posted, timeout_s)
 
     def _collect(self, ticket: Ticket, posted: int, timeout_s: float) -> float:
-        """Exactly ``posted`` CQEs (every WQE is signaled); raises the first real error among them."""
-        completions, cause = [], None
+        """Exactly ``posted`` CQEs (every WQE is signaled); raises the first real error among them. The CQEs polled
+        so far stay in ``ticket.state``: after a timeout the ticket is still in flight (it blocks every later submit)
+        and a later call collects the rest."""
+        completions, cause = ticket.state.setdefault("completions", []), None
         while len(completions) < posted:
             try:
                 got = self._cq.poll(posted - len(completions), timeout_s)
             except E.WaitTimeout as exc:
                 got, cause = [], exc
             if not got:
-                self._broken = f"ticket {ticket.id} lost completions"
                 raise E.WaitTimeout(
                     f"timed out after {timeout_s} s waiting for the completions of ticket {ticket.id} "
                     f"({ticket.kind.value}): {len(completions)} of {posted} posted WQEs completed"

@@ -85,7 +85,7 @@ class TransferResult:
 
 @dataclass
 class Ticket:
-    """A submitted transfer; ``wait`` it exactly once."""
+    """A submitted transfer; ``wait`` it until it ended (``finished``): once, unless a wait timed out."""
 
     id: int
     kind: TransferKind
@@ -253,7 +253,9 @@ class TransferEngine(abc.ABC):
     @abc.abstractmethod
     def _finish(self, ticket: Ticket, timeout_s: float) -> TransferResult:
         """Wait for every completion of ``ticket`` (bounded) and return its result; its ``notify_magic`` is None
-        unless the device itself already published remote-ready (then :meth:`_publish_ready` is not called)."""
+        unless the device itself already published remote-ready (then :meth:`_publish_ready` is not called). After
+        it raised :class:`~ascend_dualpath.errors.WaitTimeout` it is called again for the same ticket (the
+        transfer is still under way), so it must keep whatever progress it consumed in ``ticket.state``."""
 
     def _publish_ready(self, ticket: Ticket, timeout_s: float) -> int:
         """Write ``ticket.notify_value`` (a fresh magic when it is None) into the remote notify slot; returns the
@@ -349,8 +351,7 @@ class TransferEngine(abc.ABC):
         try:
             self._start(ticket, prepared)
         except BaseException:
-            self._release(ticket)
-            ticket.finished = True
+            self._end(ticket)
             raise
         return ticket
 
@@ -362,7 +363,9 @@ class TransferEngine(abc.ABC):
         return selection, split_segments(sources, remote, self._max_piece(selection.kind))
 
     def wait(self, ticket: Ticket, timeout_s: float | None = None) -> TransferResult:
-        """Wait (bounded) until every piece completed, then publish remote-ready; raises on any failure."""
+        """Wait (bounded) until every piece completed, then publish remote-ready; raises on any failure. A
+        :class:`~ascend_dualpath.errors.WaitTimeout` of the pieces leaves the ticket unfinished (its bytes may still
+        land; it holds its resources): wait again to complete it."""
         if ticket.engine is not self:
             raise E.ProtocolError(f"ticket {ticket.id} belongs to another engine")
         if ticket.finished:
@@ -378,17 +381,31 @@ class TransferEngine(abc.ABC):
         )
         try:
             result = self._finish(ticket, timeout_s)
+        except E.WaitTimeout:
+            # not ended: the backend may still be moving its bytes, so the ticket keeps what it holds (staging)
+            # and stays unfinished; a later wait completes it or times out again
+            raise
+        except BaseException as exc:
+            self._end(ticket, error=exc)
+            raise
+        try:
             if ticket.notify_slot is not None and result.notify_magic is None:  # only after every piece completed
                 magic = self._publish_ready(ticket, timeout_s)
                 result = result.with_notify(magic)
             ticket.result = result
             return result
-        except BaseException as exc:
+        except BaseException as exc:  # every byte landed: a notify that timed out ends the ticket as failed
             ticket.error = exc
             raise
         finally:
-            self._release(ticket)
-            ticket.finished = True
+            self._end(ticket)
+
+    def _end(self, ticket: Ticket, error: BaseException | None = None) -> None:
+        """Mark ``ticket`` ended (no byte of it may still land; ``error`` its failure) and release what it holds."""
+        if error is not None:
+            ticket.error = error
+        self._release(ticket)
+        ticket.finished = True
 
     def transfer(
         self,

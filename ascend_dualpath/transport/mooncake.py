@@ -373,6 +373,8 @@ class MooncakeTransferEngine(TransferEngine):
         calls raise QueueError naming the engine."""
         if self._closed:
             return
+        for ticket in list(self._in_flight.values()):  # not ended (never waited, or its wait timed out): orphaned
+            self._release(ticket)
         deadline = time.monotonic() + self.timeout_s
         with self._lock:
             while self._orphans and time.monotonic() < deadline:

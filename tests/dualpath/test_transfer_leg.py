@@ -18,7 +18,7 @@ from ascend_dualpath.dualpath.transfer_leg import (
     contiguous,
     wait_notify,
 )
-from ascend_dualpath.errors import QueueError
+from ascend_dualpath.errors import QueueError, WaitTimeout
 from tests.conftest import POISON
 
 PIECE = 4096
@@ -184,3 +184,32 @@ def test_threads_sharing_a_leg_each_get_their_layers_and_notifies(pair):
     assert {slot: dst.notify_value(slot) for slot in range(8)} == magics
     assert np.array_equal(landing[: 8 * PIECE], out[: 8 * PIECE])
     leg.close()
+
+
+def test_a_timed_out_layer_stays_not_done_until_its_bytes_landed(pair):
+    """A wait that timed out ends nothing: the layer's bytes may still land, so ``done()`` (what a lease's return
+    waits on) stays False, and the next submit fails, bounded, instead of overtaking it."""
+    from ascend_dualpath.transport import create_engine
+
+    src, dst = pair
+    out, landing = _views(src, dst)
+    engine = create_engine("emulator", src, 1, timeout_s=5.0)
+    leg = TransportTransferLeg(engines=[engine, engine], timeout_s=0.2)
+    magic, segments = src.next_magic(), contiguous([(src.windows_out.addr, 2 * PIECE)])
+    src.device.nic.set_paused(True)  # the NIC executes nothing: the posts fit in the SQ, no CQE comes
+    ticket = leg.submit(2, segments, 1, dst.windows_in.addr, 2, magic)
+    with pytest.raises(WaitTimeout, match=r"transfer of layer 2 .* not done after 0.05 s: .*0 of 1 posted WQEs"):
+        leg.wait(ticket, 0.05)
+    assert not ticket.done() and not ticket.done() and ticket.error is None
+    later = leg.submit(3, segments, 1, dst.windows_in.addr + 4 * PIECE, 3, src.next_magic())
+    assert later.done()
+    with pytest.raises(WaitTimeout, match="transfer of layer 3 .* not done"):
+        leg.wait(later)
+    assert not ticket.done() and dst.notify_value(2) == 0
+    assert bool((landing[: 8 * PIECE] == POISON).all())
+    src.device.nic.set_paused(False)  # the late bytes land
+    assert leg.wait(ticket, 5.0) >= 0 and ticket.done()
+    assert dst.notify_value(2) == magic and np.array_equal(landing[: 2 * PIECE], out[: 2 * PIECE])
+    assert leg.bytes_sent == 2 * PIECE
+    leg.close()
+    engine.close()

@@ -99,10 +99,10 @@ def test_a_wait_for_a_value_that_never_lands_is_bounded_and_names_the_ticket():
     engine = fake_engine(publish=False)
     sources, slot = blocks(4, 4096)
     ticket = engine.submit(sources, slot, notify_slot=0)
-    with pytest.raises(errors.WaitTimeout, match=rf"4 pieces \(16384 bytes, aiv\) of ticket {ticket.id} "):
-        ticket.wait(timeout_s=0.01)
-    with pytest.raises(errors.ProtocolError, match="already failed"):
-        ticket.wait()
+    for _ in range(2):  # a timeout ends nothing (the bytes may still land): a later wait looks again
+        with pytest.raises(errors.WaitTimeout, match=rf"4 pieces \(16384 bytes, aiv\) of ticket {ticket.id} "):
+            ticket.wait(timeout_s=0.01)
+    assert not ticket.finished and ticket.error is None
 
 
 def test_a_result_with_its_notify_equals_one_built_whole_and_leaves_the_template_alone():

@@ -260,6 +260,10 @@ def test_unregister_unbinds_then_deregisters_and_waits_for_readers(memory):
         engine.unregister(region)
     with pytest.raises(E.WaitTimeout):
         ticket.wait()
+    with pytest.raises(E.ProtocolError, match=f"tickets \\[{ticket.id}\\] still read"):  # the put may still read
+        engine.unregister(region)
+    fake.polls_to_complete = 0  # the put completes: a later wait ends the ticket
+    ticket.wait()
     fake.calls.clear()
     engine.unregister(region)
     assert fake.calls == [("comm_unbind_mem", COMM, region.handle), ("deregister_global_mem", region.handle)]
@@ -391,10 +395,10 @@ def test_wait_is_bounded_and_keeps_the_pending_event(memory):
     with pytest.raises(E.WaitTimeout, match=f"0.2 s waiting for the 1 pieces \\(64 bytes\\) of ticket {ticket.id}"):
         ticket.wait(timeout_s=0.2)
     assert 0.2 <= time.monotonic() - start < 2.0
-    event = engine._orphans[-1]
-    assert not fake.events[event]["destroyed"]  # the stream may still record it
-    with pytest.raises(E.ProtocolError, match="already failed"):
-        ticket.wait()
+    event = ticket.state["event"]  # the ticket is still in flight: it keeps its event
+    assert not engine._orphans and not fake.events[event]["destroyed"]  # the stream may still record it
+    fake.polls_to_complete = 0  # the put completes: a later wait ends the ticket and destroys its event
+    assert ticket.wait().nbytes == 64 and fake.events[event]["destroyed"]
 
 
 def test_an_event_query_failure_is_named(memory):

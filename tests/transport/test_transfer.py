@@ -337,18 +337,34 @@ def test_post_error_when_the_sq_never_drains(C, emu, kind):
 
 
 @pytest.mark.parametrize("kind", [TransferKind.AIV, TransferKind.STAGING])
-def test_completion_timeout_raises_and_releases(C, emu, kind):
+def test_a_timed_out_wait_leaves_the_transfer_in_flight_until_a_later_wait_ends_it(C, emu, kind):
+    """A timeout is not an ending: the bytes may still land, so the ticket keeps its staging and blocks the
+    engine's next submit until a later wait sees every completion."""
     with emu.emulated_devices(2) as devices:
         ch = Channel(C, emu, devices)
         memory = MemoryKind.HOST if kind is TransferKind.STAGING else MemoryKind.DEVICE
-        region, _ = ch.source(2 * MAX_PIECE, memory)
+        region, view = ch.source(2 * MAX_PIECE, memory)
+        sources = [MemorySegment.of_region(region)]
         devices[0].nic.set_paused(True)  # the NIC executes nothing: the posts fit in the SQ, no CQE comes
-        ticket = ch.engine.submit([MemorySegment.of_region(region)], ch.slot(), notify_slot=2, kind=kind)
-        with pytest.raises(errors.WaitTimeout, match=r"completions of ticket .*: 0 of 2 posted WQEs completed"):
-            ticket.wait(timeout_s=0.3)
-        assert ch.engine.staging.num_held == 0
+        ticket = ch.engine.submit(sources, ch.slot(), notify_slot=2, kind=kind)
+        for _ in range(2):  # a timed-out wait may time out again
+            with pytest.raises(errors.WaitTimeout, match=r"completions of ticket .*: 0 of 2 posted WQEs completed"):
+                ticket.wait(timeout_s=0.05)
+        assert not ticket.finished and ticket.error is None
+        assert ch.engine.staging.num_held == (1 if kind is TransferKind.STAGING else 0)
         assert ch.comms[1].notify_value(2) == 0
         ch.assert_window(0, [])
+        with pytest.raises(errors.QueueError, match=f"ticket {ticket.id} is still in flight"):
+            ch.engine.submit(sources, ch.slot(), kind=kind)
+        devices[0].nic.set_paused(False)  # the late bytes land
+        result = ticket.wait(timeout_s=10.0)
+        assert ticket.finished and result.nbytes == 2 * MAX_PIECE and ticket.wait() is result
+        assert ch.engine.staging.num_held == 0
+        assert ch.comms[1].notify_value(2) == result.notify_magic != 0
+        ch.assert_window(0, view)
+        ch.engine.transfer(sources, ch.slot(4 * MAX_PIECE), kind=kind)  # the engine goes on
+        ch.assert_window(0, np.concatenate([view, np.full(2 * MAX_PIECE, POISON, np.uint8), view]))
+        ch.engine.close()
 
 
 # ---- registration --------------------------------------------------------------------------------
