@@ -67,6 +67,12 @@ class ConnectorSettings:
         Mooncake's transport (``tcp``, ``rdma``, ``ascend``) on the ``mooncake`` engine.
     mooncake_host : str or None
         Address Mooncake listens on and publishes to peers (None: the address peers reach the side channel at).
+    tp_size : int
+        The instance's tensor-parallel size (each rank's worker holds its :meth:`~ascend_dualpath.kv.layout.KVLayout.
+        shard` of the rows and reads only those bytes of the store).
+    tp_rank : int
+        This worker's tensor-parallel rank in ``[0, tp_size)``; its side channel listens at the instance's base port
+        + ``tp_rank`` (:func:`rank_port`).
     """
 
     role: str
@@ -89,8 +95,17 @@ class ConnectorSettings:
     engine: str = "emulator"
     mooncake_protocol: str = "tcp"
     mooncake_host: str | None = None
+    tp_size: int = 1
+    tp_rank: int = 0
 
     @property
     def side_framing(self) -> dict:
         """The side-channel clients' ``token`` and ``max_bytes`` (keywords of ``PeerClient`` and ``request_once``)."""
         return {"token": self.side_token, "max_bytes": self.side_max_bytes}
+
+
+def rank_port(base: int, tp_rank: int) -> int:
+    """The side-channel port of tensor-parallel rank ``tp_rank`` of an instance whose rank 0 listens at ``base``
+    (as vLLM's NIXL connector offsets its side-channel port by the rank): a peer that knows one rank's address
+    finds every other rank's."""
+    return base + tp_rank

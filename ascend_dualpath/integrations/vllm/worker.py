@@ -48,20 +48,22 @@ class DualPathWorker:
     settings : ConnectorSettings
         The instance's connector settings.
     layout : KVLayout
-        Token rows of this model (must match the adapter's).
-    store : LocalBlockStore or ShardStore
-        The shared block store; a tensor-parallel rank's :class:`~ascend_dualpath.kv.store.ShardStore` (its
-        ``layout`` the rank's share, reads of its byte ranges only; a rank holding some heads cannot persist, so
-        such a worker is only driven without persists, in the worker harness).
+        Token rows of the whole model (all heads); the worker holds ``layout.shard(settings.tp_size,
+        settings.tp_rank)`` of them (its :attr:`shard`; the adapter's rows are the shard's ``local`` layout).
+    store : LocalBlockStore
+        The shared block store of full blocks (``layout``); a rank holding some heads reads through a
+        :class:`~ascend_dualpath.kv.store.ShardStore` of its byte ranges only, and cannot persist, so such a
+        worker is only driven without persists, in the worker harness.
     adapter_factory : callable
         ``(layer_name, cache) -> adapter``: the paged-layout adapter of the model's attention backend
         (``write_tokens(cache, block_ids, start, rows)``, ``read_tokens(cache, block_ids, start, end)``).
     """
 
-    def __init__(
-        self, settings: ConnectorSettings, layout: KVLayout, store: LocalBlockStore | ShardStore, adapter_factory
-    ):
-        self.settings, self.layout, self.store = settings, layout, store
+    def __init__(self, settings: ConnectorSettings, layout: KVLayout, store: LocalBlockStore, adapter_factory):
+        self.shard = layout.shard(settings.tp_size, settings.tp_rank)
+        if not self.shard.whole:
+            store = ShardStore(store, self.shard)
+        self.settings, self.layout, self.store = settings, self.shard.local, store
         self._adapter_factory = adapter_factory
         self.read_queue = ReadQueue(store, settings.snic_bytes_per_s, node=settings.node)
         self.announcements = PersistAnnouncements(settings.store, settings.persist_wait_s)
@@ -73,8 +75,8 @@ class DualPathWorker:
         self.adapter = None
         self.dataplane: Dataplane | None = None
         self.side: SideChannel | None = None
-        self.prefill = PrefillSide(settings, layout, store, self.read_queue, self.counters, self.quarantine)
-        self.decode = DecodeSide(settings, layout, store, self.read_queue, self.counters, self.quarantine)
+        self.prefill = PrefillSide(settings, self.layout, store, self.read_queue, self.counters, self.quarantine)
+        self.decode = DecodeSide(settings, self.layout, store, self.read_queue, self.counters, self.quarantine)
         self._finished_sending: set[str] = set()
         self._step_idle = True  # the last step had nothing but reads ahead
         # vLLM's metrics (stats_since_last): the counters as last handed over, and layer waits not yet handed over

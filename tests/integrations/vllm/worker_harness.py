@@ -36,7 +36,7 @@ from ascend_dualpath.integrations.vllm.layouts import FlashAttnAdapter, MlaAdapt
 from ascend_dualpath.integrations.vllm.metadata import DualPathMetadata
 from ascend_dualpath.integrations.vllm.worker import DualPathWorker
 from ascend_dualpath.kv.layout import KVLayout, KVShard
-from ascend_dualpath.kv.store import LocalBlockStore, ShardStore
+from ascend_dualpath.kv.store import LocalBlockStore
 
 LAYERS, KV_HEADS, HEAD, BLOCK = 3, 2, 8, 4
 NUM_BLOCKS = 256
@@ -186,10 +186,11 @@ class Deployment:
             hccl_buffer_mb=self.hccl_buffer_mb,
             host_buffer_mb=self.host_buffer_mb,
             engine=self.engine if isinstance(self.engine, str) else self.engine.get(name, "emulator"),
+            tp_size=self.model.tp,
+            tp_rank=self.model.rank,
         )
-        full, shard = LocalBlockStore(self.root, self.model.full), self.model.shard
-        store = full if shard.whole else ShardStore(full, shard)
-        worker = DualPathWorker(settings, shard.local, store, lambda _n, c: self.adapter)
+        store = LocalBlockStore(self.root, self.model.full)
+        worker = DualPathWorker(settings, self.model.full, store, lambda _n, c: self.adapter)
         caches = [self.model.new_cache(POISON if role == "decode" else 0, self.device) for _ in range(LAYERS)]
         names = [f"layers.{i}.attn" for i in range(LAYERS)]
         worker.register_kv_caches(dict(zip(names, caches, strict=True)), lambda n: int(n.split(".")[1]))
