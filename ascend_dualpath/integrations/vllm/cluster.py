@@ -16,6 +16,12 @@ instance's own (``pe<i>`` / ``de<i>``: every instance on a node of its own); ``g
 is a storage NIC: the read queues of the instances on one node add up to the node's read queue, which the
 scheduler compares with alpha. Instance names (``prefill<i>``, ``decode<i>``, in the order given) label the
 proxy's metrics and decisions.
+
+Data parallelism (``dp=D``, with the instance's ``tp=T``, both default 1): a vLLM server started with
+``--data-parallel-size D`` runs D engines behind one URL, each with its own KV cache and its own DualPath connector
+(side channel at the base port + ``k * T``, :func:`~ascend_dualpath.dualpath.settings.rank_port`). The proxy places
+on each engine as on an instance of its own (``decode<i>.dp<k>``, on the instance's node: the engines share its
+storage NIC) and sends its requests with vLLM's ``X-data-parallel-rank: k`` header.
 """
 
 from __future__ import annotations
@@ -24,12 +30,14 @@ import dataclasses
 import json
 from urllib.parse import urlsplit
 
+from ascend_dualpath.dualpath.settings import rank_port
 from ascend_dualpath.errors import ConfigError
 
 ROLES = ("prefill", "decode")
 SIDE_PORT_OFFSET = 100  # an instance's side channel = its HTTP port + 100 (what serve binds)
 NODE_PREFIX = {"prefill": "pe", "decode": "de"}  # default node of instance i: its own, pe<i> / de<i>
-_KEYS = {"prefill": {"url", "node", "kv"}, "decode": {"url", "node", "kv", "group"}}
+_KEYS = {"prefill": {"url", "node", "kv", "dp", "tp"}, "decode": {"url", "node", "kv", "group", "dp", "tp"}}
+DP_HEADER = "X-data-parallel-rank"  # vLLM's OpenAI server routes a request to that data-parallel engine
 
 
 def default_side_channel(url: str) -> str:
@@ -43,8 +51,10 @@ def default_side_channel(url: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Instance:
-    """One vLLM instance: ``role`` "prefill" or "decode", its HTTP ``url`` and side channel ``kv``, its storage
-    ``node`` and (DEs) decode ``group``; ``name`` is unique in the cluster."""
+    """One vLLM engine the proxy places on: ``role`` "prefill" or "decode", its server's HTTP ``url`` and its
+    connector's side channel ``kv``, its storage ``node`` and (DEs) decode ``group``; ``name`` is unique in the
+    cluster. ``dp_rank``: the engine's data-parallel rank behind ``url`` (None: the server has one engine);
+    ``dp_size``, ``tp_size``: the server's sizes."""
 
     name: str
     role: str
@@ -52,6 +62,14 @@ class Instance:
     kv: str
     node: str
     group: int = 0
+    dp_rank: int | None = None
+    dp_size: int = 1
+    tp_size: int = 1
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What every request to this engine carries: vLLM's data-parallel rank header, when it has one."""
+        return {} if self.dp_rank is None else {DP_HEADER: str(self.dp_rank)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,14 +85,23 @@ class Cluster:
                 f"a cluster needs at least one prefill and one decode instance, got {len(self.prefill)} and "
                 f"{len(self.decode)}"
             )
-        urls = [i.url for i in self.instances]
-        duplicated = sorted({u for u in urls if urls.count(u) > 1})
+        urls = [(i.url, i.dp_rank) for i in self.instances]
+        duplicated = sorted({u for u, k in urls if urls.count((u, k)) > 1})
         if duplicated:
             raise ConfigError(f"instance URL(s) {duplicated} appear more than once in the cluster")
+        kvs = [i.kv for i in self.instances]
+        shared = sorted({kv for kv in kvs if kvs.count(kv) > 1})
+        if shared:
+            raise ConfigError(f"side channel(s) {shared} are given to more than one engine")
 
     @property
     def instances(self) -> tuple[Instance, ...]:
         return self.prefill + self.decode
+
+    @property
+    def servers(self) -> tuple[Instance, ...]:
+        """One engine per vLLM server (its data-parallel rank 0): what ``/health`` and ``/metrics`` ask."""
+        return tuple(i for i in self.instances if not i.dp_rank)
 
     @property
     def nodes(self) -> tuple[str, ...]:
@@ -87,17 +114,41 @@ class Cluster:
         return tuple(sorted({i.group for i in self.decode}))
 
 
+def _check_count(role: str, url: str, key: str, value: object, minimum: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(f"{role} instance {url}: {key}={value!r} must be an int >= {minimum}")
+    return value
+
+
 def make_instance(role: str, index: int, url: str, node: str = "", kv: str = "", group: int = 0) -> Instance:
-    """One instance with the defaults filled in (see the module docstring); validates the URL and group."""
+    """One instance of one engine with the defaults filled in (see the module docstring); validates the URL and
+    group."""
+    return make_instances(role, index, url, node, kv, group)[0]
+
+
+def make_instances(
+    role: str, index: int, url: str, node: str = "", kv: str = "", group: int = 0, dp: int = 1, tp: int = 1
+) -> tuple[Instance, ...]:
+    """The engines of one vLLM server (one per data-parallel rank, see the module docstring), defaults filled in;
+    validates the URL, group and sizes."""
     if role not in ROLES:
         raise ConfigError(f"instance role {role!r} is not one of {ROLES}")
     url = url.rstrip("/")
-    if not isinstance(group, int) or isinstance(group, bool) or group < 0:
-        raise ConfigError(f"{role} instance {url}: group={group!r} must be an int >= 0")
-    kv = kv or default_side_channel(url)
+    group = _check_count(role, url, "group", group, 0)
+    dp, tp = _check_count(role, url, "dp", dp, 1), _check_count(role, url, "tp", tp, 1)
+    base = kv or default_side_channel(url)
     default_side_channel(url)  # validates the URL even when kv is given
-    node = node or f"{NODE_PREFIX[role]}{index}"
-    return Instance(f"{role}{index}", role, url, kv, str(node), group if role == "decode" else 0)
+    host, _, port = base.rpartition(":")
+    if not base.startswith("tcp://") or not port.isdigit():
+        raise ConfigError(f"{role} instance {url}: kv={base!r} is not tcp://host:port")
+    node, name = str(node or f"{NODE_PREFIX[role]}{index}"), f"{role}{index}"
+    group = group if role == "decode" else 0
+    if dp == 1:
+        return (Instance(name, role, url, base, node, group, tp_size=tp),)
+    return tuple(
+        Instance(f"{name}.dp{k}", role, url, f"{host}:{rank_port(int(port), k * tp)}", node, group, k, dp, tp)
+        for k in range(dp)
+    )
 
 
 def parse_instance_flag(role: str, index: int, text: str) -> Instance:
@@ -111,17 +162,20 @@ def parse_instance_flag(role: str, index: int, text: str) -> Instance:
                 f"--{role} {text!r}: option {option!r} is not one of {sorted(_KEYS[role] - {'url'})} as key=value"
             )
         fields[key] = value
-    group = fields.pop("group", "0")
-    if not group.isdigit():
-        raise ConfigError(f"--{role} {text!r}: group={group!r} must be an int >= 0")
-    return make_instance(role, index, url, group=int(group), **fields)
+    counts = {}
+    for key, least in (("group", 0), ("dp", 1), ("tp", 1)):
+        value = fields.pop(key, str(least))
+        if not value.isdigit() or int(value) < least:
+            raise ConfigError(f"--{role} {text!r}: {key}={value!r} must be an int >= {least}")
+        counts[key] = int(value)
+    return make_instances(role, index, url, **fields, **counts)
 
 
 def cluster_from_flags(prefill: list[str], decode: list[str]) -> Cluster:
     """The cluster of repeated ``--prefill`` / ``--decode`` flags."""
     return Cluster(
-        tuple(parse_instance_flag("prefill", i, text) for i, text in enumerate(prefill)),
-        tuple(parse_instance_flag("decode", i, text) for i, text in enumerate(decode)),
+        tuple(i for n, text in enumerate(prefill) for i in parse_instance_flag("prefill", n, text)),
+        tuple(i for n, text in enumerate(decode) for i in parse_instance_flag("decode", n, text)),
     )
 
 
@@ -140,7 +194,7 @@ def cluster_from_dict(spec: dict, where: str = "cluster") -> Cluster:
                 raise ConfigError(
                     f"{where}: {role}[{index}] = {entry!r} must have 'url' and only keys {sorted(_KEYS[role])}"
                 )
-            instances.append(make_instance(role, index, **entry))
+            instances.extend(make_instances(role, index, **entry))
         parts[role] = tuple(instances)
     return Cluster(parts["prefill"], parts["decode"])
 
@@ -159,8 +213,12 @@ def cluster_to_dict(cluster: Cluster) -> dict:
     """The JSON description of ``cluster`` (what ``serve`` writes for its proxy)."""
     out: dict[str, list[dict]] = {}
     for role, instances in (("prefill", cluster.prefill), ("decode", cluster.decode)):
-        out[role] = [{"url": i.url, "kv": i.kv, "node": i.node} for i in instances]
-        if role == "decode":
-            for entry, instance in zip(out[role], instances, strict=True):
-                entry["group"] = instance.group
+        out[role] = []
+        for i in instances:
+            if i.dp_rank:  # a server's later engines follow from its first's entry
+                continue
+            entry = {"url": i.url, "kv": i.kv, "node": i.node}
+            entry |= {"group": i.group} if role == "decode" else {}
+            entry |= {"dp": i.dp_size, "tp": i.tp_size} if i.dp_size > 1 else {}
+            out[role].append(entry)
     return out

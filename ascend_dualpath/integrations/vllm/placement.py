@@ -90,12 +90,15 @@ class KvBlocks:
         return math.ceil(self.usage * self.total)
 
 
-def parse_kv_blocks(text: str) -> KvBlocks | None:
-    """:class:`KvBlocks` from vLLM 0.32's Prometheus text (summed over its engines), None when it lacks them."""
+def parse_kv_blocks(text: str, engine: int | None = None) -> KvBlocks | None:
+    """:class:`KvBlocks` from vLLM 0.32's Prometheus text (summed over its engines; ``engine``: that data-parallel
+    engine's only, by vLLM's ``engine`` label), None when it lacks them."""
     total = block_size = 0
     usages: list[float] = []
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
+            if engine is not None and sample.labels.get("engine") != str(engine):
+                continue
             if sample.name == "vllm:cache_config_info" and str(sample.labels.get("num_gpu_blocks", "")).isdigit():
                 total += max(0, int(sample.labels["num_gpu_blocks"]) - 1)  # the null block holds no KV
                 block_size = int(sample.labels.get("block_size") or DEFAULT_BLOCK_SIZE)

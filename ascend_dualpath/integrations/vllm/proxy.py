@@ -380,7 +380,7 @@ class DualPathProxy:
             async with self.session.get(instance.url + "/metrics", timeout=timeout) as resp:
                 if resp.status != 200:
                     return None
-                return parse_kv_blocks(await resp.text())
+                return parse_kv_blocks(await resp.text(), instance.dp_rank)
         except (asyncio.TimeoutError, aiohttp.ClientError, OSError, ValueError):
             return None
 
@@ -420,11 +420,12 @@ class DualPathProxy:
         self.metrics.requests.labels(endpoint=endpoint, path=placement.path).inc()
         return decision
 
-    async def _prefill(self, name: str, url: str, body: dict) -> None:
+    async def _prefill(self, pe: Instance, endpoint: str, body: dict) -> None:
         """Send the PE's request and read its whole answer; raises UpstreamError on any failure."""
         timeout = aiohttp.ClientTimeout(total=self.cfg.timeout_s)
+        name = pe.name
         try:
-            async with self.session.post(url, json=body, timeout=timeout) as resp:
+            async with self.session.post(pe.url + endpoint, json=body, timeout=timeout, headers=pe.headers) as resp:
                 if resp.status >= 400:
                     raise await answered_error("prefill", name, resp)
                 await resp.read()
@@ -476,9 +477,11 @@ class DualPathProxy:
         pe, de = placement.pe, placement.de
         pe_body = prefill_body(sub.body, decision, de.kv, chat=endpoint == "/v1/chat/completions")
         decode = DecodeStream(de.name)
-        pe_task = asyncio.create_task(self._prefill(pe.name, pe.url + endpoint, pe_body))
+        pe_task = asyncio.create_task(self._prefill(pe, endpoint, pe_body))
         de_body = decode_body(sub.body, decision, pe.kv)
-        de_task = asyncio.create_task(decode.run(self.session, de.url + endpoint, de_body, self.cfg.timeout_s))
+        de_task = asyncio.create_task(
+            decode.run(self.session, de.url + endpoint, de_body, self.cfg.timeout_s, de.headers)
+        )
         pe_task.add_done_callback(lambda _: self.placer.prefill_done(placement))
         stored = None if ids is None else functools.partial(self.placer.stored, ids)
         return _Leg(sub, placement, decode, pe_task, de_task, ids, tokens_from, stored)
@@ -589,7 +592,7 @@ class DualPathProxy:
 
     async def health(self, request: web.Request) -> web.Response:
         """200 when every instance answers ``/health`` with 200, else 503 naming what each said (by name)."""
-        instances = self.cfg.cluster.instances
+        instances = self.cfg.cluster.servers
         answers = await asyncio.gather(*(self._instance_health(i.url) for i in instances))
         healthy = all(a == "ok" for a in answers)
         return web.json_response(dict(zip((i.name for i in instances), answers, strict=True)),
@@ -598,7 +601,7 @@ class DualPathProxy:
     async def metrics_text(self, request: web.Request) -> web.Response:
         # fresh connector figures: the last request's status predates its own reads
         await self.placer.snapshot(with_kv=False)
-        instances = self.cfg.cluster.instances
+        instances = self.cfg.cluster.servers
         texts = await asyncio.gather(
             *(instance_metrics(self.session, i.url, self.cfg.status_timeout_s) for i in instances)
         )

@@ -69,7 +69,7 @@ async def _statuses(cfg: ProxyConfig) -> dict[str, dict | None]:
 async def wait_for_instances(cfg: ProxyConfig, timeout_s: float, poll_s: float = 0.5) -> list[str]:
     """Poll every instance's ``/health`` until all answer 200 or ``timeout_s`` passed; the names still down."""
     deadline = time.monotonic() + timeout_s
-    pending = list(cfg.cluster.instances)
+    pending = list(cfg.cluster.servers)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=min(cfg.status_timeout_s, 5.0))) as session:
         while pending:
             for instance in list(pending):

@@ -82,10 +82,12 @@ class DecodeStream:
         self.head: asyncio.Future = asyncio.get_running_loop().create_future()
         self.chunks: asyncio.Queue = asyncio.Queue(maxsize=64)
 
-    async def run(self, session: aiohttp.ClientSession, url: str, body: dict, timeout_s: float) -> None:
+    async def run(
+        self, session: aiohttp.ClientSession, url: str, body: dict, timeout_s: float, headers: dict | None = None
+    ) -> None:
         timeout = aiohttp.ClientTimeout(total=None, connect=timeout_s, sock_read=timeout_s)
         try:
-            async with session.post(url, json=body, timeout=timeout) as resp:
+            async with session.post(url, json=body, timeout=timeout, headers=headers) as resp:
                 if resp.status >= 400:
                     raise await answered_error("decode", self.name, resp)
                 self.head.set_result((resp.status, resp.headers.get("Content-Type", "application/json")))

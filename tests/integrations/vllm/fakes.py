@@ -52,13 +52,16 @@ class FakeSideChannel:
     (``reply=None``: stays silent, like a dead instance), both framed with ``token``
     (:func:`~ascend_dualpath.dualpath.side_channel.seal`); counts in ``refused`` the frames failing its check."""
 
-    def __init__(self, reply: dict | None, token: bytes | None = None) -> None:
+    def __init__(self, reply: dict | None, token: bytes | None = None, port: int | None = None) -> None:
         self.reply, self.token = reply, token
         self.queries = self.refused = 0
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        port = self._sock.bind_to_random_port("tcp://127.0.0.1")
+        if port is None:
+            port = self._sock.bind_to_random_port("tcp://127.0.0.1")
+        else:
+            self._sock.bind(f"tcp://127.0.0.1:{port}")
         self.address = f"tcp://127.0.0.1:{port}"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
@@ -98,6 +101,7 @@ class FakeInstance:
         self.error_delay_s = 0.0  # > 0: the other instance's request is in flight when the error comes
         self.health_status = 200
         self.bodies: list[dict] = []
+        self.dp_ranks: list[str | None] = []  # each request's X-data-parallel-rank header (None: none)
         self.stream_chunks = [b'data: {"n": 1}\n\n', b'data: {"n": 2}\n\n', b"data: [DONE]\n\n"]
         self.gate: asyncio.Event | None = None  # when set, the stream waits for it after its first chunk
         self.disconnected = asyncio.Event()
@@ -155,6 +159,7 @@ class FakeInstance:
             error = {"message": "JSON decode error", "type": "BadRequestError", "param": None, "code": 400}
             return web.json_response({"error": error}, status=400)
         self.bodies.append(body)
+        self.dp_ranks.append(request.headers.get("X-data-parallel-rank"))
         if self.mode == "error":
             await asyncio.sleep(self.error_delay_s)
             message = {

@@ -489,3 +489,93 @@ def test_a_node_queue_counts_each_read_once(reads):
         assert placer.ledger.reads == {}
 
     run(body())
+
+
+def test_data_parallel_engines_of_one_server_are_placed_on_as_instances(tmp_path):
+    cluster = cluster_mod.cluster_from_flags(
+        ["http://127.0.0.1:8100"], ["http://127.0.0.1:8200,dp=2,tp=2,node=n", "http://127.0.0.1:8300"]
+    )
+    assert [(i.name, i.kv, i.node, i.dp_rank, i.headers) for i in cluster.decode] == [
+        ("decode0.dp0", "tcp://127.0.0.1:8300", "n", 0, {"X-data-parallel-rank": "0"}),
+        ("decode0.dp1", "tcp://127.0.0.1:8302", "n", 1, {"X-data-parallel-rank": "1"}),  # base + k x tp
+        ("decode1", "tcp://127.0.0.1:8400", "de1", None, {}),
+    ]
+    assert [i.name for i in cluster.servers] == ["prefill0", "decode0.dp0", "decode1"]
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps(cluster_mod.cluster_to_dict(cluster)))
+    assert cluster_mod.load_cluster(str(path)) == cluster
+    for bad, match in (("dp=0", "dp='0' must be an int >= 1"), ("tp=x", "tp='x' must be an int >= 1")):
+        with pytest.raises(ConfigError, match=match):
+            cluster_mod.parse_instance_flag("decode", 0, f"http://h:1,{bad}")
+    with pytest.raises(ConfigError, match=r"side channel\(s\) \['tcp://h:102'\] are given to more than one"):
+        cluster_mod.cluster_from_flags(["http://h:1"], ["http://h:2,dp=2", "http://h:3,kv=tcp://h:102"])
+    text = "".join(
+        f'vllm:cache_config_info{{block_size="16",engine="{k}",num_gpu_blocks="{101 + 100 * k}"}} 1.0\n'
+        f'vllm:kv_cache_usage_perc{{engine="{k}",model_name="m"}} {0.5 * k}\n'
+        for k in range(2)
+    )
+    assert parse_kv_blocks(text, 1) == KvBlocks(200, 0.5, 16)
+    assert parse_kv_blocks(text, 0) == KvBlocks(100, 0.0, 16)
+    assert parse_kv_blocks(text, 2) is None
+
+
+def _consecutive_free_ports(count: int) -> int:
+    """A base port with ``count`` free ports from it (bound and released: the caller binds them next)."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        socks = []
+        try:
+            for k in range(count):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", base + k))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no {count} consecutive free ports")
+
+
+def test_the_proxy_sends_each_data_parallel_engine_its_rank_and_names_its_side_channel():
+    async def body():
+        pe, de = FakeInstance("prefill0"), FakeInstance("decode0")
+        base = _consecutive_free_ports(2)
+        pe_side = FakeSideChannel(status_reply("n0", "prefill"))
+        de_sides = [FakeSideChannel(status_reply("n1", "decode"), port=base + k) for k in range(2)]
+        servers = [TestServer(pe.app()), TestServer(de.app())]
+        for server in servers:
+            await server.start_server()
+        spec = {
+            "prefill": [{"url": str(servers[0].make_url("")), "kv": pe_side.address}],
+            "decode": [{"url": str(servers[1].make_url("")), "kv": f"tcp://127.0.0.1:{base}", "dp": 2}],
+        }
+        cfg = ProxyConfig(cluster=cluster_mod.cluster_from_dict(spec), status_timeout_s=0.3, placement="round-robin")
+        proxy = DualPathProxy(cfg)
+        proxy_server = TestServer(proxy.make_app())
+        await proxy_server.start_server()
+        try:
+            async with aiohttp.ClientSession(base_url=str(proxy_server.make_url(""))) as client:
+                for _ in range(4):
+                    request = {"model": "tiny", "prompt": "w w w", "max_tokens": 4}
+                    async with client.post("/v1/completions", json=request) as resp:
+                        assert resp.status == 200
+                async with client.get("/health") as resp:
+                    assert resp.status == 200 and set(await resp.json()) == {"prefill0", "decode0.dp0"}
+            assert de.dp_ranks == ["0", "1", "0", "1"] and pe.dp_ranks == [None] * 4
+            peers = [b["kv_transfer_params"]["dualpath"]["peer"] for b in pe.bodies]
+            assert peers == [de_sides[k % 2].address for k in range(4)]
+            assert all(side.queries > 0 for side in de_sides)  # each engine's own read queue is asked
+        finally:
+            await proxy_server.close()
+            for server in servers:
+                await server.close()
+            for side in (pe_side, *de_sides):
+                side.close()
+
+    run(body())
