@@ -39,6 +39,7 @@ import socket
 import struct
 import threading
 import time
+import warnings
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
@@ -165,6 +166,39 @@ def _pread_exact(fd: int, view: memoryview, offset: int, what: str) -> None:
         done += count
 
 
+def _gather_rows(fd: int, start: int, shard: KVShard, view: memoryview, where: str) -> int:
+    """Copy ``shard``'s bytes of the Full Block at file offset ``start`` into ``view`` (its ``[L, T, C_r]``);
+    returns their count.
+
+    The rank's bytes are up to ``2 L T`` small pieces (its heads' K and V of every row), so one ``pread`` each
+    costs a system call per piece (0.33 GB/s for a 16 MiB block at TP 2 here); a read-only mapping of
+    the file gathers them in one strided copy per row segment (6 GB/s). The store never rewrites a published
+    file in place (writes go to a temporary and are renamed), so the mapping cannot shrink under the copy; a
+    file shorter than the payload is refused before it is mapped.
+    """
+    full = shard.full
+    size = os.fstat(fd).st_size
+    if size < start + full.full_block_bytes:
+        raise StorageReadError(
+            errno.EIO, f"{where}: file is {size} bytes, header and payload need {start + full.full_block_bytes}"
+        )
+    mapped = mmap.mmap(fd, 0, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), mmap.PROT_READ)
+    try:
+        with warnings.catch_warnings():  # torch warns that it views a read-only buffer: it is only read here
+            warnings.simplefilter("ignore", UserWarning)
+            rows = torch.frombuffer(mapped, dtype=torch.uint8, count=full.full_block_bytes, offset=start)
+        rows = rows.view(full.num_layers, full.block_tokens, full.token_bytes)
+        out = torch.frombuffer(view, dtype=torch.uint8).view(full.num_layers, full.block_tokens, -1)
+        done = 0
+        for offset, nbytes in shard.row_segments():
+            out[..., done : done + nbytes].copy_(rows[..., offset : offset + nbytes])
+            done += nbytes
+        del rows, out  # the mapping closes only once no tensor views it
+    finally:
+        mapped.close()
+    return view.nbytes
+
+
 def unit_checksums(layout: KVLayout, blocks: Any) -> tuple[int, ...]:
     """CRC-32 of each (layer, unit) of one Full Block, layer-major: unit ``u``'s bytes of layer ``l``'s rows, in row
     order (``layout.unit_segments(u)`` of each row).
@@ -177,13 +211,14 @@ def unit_checksums(layout: KVLayout, blocks: Any) -> tuple[int, ...]:
         ``full_block_bytes`` bytes of a ``uint8 [L, T, C]`` block.
     """
     rows = torch.frombuffer(as_memoryview(blocks, writable=False), dtype=torch.uint8)
-    rows = rows.view(layout.num_layers, layout.block_tokens, layout.token_bytes)
-    crcs = []
-    for layer in range(layout.num_layers):
-        for unit in range(layout.num_units):
-            segments = [rows[layer].narrow(-1, offset, nbytes) for offset, nbytes in layout.unit_segments(unit)]
-            crcs.append(zlib.crc32(torch.cat(segments, dim=-1).numpy()))
-    return tuple(crcs)
+    L, T, C = layout.num_layers, layout.block_tokens, layout.token_bytes
+    if layout.kind != "gqa":  # one unit: a layer's rows are its bytes
+        return tuple(zlib.crc32(layer) for layer in rows.view(L, T * C).numpy())
+    heads = layout.num_units
+    # a GQA row is [K of each head | V of each head] (unit_segments): one copy puts each (layer, head)'s K and V
+    # of every row next to each other, [L, H, T, 2, head bytes], so each CRC runs over contiguous memory
+    units = rows.view(L, T, 2, heads, C // (2 * heads)).permute(0, 3, 1, 2, 4).contiguous()
+    return tuple(zlib.crc32(unit) for unit in units.view(L * heads, -1).numpy())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -676,8 +711,8 @@ class LocalBlockStore:
             restored to its prior bytes. Costs one memcpy; pass False for a freshly allocated destination whose
             contents do not matter.
         shard : KVShard, optional
-            Read only this rank's byte ranges (``shard.byte_ranges()``, one ``pread`` each, through the page cache)
-            and check its units' CRCs; a corrupt byte outside them goes unnoticed by this read. A version-1 block
+            Read only this rank's byte ranges (``shard.byte_ranges()``, gathered from a mapping of the file, through
+            the page cache) and check its units' CRCs; a corrupt byte outside them goes unnoticed by this read. A version-1 block
             has no unit CRCs: it is read whole, checked, and the rank's bytes taken.
 
         Returns
@@ -769,10 +804,7 @@ class LocalBlockStore:
                 errno.EIO,
                 f"{where}: {len(header.unit_crcs)} unit CRCs, the layout has {self.layout.num_layers} x {units}",
             )
-        done = 0
-        for offset, nbytes in shard.byte_ranges():
-            _pread_exact(fd, view[done : done + nbytes], header.header_bytes + offset, where)
-            done += nbytes
+        done = _gather_rows(fd, header.header_bytes, shard, view, where)
         self.faults.after_read(block_id, view)
         got = unit_checksums(shard.local, view)
         for index, actual in enumerate(got):
