@@ -7,6 +7,7 @@ One instance per role and process: the SCHEDULER role (in vLLM's engine core) de
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from ascend_dualpath.dualpath.settings import ConnectorSettings, rank_port
 from ascend_dualpath.errors import ConfigError
 from ascend_dualpath.integrations.vllm.metadata import DualPathMetadata, DualPathWorkerMeta
 from ascend_dualpath.integrations.vllm.scheduler import DualPathScheduler
@@ -59,6 +61,28 @@ def model_kv_layout(vllm_config: Any) -> KVLayout:
     return KVLayout.gqa(layers, model.get_num_kv_heads(parallel), model.get_head_size(), dtype, block_tokens=block)
 
 
+def worker_settings(settings: ConnectorSettings, parallel: Any) -> ConnectorSettings:
+    """One worker's settings of an instance's (``settings``: what its config says, for its first worker).
+
+    vLLM runs ``data_parallel_size`` engines of ``tensor_parallel_size`` workers each behind one server, and
+    every worker has its own connector: worker ``index = data-parallel rank x tp + tensor-parallel rank`` gets
+    the side channel at the configured port + ``index`` (:func:`~ascend_dualpath.dualpath.settings.rank_port`,
+    where the proxy finds each engine's) and emulated device ``device_id + index`` (``serve`` spaces the
+    instances' device ids by their workers). The storage-NIC cap stays the configured one per worker.
+    """
+    tp = parallel.tensor_parallel_size
+    tp_rank = 0
+    if tp > 1:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        tp_rank = get_tensor_model_parallel_rank()
+    index = getattr(parallel, "data_parallel_index", 0) * tp + tp_rank
+    side_port = None if settings.side_port is None else rank_port(settings.side_port, index)
+    return dataclasses.replace(
+        settings, tp_size=tp, tp_rank=tp_rank, side_port=side_port, device_id=settings.device_id + index
+    )
+
+
 class DualPathConnector(KVConnectorBase_V1):
     """DualPath's PE and DE read paths inside vLLM (``kv_producer`` = PE, ``kv_consumer`` = DE).
 
@@ -88,6 +112,8 @@ class DualPathConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
         self.settings = from_kv_transfer_config(vllm_config.kv_transfer_config)
+        if role != KVConnectorRole.SCHEDULER:
+            self.settings = worker_settings(self.settings, vllm_config.parallel_config)
         algo = vllm_config.cache_config.prefix_caching_hash_algo
         if not str(algo).startswith("sha256"):
             raise ConfigError(

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import re
@@ -48,6 +49,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 
 from ascend_dualpath import _env
 from ascend_dualpath._process import (
@@ -98,10 +100,18 @@ class InstancePlan:
     vllm_args: tuple[str, ...] = ()
     host: str = LOOPBACK
     side_port: int | None = None
+    tp: int = 1
+    dp: int = 1
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def ranks(self) -> int:
+        """Workers of this instance (tensor x data parallel), each with its own side channel at
+        :attr:`kv_port` + its index and its own emulated device at :attr:`device_id` + its index."""
+        return self.tp * self.dp
 
     @property
     def kv_port(self) -> int:
@@ -142,21 +152,25 @@ def _port_is_free(port: int) -> bool:
     return True
 
 
-def pick_instance_ports(count: int, taken: set[int] | frozenset = frozenset(), attempts: int = 200) -> list[int]:
-    """``count`` ports ``p`` with ``p`` and ``p + 100`` free on 127.0.0.1 and no clash with ``taken`` or each
-    other (HTTP ports and side ports together). A port is free when checked; a race with another program
-    remains possible and shows as a start-up failure naming the port."""
+def pick_instance_ports(
+    count: int, taken: set[int] | frozenset = frozenset(), attempts: int = 200, spans: list[int] | None = None
+) -> list[int]:
+    """``count`` ports ``p`` with ``p`` and the side ports ``p + 100`` .. ``p + 100 + span - 1`` (``spans``: one
+    per instance, its workers; default 1) free on 127.0.0.1 and no clash with ``taken`` or each other (HTTP
+    ports and side ports together). A port is free when checked; a race with another program remains possible
+    and shows as a start-up failure naming the port."""
     used = set(taken)
     chosen: list[int] = []
+    spans = spans or [1] * count
     for _ in range(attempts):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        side = port + SIDE_PORT_OFFSET
-        if side > 65535 or {port, side} & used or not _port_is_free(side):
+        sides = set(range(port + SIDE_PORT_OFFSET, port + SIDE_PORT_OFFSET + spans[len(chosen)]))
+        if max(sides) > 65535 or ({port} | sides) & used or not all(map(_port_is_free, sides)):
             continue
         chosen.append(port)
-        used |= {port, side}
+        used |= {port} | sides
         if len(chosen) == count:
             return chosen
     raise ConfigError(
@@ -232,6 +246,8 @@ def cluster_spec(plan: ServePlan) -> dict:
         entry = {"url": inst.url, "node": inst.node}
         if inst.role == "decode":
             entry["group"] = inst.group
+        if inst.dp > 1:  # the proxy places on each data-parallel engine (side channel: base + k x tp)
+            entry |= {"dp": inst.dp, "tp": inst.tp}
         spec[inst.role].append(entry)
     return spec
 
@@ -245,13 +261,46 @@ def proxy_argv(plan: ServePlan, cluster_file: str) -> list[str]:
     ]  # fmt: skip
 
 
-def omp_binds(count: int, cores: list[int]) -> list[str]:
-    """``VLLM_CPU_OMP_THREADS_BIND`` of ``count`` instances over ``cores``: contiguous slices ("0-3") when there
-    are at least as many cores as instances, else one core each, round robin (instances then share cores)."""
-    if count <= len(cores):
-        bounds = [(cores[i * len(cores) // count], cores[(i + 1) * len(cores) // count - 1]) for i in range(count)]
-        return [str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in bounds]
-    return [str(cores[i % len(cores)]) for i in range(count)]
+def omp_binds(count: int | list[int], cores: list[int]) -> list[str]:
+    """``VLLM_CPU_OMP_THREADS_BIND`` of ``count`` instances over ``cores`` (a list: each instance's workers):
+    every worker gets a contiguous slice ("0-3") when there are at least as many cores as workers, else one core
+    each, round robin (workers then share cores); an instance's workers' slices are joined by "|", vLLM's
+    per-worker separator (data-parallel rank-major, then tensor-parallel rank)."""
+    spans = [1] * count if isinstance(count, int) else count
+    total = sum(spans)
+    if total <= len(cores):
+        bounds = [(cores[i * len(cores) // total], cores[(i + 1) * len(cores) // total - 1]) for i in range(total)]
+        workers = [str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in bounds]
+    else:
+        workers = [str(cores[i % len(cores)]) for i in range(total)]
+    starts = list(itertools.accumulate(spans, initial=0))
+    return ["|".join(workers[a:b]) for a, b in itertools.pairwise(starts)]
+
+
+PARALLEL_FLAGS = {
+    "--tensor-parallel-size": "tp", "-tp": "tp", "--data-parallel-size": "dp", "-dp": "dp",
+    "--pipeline-parallel-size": "pp", "-pp": "pp",
+}  # fmt: skip
+
+
+def parallel_sizes(args: Sequence[str], where: str) -> tuple[int, int]:
+    """The ``(tensor, data)``-parallel sizes vLLM arguments ``args`` ask for (the last of each flag wins, as in
+    vLLM's parser); ConfigError naming ``where`` for a value that is not an int >= 1, or for pipeline parallelism
+    (the connector refuses it)."""
+    sizes = {"tp": 1, "dp": 1, "pp": 1}
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        if flag not in PARALLEL_FLAGS:
+            continue
+        value = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+        if not value.isdigit() or int(value) < 1:
+            raise ConfigError(f"{where}: {flag} {value!r} must be an int >= 1")
+        sizes[PARALLEL_FLAGS[flag]] = int(value)
+    if sizes["pp"] != 1:
+        raise ConfigError(
+            f"{where}: --pipeline-parallel-size {sizes['pp']}: the DualPath connector supports 1 (docs/vllm.md)"
+        )
+    return sizes["tp"], sizes["dp"]
 
 
 def kv_bytes_per_token(model: str) -> int | None:
@@ -537,6 +586,7 @@ def instance_layout(opts: ServeOptions) -> list[dict]:
         raise ConfigError(f"instances {sorted(names)}: need a PE and a DE; --instance-args names unknown {unknown}")
     for entry in entries:
         entry["vllm_args"] += tuple(opts.instance_args.get(entry["name"], ()))
+        entry["tp"], entry["dp"] = parallel_sizes((*opts.vllm_args, *entry["vllm_args"]), entry["name"])
         if entry["snic_mbps"] is None:
             entry["snic_mbps"] = opts.node_snic_mbps.get(entry["node"], opts.snic_mbps)
     return entries
@@ -560,12 +610,15 @@ def make_plan(opts: ServeOptions, store: str, cores: list[int] | None = None, to
     ``token_file``: the deployment's side-channel token (:attr:`ServePlan.token_file`)."""
     layout = instance_layout(opts)
     cores = sorted(os.sched_getaffinity(0)) if cores is None else cores
-    ports = pick_instance_ports(len(layout), taken={opts.port})
-    binds = omp_binds(len(layout), cores)
+    spans = [e["tp"] * e["dp"] for e in layout]
+    ports = pick_instance_ports(len(layout), taken={opts.port}, spans=spans)
+    binds = omp_binds(spans, cores)
+    devices = list(itertools.accumulate(spans[:-1], initial=0))  # each worker its own emulated device
     instances = tuple(
-        InstancePlan(e["name"], e["role"], device_id, port, e["node"], e["group"], e["snic_mbps"], bind, e["vllm_args"])
-        for device_id, (e, port, bind) in enumerate(zip(layout, ports, binds, strict=True))
-    )
+        InstancePlan(e["name"], e["role"], device_id, port, e["node"], e["group"], e["snic_mbps"], bind, e["vllm_args"],
+                     tp=e["tp"], dp=e["dp"])
+        for device_id, e, port, bind in zip(devices, layout, ports, binds, strict=True)
+    )  # fmt: skip
     model = os.path.abspath(opts.model)
     return ServePlan(
         model=model, port=opts.port, store=store, block_size=opts.block_size, timeout_s=opts.timeout_s,
@@ -578,10 +631,11 @@ def make_plan(opts: ServeOptions, store: str, cores: list[int] | None = None, to
 def role_plan(opts: ServeOptions, token_file: str = "") -> ServePlan:
     """The plan of one instance (``opts.role``) of a multi-host deployment: no proxy, every core of this process."""
     cores = sorted(os.sched_getaffinity(0))
+    tp, dp = parallel_sizes(opts.vllm_args, f"{opts.role}0")
     inst = InstancePlan(
         f"{opts.role}0", opts.role, 0 if opts.role == "prefill" else 1, opts.port,
-        opts.node or f"{NODE_PREFIX[opts.role]}0", snic_mbps=opts.snic_mbps, bind=omp_binds(1, cores)[0],
-        host=opts.host, side_port=opts.kv_port,
+        opts.node or f"{NODE_PREFIX[opts.role]}0", snic_mbps=opts.snic_mbps, bind=omp_binds([tp * dp], cores)[0],
+        host=opts.host, side_port=opts.kv_port, tp=tp, dp=dp,
     )  # fmt: skip
     return ServePlan(
         model=os.path.abspath(opts.model), port=opts.port, store=os.path.abspath(str(opts.store)),

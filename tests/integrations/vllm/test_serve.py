@@ -166,6 +166,30 @@ def test_make_plan_for_n_by_m_with_nodes_groups_caps_and_own_args(tmp_path):
     ]  # fmt: skip
 
 
+def test_parallel_instances_get_a_side_port_device_and_cores_per_worker(tmp_path):
+    opts = ServeOptions(
+        model=str(tmp_path), vllm_args=("-tp", "1"),
+        instance_args={"prefill0": ("--tensor-parallel-size=2",), "decode0": ("--data-parallel-size", "2")},
+    )  # fmt: skip
+    p = serve_mod.make_plan(opts, "/s", cores=[0, 1, 2, 3])
+    assert [(i.name, i.tp, i.dp, i.ranks, i.device_id, i.bind) for i in p.instances] == [
+        ("prefill0", 2, 1, 2, 0, "0|1"), ("decode0", 1, 2, 2, 2, "2|3"),  # devices 0-1 and 2-3
+    ]  # fmt: skip
+    sides = [i.kv_port + k for i in p.instances for k in range(i.ranks)]
+    assert len(set(sides + [i.port for i in p.instances])) == 6 and all(map(serve_mod._port_is_free, sides))
+    spec = serve_mod.cluster_spec(p)
+    assert spec["decode"][0] | {"url": ""} == {"url": "", "node": "de0", "group": 0, "dp": 2, "tp": 1}
+    assert "dp" not in spec["prefill"][0]  # one engine: the proxy needs only its first side channel
+    assert serve_mod.omp_binds([2, 1], [0, 1]) == ["0|1", "0"]  # more workers than cores: shared round robin
+    assert serve_mod.parallel_sizes(["-dp=3", "--tensor-parallel-size", "4", "-tp", "2"], "x") == (2, 3)
+    for args, match in ((["-tp", "0"], "x: -tp '0' must be an int >= 1"), (["--data-parallel-size"], "''"),
+                        (["-pp", "2"], "--pipeline-parallel-size 2: the DualPath connector supports 1")):  # fmt: skip
+        with pytest.raises(ConfigError, match=match):
+            serve_mod.parallel_sizes(args, "x")
+    with pytest.raises(ConfigError, match="decode0: -tp 'two'"):
+        serve_mod.make_plan(ServeOptions(model=str(tmp_path), instance_args={"decode0": ("-tp", "two")}), "/s")
+
+
 def test_kv_bytes_per_token_from_the_model_config(tmp_path):
     config = {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64, "num_hidden_layers": 3,
               "torch_dtype": "bfloat16"}  # fmt: skip

@@ -91,3 +91,23 @@ def test_a_bad_kv_engine_setting_is_one_line_naming_the_key_and_value(extra, mat
     with pytest.raises(ConfigError, match=match) as error:
         from_kv_transfer_config(config(**extra))
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("tp", "tp_rank", "dp_index", "index"), [(1, 0, 0, 0), (1, 0, 1, 1), (2, 1, 0, 1), (2, 1, 1, 3)]
+)
+def test_each_worker_of_a_parallel_instance_gets_its_own_side_port_and_device(
+    monkeypatch, tp, tp_rank, dp_index, index
+):
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from vllm.distributed import parallel_state
+
+    from ascend_dualpath.integrations.vllm.connector import worker_settings
+
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: tp_rank)
+    base = from_kv_transfer_config(config("kv_consumer", side_port=7601, device_id=4))
+    got = worker_settings(base, SimpleNamespace(tensor_parallel_size=tp, data_parallel_index=dp_index))
+    assert (got.side_port, got.device_id, got.tp_size, got.tp_rank) == (7601 + index, 4 + index, tp, tp_rank)
+    assert got.snic_bytes_per_s == base.snic_bytes_per_s and got.store == base.store
