@@ -63,7 +63,7 @@ from ascend_dualpath.dualpath.settings import ConnectorSettings, rank_address
 from ascend_dualpath.dualpath.side_channel import PeerClient, XferParams, expect, request_once
 from ascend_dualpath.dualpath.specs import LoadSpec, SaveSpec
 from ascend_dualpath.dualpath.transfer_leg import Segment, wait_notify
-from ascend_dualpath.errors import AdmissionDeferred, ChecksumMismatch, ProtocolError
+from ascend_dualpath.errors import AdmissionDeferred, ChecksumMismatch, ProtocolError, WaitTimeout
 from ascend_dualpath.kv.buffers import HostBuffer
 from ascend_dualpath.kv.layout import KVLayout, KVShard
 from ascend_dualpath.kv.read_queue import ReadQueue
@@ -751,7 +751,14 @@ class PrefillSide:
         client = PeerClient(rank_address(address, s.tp_rank), s.timeout_s, **s.side_framing)
         try:
             dp = self.dataplane
-            status = expect(client.request(m.StatusQuery()), m.Status)
+            try:
+                status = expect(client.request(m.StatusQuery()), m.Status)
+            except WaitTimeout as error:
+                if not s.tp_rank:
+                    raise
+                raise WaitTimeout(f"{error} (DE rank {s.tp_rank} of the DE at {address}: PE rank {s.tp_rank} of "
+                                  f"{s.tp_size} pairs with it, so the DE needs tensor-parallel size {s.tp_size} too)"
+                                  ) from None  # fmt: skip
             link = dp.new_link(client.address, status.device_id)
             hello = m.Hello(
                 pe=self.address,

@@ -9,6 +9,7 @@ stay), and the storage NICs' accounting against one copy of the hit KV.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -16,7 +17,7 @@ import pytest
 from ascend_dualpath.dualpath import messages as m
 from ascend_dualpath.dualpath.dataplane import SHM_DIR
 from ascend_dualpath.dualpath.side_channel import PeerClient
-from ascend_dualpath.errors import ProtocolError
+from ascend_dualpath.errors import ProtocolError, WaitTimeout
 from tests.integrations.vllm.worker_harness import Model, TpDeployment, assert_caches_equal, expected_de_caches
 
 PATHS = [("pe", False), ("de", False), ("de", True)]
@@ -102,6 +103,15 @@ def test_a_pe_of_another_size_is_refused_at_hello_naming_both(tp_deploy):
     with pytest.raises(ProtocolError, match=both):
         pe.prefill.connect_peer(de.address)
     assert not pe.prefill._peers and not de.worker.dataplane.links
+
+
+def test_a_pe_rank_the_de_has_no_rank_for_says_which_size_it_needs(tp_deploy):
+    d = tp_deploy(2, 1, "gqa", 4)
+    pe, de = d.instances["pe0/1"].worker, d.instances["de0/0"]
+    pe.prefill.settings = dataclasses.replace(pe.settings, timeout_s=0.3)  # nothing listens at the DE's port + 1
+    with pytest.raises(WaitTimeout, match=r"DE rank 1 of the DE at tcp://.*needs tensor-parallel size 2 too"):
+        pe.prefill.connect_peer(de.address)
+    assert not pe.prefill._peers
 
 
 @pytest.mark.parametrize(("size", "rank", "why"), [(3, 0, "4 KV heads cannot be sharded over tensor-parallel size 3"),
