@@ -79,8 +79,8 @@ class DualPathWorker:
         self.adapter = None
         self.dataplane: Dataplane | None = None
         self.side: SideChannel | None = None
-        self.prefill = PrefillSide(settings, self.layout, store, self.read_queue, self.counters, self.quarantine)
-        self.decode = DecodeSide(settings, self.layout, store, self.read_queue, self.counters, self.quarantine)
+        self.prefill = PrefillSide(settings, self.shard, store, self.read_queue, self.counters, self.quarantine)
+        self.decode = DecodeSide(settings, self.shard, store, self.read_queue, self.counters, self.quarantine)
         self._finished_sending: set[str] = set()
         self._step_idle = True  # the last step had nothing but reads ahead
         # vLLM's metrics (stats_since_last): the counters as last handed over, and layer waits not yet handed over
