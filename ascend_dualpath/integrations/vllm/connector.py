@@ -7,6 +7,7 @@ One instance per role and process: the SCHEDULER role (in vLLM's engine core) de
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from ascend_dualpath.dualpath.settings import UNCAPPED_BYTES_PER_S, ConnectorSettings, rank_port
 from ascend_dualpath.errors import ConfigError
 from ascend_dualpath.integrations.vllm.metadata import DualPathMetadata, DualPathWorkerMeta
 from ascend_dualpath.integrations.vllm.scheduler import DualPathScheduler
@@ -32,19 +34,15 @@ KVConnectorWorkerMetadata.register(DualPathWorkerMeta)
 
 
 def model_kv_layout(vllm_config: Any) -> KVLayout:
-    """The token rows of the served model's KV cache (GQA/MHA; MLA latents), one Full Block per vLLM block."""
+    """The token rows of the served model's whole KV cache (GQA/MHA: every KV head, whatever the tensor-parallel
+    size; MLA latents), one Full Block per vLLM block: the store's layout, so its namespace and fingerprint are the
+    same at every tensor-parallel size and a store written at one size is read at another."""
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
     if parallel.pipeline_parallel_size != 1:
         raise ConfigError(
             f"the DualPath connector does not support pipeline parallelism (pipeline_parallel_size "
             f"{parallel.pipeline_parallel_size}, supported: 1): a stage holds only its own layers, and a Full Block's "
             "layers would have to be read and pushed per stage, with a side channel per stage (docs/vllm.md)"
-        )
-    if parallel.tensor_parallel_size != 1:
-        raise ConfigError(
-            f"the DualPath connector supports tensor_parallel_size 1 inside vLLM for now, got "
-            f"{parallel.tensor_parallel_size} (tensor-parallel ranks read and move their heads' share outside vLLM "
-            "only; persisting from a rank is not there yet, see docs/vllm.md)"
         )
     cache_dtype = vllm_config.cache_config.cache_dtype
     if cache_dtype not in ("auto", None):
@@ -56,7 +54,26 @@ def model_kv_layout(vllm_config: Any) -> KVLayout:
     block = vllm_config.cache_config.block_size
     if model.use_mla:
         return KVLayout.mla(layers, model.get_head_size(), dtype, block_tokens=block)
-    return KVLayout.gqa(layers, model.get_num_kv_heads(parallel), model.get_head_size(), dtype, block_tokens=block)
+    return KVLayout.gqa(layers, model.get_total_num_kv_heads(), model.get_head_size(), dtype, block_tokens=block)
+
+
+def rank_settings(settings: ConnectorSettings, tp_size: int, tp_rank: int) -> ConnectorSettings:
+    """One tensor-parallel rank's worker settings from its instance's: side port ``rank_port(base, rank)``, emulated
+    device ``device_id + rank`` (``serve`` spaces the instances' ids by their sizes), node ``<node>.tp<rank>`` in
+    metrics (at size 1 unchanged), and a storage-NIC cap of the instance's cap / ``tp_size``: the ranks of an
+    instance share their node's storage NIC, so each is paced at its share and together they read at the cap."""
+    if tp_size == 1:
+        return settings
+    capped = settings.snic_bytes_per_s < UNCAPPED_BYTES_PER_S
+    return dataclasses.replace(
+        settings,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        side_port=rank_port(settings.side_port, tp_rank) if settings.side_port is not None else None,
+        device_id=settings.device_id + tp_rank,
+        node=f"{settings.node}.tp{tp_rank}",
+        snic_bytes_per_s=settings.snic_bytes_per_s / tp_size if capped else settings.snic_bytes_per_s,
+    )
 
 
 class DualPathConnector(KVConnectorBase_V1):
@@ -112,6 +129,12 @@ class DualPathConnector(KVConnectorBase_V1):
                 options = {"isa": layer.isa} if backend == "CPU_ATTN" else {}
                 return adapter_for(backend, cache, **options)
 
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            tp_size = vllm_config.parallel_config.tensor_parallel_size
+            self.settings = rank_settings(
+                self.settings, tp_size, get_tensor_model_parallel_rank() if tp_size > 1 else 0
+            )
             self._worker = DualPathWorker(self.settings, self.layout, store, adapter)
 
     # -- scheduler side -------------------------------------------------------------------------------------------
