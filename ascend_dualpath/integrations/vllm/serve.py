@@ -142,21 +142,25 @@ def _port_is_free(port: int) -> bool:
     return True
 
 
-def pick_instance_ports(count: int, taken: set[int] | frozenset = frozenset(), attempts: int = 200) -> list[int]:
-    """``count`` ports ``p`` with ``p`` and ``p + 100`` free on 127.0.0.1 and no clash with ``taken`` or each
-    other (HTTP ports and side ports together). A port is free when checked; a race with another program
-    remains possible and shows as a start-up failure naming the port."""
+def pick_instance_ports(
+    count: int, taken: set[int] | frozenset = frozenset(), attempts: int = 200, widths: list[int] | None = None
+) -> list[int]:
+    """``count`` ports ``p`` with ``p`` and the side ports ``p + 100 .. p + 100 + width - 1`` (``widths[i]``: the
+    instance's tensor-parallel size, each rank's side channel at base + rank; default 1) free on 127.0.0.1 and no
+    clash with ``taken`` or each other (HTTP ports and side ports together). A port is free when checked; a race
+    with another program remains possible and shows as a start-up failure naming the port."""
     used = set(taken)
     chosen: list[int] = []
+    widths = widths or [1] * count
     for _ in range(attempts):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        side = port + SIDE_PORT_OFFSET
-        if side > 65535 or {port, side} & used or not _port_is_free(side):
+        sides = set(range(port + SIDE_PORT_OFFSET, port + SIDE_PORT_OFFSET + widths[len(chosen)]))
+        if max(sides) > 65535 or ({port} | sides) & used or not all(_port_is_free(side) for side in sides):
             continue
         chosen.append(port)
-        used |= {port, side}
+        used |= {port} | sides
         if len(chosen) == count:
             return chosen
     raise ConfigError(
@@ -252,6 +256,32 @@ def omp_binds(count: int, cores: list[int]) -> list[str]:
         bounds = [(cores[i * len(cores) // count], cores[(i + 1) * len(cores) // count - 1]) for i in range(count)]
         return [str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in bounds]
     return [str(cores[i % len(cores)]) for i in range(count)]
+
+
+def instance_binds(sizes: list[int], cores: list[int]) -> list[str]:
+    """``VLLM_CPU_OMP_THREADS_BIND`` of instances of tensor-parallel ``sizes`` over ``cores``: each rank gets its
+    :func:`omp_binds` share of the cores as if it were an instance, and an instance's ranks are joined with ``|``
+    (vLLM's CPU worker takes one core list per rank; without one per rank the automatic binding wants a NUMA node
+    per rank)."""
+    ranks = omp_binds(sum(sizes), cores)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return ["|".join(ranks[start : start + size]) for start, size in zip(starts, sizes, strict=True)]
+
+
+TP_FLAGS = ("--tensor-parallel-size", "-tp")
+
+
+def tensor_parallel_size(args: tuple[str, ...]) -> int:
+    """The ``--tensor-parallel-size`` (``-tp``) in ``vllm serve`` arguments, the last one winning as in vLLM's
+    parser; 1 when absent. ConfigError names a value that is not a positive int."""
+    size = "1"
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        if flag in TP_FLAGS:
+            size = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+    if not size.isdigit() or int(size) < 1:
+        raise ConfigError(f"--tensor-parallel-size must be an int >= 1, got {size!r}")
+    return int(size)
 
 
 def kv_bytes_per_token(model: str) -> int | None:
@@ -560,11 +590,14 @@ def make_plan(opts: ServeOptions, store: str, cores: list[int] | None = None, to
     ``token_file``: the deployment's side-channel token (:attr:`ServePlan.token_file`)."""
     layout = instance_layout(opts)
     cores = sorted(os.sched_getaffinity(0)) if cores is None else cores
-    ports = pick_instance_ports(len(layout), taken={opts.port})
-    binds = omp_binds(len(layout), cores)
+    sizes = [tensor_parallel_size((*opts.vllm_args, *e["vllm_args"])) for e in layout]
+    ports = pick_instance_ports(len(layout), taken={opts.port}, widths=sizes)
+    binds = instance_binds(sizes, cores)
+    # an instance's ranks are emulated devices device_id .. device_id + size - 1 (rank_settings in connector.py)
+    device_ids = [sum(sizes[:i]) for i in range(len(layout))]
     instances = tuple(
         InstancePlan(e["name"], e["role"], device_id, port, e["node"], e["group"], e["snic_mbps"], bind, e["vllm_args"])
-        for device_id, (e, port, bind) in enumerate(zip(layout, ports, binds, strict=True))
+        for device_id, e, port, bind in zip(device_ids, layout, ports, binds, strict=True)
     )
     model = os.path.abspath(opts.model)
     return ServePlan(
