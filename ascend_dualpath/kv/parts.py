@@ -34,11 +34,10 @@ from typing import Any
 
 import torch
 
-from ascend_dualpath._checks import check_type
-from ascend_dualpath.errors import BoundsError, ConfigError
+from ascend_dualpath.errors import BoundsError
 from ascend_dualpath.kv.layout import KVShard
 from ascend_dualpath.kv.memory import as_memoryview
-from ascend_dualpath.kv.store import _WRITER, STALE_TEMP_S, TEMP_SUFFIX, LocalBlockStore, _fsync_dir
+from ascend_dualpath.kv.store import _WRITER, STALE_TEMP_S, TEMP_SUFFIX, LocalBlockStore, ShardStore, _fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -63,17 +62,13 @@ def assemble(shard: KVShard, parts: dict[int, torch.Tensor]) -> torch.Tensor:
     return block
 
 
-class PartStore:
-    """Tensor-parallel rank ``shard.rank``'s writes into the full-block ``store`` (the writing half of a
-    :class:`~ascend_dualpath.kv.store.ShardStore`; module docstring). ``write_blocks`` takes the rank's local
-    ``[L, T, C_r]`` payloads and returns, per block, whether this rank published it."""
+class PartStore(ShardStore):
+    """Tensor-parallel rank ``shard.rank``'s view of the full-block ``store`` that also writes (module docstring):
+    reads as :class:`~ascend_dualpath.kv.store.ShardStore`; ``write_blocks`` takes the rank's local ``[L, T, C_r]``
+    payloads and returns, per block, whether this rank published it; ``contains`` sees blocks any rank published."""
 
     def __init__(self, store: LocalBlockStore, shard: KVShard) -> None:
-        check_type("store", store, LocalBlockStore, where="PartStore")
-        check_type("shard", shard, KVShard, where="PartStore")
-        if shard.full != store.layout:
-            raise ConfigError(f"PartStore: the shard's layout is not the store's ({store.root})")
-        self.store, self.shard, self.layout = store, shard, shard.local
+        super().__init__(store, shard)
         self.owners = owner_ranks(shard)
         self.owns = shard.rank in self.owners
         self._dir = store.root / PARTS_DIR

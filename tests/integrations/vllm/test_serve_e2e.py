@@ -86,14 +86,18 @@ def model(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def plain(model, tmp_path_factory):
     """A plain vLLM server of the same model: the reference text."""
+    yield from plain_server(model, tmp_path_factory.mktemp("plain") / "plain.log")
+
+
+def plain_server(model: str, log: Path, *args: str, env: dict | None = None):
+    """Yields the URL of a plain vLLM server of ``model`` (more ``args`` and ``env`` for it), stopped after."""
     port = _free_port()
-    log = tmp_path_factory.mktemp("plain") / "plain.log"
     from ascend_dualpath.integrations.vllm.serve import server_argv
 
     tmp = tempfile.mkdtemp(prefix="adp-plain-", dir="/tmp")  # vLLM's IPC sockets: a short path, removed after
     proc = subprocess.Popen(
-        server_argv(model, port),
-        env={**os.environ, **ENV, "TMPDIR": tmp},
+        [*server_argv(model, port), *args],
+        env={**os.environ, **ENV, "TMPDIR": tmp, **(env or {})},
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
         start_new_session=True,

@@ -9,10 +9,7 @@ ranks persisted as parts, published whole). Slow: three servers of two workers e
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import subprocess
-import tempfile
 
 import pytest
 
@@ -20,18 +17,15 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
 
 from tests.integrations.vllm.test_serve_e2e import (  # noqa: E402
-    ENV,
     TURNS,
     _assert_nothing_left,
-    _free_port,
     _get,
     _metric,
     _run_conversations,
     _serve,
     _stop,
-    _term_with_pytest,
-    _wait_http,
     model,  # noqa: F401 (the fixture)
+    plain_server,
 )
 
 TP = 2
@@ -42,25 +36,8 @@ TP_BIND = "|".join(str(sorted(os.sched_getaffinity(0))[r % len(os.sched_getaffin
 @pytest.fixture(scope="module")
 def plain_tp(model, tmp_path_factory):  # noqa: F811 (model: the fixture)
     """A plain vLLM server of the same model at tensor-parallel size 2: the reference text."""
-    from ascend_dualpath.integrations.vllm.serve import server_argv
-
-    port = _free_port()
     log = tmp_path_factory.mktemp("plain-tp") / "plain.log"
-    tmp = tempfile.mkdtemp(prefix="adp-plain-", dir="/tmp")  # vLLM's IPC sockets: a short path, removed after
-    proc = subprocess.Popen(
-        [*server_argv(model, port), "--tensor-parallel-size", str(TP)],
-        env={**os.environ, **ENV, "TMPDIR": tmp, "VLLM_CPU_OMP_THREADS_BIND": TP_BIND},
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        preexec_fn=_term_with_pytest,
-    )
-    try:
-        _wait_http(f"http://127.0.0.1:{port}/health", proc, log)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        _stop(proc)
-        shutil.rmtree(tmp, ignore_errors=True)
+    yield from plain_server(model, log, "--tensor-parallel-size", str(TP), env={"VLLM_CPU_OMP_THREADS_BIND": TP_BIND})
 
 
 @pytest.mark.parametrize("policy", ["de", "pe"])
