@@ -57,6 +57,18 @@ def model_kv_layout(vllm_config: Any) -> KVLayout:
     return KVLayout.gqa(layers, model.get_total_num_kv_heads(), model.get_head_size(), dtype, block_tokens=block)
 
 
+def check_tensor_parallel(parallel_config: Any) -> None:
+    """Refuse a tensor-parallel size above 1 inside vLLM, for now: every piece is there (the whole-model store
+    layout, :func:`rank_settings`, persisting by parts, ``serve``'s sizes) and tested without vLLM, but a PE and a DE
+    of size 2 under ``serve`` do not yet answer their first request (docs/vllm.md)."""
+    if parallel_config.tensor_parallel_size != 1:
+        raise ConfigError(
+            f"the DualPath connector supports tensor_parallel_size 1 inside vLLM for now, got "
+            f"{parallel_config.tensor_parallel_size} (a PE and a DE of tensor-parallel size 2 do not yet answer their "
+            "first request end to end; see docs/vllm.md)"
+        )
+
+
 def rank_settings(settings: ConnectorSettings, tp_size: int, tp_rank: int) -> ConnectorSettings:
     """One tensor-parallel rank's worker settings from its instance's: side port ``rank_port(base, rank)``, emulated
     device ``device_id + rank`` (``serve`` spaces the instances' ids by their sizes), node ``<node>.tp<rank>`` in
@@ -113,6 +125,7 @@ class DualPathConnector(KVConnectorBase_V1):
                 "sha256_cbor"
             )
         self.layout = model_kv_layout(vllm_config)
+        check_tensor_parallel(vllm_config.parallel_config)
         self.namespace = store_namespace(vllm_config.model_config.model, self.layout.fingerprint())
         store = LocalBlockStore(self.settings.store, self.layout)
         self._scheduler: DualPathScheduler | None = None

@@ -8,6 +8,7 @@ backend's ``do_kv_cache_update``, and caches cut by vLLM's ``create_kv_cache_vie
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -465,3 +466,12 @@ def test_a_rank_listens_at_its_port_on_its_device_with_its_share_of_the_storage_
     assert rank.snic_bytes_per_s == 1e9
     uncapped = rank_settings(dataclasses.replace(base, snic_bytes_per_s=UNCAPPED_BYTES_PER_S), 2, 1)
     assert uncapped.snic_bytes_per_s == UNCAPPED_BYTES_PER_S
+
+
+def test_tensor_parallelism_inside_vllm_is_refused_until_it_answers_end_to_end():
+    pytest.importorskip("vllm")
+    from ascend_dualpath.integrations.vllm.connector import check_tensor_parallel
+
+    check_tensor_parallel(SimpleNamespace(tensor_parallel_size=1))
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size 1 inside vLLM for now, got 2 .*first request"):
+        check_tensor_parallel(SimpleNamespace(tensor_parallel_size=2))

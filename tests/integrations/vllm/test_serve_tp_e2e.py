@@ -1,4 +1,5 @@
-"""End to end on a real vLLM (CPU) with tensor parallelism inside vLLM: ``serve`` with a PE and a DE of
+"""End to end on a real vLLM (CPU) with tensor parallelism inside vLLM (an expected failure while the connector
+refuses it, docs/vllm.md): ``serve`` with a PE and a DE of
 tensor-parallel size 2 against a plain vLLM server of the same size.
 
 Multi-turn conversations whose prompts extend the previous turn: every turn's greedy text equals the plain
@@ -49,6 +50,11 @@ def _turns(url: str, model_dir: str, agents: int = 2) -> list[tuple[str, str]]:
     return done
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="the connector refuses tensor_parallel_size 2 inside vLLM: with the refusal lifted, the first request "
+    "through a PE and a DE of size 2 hung (proxy 504, neither instance finished it); lift both together",
+)
 @pytest.mark.parametrize("policy", ["de", "pe"])
 def test_serve_at_tensor_parallel_size_two_matches_plain_vllm_and_loads_from_storage(
     model,  # noqa: F811 (the fixture)
