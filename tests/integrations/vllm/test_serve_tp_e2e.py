@@ -18,36 +18,12 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
 
 from tests.integrations.vllm import test_serve_e2e as e2e  # noqa: E402
-from tests.integrations.vllm.test_serve_e2e import (  # noqa: E402
-    TURNS,
-    _assert_nothing_left,
-    _complete,
-    _conversation,
-    _get,
-    _metric,
-    _serve,
-    _stop,
-    model,  # noqa: F401 (the fixture)
-    plain_server,
-)
+from tests.integrations.vllm.test_serve_e2e import model  # noqa: E402, F401 (the fixture)
 
 TP = 2
 STARTUP_S = 900  # three vLLM processes and two workers per instance start in minutes on two shared cores
 # one core list per rank (vLLM's CPU worker); the automatic binding wants a NUMA node per rank
 TP_BIND = "|".join(str(sorted(os.sched_getaffinity(0))[r % len(os.sched_getaffinity(0))]) for r in range(TP))
-
-
-def _turns(url: str, model_dir: str, agents: int = 2) -> list[tuple[str, str]]:
-    """Every turn's ``(prompt, text)`` through ``url``, each turn extending the last one's prompt and answer."""
-    done = []
-    for agent in range(agents):
-        prompt = ""
-        for turn, append in enumerate(_conversation(model_dir, agent)):
-            prompt = f"{prompt} {append}".strip()
-            text = _complete(url, model_dir, prompt, stream=(turn == 1))
-            done.append((prompt, text))
-            prompt += text  # the next turn at once: it must find this turn's blocks (docs/vllm.md, persisting)
-    return done
 
 
 @pytest.mark.xfail(
@@ -65,22 +41,22 @@ def test_serve_at_tensor_parallel_size_two_matches_plain_vllm_and_loads_from_sto
     """serve first, the plain server after it (not both at once: six vLLM workers on this machine's cores start too
     slowly), each turn's text compared."""
     monkeypatch.setattr(e2e, "STARTUP_S", STARTUP_S)
-    proc, url, log = _serve(model, tmp_path, "--policy", policy, "--startup-timeout", str(STARTUP_S),
+    proc, url, log = e2e._serve(model, tmp_path, "--policy", policy, "--startup-timeout", str(STARTUP_S),
                             "--", "--tensor-parallel-size", str(TP))  # fmt: skip
     try:
-        turns = _turns(url, model)
-        metrics = _get(f"{url}/metrics")
-        loads = sum(_metric(metrics, "vllm:dualpath_loads_total", path=p) for p in ("pe", "de", "split"))
-        assert loads >= 2 * (TURNS - 1), metrics
-        assert _metric(metrics, "vllm:dualpath_failures_total") == 0, metrics
+        turns = e2e.conversation_turns(url, model)
+        metrics = e2e._get(f"{url}/metrics")
+        loads = sum(e2e._metric(metrics, "vllm:dualpath_loads_total", path=p) for p in ("pe", "de", "split"))
+        assert loads >= 2 * (e2e.TURNS - 1), metrics
+        assert e2e._metric(metrics, "vllm:dualpath_failures_total") == 0, metrics
         stored = list((tmp_path / "store" / "blocks").rglob("*.kvb"))
         assert stored and not any((tmp_path / "store" / "parts").iterdir())  # every part set published
     finally:
-        code = _stop(proc)
+        code = e2e._stop(proc)
     assert code == 128 + signal.SIGTERM, log.read_text()[-3000:]
-    _assert_nothing_left()
+    e2e._assert_nothing_left()
     env = {"VLLM_CPU_OMP_THREADS_BIND": TP_BIND}
-    for plain in plain_server(model, tmp_path / "plain.log", "--tensor-parallel-size", str(TP), env=env):
+    for plain in e2e.plain_server(model, tmp_path / "plain.log", "--tensor-parallel-size", str(TP), env=env):
         for turn, (prompt, ours) in enumerate(turns):
-            reference = _complete(plain, model, prompt)
+            reference = e2e._complete(plain, model, prompt)
             assert ours == reference, f"turn {turn}: {ours!r} != plain vLLM's {reference!r}"
