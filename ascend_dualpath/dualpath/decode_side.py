@@ -43,7 +43,7 @@ from ascend_dualpath.dualpath.settings import ConnectorSettings
 from ascend_dualpath.dualpath.side_channel import expect, request_once
 from ascend_dualpath.dualpath.specs import RecvSpec
 from ascend_dualpath.errors import AdmissionDeferred, BoundsError, ChecksumMismatch, ProtocolError, WaitTimeout
-from ascend_dualpath.kv.layout import BLOCK_ID_BYTES, KVLayout
+from ascend_dualpath.kv.layout import BLOCK_ID_BYTES, KVLayout, KVShard
 from ascend_dualpath.kv.read_queue import ReadQueue
 from ascend_dualpath.kv.store import LocalBlockStore
 from ascend_dualpath.transport.engine import NOTIFY_VALUE_MAX
@@ -135,8 +135,11 @@ class DecodeSide:
 
     Parameters
     ----------
-    settings, layout, store, read_queue :
-        The worker's (the read queue is the DE node's storage NIC).
+    settings, store, read_queue :
+        The worker's (the read queue is the DE node's storage NIC; the store reads the shard's bytes only).
+    shard : KVShard
+        What this tensor-parallel rank holds of the model's rows (``shard.full`` for the hello's digest,
+        ``shard.local`` its own rows, :attr:`layout`).
     counters :
         The worker's ``Counters``; this side counts fallbacks, failures and checksum errors there.
     quarantine :
@@ -146,13 +149,13 @@ class DecodeSide:
     def __init__(
         self,
         settings: ConnectorSettings,
-        layout: KVLayout,
+        shard: KVShard,
         store: LocalBlockStore,
         read_queue: ReadQueue,
         counters: Any,
         quarantine: Quarantine,
     ) -> None:
-        self.settings, self.layout, self.store = settings, layout, store
+        self.settings, self.shard, self.layout, self.store = settings, shard, shard.local, store
         self.read_queue, self.counters, self.quarantine = read_queue, counters, quarantine
         self._pushing: dict[str, _DeXfer] = {}  # xfer_id -> its pusher's request, until its pushes are seen ended
         self.dataplane: Dataplane | None = None
@@ -203,15 +206,16 @@ class DecodeSide:
 
     # -- handlers --------------------------------------------------------------------------------------------------
     def _on_hello(self, message: m.Hello) -> m.Welcome:
-        """A PE's first message: check that it speaks this version and moves these bytes, then make (or, after
-        its restart, remake) the pair's communicator."""
-        dp = self.dataplane
+        """A PE's first message: check that it speaks this version, serves this model and holds what this rank
+        holds, then make (or, after its restart, remake) the pair's communicator."""
+        dp, s = self.dataplane, self.settings
         if dp is None:
             raise ProtocolError("hello before the DE registered its KV caches")
-        m.check_peer(dp.compat(self.layout), message.speaks, f"DE {self.settings.node}", f"PE {message.pe}")
+        m.check_peer(dp.compat(self.shard.full), message.speaks, f"DE {s.node}", f"PE {message.pe}")
+        m.check_tp(self.shard, message.tp_size, message.tp_rank, f"DE {s.node}", f"PE {message.pe}")
         link = dp.new_link(message.pe, message.device_id)
         link.connect(message.rank_info, message.host_mem)
-        return m.Welcome(rank_info=link.local_info(), host_mem=dp.host_mem())
+        return m.Welcome(rank_info=link.local_info(), host_mem=dp.host_mem(), tp_size=s.tp_size, tp_rank=s.tp_rank)
 
     def _xfer(self, message: m.Message) -> _DeXfer | None:
         with self._lock:

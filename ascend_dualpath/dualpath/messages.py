@@ -25,8 +25,8 @@ import hashlib
 
 import msgspec
 
-from ascend_dualpath.errors import ProtocolError
-from ascend_dualpath.kv.layout import KVLayout
+from ascend_dualpath.errors import ConfigError, ProtocolError
+from ascend_dualpath.kv.layout import KVLayout, KVShard
 from ascend_dualpath.transport.mooncake import MooncakePeer
 
 # Bumped whenever a message's fields or meaning change: peers of different versions refuse each other at hello.
@@ -37,7 +37,9 @@ from ascend_dualpath.transport.mooncake import MooncakePeer
 # the DE signals its hit reads done with the plan's ready_magic, and a plan may ask to be deferred, not waited for.
 # 4: a link's rank info is tagged by its engine (``MooncakeRank`` carries ``"type": "mooncake"``), since a hello may
 # now carry a CudaRank too.
-PROTOCOL_VERSION = 4
+# 5: tensor parallelism: Hello and Welcome carry the sender's tp_size and tp_rank, and the Compat digest is over the
+# model's full layout (every head), the same at every tensor-parallel size.
+PROTOCOL_VERSION = 5
 
 
 class Compat(msgspec.Struct, frozen=True):
@@ -107,13 +109,16 @@ class Message(msgspec.Struct, tag_field="op"):
 class Hello(Message, tag="hello"):
     """A PE's first message to a DE: who it is (``pe``: its side channel), its ``device_id`` on the fabric, its
     link's ``rank_info`` (the emulated communicator's serialized rank info, a :class:`MooncakeRank` or a :class:`CudaRank`), its host
-    region ``host_mem`` ``(addr, size, rkey)``, and what it speaks."""
+    region ``host_mem`` ``(addr, size, rkey)``, what it speaks (over the model's full layout), and which
+    tensor-parallel rank ``tp_rank`` of ``tp_size`` it is (the DE checks that the two ranks share heads)."""
 
     pe: str
     device_id: int
     rank_info: bytes | MooncakeRank | CudaRank
     host_mem: tuple[int, int, int]
     speaks: Speaks
+    tp_size: int = 1
+    tp_rank: int = 0
 
 
 class StatusQuery(Message, tag="status"):
@@ -215,10 +220,12 @@ class Error(Message, tag="error"):
 
 class Welcome(Message, tag="welcome"):
     """The DE's answer to :class:`Hello`: its link's ``rank_info`` (as :class:`Hello`'s) and host region
-    ``host_mem``."""
+    ``host_mem``, and the DE's tensor-parallel rank ``tp_rank`` of ``tp_size``."""
 
     rank_info: bytes | MooncakeRank | CudaRank
     host_mem: tuple[int, int, int]
+    tp_size: int = 1
+    tp_rank: int = 0
 
 
 class Planned(Message, tag="planned"):
@@ -375,3 +382,17 @@ def check_peer(mine: Compat, theirs: Speaks, here: str, there: str) -> None:
             f"KV compatibility digest {mine.digest} at {here}, {theirs.digest} at {there}: "
             f"{'; '.join(differ) or 'the digest was computed differently'}"
         )
+
+
+def check_tp(mine: KVShard, size: int, rank: int, here: str, there: str) -> None:
+    """Refuse a peer rank (``rank`` of tensor-parallel ``size``) this rank cannot pair with: one ProtocolError
+    naming both ends' ranks and sizes (``here`` / ``there`` name the two ends) and why: the model's rows cannot be
+    sharded that way, or the sizes differ (each PE rank pairs with the DE rank of its own number, so both sides need
+    the same size)."""
+    where = f"tensor-parallel rank {mine.rank} of {mine.size} at {here}, rank {rank} of {size} at {there}"
+    try:
+        mine.full.shard(size, rank)
+    except ConfigError as error:
+        raise ProtocolError(f"{where}: {error}") from None
+    if size != mine.size or rank != mine.rank:
+        raise ProtocolError(f"{where}: a pair needs equal tensor-parallel sizes and the same rank on both sides")

@@ -277,7 +277,9 @@ class PrefillEngine(_Engine):
         self.served = 0
 
     def _make_half(self) -> PrefillSide:
-        half = PrefillSide(self.settings, self.layout, self.store, self.read_queue, self.counters, self.quarantine)
+        half = PrefillSide(
+            self.settings, self.layout.shard(1, 0), self.store, self.read_queue, self.counters, self.quarantine
+        )
         half.bind(self.caches, self.adapter, self.dataplane, self.side.address)
         return half
 
@@ -442,7 +444,9 @@ class DecodeEngine(_Engine):
             raise ProtocolError(f"expected the prefill engine's set-up reply, got {reply!r}")
 
     def _make_half(self) -> DecodeSide:
-        half = DecodeSide(self.settings, self.layout, self.store, self.read_queue, self.counters, self.quarantine)
+        half = DecodeSide(
+            self.settings, self.layout.shard(1, 0), self.store, self.read_queue, self.counters, self.quarantine
+        )
         half.bind(self.caches, self.adapter, self.dataplane)
         return half
 

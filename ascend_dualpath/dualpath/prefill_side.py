@@ -59,13 +59,13 @@ from ascend_dualpath.dualpath.dataplane import DE_RANK, Dataplane, PairLink
 from ascend_dualpath.dualpath.lease import LeaseLayout
 from ascend_dualpath.dualpath.quarantine import Quarantine, tickets_ended
 from ascend_dualpath.dualpath.scheduler import ReadPath, split_hit_blocks
-from ascend_dualpath.dualpath.settings import ConnectorSettings
+from ascend_dualpath.dualpath.settings import ConnectorSettings, rank_address
 from ascend_dualpath.dualpath.side_channel import PeerClient, XferParams, expect, request_once
 from ascend_dualpath.dualpath.specs import LoadSpec, SaveSpec
 from ascend_dualpath.dualpath.transfer_leg import Segment, wait_notify
-from ascend_dualpath.errors import AdmissionDeferred, ChecksumMismatch, ProtocolError
+from ascend_dualpath.errors import AdmissionDeferred, ChecksumMismatch, ProtocolError, WaitTimeout
 from ascend_dualpath.kv.buffers import HostBuffer
-from ascend_dualpath.kv.layout import KVLayout
+from ascend_dualpath.kv.layout import KVLayout, KVShard
 from ascend_dualpath.kv.read_queue import ReadQueue
 from ascend_dualpath.kv.store import LocalBlockStore
 
@@ -153,8 +153,11 @@ class PrefillSide:
 
     Parameters
     ----------
-    settings, layout, store, read_queue :
-        The instance's (the read queue is the PE node's storage NIC).
+    settings, store, read_queue :
+        The instance's (the read queue is the PE node's storage NIC; the store reads the shard's bytes only).
+    shard : KVShard
+        What this tensor-parallel rank holds of the model's rows (``shard.full``: every head, what the hello's
+        compatibility digest is over; ``shard.local``: the rank's own rows, :attr:`layout`).
     counters, quarantine :
         The instance's; this half counts its loads, fallbacks, takeovers and failures there.
 
@@ -166,13 +169,13 @@ class PrefillSide:
     def __init__(
         self,
         settings: ConnectorSettings,
-        layout: KVLayout,
+        shard: KVShard,
         store: LocalBlockStore,
         read_queue: ReadQueue,
         counters: Counters,
         quarantine: Quarantine,
     ) -> None:
-        self.settings, self.layout, self.store = settings, layout, store
+        self.settings, self.shard, self.layout, self.store = settings, shard, shard.local, store
         self.read_queue, self.counters, self.quarantine = read_queue, counters, quarantine
         self.caches: list[torch.Tensor] = []
         self.adapter = None
@@ -738,23 +741,36 @@ class PrefillSide:
         )
 
     def connect_peer(self, address: str) -> _Peer:
-        """The DE at ``address``; the first time, ask its device id and make the pair's communicator (``hello``)."""
+        """The DE whose rank 0 is at ``address`` (what the scheduler names); the first time, ask the device id of
+        its rank this rank pairs with (the same tensor-parallel rank, at :func:`rank_address`) and make the pair's
+        communicator (``hello``, where the DE refuses another version, digest or tensor-parallel size)."""
         peer = self._peers.get(address)
         if peer is not None:
             return peer
-        client = PeerClient(address, self.settings.timeout_s, **self.settings.side_framing)
+        s = self.settings
+        client = PeerClient(rank_address(address, s.tp_rank), s.timeout_s, **s.side_framing)
         try:
             dp = self.dataplane
-            status = expect(client.request(m.StatusQuery()), m.Status)
-            link = dp.new_link(address, status.device_id)
+            try:
+                status = expect(client.request(m.StatusQuery()), m.Status)
+            except WaitTimeout as error:
+                if not s.tp_rank:
+                    raise
+                raise WaitTimeout(f"{error} (DE rank {s.tp_rank} of the DE at {address}: PE rank {s.tp_rank} of "
+                                  f"{s.tp_size} pairs with it, so the DE needs tensor-parallel size {s.tp_size} too)"
+                                  ) from None  # fmt: skip
+            link = dp.new_link(client.address, status.device_id)
             hello = m.Hello(
                 pe=self.address,
                 device_id=dp.device_id,
                 rank_info=link.local_info(),
                 host_mem=dp.host_mem(),
-                speaks=m.Speaks.of(dp.compat(self.layout)),
+                speaks=m.Speaks.of(dp.compat(self.shard.full)),
+                tp_size=s.tp_size,
+                tp_rank=s.tp_rank,
             )
-            reply = expect(client.request(hello), m.Welcome)  # the DE refuses another version or digest
+            reply = expect(client.request(hello), m.Welcome)
+            m.check_tp(self.shard, reply.tp_size, reply.tp_rank, f"PE {s.node}", f"DE {client.address}")
             link.connect(reply.rank_info, reply.host_mem)
         except Exception:
             client.close()

@@ -109,3 +109,12 @@ def rank_port(base: int, tp_rank: int) -> int:
     (as vLLM's NIXL connector offsets its side-channel port by the rank): a peer that knows one rank's address
     finds every other rank's."""
     return base + tp_rank
+
+
+def rank_address(address: str, tp_rank: int) -> str:
+    """The side-channel address (``tcp://host:port``) of tensor-parallel rank ``tp_rank`` of the instance whose rank
+    0 is at ``address`` (:func:`rank_port`)."""
+    head, _, port = address.rpartition(":")
+    if not head or not port.isdigit():
+        raise ValueError(f"side-channel address {address!r} is not tcp://host:port")
+    return f"{head}:{rank_port(int(port), tp_rank)}"

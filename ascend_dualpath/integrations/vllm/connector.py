@@ -19,7 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from ascend_dualpath.dualpath.settings import ConnectorSettings, rank_port
+from ascend_dualpath.dualpath.settings import UNCAPPED_BYTES_PER_S, ConnectorSettings, rank_port
 from ascend_dualpath.errors import ConfigError
 from ascend_dualpath.integrations.vllm.metadata import DualPathMetadata, DualPathWorkerMeta
 from ascend_dualpath.integrations.vllm.scheduler import DualPathScheduler
@@ -34,19 +34,15 @@ KVConnectorWorkerMetadata.register(DualPathWorkerMeta)
 
 
 def model_kv_layout(vllm_config: Any) -> KVLayout:
-    """The token rows of the served model's KV cache (GQA/MHA; MLA latents), one Full Block per vLLM block."""
+    """The token rows of the served model's whole KV cache (GQA/MHA: every KV head, whatever the tensor-parallel
+    size; MLA latents), one Full Block per vLLM block: the store's layout, so its namespace and fingerprint are the
+    same at every tensor-parallel size and a store written at one size is read at another."""
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
     if parallel.pipeline_parallel_size != 1:
         raise ConfigError(
             f"the DualPath connector does not support pipeline parallelism (pipeline_parallel_size "
             f"{parallel.pipeline_parallel_size}, supported: 1): a stage holds only its own layers, and a Full Block's "
             "layers would have to be read and pushed per stage, with a side channel per stage (docs/vllm.md)"
-        )
-    if parallel.tensor_parallel_size != 1:
-        raise ConfigError(
-            f"the DualPath connector supports tensor_parallel_size 1 inside vLLM for now, got "
-            f"{parallel.tensor_parallel_size} (tensor-parallel ranks read and move their heads' share outside vLLM "
-            "only; persisting from a rank is not there yet, see docs/vllm.md)"
         )
     cache_dtype = vllm_config.cache_config.cache_dtype
     if cache_dtype not in ("auto", None):
@@ -58,17 +54,41 @@ def model_kv_layout(vllm_config: Any) -> KVLayout:
     block = vllm_config.cache_config.block_size
     if model.use_mla:
         return KVLayout.mla(layers, model.get_head_size(), dtype, block_tokens=block)
-    return KVLayout.gqa(layers, model.get_num_kv_heads(parallel), model.get_head_size(), dtype, block_tokens=block)
+    return KVLayout.gqa(layers, model.get_total_num_kv_heads(), model.get_head_size(), dtype, block_tokens=block)
+
+
+def check_parallel(parallel_config: Any) -> None:
+    """Refuse a tensor-parallel size above 1, or a data-parallel engine other than the first, inside vLLM for now.
+
+    Every piece is there and tested without vLLM (the whole-model store layout, :func:`worker_settings`,
+    persisting by parts, ``serve``'s sizes, the proxy's placement on each data-parallel engine), but under
+    ``serve`` a PE and a DE of tensor-parallel size 2 do not yet answer their first request, and a request placed
+    on a decode server's second data-parallel engine stalls (docs/vllm.md, "Parallel instances").
+    """
+    tp, dp_index = parallel_config.tensor_parallel_size, getattr(parallel_config, "data_parallel_index", 0)
+    if tp != 1:
+        raise ConfigError(
+            f"the DualPath connector supports tensor_parallel_size 1 inside vLLM for now, got {tp} (a PE and a DE of "
+            "tensor-parallel size 2 do not yet answer their first request end to end; see docs/vllm.md)"
+        )
+    if dp_index or parallel_config.data_parallel_size != 1:
+        raise ConfigError(
+            f"the DualPath connector supports one data-parallel engine per server inside vLLM for now, got engine "
+            f"{dp_index} of data_parallel_size {parallel_config.data_parallel_size} (a request placed on a second "
+            "engine stalls end to end; see docs/vllm.md)"
+        )
 
 
 def worker_settings(settings: ConnectorSettings, parallel: Any) -> ConnectorSettings:
-    """One worker's settings of an instance's (``settings``: what its config says, for its first worker).
+    """One worker's settings from its instance's (``settings``: what its config says, for its first worker).
 
     vLLM runs ``data_parallel_size`` engines of ``tensor_parallel_size`` workers each behind one server, and
     every worker has its own connector: worker ``index = data-parallel rank x tp + tensor-parallel rank`` gets
     the side channel at the configured port + ``index`` (:func:`~ascend_dualpath.dualpath.settings.rank_port`,
     where the proxy finds each engine's) and emulated device ``device_id + index`` (``serve`` spaces the
-    instances' device ids by their workers). The storage-NIC cap stays the configured one per worker.
+    instances' device ids by their workers). With ``tp > 1`` its node is ``<node>.tp<rank>`` in metrics and its
+    storage-NIC cap the configured one / ``tp``: an engine's ranks share their node's storage NIC, each is paced
+    at its share and together they read at the cap.
     """
     tp = parallel.tensor_parallel_size
     tp_rank = 0
@@ -78,8 +98,16 @@ def worker_settings(settings: ConnectorSettings, parallel: Any) -> ConnectorSett
         tp_rank = get_tensor_model_parallel_rank()
     index = getattr(parallel, "data_parallel_index", 0) * tp + tp_rank
     side_port = None if settings.side_port is None else rank_port(settings.side_port, index)
-    return dataclasses.replace(
+    worker = dataclasses.replace(
         settings, tp_size=tp, tp_rank=tp_rank, side_port=side_port, device_id=settings.device_id + index
+    )
+    if tp == 1:
+        return worker
+    capped = settings.snic_bytes_per_s < UNCAPPED_BYTES_PER_S
+    return dataclasses.replace(
+        worker,
+        node=f"{settings.node}.tp{tp_rank}",
+        snic_bytes_per_s=settings.snic_bytes_per_s / tp if capped else settings.snic_bytes_per_s,
     )
 
 
@@ -122,6 +150,7 @@ class DualPathConnector(KVConnectorBase_V1):
                 "sha256_cbor"
             )
         self.layout = model_kv_layout(vllm_config)
+        check_parallel(vllm_config.parallel_config)
         self.namespace = store_namespace(vllm_config.model_config.model, self.layout.fingerprint())
         store = LocalBlockStore(self.settings.store, self.layout)
         self._scheduler: DualPathScheduler | None = None

@@ -98,13 +98,17 @@ class Persister:
         syncfs calls whatever the request's length, instead of about two fsyncs per block); the announcements are
         withdrawn once the blocks are durable (or the write failed)."""
         chain = [(spec.store_ids[i], spec.store_ids[i - 1] if i > 0 else None, payload) for i, payload in payloads]
+        announced = spec.store_ids[spec.first_block :]
         try:
             self.counters.persisted_blocks += sum(self.store.write_blocks(chain))
+            # a tensor-parallel rank's part leaves its block invisible until the last rank's part is there: that
+            # rank withdraws the announcement (a rank that died leaves it to go stale)
+            announced = [block_id for block_id in announced if self.store.contains(block_id)]
         except (AdpError, OSError) as error:  # a chain refused before any write, or the disk failed part-way
             self.counters.failures += 1
             log.warning("DualPath: persisting request %s failed: %s: %s", spec.req_id, type(error).__name__, error)
         finally:
-            self.announcements.withdraw(spec.store_ids[spec.first_block :])  # none is awaited any longer
+            self.announcements.withdraw(announced)  # none is awaited any longer
 
     def finished(self) -> set[str]:
         """The requests whose writes ended since the last call (vLLM may then free their blocks)."""

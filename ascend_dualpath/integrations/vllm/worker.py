@@ -1,5 +1,5 @@
-"""The worker half of the DualPath connector (runs in each vLLM worker; tensor parallelism 1): a thin host of the
-two DualPath halves.
+"""The worker half of the DualPath connector (runs in each vLLM worker: one per tensor-parallel rank): a thin host
+of the two DualPath halves.
 
 It adapts vLLM to them and keeps vLLM's bookkeeping: the step's metadata goes to the PE half
 (:class:`~ascend_dualpath.dualpath.prefill_side.PrefillSide`: loads before each layer's attention, saves after
@@ -33,6 +33,7 @@ from ascend_dualpath.errors import ProtocolError
 from ascend_dualpath.integrations.vllm.metadata import DualPathMetadata, DualPathWorkerMeta, PersistSpec
 from ascend_dualpath.integrations.vllm.persisting import PersistAnnouncements, Persister
 from ascend_dualpath.kv.layout import KVLayout
+from ascend_dualpath.kv.parts import PartStore
 from ascend_dualpath.kv.read_queue import ReadQueue
 from ascend_dualpath.kv.store import LocalBlockStore, ShardStore
 
@@ -52,8 +53,9 @@ class DualPathWorker:
         settings.tp_rank)`` of them (its :attr:`shard`; the adapter's rows are the shard's ``local`` layout).
     store : LocalBlockStore
         The shared block store of full blocks (``layout``); a rank holding some heads reads through a
-        :class:`~ascend_dualpath.kv.store.ShardStore` of its byte ranges only, and cannot persist, so such a
-        worker is only driven without persists, in the worker harness.
+        :class:`~ascend_dualpath.kv.store.ShardStore` of its byte ranges only; a rank of a tensor-parallel size
+        above 1 persists through a :class:`~ascend_dualpath.kv.parts.PartStore` (its part of each block; the full
+        block is visible once every owner's part is there).
     adapter_factory : callable
         ``(layer_name, cache) -> adapter``: the paged-layout adapter of the model's attention backend
         (``write_tokens(cache, block_ids, start, rows)``, ``read_tokens(cache, block_ids, start, end)``).
@@ -61,6 +63,8 @@ class DualPathWorker:
 
     def __init__(self, settings: ConnectorSettings, layout: KVLayout, store: LocalBlockStore, adapter_factory):
         self.shard = layout.shard(settings.tp_size, settings.tp_rank)
+        # a rank persists its part of each block (the units it is the lowest holder of); the last part publishes it
+        writer = PartStore(store, self.shard) if settings.tp_size > 1 else store
         if not self.shard.whole:
             store = ShardStore(store, self.shard)
         self.settings, self.layout, self.store = settings, self.shard.local, store
@@ -68,15 +72,15 @@ class DualPathWorker:
         self.read_queue = ReadQueue(store, settings.snic_bytes_per_s, node=settings.node)
         self.announcements = PersistAnnouncements(settings.store, settings.persist_wait_s)
         self.counters = Counters()
-        self.persister = Persister(store, self.announcements, self.counters)
+        self.persister = Persister(writer, self.announcements, self.counters)
         self.quarantine = Quarantine(self.counters)
         self.caches: list[torch.Tensor] = []
         self._layer_of: dict[str, int] = {}
         self.adapter = None
         self.dataplane: Dataplane | None = None
         self.side: SideChannel | None = None
-        self.prefill = PrefillSide(settings, self.layout, store, self.read_queue, self.counters, self.quarantine)
-        self.decode = DecodeSide(settings, self.layout, store, self.read_queue, self.counters, self.quarantine)
+        self.prefill = PrefillSide(settings, self.shard, store, self.read_queue, self.counters, self.quarantine)
+        self.decode = DecodeSide(settings, self.shard, store, self.read_queue, self.counters, self.quarantine)
         self._finished_sending: set[str] = set()
         self._step_idle = True  # the last step had nothing but reads ahead
         # vLLM's metrics (stats_since_last): the counters as last handed over, and layer waits not yet handed over
@@ -210,6 +214,9 @@ class DualPathWorker:
     def _persist(self, spec: PersistSpec) -> None:
         """Copy a finished request's new full blocks out of the cache now; write them to the store behind."""
         T = self.layout.block_tokens
+        if not getattr(self.persister.store, "owns", True):  # another rank writes these heads (or the latent)
+            self.persister.persist(dataclasses.replace(spec, first_block=len(spec.store_ids)), None)
+            return
 
         def block(i: int) -> torch.Tensor:
             layers = [self.adapter.read_tokens(cache, spec.block_ids, i * T, (i + 1) * T) for cache in self.caches]

@@ -7,6 +7,9 @@ backend's ``do_kv_cache_update``, and caches cut by vLLM's ``create_kv_cache_vie
 
 from __future__ import annotations
 
+import dataclasses
+from types import SimpleNamespace
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -409,11 +412,10 @@ def test_cpu_adapter_on_the_cache_vllm_allocates_for_the_cpu_backend():
     [
         (1, 2, r"pipeline parallelism \(pipeline_parallel_size 2, supported: 1\): a stage holds only its own layers"),
         (2, 2, r"pipeline_parallel_size 2"),
-        (2, 1, r"tensor_parallel_size 1 inside vLLM for now, got 2 .*outside vLLM only"),
     ],
 )
 def test_parallel_layouts_the_connector_cannot_serve_are_refused_with_the_reason(tp, pp, match):
-    """Pipeline parallelism stays refused, naming why; tensor parallelism inside vLLM is refused until it works."""
+    """Pipeline parallelism stays refused, naming why, with or without tensor parallelism."""
     pytest.importorskip("vllm")
     from types import SimpleNamespace
 
@@ -423,3 +425,62 @@ def test_parallel_layouts_the_connector_cannot_serve_are_refused_with_the_reason
                              model_config=None, cache_config=None)  # fmt: skip
     with pytest.raises(ConfigError, match=match):
         model_kv_layout(config)
+
+
+def _vllm_config(tp: int, *, mla: bool = False, snic: float | None = None):
+    from types import SimpleNamespace
+
+    model = SimpleNamespace(
+        dtype=torch.bfloat16, use_mla=mla, get_num_layers=lambda parallel: 2, get_head_size=lambda: 16,
+        get_total_num_kv_heads=lambda: 8, get_num_kv_heads=lambda parallel: 8 // parallel.tensor_parallel_size,
+    )  # fmt: skip
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1),
+        model_config=model, cache_config=SimpleNamespace(cache_dtype="auto", block_size=16),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_the_store_layout_is_the_whole_model_at_every_tensor_parallel_size(mla):
+    """Every KV head (MLA: the latent) whatever the size: one fingerprint, so a store written at one size is read at
+    another; a rank's rows are its shard of it."""
+    pytest.importorskip("vllm")
+    from ascend_dualpath.integrations.vllm.connector import model_kv_layout
+
+    layouts = [model_kv_layout(_vllm_config(tp, mla=mla)) for tp in (1, 2, 4)]
+    assert len({layout.fingerprint() for layout in layouts}) == 1
+    if not mla:
+        assert layouts[0].num_units == 8 and layouts[0].shard(4, 3).units == range(6, 8)
+
+
+def test_a_rank_listens_at_its_port_on_its_device_with_its_share_of_the_storage_nic(monkeypatch):
+    pytest.importorskip("vllm")
+    from vllm.distributed import parallel_state
+
+    from ascend_dualpath.dualpath.settings import UNCAPPED_BYTES_PER_S, ConnectorSettings
+    from ascend_dualpath.integrations.vllm.connector import worker_settings
+
+    base = ConnectorSettings(role="decode", store="/s", node="de0", snic_bytes_per_s=4e9, side_port=7600,
+                             fabric="f", timeout_s=5.0, device_id=2)  # fmt: skip
+    one = SimpleNamespace(tensor_parallel_size=1, data_parallel_index=0)
+    assert worker_settings(base, one) == base
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 3)
+    rank = worker_settings(base, SimpleNamespace(tensor_parallel_size=4, data_parallel_index=0))
+    assert (rank.tp_size, rank.tp_rank, rank.side_port, rank.device_id, rank.node) == (4, 3, 7603, 5, "de0.tp3")
+    assert rank.snic_bytes_per_s == 1e9
+    uncapped = dataclasses.replace(base, snic_bytes_per_s=UNCAPPED_BYTES_PER_S)
+    assert worker_settings(
+        uncapped, SimpleNamespace(tensor_parallel_size=2, data_parallel_index=0)
+    ).snic_bytes_per_s == (UNCAPPED_BYTES_PER_S)
+
+
+def test_parallel_instances_inside_vllm_are_refused_until_they_answer_end_to_end():
+    pytest.importorskip("vllm")
+    from ascend_dualpath.integrations.vllm.connector import check_parallel
+
+    check_parallel(SimpleNamespace(tensor_parallel_size=1, data_parallel_size=1, data_parallel_index=0))
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size 1 inside vLLM for now, got 2 .*first request"):
+        check_parallel(SimpleNamespace(tensor_parallel_size=2, data_parallel_size=1, data_parallel_index=0))
+    # vLLM gives each engine of independent data-parallel ranks data_parallel_size 1 and its index
+    with pytest.raises(ConfigError, match=r"one data-parallel engine per server .* got engine 1 .*stalls"):
+        check_parallel(SimpleNamespace(tensor_parallel_size=1, data_parallel_size=1, data_parallel_index=1))

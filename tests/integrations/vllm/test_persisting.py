@@ -54,6 +54,9 @@ class _Store:
         self.written += [block_id for block_id, _, _ in chain]
         return [True] * len(chain)
 
+    def contains(self, block_id: bytes) -> bool:
+        return block_id in self.written
+
 
 @pytest.mark.parametrize(("failing", "error"), [(None, AdpError), (IDS[2], AdpError), (IDS[2], OSError)])
 def test_the_worker_withdraws_every_announcement_written_or_not(tmp_path, failing, error):

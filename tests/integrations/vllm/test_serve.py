@@ -190,6 +190,18 @@ def test_parallel_instances_get_a_side_port_device_and_cores_per_worker(tmp_path
         serve_mod.make_plan(ServeOptions(model=str(tmp_path), instance_args={"decode0": ("-tp", "two")}), "/s")
 
 
+def test_make_plan_spaces_ports_and_devices_by_the_sizes_and_binds_each_rank(tmp_path):
+    """A PE of tensor-parallel size 2 (its own args) and a DE of 1; then both at 2 (common args): each rank has its
+    side port (base + rank), its emulated device and a core list of its own (``|`` between an instance's ranks)."""
+    opts = ServeOptions(model=str(tmp_path), instance_args={"prefill0": ("--tensor-parallel-size", "2")})
+    p = serve_mod.make_plan(opts, "/s", cores=[0, 1, 2, 3])
+    assert [(i.name, i.device_id, i.bind) for i in p.instances] == [("prefill0", 0, "0|1"), ("decode0", 2, "2-3")]
+    sides = [p.instances[0].kv_port, p.instances[0].kv_port + 1, p.instances[1].kv_port]
+    assert len(set(sides + [i.port for i in p.instances])) == 5
+    q = serve_mod.make_plan(ServeOptions(model=str(tmp_path), vllm_args=("-tp", "2")), "/s", cores=[0, 1])
+    assert [(i.device_id, i.bind) for i in q.instances] == [(0, "0|1"), (2, "0|1")]
+
+
 def test_kv_bytes_per_token_from_the_model_config(tmp_path):
     config = {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64, "num_hidden_layers": 3,
               "torch_dtype": "bfloat16"}  # fmt: skip

@@ -86,14 +86,18 @@ def model(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def plain(model, tmp_path_factory):
     """A plain vLLM server of the same model: the reference text."""
+    yield from plain_server(model, tmp_path_factory.mktemp("plain") / "plain.log")
+
+
+def plain_server(model: str, log: Path, *args: str, env: dict | None = None):
+    """Yields the URL of a plain vLLM server of ``model`` (more ``args`` and ``env`` for it), stopped after."""
     port = _free_port()
-    log = tmp_path_factory.mktemp("plain") / "plain.log"
     from ascend_dualpath.integrations.vllm.serve import server_argv
 
     tmp = tempfile.mkdtemp(prefix="adp-plain-", dir="/tmp")  # vLLM's IPC sockets: a short path, removed after
     proc = subprocess.Popen(
-        server_argv(model, port),
-        env={**os.environ, **ENV, "TMPDIR": tmp},
+        [*server_argv(model, port), *args],
+        env={**os.environ, **ENV, "TMPDIR": tmp, **(env or {})},
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -171,17 +175,22 @@ def _complete(url: str, model: str, prompt: str, stream: bool = False) -> str:
     return "".join(text)
 
 
-def _run_conversations(url: str, plain: str, model: str, agents: int = 2) -> list[tuple[str, str]]:
-    """Every turn through ``url`` and through the plain server: ``[(ours, plain), ...]``."""
-    pairs = []
+def conversation_turns(url: str, model: str, agents: int = 2) -> list[tuple[str, str]]:
+    """Every turn's ``(prompt, text)`` through ``url``, each turn extending the last one's prompt and answer."""
+    done = []
     for agent in range(agents):
         prompt = ""
         for turn, append in enumerate(_conversation(model, agent)):
             prompt = f"{prompt} {append}".strip()
-            ours = _complete(url, model, prompt, stream=(turn == 1))
-            pairs.append((ours, _complete(plain, model, prompt)))
-            prompt += ours  # the next turn at once: it must find this turn's blocks (docs/vllm.md, persisting)
-    return pairs
+            text = _complete(url, model, prompt, stream=(turn == 1))
+            done.append((prompt, text))
+            prompt += text  # the next turn at once: it must find this turn's blocks (docs/vllm.md, persisting)
+    return done
+
+
+def _run_conversations(url: str, plain: str, model: str, agents: int = 2) -> list[tuple[str, str]]:
+    """Every turn through ``url`` and its prompt through the plain server: ``[(ours, plain), ...]``."""
+    return [(ours, _complete(plain, model, prompt)) for prompt, ours in conversation_turns(url, model, agents)]
 
 
 def _metric(text: str, name: str, **labels: str) -> float:

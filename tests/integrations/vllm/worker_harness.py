@@ -9,9 +9,11 @@ The KV of every request is known in advance (:meth:`Deployment.true_rows`), so t
 bit for bit.
 
 Tensor parallelism: a :class:`Model` names the KV geometry (GQA with some KV heads, or MLA) and the rank whose share
-an instance's worker holds; a :class:`TpDeployment` is one :class:`Deployment` per rank on one fabric and one store,
-PE rank ``r`` paired with DE rank ``r`` (each its own side channel and link), every worker holding its rank's heads
-and reading only its byte ranges of the stored full blocks (:class:`~ascend_dualpath.kv.store.ShardStore`).
+an instance's worker holds; a :class:`TpDeployment` is one deployment whose instances have tensor-parallel ranks, each
+rank's side channel at the instance's base port + its rank, driven as vLLM drives them: every rank of an instance gets
+the same step metadata, which names the peer instance by its rank-0 address; the workers find their peer ranks. Every
+worker holds its rank's heads and reads only its byte ranges of the stored full blocks
+(:class:`~ascend_dualpath.kv.store.ShardStore`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import msgspec
 import torch
 
 from ascend_dualpath.dualpath.scheduler import ReadPath
-from ascend_dualpath.dualpath.settings import UNCAPPED_BYTES_PER_S, ConnectorSettings
+from ascend_dualpath.dualpath.settings import UNCAPPED_BYTES_PER_S, ConnectorSettings, rank_port
 from ascend_dualpath.dualpath.side_channel import XferParams
 from ascend_dualpath.dualpath.specs import LoadSpec, RecvSpec, SaveSpec
 from ascend_dualpath.integrations.vllm.layouts import FlashAttnAdapter, MlaAdapter, PagedKVAdapter
@@ -48,6 +50,25 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def free_ports(count: int, attempts: int = 200) -> int:
+    """A base port with ``count`` consecutive ports free now (a tensor-parallel instance's side channels)."""
+    for _ in range(attempts):
+        base = free_port()
+        socks = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise AssertionError(f"no {count} consecutive free ports in {attempts} attempts")
 
 
 def remove_fabric_shm(fabric: str) -> None:
@@ -116,6 +137,7 @@ class Instance:
     caches: list[torch.Tensor]
     address: str
     role: str
+    adapter: PagedKVAdapter
     _blocks: itertools.count = dataclasses.field(default_factory=itertools.count)
     # vLLM drives a DE's worker from one thread: test threads take turns, and keep every receive's outcome
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
@@ -173,28 +195,34 @@ class Deployment:
             raise
         self.store = LocalBlockStore(self.root, self.model.full)
 
-    def _start(self, name: str, role: str, device_id: int, snic: float) -> Instance:
+    def _start(
+        self, name: str, role: str, device_id: int, snic: float, model: Model | None = None, port: int | None = None
+    ) -> Instance:
+        """Instance ``name``'s worker of ``model``'s rank (default: the deployment's), its side channel at ``port``
+        (default: a free one)."""
+        model = model or self.model
         settings = ConnectorSettings(
             role=role,
             store=self.root,
-            node=name if self.model.tp == 1 else f"{name}.tp{self.model.rank}",
+            node=name if model.tp == 1 else f"{name}.tp{model.rank}",
             snic_bytes_per_s=snic,
-            side_port=free_port(),
+            side_port=port or free_port(),
             fabric=self.fabric,
             timeout_s=TIMEOUT_S,
             device_id=device_id,
             hccl_buffer_mb=self.hccl_buffer_mb,
             host_buffer_mb=self.host_buffer_mb,
             engine=self.engine if isinstance(self.engine, str) else self.engine.get(name, "emulator"),
-            tp_size=self.model.tp,
-            tp_rank=self.model.rank,
+            tp_size=model.tp,
+            tp_rank=model.rank,
         )
-        store = LocalBlockStore(self.root, self.model.full)
-        worker = DualPathWorker(settings, self.model.full, store, lambda _n, c: self.adapter)
-        caches = [self.model.new_cache(POISON if role == "decode" else 0, self.device) for _ in range(LAYERS)]
+        store = LocalBlockStore(self.root, model.full)
+        adapter = model.adapter
+        worker = DualPathWorker(settings, model.full, store, lambda _n, c: adapter)
+        caches = [model.new_cache(POISON if role == "decode" else 0, self.device) for _ in range(LAYERS)]
         names = [f"layers.{i}.attn" for i in range(LAYERS)]
         worker.register_kv_caches(dict(zip(names, caches, strict=True)), lambda n: int(n.split(".")[1]))
-        return Instance(worker, caches, worker.side.address, role)
+        return Instance(worker, caches, worker.side.address, role, adapter)
 
     def close(self) -> None:
         for instance in self.instances.values():
@@ -221,14 +249,13 @@ class Deployment:
             assert self.store.write_block(ids[b], ids[b - 1] if b else None, payload)
         return ids
 
-    def request(self, pe: str, de: str, rows: torch.Tensor, hit_blocks: int, path: str, split: bool = False, ids=None):
-        """Everything one request needs on both sides: returns ``(pe_request, de_request)``. ``ids``: the store ids
-        of a prefix stored already (a tensor-parallel request's, stored once for every rank); else ``rows``'s first
-        ``hit_blocks`` blocks are stored here."""
+    def request(self, pe: str, de: str, rows: torch.Tensor, hit_blocks: int, path: str, split: bool = False):
+        """Everything one request needs on both sides (``rows``'s first ``hit_blocks`` blocks stored): returns
+        ``(pe_request, de_request)``."""
         n = next(self._ids)
         xfer_id = f"x{n}"
         prompt = rows.shape[1]
-        ids = self.store_prefix(rows, hit_blocks, n) if ids is None else ids
+        ids = self.store_prefix(rows, hit_blocks, n)
         pe_inst, de_inst = self.instances[pe], self.instances[de]
         pe_xfer = XferParams(xfer_id, "prefill", ReadPath(path), de_inst.address, split)
         de_xfer = XferParams(xfer_id, "decode", ReadPath(path), pe_inst.address, split)
@@ -282,9 +309,9 @@ class Deployment:
             self.layer_waits.append(time.monotonic() - started)
             cache = inst.caches[layer]
             if check_layers and not worker.prefill._invalid_blocks and req.hit_tokens:
-                got = self.adapter.read_tokens(cache, req.block_ids, 0, req.hit_tokens)
+                got = inst.adapter.read_tokens(cache, req.block_ids, 0, req.hit_tokens)
                 assert torch.equal(got, req.rows[layer, : req.hit_tokens]), f"hit rows of layer {layer} missing"
-            self.adapter.write_tokens(cache, req.block_ids, req.hit_tokens, req.rows[layer, req.hit_tokens :])
+            inst.adapter.write_tokens(cache, req.block_ids, req.hit_tokens, req.rows[layer, req.hit_tokens :])
             worker.save_kv_layer(name, cache)
         worker.wait_for_save()
         bad = worker.get_block_ids_with_load_errors()
@@ -294,7 +321,7 @@ class Deployment:
             worker.start_step(DualPathMetadata(saves=[recompute]))
             for layer, name in enumerate(names):
                 cache = inst.caches[layer]
-                self.adapter.write_tokens(cache, req.block_ids, start, req.rows[layer, start:])
+                inst.adapter.write_tokens(cache, req.block_ids, start, req.rows[layer, start:])
                 worker.save_kv_layer(name, cache)
             worker.wait_for_save()
         return bad
@@ -331,15 +358,10 @@ class Deployment:
         self.instances[pe].worker.get_finished({req.req_id})
 
 
-def run_request(
-    d: Deployment, pe: str, de: str, prompt: int, hit_blocks: int, path: str, split: bool, seed: int, ids=None
-):
-    """One request PE -> DE; returns ``(de_request, rows, bad blocks)`` once the DE's receive ended. ``ids``: a
-    stored prefix's ids (a tensor-parallel request's; ``rows`` are then the rank's share of the seed's rows)."""
+def run_request(d: Deployment, pe: str, de: str, prompt: int, hit_blocks: int, path: str, split: bool, seed: int):
+    """One request PE -> DE; returns ``(de_request, rows, bad blocks)`` once the DE's receive ended."""
     rows = Deployment.true_rows(seed, prompt, d.model.full)
-    if ids is not None:
-        rows = d.model.shard.take(rows)
-    pe_req, de_req = d.request(pe, de, rows, hit_blocks, path, split, ids)
+    pe_req, de_req = d.request(pe, de, rows, hit_blocks, path, split)
     d.expect_recv(de, de_req)
     bad = d.prefill(pe, pe_req)
     if de_req.report:
@@ -378,40 +400,67 @@ def assert_caches_equal(got: list[torch.Tensor], expected: list[torch.Tensor]) -
         assert diff.numel() == 0, f"layer {layer}: {diff.shape[0]} bytes differ, first at {diff[0].tolist()}"
 
 
-class TpDeployment:
-    """``num_pe`` PEs and ``num_de`` DEs of ``tp`` tensor-parallel ranks each, serving ``kind`` (``gqa`` with
-    ``kv_heads`` heads, or ``mla``): one :class:`Deployment` per rank (:attr:`ranks`), on one fabric and one store.
-    PE rank ``r`` sends to DE rank ``r`` only; each moves and reads its rank's share."""
+class TpDeployment(Deployment):
+    """One PE ``pe0`` of ``pe_tp`` tensor-parallel ranks and one DE ``de0`` of ``de_tp`` ranks serving ``kind``
+    (``gqa`` with ``kv_heads`` heads, or ``mla``), on one fabric and one store. Rank ``r`` of instance ``name`` is
+    ``instances[f"{name}/{r}"]``; its side channel listens at the instance's base port + ``r``."""
 
-    def __init__(self, root, num_pe: int, num_de: int, tp: int, kind: str = "gqa", kv_heads: int = KV_HEADS) -> None:
-        fabric = f"t{os.getpid()}x{secrets.token_hex(4)}"
-        self.fabric, self.ranks = fabric, []
+    def __init__(self, root, pe_tp: int, de_tp: int, kind: str = "gqa", kv_heads: int = KV_HEADS) -> None:
+        self.root, self.engine = str(root), "emulator"
+        self.model = Model(kind, kv_heads, 1, 0)  # the stored layout; each rank's is its own Model
+        self.adapter = None  # each rank's instance has its own
+        self.fabric = f"t{os.getpid()}x{secrets.token_hex(4)}"
+        self.instances, self._ids, self.layer_waits = {}, itertools.count(), []
+        self.tp = {"pe0": pe_tp, "de0": de_tp}
+        self.store = LocalBlockStore(self.root, self.model.full)
+        devices = itertools.count()
         try:
-            for rank in range(tp):
-                model = Model(kind, kv_heads, tp, rank)
-                self.ranks.append(Deployment(root, num_pe, num_de, model=model, fabric=fabric))
+            for name, tp in self.tp.items():
+                base = free_ports(tp)
+                for rank in range(tp):
+                    model, role = Model(kind, kv_heads, tp, rank), "prefill" if name == "pe0" else "decode"
+                    inst = self._start(name, role, next(devices), UNCAPPED_BYTES_PER_S, model, rank_port(base, rank))
+                    self.instances[f"{name}/{rank}"] = inst
         except BaseException:
             self.close()
             raise
-        self.model = Model(kind, kv_heads, tp, 0)
-        self._ids = itertools.count()
 
-    def run(self, pe: str, de: str, prompt: int, hit_blocks: int, path: str, split: bool, seed: int):
-        """One request PE -> DE on every rank (its prefix stored once, whole); returns ``[(de_request, rank rows)]``
-        by rank once every rank's receive ended."""
+    def shard(self, name: str, rank: int) -> KVShard:
+        return self.model.full.shard(self.tp[name], rank)
+
+    def ranks(self, name: str) -> list[str]:
+        return [f"{name}/{rank}" for rank in range(self.tp[name])]
+
+    def run(self, pe: str, de: str, prompt: int, hit_blocks: int, path: str, split: bool, seed: int, ids=None):
+        """One request PE -> DE, its prefix stored once (whole; ``ids``: the store ids of one stored already):
+        every rank of an instance gets the same step metadata (the peer named by its rank-0 address) and computes
+        its own share of the rows. Returns ``[(de_request, the DE rank's rows)]`` by DE rank once every rank's
+        receive ended."""
         rows = Deployment.true_rows(seed, prompt, self.model.full)
-        ids = self.ranks[0].store_prefix(rows, hit_blocks, 1000 + next(self._ids))
-        done = []
-        for deployment in self.ranks:
-            de_req, rank_rows, bad = run_request(deployment, pe, de, prompt, hit_blocks, path, split, seed, ids)
-            assert bad == set(), f"rank {deployment.model.rank}: blocks {sorted(bad)} failed to load"
-            done.append((de_req, rank_rows))
-        return done
+        n = next(self._ids)
+        ids = self.store_prefix(rows, hit_blocks, 1000 + n) if ids is None else ids
+        pe0, de0 = self.instances[f"{pe}/0"], self.instances[f"{de}/0"]
+        blocks = -(-prompt // BLOCK)
+        pe_xfer = XferParams(f"x{n}", "prefill", ReadPath(path), de0.address, split)
+        pe_blocks = pe0.take_blocks(blocks)
+        de_end = (prompt - 1) // BLOCK * BLOCK
+        de_xfer = XferParams(f"x{n}", "decode", ReadPath(path), pe0.address, split)
+        de_req = RecvSpec(f"d{n}", de_xfer, 0, de_end, de0.take_blocks(blocks), prompt, de_end > 0)
+        for name in self.ranks(de):
+            self.expect_recv(name, de_req)
+        for rank, name in enumerate(self.ranks(pe)):
+            rank_rows = self.shard(pe, rank).take(rows)
+            req = PeRequest(f"p{n}", pe_xfer, prompt, hit_blocks * BLOCK, ids, pe_blocks, rank_rows)
+            assert self.prefill(name, req) == set(), f"{name}: hit blocks failed to load"
+        for name in self.ranks(de):
+            if de_req.report:
+                assert self.finish(name, {de_req.req_id})[1] == set(), f"the receive of {name} failed"
+            else:
+                self.drain(name, de_req)
+        for name in self.ranks(pe):
+            self.instances[name].worker.get_finished({f"p{n}"})
+        return [(de_req, self.shard(de, rank).take(rows)) for rank in range(self.tp[de])]
 
     def bytes_read(self, name: str) -> int:
         """Payload bytes instance ``name``'s ranks read from the store (their storage-NIC accounting)."""
-        return sum(d.instances[name].worker.read_queue.stats().completed_bytes for d in self.ranks)
-
-    def close(self) -> None:
-        for deployment in self.ranks:
-            deployment.close()
+        return sum(self.instances[r].worker.read_queue.stats().completed_bytes for r in self.ranks(name))

@@ -1,0 +1,62 @@
+"""End to end on a real vLLM (CPU) with tensor parallelism inside vLLM (an expected failure while the connector
+refuses it, docs/vllm.md): ``serve`` with a PE and a DE of
+tensor-parallel size 2 against a plain vLLM server of the same size.
+
+Multi-turn conversations whose prompts extend the previous turn: every turn's greedy text equals the plain
+server's, and after the first turn the prefix comes from storage (each rank reads its heads of the blocks the DE's
+ranks persisted as parts, published whole). Slow: three servers of two workers each on this machine's cores.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.slow
+
+from tests.integrations.vllm import test_serve_e2e as e2e  # noqa: E402
+from tests.integrations.vllm.test_serve_e2e import model  # noqa: E402, F401 (the fixture)
+
+TP = 2
+STARTUP_S = 900  # three vLLM processes and two workers per instance start in minutes on two shared cores
+# one core list per rank (vLLM's CPU worker); the automatic binding wants a NUMA node per rank
+TP_BIND = "|".join(str(sorted(os.sched_getaffinity(0))[r % len(os.sched_getaffinity(0))]) for r in range(TP))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the connector refuses tensor_parallel_size 2 inside vLLM: with the refusal lifted, the first request "
+    "through a PE and a DE of size 2 hung (proxy 504, neither instance finished it); lift both together",
+)
+@pytest.mark.parametrize("policy", ["de", "pe"])
+def test_serve_at_tensor_parallel_size_two_matches_plain_vllm_and_loads_from_storage(
+    model,  # noqa: F811 (the fixture)
+    tmp_path,
+    policy,
+    monkeypatch,
+):
+    """serve first, the plain server after it (not both at once: six vLLM workers on this machine's cores start too
+    slowly), each turn's text compared."""
+    monkeypatch.setattr(e2e, "STARTUP_S", STARTUP_S)
+    proc, url, log = e2e._serve(model, tmp_path, "--policy", policy, "--startup-timeout", str(STARTUP_S),
+                            "--", "--tensor-parallel-size", str(TP))  # fmt: skip
+    try:
+        turns = e2e.conversation_turns(url, model)
+        metrics = e2e._get(f"{url}/metrics")
+        loads = sum(e2e._metric(metrics, "vllm:dualpath_loads_total", path=p) for p in ("pe", "de", "split"))
+        assert loads >= 2 * (e2e.TURNS - 1), metrics
+        assert e2e._metric(metrics, "vllm:dualpath_failures_total") == 0, metrics
+        stored = list((tmp_path / "store" / "blocks").rglob("*.kvb"))
+        assert stored and not any((tmp_path / "store" / "parts").iterdir())  # every part set published
+    finally:
+        code = e2e._stop(proc)
+    assert code == 128 + signal.SIGTERM, log.read_text()[-3000:]
+    e2e._assert_nothing_left()
+    env = {"VLLM_CPU_OMP_THREADS_BIND": TP_BIND}
+    for plain in e2e.plain_server(model, tmp_path / "plain.log", "--tensor-parallel-size", str(TP), env=env):
+        for turn, (prompt, ours) in enumerate(turns):
+            reference = e2e._complete(plain, model, prompt)
+            assert ours == reference, f"turn {turn}: {ours!r} != plain vLLM's {reference!r}"
