@@ -58,24 +58,14 @@ def model_kv_layout(vllm_config: Any) -> KVLayout:
 
 
 def check_parallel(parallel_config: Any) -> None:
-    """Refuse a tensor-parallel size above 1, or a data-parallel engine other than the first, inside vLLM for now.
-
-    Every piece is there and tested without vLLM (the whole-model store layout, :func:`worker_settings`,
-    persisting by parts, ``serve``'s sizes, the proxy's placement on each data-parallel engine), but under
-    ``serve`` a PE and a DE of tensor-parallel size 2 do not yet answer their first request, and a request placed
-    on a decode server's second data-parallel engine stalls (docs/vllm.md, "Parallel instances").
-    """
-    tp, dp_index = parallel_config.tensor_parallel_size, getattr(parallel_config, "data_parallel_index", 0)
+    """Refuse a tensor-parallel size above 1 inside vLLM for now: every piece is there and tested without vLLM (the
+    whole-model store layout, :func:`worker_settings`, persisting by parts, ``serve``'s sizes), but under ``serve`` a
+    PE and a DE of tensor-parallel size 2 have not answered end to end yet (docs/vllm.md)."""
+    tp = parallel_config.tensor_parallel_size
     if tp != 1:
         raise ConfigError(
             f"the DualPath connector supports tensor_parallel_size 1 inside vLLM for now, got {tp} (a PE and a DE of "
             "tensor-parallel size 2 do not yet answer their first request end to end; see docs/vllm.md)"
-        )
-    if dp_index or parallel_config.data_parallel_size != 1:
-        raise ConfigError(
-            f"the DualPath connector supports one data-parallel engine per server inside vLLM for now, got engine "
-            f"{dp_index} of data_parallel_size {parallel_config.data_parallel_size} (a request placed on a second "
-            "engine stalls end to end; see docs/vllm.md)"
         )
 
 

@@ -262,19 +262,28 @@ def proxy_argv(plan: ServePlan, cluster_file: str) -> list[str]:
 
 
 def omp_binds(count: int | list[int], cores: list[int]) -> list[str]:
-    """``VLLM_CPU_OMP_THREADS_BIND`` of ``count`` instances over ``cores`` (a list: each instance's workers):
-    every worker gets a contiguous slice ("0-3") when there are at least as many cores as workers, else one core
-    each, round robin (workers then share cores); an instance's workers' slices are joined by "|", vLLM's
-    per-worker separator (data-parallel rank-major, then tensor-parallel rank)."""
+    """``VLLM_CPU_OMP_THREADS_BIND`` of ``count`` instances over ``cores`` (a list: each instance's workers; an
+    instance's core lists are joined by "|", vLLM's per-worker separator, data-parallel rank-major).
+
+    With at least as many cores as workers every worker gets a contiguous slice ("0-3"). With fewer, each instance
+    keeps its own slice (one core each, round robin, when instances outnumber cores) and its workers share it: a
+    vLLM worker waiting for its next step spins on its core (``sched_yield``), and a PE worker sharing a core with a
+    DE's worker had its row transfers slowed past the transfer timeout.
+    """
     spans = [1] * count if isinstance(count, int) else count
-    total = sum(spans)
-    if total <= len(cores):
-        bounds = [(cores[i * len(cores) // total], cores[(i + 1) * len(cores) // total - 1]) for i in range(total)]
-        workers = [str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in bounds]
-    else:
-        workers = [str(cores[i % len(cores)]) for i in range(total)]
-    starts = list(itertools.accumulate(spans, initial=0))
-    return ["|".join(workers[a:b]) for a, b in itertools.pairwise(starts)]
+    if sum(spans) <= len(cores):
+        workers = _core_slices(sum(spans), cores)
+        starts = list(itertools.accumulate(spans, initial=0))
+        return ["|".join(workers[a:b]) for a, b in itertools.pairwise(starts)]
+    return ["|".join([own] * span) for own, span in zip(_core_slices(len(spans), cores), spans, strict=True)]
+
+
+def _core_slices(count: int, cores: list[int]) -> list[str]:
+    """``count`` contiguous slices of ``cores`` ("0-3"), or one core each, round robin, when there are fewer cores."""
+    if count <= len(cores):
+        bounds = [(cores[i * len(cores) // count], cores[(i + 1) * len(cores) // count - 1]) for i in range(count)]
+        return [str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in bounds]
+    return [str(cores[i % len(cores)]) for i in range(count)]
 
 
 PARALLEL_FLAGS = {

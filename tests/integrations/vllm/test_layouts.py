@@ -474,13 +474,11 @@ def test_a_rank_listens_at_its_port_on_its_device_with_its_share_of_the_storage_
     ).snic_bytes_per_s == (UNCAPPED_BYTES_PER_S)
 
 
-def test_parallel_instances_inside_vllm_are_refused_until_they_answer_end_to_end():
+def test_tensor_parallelism_inside_vllm_is_refused_until_it_answers_end_to_end():
     pytest.importorskip("vllm")
     from ascend_dualpath.integrations.vllm.connector import check_parallel
 
     check_parallel(SimpleNamespace(tensor_parallel_size=1, data_parallel_size=1, data_parallel_index=0))
     with pytest.raises(ConfigError, match=r"tensor_parallel_size 1 inside vLLM for now, got 2 .*first request"):
         check_parallel(SimpleNamespace(tensor_parallel_size=2, data_parallel_size=1, data_parallel_index=0))
-    # vLLM gives each engine of independent data-parallel ranks data_parallel_size 1 and its index
-    with pytest.raises(ConfigError, match=r"one data-parallel engine per server .* got engine 1 .*stalls"):
-        check_parallel(SimpleNamespace(tensor_parallel_size=1, data_parallel_size=1, data_parallel_index=1))
+    check_parallel(SimpleNamespace(tensor_parallel_size=1, data_parallel_size=1, data_parallel_index=1))

@@ -180,7 +180,7 @@ def test_parallel_instances_get_a_side_port_device_and_cores_per_worker(tmp_path
     spec = serve_mod.cluster_spec(p)
     assert spec["decode"][0] | {"url": ""} == {"url": "", "node": "de0", "group": 0, "dp": 2, "tp": 1}
     assert "dp" not in spec["prefill"][0]  # one engine: the proxy needs only its first side channel
-    assert serve_mod.omp_binds([2, 1], [0, 1]) == ["0|1", "0"]  # more workers than cores: shared round robin
+    assert serve_mod.omp_binds([1, 2], [0, 1]) == ["0", "1|1"]  # more workers than cores: an instance's share its
     assert serve_mod.parallel_sizes(["-dp=3", "--tensor-parallel-size", "4", "-tp", "2"], "x") == (2, 3)
     for args, match in ((["-tp", "0"], "x: -tp '0' must be an int >= 1"), (["--data-parallel-size"], "''"),
                         (["-pp", "2"], "--pipeline-parallel-size 2: the DualPath connector supports 1")):  # fmt: skip
@@ -199,7 +199,7 @@ def test_make_plan_spaces_ports_and_devices_by_the_sizes_and_binds_each_rank(tmp
     sides = [p.instances[0].kv_port, p.instances[0].kv_port + 1, p.instances[1].kv_port]
     assert len(set(sides + [i.port for i in p.instances])) == 5
     q = serve_mod.make_plan(ServeOptions(model=str(tmp_path), vllm_args=("-tp", "2")), "/s", cores=[0, 1])
-    assert [(i.device_id, i.bind) for i in q.instances] == [(0, "0|1"), (2, "0|1")]
+    assert [(i.device_id, i.bind) for i in q.instances] == [(0, "0|0"), (2, "1|1")]  # no core shared by two
 
 
 def test_kv_bytes_per_token_from_the_model_config(tmp_path):

@@ -1,0 +1,93 @@
+"""End to end on a real vLLM (CPU): a decode instance of data-parallel size 2 behind ``serve``.
+
+vLLM runs two engines behind the DE's one server, each with its own KV cache and its own DualPath connector (side
+channel at the base port + its rank); the proxy places on each engine as on an instance of its own and routes with
+vLLM's ``X-data-parallel-rank`` header. Multi-turn conversations with storage hits on the DE read path (so each
+engine's own storage reads and pushes are exercised): every turn's greedy text equals a plain vLLM server at the same
+data-parallel size, both engines take requests, and every turn after the first loads its prefix. Slow.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+
+import pytest
+
+from tests.integrations.vllm.test_serve_e2e import (
+    ENV,
+    TURNS,
+    _assert_nothing_left,
+    _free_port,
+    _get,
+    _metric,
+    _run_conversations,
+    _serve,
+    _stop,
+    _term_with_pytest,
+    _wait_http,
+)
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.slow
+
+DP = ("--data-parallel-size", "2")
+BIND = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one worker per core: vLLM's automatic binding needs a NUMA node each
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    from ascend_dualpath.models.tiny_hf import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny-model")))
+
+
+@pytest.fixture(scope="module")
+def plain_dp(model, tmp_path_factory):
+    """A plain vLLM server of the same model at data-parallel size 2: the reference text."""
+    from ascend_dualpath.integrations.vllm.serve import server_argv
+
+    port, log = _free_port(), tmp_path_factory.mktemp("plain") / "plain.log"
+    tmp = tempfile.mkdtemp(prefix="adp-plain-", dir="/tmp")
+    proc = subprocess.Popen(
+        [*server_argv(model, port), *DP],
+        env={**os.environ, **ENV, **BIND, "TMPDIR": tmp},
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=_term_with_pytest,
+    )
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/health", proc, log)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        _stop(proc)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_a_data_parallel_decode_instance_serves_both_engines_identically(model, plain_dp, tmp_path):
+    proc, url, log = _serve(
+        model, tmp_path, "--policy", "de", "--placement", "round-robin", "--instance-args", f"decode0={' '.join(DP)}"
+    )
+    try:
+        pairs = _run_conversations(url, plain_dp, model, agents=2)
+        for turn, (ours, reference) in enumerate(pairs):
+            assert ours == reference, f"turn {turn}: {ours!r} != plain vLLM's {reference!r}"
+        decisions = json.loads(_get(f"{url}/debug/decisions"))
+        engines = collections.Counter(d["decode"] for d in decisions)
+        assert set(engines) == {"decode0.dp0", "decode0.dp1"}, engines
+        metrics = _get(f"{url}/metrics")
+        assert _metric(metrics, "adp_snic_read_bytes", node="de0") > 0, metrics
+        loads = _metric(metrics, "vllm:dualpath_loads_total", path="de")
+        assert loads >= 2 * (TURNS - 1) and _metric(metrics, "vllm:dualpath_failures_total") == 0, metrics
+        cluster = json.loads((tmp_path / "logs" / "cluster.json").read_text())
+        assert cluster["decode"][0]["dp"] == 2, cluster
+    finally:
+        code = _stop(proc)
+    assert code == 128 + signal.SIGTERM, log.read_text()[-3000:]
+    _assert_nothing_left()
