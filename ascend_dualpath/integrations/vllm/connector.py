@@ -132,6 +132,8 @@ class DualPathConnector(KVConnectorBase_V1):
         self.settings = from_kv_transfer_config(vllm_config.kv_transfer_config)
         if role != KVConnectorRole.SCHEDULER:
             self.settings = worker_settings(self.settings, vllm_config.parallel_config)
+        else:  # it waits for every tensor-parallel worker's report of a read ahead
+            self.settings = dataclasses.replace(self.settings, tp_size=vllm_config.parallel_config.tensor_parallel_size)
         algo = vllm_config.cache_config.prefix_caching_hash_algo
         if not str(algo).startswith("sha256"):
             raise ConfigError(

@@ -42,14 +42,17 @@ class DualPathMetadata:
 @dataclasses.dataclass
 class DualPathWorkerMeta:
     """A worker's answer after a step: ``ready`` maps each request whose read ahead ended since the last answer to
-    the hit tokens its load may take (the good prefix)."""
+    the hit tokens its load may take (the good prefix); ``reports`` how many workers' answers each entry merges (1
+    from one worker; an entry without one counts 1)."""
 
     ready: dict[str, int] = dataclasses.field(default_factory=dict)
+    reports: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def aggregate(self, other: DualPathWorkerMeta) -> DualPathWorkerMeta:
-        """vLLM merges its workers' answers of one step (one worker: tensor parallelism is refused): the shortest
-        prefix any reports."""
-        merged = dict(self.ready)
+        """vLLM merges its tensor-parallel workers' answers of one step: the shortest prefix any reports, and how
+        many reported (a rank whose read ends a step later reports then: the scheduler waits for every rank's)."""
+        merged, reports = dict(self.ready), {rid: self.reports.get(rid, 1) for rid in self.ready}
         for req_id, tokens in other.ready.items():
             merged[req_id] = min(tokens, merged.get(req_id, tokens))
-        return DualPathWorkerMeta(merged)
+            reports[req_id] = reports.get(req_id, 0) + other.reports.get(req_id, 1)
+        return DualPathWorkerMeta(merged, reports)

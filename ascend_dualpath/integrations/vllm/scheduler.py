@@ -60,7 +60,9 @@ class DualPathScheduler:
         self._hits: dict[str, tuple[int, list[bytes]]] = {}  # req_id -> (hit tokens, store ids)
         self._pending_prefetches: list[LoadSpec] = []
         self._prefetches: dict[str, LoadSpec] = {}  # req_id -> its read ahead (computed and hit frozen)
-        self._ready: dict[str, int] = {}  # req_id -> good hit tokens, once the worker reported its read ahead
+        self._ready: dict[str, int] = {}  # req_id -> good hit tokens, once every worker reported its read ahead
+        # req_id -> (shortest good prefix, workers that reported) while some tensor-parallel ranks have not
+        self._partly_ready: dict[str, tuple[int, int]] = {}
         self._persisting: set[str] = set()  # finished requests whose blocks are being written
         self._receiving: set[str] = set()  # decode requests vLLM waits for (WAITING_FOR_REMOTE_KVS)
         # ... of them, those vLLM finished meanwhile (aborted, or ended by an error): vLLM frees them only when the
@@ -147,6 +149,7 @@ class DualPathScheduler:
         hit, ids = self._hits.pop(request.request_id, (0, []))
         read_ahead = self._prefetches.pop(request.request_id, None) is not None
         self._ready.pop(request.request_id, None)
+        self._partly_ready.pop(request.request_id, None)
         if num_external_tokens > 0 or read_ahead or (xfer is not None and xfer.role == "prefill"):
             # a prefill request always gets a plan, so its DE learns the hit length even when it is 0
             self._pending_loads[request.request_id] = LoadSpec(
@@ -191,6 +194,7 @@ class DualPathScheduler:
         self._hits.pop(request.request_id, None)
         self._prefetches.pop(request.request_id, None)  # the worker drops its read ahead (finished_req_ids)
         self._ready.pop(request.request_id, None)
+        self._partly_ready.pop(request.request_id, None)
         self._received.discard(request.request_id)
         if request.request_id in self._receiving:
             self._ended_receiving.add(request.request_id)
@@ -213,11 +217,24 @@ class DualPathScheduler:
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, DualPathWorkerMeta):  # reads ahead that ended: their requests are scheduled next
-            self._ready.update({rid: tokens for rid, tokens in meta.ready.items() if rid in self._prefetches})
+            self._take_reports(meta)
         self._persisting.difference_update(connector_output.finished_sending or ())
         received = connector_output.finished_recving or ()
         self._receiving.difference_update(received)
         self._ended_receiving.difference_update(received)
+
+    def _take_reports(self, meta: DualPathWorkerMeta) -> None:
+        """A read ahead is ready once every tensor-parallel worker reported it (in one step or over several), with
+        the shortest good prefix any reported: each rank loads its heads of the same tokens."""
+        for rid, tokens in meta.ready.items():
+            if rid not in self._prefetches:
+                continue  # finished or aborted meanwhile
+            shortest, count = self._partly_ready.pop(rid, (tokens, 0))
+            shortest, count = min(shortest, tokens), count + meta.reports.get(rid, 1)
+            if count >= self.settings.tp_size:
+                self._ready[rid] = shortest
+            else:
+                self._partly_ready[rid] = (shortest, count)
 
     def has_pending_push_work(self) -> bool:
         """True while finished requests' blocks are being persisted (vLLM keeps stepping until they are stored, so a

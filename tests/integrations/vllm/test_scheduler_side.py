@@ -9,6 +9,7 @@ requests persist their new full blocks.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -411,3 +412,30 @@ def test_a_preempted_prefill_is_read_ahead_again(instance):
     generated = len(request.output_token_ids)
     scheduled, _ = step(scheduler)
     assert scheduled.num_scheduled_tokens["r"] == 100 + generated - 96  # the hit, then the rest computed again
+
+
+def test_a_read_ahead_waits_for_every_tensor_parallel_workers_report(instance):
+    """At tensor-parallel size 2 each rank reads its heads and reports on its own: one rank's report (even merged by
+    vLLM's aggregate within a step) schedules nothing; the second, a step later, schedules the shortest prefix."""
+    config, scheduler = instance()
+    side = scheduler.connector._scheduler
+    side.settings = dataclasses.replace(side.settings, tp_size=2)  # the scheduler half of a size-2 instance
+    request = make_request(config, "r", prompt(91, 100))
+    persist_prefix(scheduler, request, 3)
+    scheduler.add_request(request)
+    step(scheduler)
+    scheduled, _ = step(scheduler, kv_connector_worker_meta=DualPathWorkerMeta({"r": 96}))
+    scheduled, _ = step(scheduler)
+    assert "r" not in scheduled.num_scheduled_tokens  # rank 1 has not reported
+    step(scheduler, kv_connector_worker_meta=DualPathWorkerMeta({"r": 64}))
+    scheduled, _ = step(scheduler)
+    (new,) = scheduled.scheduled_new_reqs
+    assert new.num_computed_tokens == 64 and scheduled.num_scheduled_tokens == {"r": 36}
+    assert not side._partly_ready
+
+
+def test_worker_answers_aggregate_the_shortest_prefix_and_count_the_reports():
+    one, two = DualPathWorkerMeta({"a": 96, "b": 32}), DualPathWorkerMeta({"a": 64})
+    merged = one.aggregate(two)
+    assert (merged.ready, merged.reports) == ({"a": 64, "b": 32}, {"a": 2, "b": 1})
+    assert merged.aggregate(DualPathWorkerMeta({"a": 96, "c": 0})).reports == {"a": 3, "b": 1, "c": 1}
