@@ -14,7 +14,8 @@ writing view of a :class:`~ascend_dualpath.kv.store.LocalBlockStore`:
   atomic write: temporary, durable, rename) and removes the parts. Two ranks that both find the set complete both
   publish the same bytes (the rename of the second replaces identical bytes; a part removed under a rank's feet
   means another rank published). A missing part leaves the block invisible: nothing of a block is visible before
-  every head is.
+  every head is. A rank that completes a block whose parent another rank is still publishing waits for the parent
+  (bounded, :data:`PARENT_WAIT_S`): without the wait, both ranks could pass the block by and leave it unpublished.
 
 Crash leftovers: part directories older than :data:`~ascend_dualpath.kv.store.STALE_TEMP_S` (a crashed rank's,
 whose block can no longer complete) are removed when a :class:`PartStore` opens.
@@ -43,6 +44,8 @@ log = logging.getLogger(__name__)
 
 PARTS_DIR = "parts"
 PART_SUFFIX = ".part"
+PARENT_WAIT_S = 10.0  # how long a rank that completed a block's parts waits for another rank to publish its parent
+PARENT_POLL_S = 0.005
 
 
 def owner_ranks(shard: KVShard) -> tuple[int, ...]:
@@ -107,8 +110,13 @@ class PartStore(ShardStore):
             if parts is None and self.adopt(block_id):  # another rank published it and removed the parts
                 published.append(False)
                 continue
-            if parts is None or (parent_id is not None and not self.adopt(parent_id)):
+            if parts is None:
                 published += [False] * (len(chain) - index)  # a part is missing: its rank publishes when it writes it
+                break
+            if parent_id is not None and not self._parent_visible(parent_id):
+                log.warning("block %s: its parent %s was not published within %.0f s; the block stays invisible",
+                            block_id.hex(), parent_id.hex(), PARENT_WAIT_S)  # fmt: skip
+                published += [False] * (len(chain) - index)
                 break
             published.append(self.store.write_blocks([(block_id, parent_id, assemble(self.shard, parts))])[0])
             shutil.rmtree(self._part_dir(block_id), ignore_errors=True)
@@ -131,6 +139,17 @@ class PartStore(ShardStore):
             current = header.parent_id
         for child, parent in reversed(pending):
             store.index.add(child, parent)
+        return True
+
+    def _parent_visible(self, parent_id: bytes) -> bool:
+        """Whether ``parent_id`` is stored, waiting up to :data:`PARENT_WAIT_S` for it: when this rank completes a
+        block's parts, the rank that completed its parent's may be publishing the parent right now (the store refuses
+        a child before its parent), and nobody would come back to this block if this rank gave up at once."""
+        deadline = time.monotonic() + PARENT_WAIT_S
+        while not self.adopt(parent_id):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(PARENT_POLL_S)
         return True
 
     def _write_part(self, block_id: bytes, payload: Any) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -140,3 +141,38 @@ def test_a_part_of_the_wrong_size_is_refused(tmp_path):
     with pytest.raises(BoundsError, match="part is 8 bytes"):
         PartStore(store, layout.shard(2, 1)).write_blocks([(b"\1" * 16, None, torch.zeros(8, dtype=torch.uint8))])
     store.close()
+
+
+def test_a_block_whose_parent_another_rank_is_publishing_waits_for_it(tmp_path, monkeypatch):
+    """Turn 1's block A: both parts written, rank 0 still publishing it (slow storage), when rank 1 completes turn
+    2's block B (parent A): rank 1 waits for A and publishes B; giving up at once would leave B's complete part set
+    unpublished, with no rank coming back to it. A parent that never comes is waited for only PARENT_WAIT_S."""
+    layout, size = LAYOUTS["gqa4"], 2
+    ids, blocks = _chain(layout, seed=11)
+    LocalBlockStore(tmp_path, layout).close()
+    ranks = [PartStore(LocalBlockStore(tmp_path, layout), layout.shard(size, r)) for r in range(size)]
+    local = [[ranks[r].shard.take(blocks[i]).contiguous() for i in range(BLOCKS)] for r in range(size)]
+    ranks[1]._write_part(ids[0], local[1][0])  # rank 1's turn 1 found A incomplete and went on
+    slow = ranks[0].store.write_blocks
+
+    def publishing_slowly(chain):
+        time.sleep(0.3)
+        return slow(chain)
+
+    monkeypatch.setattr(ranks[0].store, "write_blocks", publishing_slowly)
+    turn1 = threading.Thread(target=ranks[0].write_blocks, args=([(ids[0], None, local[0][0])],))
+    turn1.start()
+    ranks[0]._write_part(ids[1], local[0][1])  # rank 0's part of B, as its turn 2 would write it
+    assert ranks[1].write_blocks([(ids[1], ids[0], local[1][1])]) == [True]
+    turn1.join(timeout=10)
+    expected = _reference(tmp_path / "ref", layout, ids[:2], blocks[:2])
+    assert _files(tmp_path, ids[:2], layout) == expected
+    assert not any((tmp_path / parts_mod.PARTS_DIR).iterdir())
+    monkeypatch.setattr(parts_mod, "PARENT_WAIT_S", 0.2)  # a parent whose parts never complete: bounded
+    ranks[0]._write_part(ids[2], local[0][2])
+    orphan = block_hashes(list(range(500, 500 + layout.block_tokens)), layout.block_tokens, namespace=b"o")[0]
+    start = time.monotonic()
+    assert ranks[1].write_blocks([(ids[2], orphan, local[1][2])]) == [False]
+    assert time.monotonic() - start < 2.0
+    for rank in ranks:
+        rank.close()
