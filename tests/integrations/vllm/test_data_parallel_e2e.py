@@ -11,25 +11,19 @@ from __future__ import annotations
 
 import collections
 import json
-import os
-import shutil
 import signal
-import subprocess
-import tempfile
 
 import pytest
 
 from tests.integrations.vllm.test_serve_e2e import (
-    ENV,
     _assert_nothing_left,
-    _free_port,
     _get,
     _metric,
     _run_conversations,
     _serve,
     _stop,
-    _term_with_pytest,
-    _wait_http,
+    model,  # noqa: F401 (the fixture)
+    plain_server,
 )
 
 pytest.importorskip("vllm")
@@ -40,36 +34,12 @@ BIND = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one worker per core: vLLM's autom
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> str:
-    from ascend_dualpath.models.tiny_hf import make_tiny_model
-
-    return str(make_tiny_model(tmp_path_factory.mktemp("tiny-model")))
-
-
-@pytest.fixture(scope="module")
-def plain_dp(model, tmp_path_factory):
+def plain_dp(model, tmp_path_factory):  # noqa: F811 (the fixture)
     """A plain vLLM server of the same model at data-parallel size 2: the reference text."""
-    from ascend_dualpath.integrations.vllm.serve import server_argv
-
-    port, log = _free_port(), tmp_path_factory.mktemp("plain") / "plain.log"
-    tmp = tempfile.mkdtemp(prefix="adp-plain-", dir="/tmp")
-    proc = subprocess.Popen(
-        [*server_argv(model, port), *DP],
-        env={**os.environ, **ENV, **BIND, "TMPDIR": tmp},
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        preexec_fn=_term_with_pytest,
-    )
-    try:
-        _wait_http(f"http://127.0.0.1:{port}/health", proc, log)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        _stop(proc)
-        shutil.rmtree(tmp, ignore_errors=True)
+    yield from plain_server(model, tmp_path_factory.mktemp("plain") / "plain.log", *DP, env=BIND)
 
 
-def test_a_data_parallel_decode_instance_serves_both_engines_identically(model, plain_dp, tmp_path):
+def test_a_data_parallel_decode_instance_serves_both_engines_identically(model, plain_dp, tmp_path):  # noqa: F811
     proc, url, log = _serve(
         model, tmp_path, "--policy", "de", "--placement", "round-robin", "--instance-args", f"decode0={' '.join(DP)}"
     )

@@ -32,6 +32,7 @@ from ascend_dualpath.integrations.vllm.placement import (  # noqa: E402
 from ascend_dualpath.integrations.vllm.proxy import DualPathProxy, ProxyConfig  # noqa: E402
 from ascend_dualpath.integrations.vllm.thresholds import alpha_from_status, beta_from_warmup  # noqa: E402
 from tests.integrations.vllm.fakes import FakeInstance, FakeSideChannel, ProxyClient, run, status_reply  # noqa: E402
+from tests.integrations.vllm.worker_harness import free_ports  # noqa: E402
 
 FREE = (1000, 0.0)  # a DE's KV cache: 1000 blocks, none used
 FULL = (1000, 1.0)
@@ -519,33 +520,10 @@ def test_data_parallel_engines_of_one_server_are_placed_on_as_instances(tmp_path
     assert parse_kv_blocks(text, 2) is None
 
 
-def _consecutive_free_ports(count: int) -> int:
-    """A base port with ``count`` free ports from it (bound and released: the caller binds them next)."""
-    import socket
-
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        socks = []
-        try:
-            for k in range(count):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", base + k))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError(f"no {count} consecutive free ports")
-
-
 def test_the_proxy_sends_each_data_parallel_engine_its_rank_and_names_its_side_channel():
     async def body():
         pe, de = FakeInstance("prefill0"), FakeInstance("decode0")
-        base = _consecutive_free_ports(2)
+        base = free_ports(2)
         pe_side = FakeSideChannel(status_reply("n0", "prefill"))
         de_sides = [FakeSideChannel(status_reply("n1", "decode"), port=base + k) for k in range(2)]
         servers = [TestServer(pe.app()), TestServer(de.app())]
