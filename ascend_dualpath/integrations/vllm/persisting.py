@@ -110,6 +110,14 @@ class Persister:
         finally:
             self.announcements.withdraw(announced)  # none is awaited any longer
 
+    def writing(self) -> bool:
+        """Whether a write is queued or running."""
+        return any(not future.done() for _, future in self._writes)
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until a write ends or ``timeout_s`` passes (an idle engine step waits here, see the worker)."""
+        concurrent.futures.wait([f for _, f in self._writes], timeout_s, concurrent.futures.FIRST_COMPLETED)
+
     def finished(self) -> set[str]:
         """The requests whose writes ended since the last call (vLLM may then free their blocks)."""
         done = {req_id for req_id, future in self._writes if future.done()}

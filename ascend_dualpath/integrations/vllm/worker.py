@@ -38,7 +38,7 @@ from ascend_dualpath.kv.read_queue import ReadQueue
 from ascend_dualpath.kv.store import LocalBlockStore, ShardStore
 
 log = logging.getLogger(__name__)
-IDLE_STEP_S = 0.005  # a step with only reads ahead pending: ready() is polled at most ~200 times a second
+IDLE_STEP_S = 0.005  # a step with only reads ahead or writes pending polls them at most ~200 times a second
 
 
 class DualPathWorker:
@@ -150,11 +150,19 @@ class DualPathWorker:
         return self.prefill.block_ids_with_load_errors()
 
     def build_worker_meta(self) -> DualPathWorkerMeta | None:
-        """The reads ahead that ended since the last call (None: none). While only reads ahead are pending, vLLM
-        steps with nothing to compute; each such step waits ``IDLE_STEP_S`` here so the loop does not spin a core."""
+        """The reads ahead that ended since the last call (None: none).
+
+        While only reads ahead or persists are pending, vLLM steps with nothing to compute back to back; each such
+        step waits up to ``IDLE_STEP_S`` here (a persist's end cuts it short), so the loop does not spin a core.
+        The spin is not only waste: with tensor parallelism, vLLM's workers wait for each step in a ``sched_yield``
+        loop, and two of them spinning on one core were seen to starve the kernel's block-I/O worker there, leaving a
+        persist's fsync unanswered for minutes."""
         ready = self.prefill.ready()
-        if not ready and self._step_idle and self.prefill.pending_prefetches():
-            time.sleep(IDLE_STEP_S)
+        if not ready and self._step_idle:
+            if self.persister.writing():
+                self.persister.wait(IDLE_STEP_S)
+            elif self.prefill.pending_prefetches():
+                time.sleep(IDLE_STEP_S)
         return DualPathWorkerMeta(ready) if ready else None
 
     # -- the side channel --------------------------------------------------------------------------------------------

@@ -286,3 +286,33 @@ def test_steps_with_only_reads_ahead_pending_do_not_spin(deploy, store_faults):
     assert time.process_time() - cpu < 0.25, "idle steps used more than half a core"
     pe.get_finished({pe_req.req_id})
     _idle(d)
+
+
+def test_steps_with_only_persists_pending_do_not_spin(deploy, monkeypatch):
+    """While only a persist is being written, vLLM steps with nothing to compute back to back (it holds the request
+    until ``finished_sending``): each step waits up to ``IDLE_STEP_S`` for the write, so the loop does not spin a
+    core, and the write's end cuts the wait short."""
+    from ascend_dualpath.integrations.vllm.metadata import PersistSpec
+    from ascend_dualpath.integrations.vllm.worker import IDLE_STEP_S
+
+    d = deploy(1, 1)
+    de = d.instances["de0"].worker
+    release = threading.Event()
+    monkeypatch.setattr(de.persister.store, "write_blocks", lambda chain: release.wait(10) and [True] * len(chain))
+    spec = PersistSpec("r-persist", 0, [bytes(16)], [0])
+    de.persister.persist(spec, lambda i: bytes(4))
+    steps, cpu, end = 0, time.process_time(), time.monotonic() + 0.5
+    while time.monotonic() < end:
+        de.start_step(DualPathMetadata())
+        assert de.build_worker_meta() is None
+        steps += 1
+    assert steps <= 0.5 / IDLE_STEP_S + 5, f"{steps} idle steps in 0.5 s"
+    assert time.process_time() - cpu < 0.25, "idle steps used more than half a core"
+    threading.Timer(0.001, release.set).start()
+    start = time.monotonic()
+    while not de.get_finished(set())[0]:
+        de.start_step(DualPathMetadata())
+        de.build_worker_meta()
+        assert time.monotonic() - start < 5, "the persist did not end"
+    assert not de.persister.writing()
+    _idle(d)
