@@ -57,18 +57,6 @@ def model_kv_layout(vllm_config: Any) -> KVLayout:
     return KVLayout.gqa(layers, model.get_total_num_kv_heads(), model.get_head_size(), dtype, block_tokens=block)
 
 
-def check_parallel(parallel_config: Any) -> None:
-    """Refuse a tensor-parallel size above 1 inside vLLM for now: every piece is there and tested without vLLM (the
-    whole-model store layout, :func:`worker_settings`, persisting by parts, ``serve``'s sizes), but under ``serve`` a
-    PE and a DE of tensor-parallel size 2 have not answered end to end yet (docs/vllm.md)."""
-    tp = parallel_config.tensor_parallel_size
-    if tp != 1:
-        raise ConfigError(
-            f"the DualPath connector supports tensor_parallel_size 1 inside vLLM for now, got {tp} (a PE and a DE of "
-            "tensor-parallel size 2 do not yet answer their first request end to end; see docs/vllm.md)"
-        )
-
-
 def worker_settings(settings: ConnectorSettings, parallel: Any) -> ConnectorSettings:
     """One worker's settings from its instance's (``settings``: what its config says, for its first worker).
 
@@ -142,7 +130,6 @@ class DualPathConnector(KVConnectorBase_V1):
                 "sha256_cbor"
             )
         self.layout = model_kv_layout(vllm_config)
-        check_parallel(vllm_config.parallel_config)
         self.namespace = store_namespace(vllm_config.model_config.model, self.layout.fingerprint())
         store = LocalBlockStore(self.settings.store, self.layout)
         self._scheduler: DualPathScheduler | None = None

@@ -472,13 +472,3 @@ def test_a_rank_listens_at_its_port_on_its_device_with_its_share_of_the_storage_
     assert worker_settings(
         uncapped, SimpleNamespace(tensor_parallel_size=2, data_parallel_index=0)
     ).snic_bytes_per_s == (UNCAPPED_BYTES_PER_S)
-
-
-def test_tensor_parallelism_inside_vllm_is_refused_until_it_answers_end_to_end():
-    pytest.importorskip("vllm")
-    from ascend_dualpath.integrations.vllm.connector import check_parallel
-
-    check_parallel(SimpleNamespace(tensor_parallel_size=1, data_parallel_size=1, data_parallel_index=0))
-    with pytest.raises(ConfigError, match=r"tensor_parallel_size 1 inside vLLM for now, got 2 .*first request"):
-        check_parallel(SimpleNamespace(tensor_parallel_size=2, data_parallel_size=1, data_parallel_index=0))
-    check_parallel(SimpleNamespace(tensor_parallel_size=1, data_parallel_size=1, data_parallel_index=1))
