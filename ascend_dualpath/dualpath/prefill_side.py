@@ -63,7 +63,7 @@ from ascend_dualpath.dualpath.settings import ConnectorSettings, rank_address
 from ascend_dualpath.dualpath.side_channel import PeerClient, XferParams, expect, request_once
 from ascend_dualpath.dualpath.specs import LoadSpec, SaveSpec
 from ascend_dualpath.dualpath.transfer_leg import Segment, wait_notify
-from ascend_dualpath.errors import AdmissionDeferred, ChecksumMismatch, ProtocolError, WaitTimeout
+from ascend_dualpath.errors import AdmissionDeferred, ChecksumMismatch, ConfigError, ProtocolError
 from ascend_dualpath.kv.buffers import HostBuffer
 from ascend_dualpath.kv.layout import KVLayout, KVShard
 from ascend_dualpath.kv.read_queue import ReadQueue
@@ -75,10 +75,11 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class _Peer:
-    """A PE's connection to one DE: the side-channel client and the pair's link."""
+    """A PE's connection to one DE: the side-channel client, the pair's link and the DE rank's shard."""
 
     client: PeerClient
     link: PairLink
+    de: KVShard
 
 
 @dataclasses.dataclass
@@ -183,6 +184,7 @@ class PrefillSide:
         self.address = ""  # this instance's side channel, which the DE answers writes_ended on
         self._private_host: HostBuffer | None = None
         self._peers: dict[str, _Peer] = {}  # DE side channel -> its peer
+        self._unpaired: set[str] = set()  # DEs none of whose ranks takes rows from this rank
         self._loads: list[_Load] = []
         self._prefetched: dict[str, _Load] = {}  # req_id -> a load started ahead of its step
         self._deferred: dict[str, LoadSpec] = {}  # req_id -> a load to read ahead once there is room (in order)
@@ -326,7 +328,7 @@ class PrefillSide:
             load = self._prefetched.pop(spec.req_id, None)
             if load is None:
                 load = self._start_load(spec)
-            load.spec = spec  # the step's block table; the hit it takes may be shorter than what was read ahead
+            load.spec = self._paired(spec)  # the step's block table; the hit it takes may be shorter than read ahead
             if load.error is None:
                 self._begin(load)
             else:  # failed before its step: the hit the step takes is recomputed (none once ready() said so)
@@ -337,7 +339,7 @@ class PrefillSide:
         for spec in saves:
             xfer = self._pe_xfer(spec.req_id)
             if xfer is not None:
-                self._saves.append((spec, xfer, []))
+                self._saves.append((self._paired(spec), xfer, []))
 
     def reading(self) -> list[str]:
         """The transfers of the current step whose storage reads through this PE are queued or running."""
@@ -375,9 +377,11 @@ class PrefillSide:
         first, last = spec.computed // self.block_size, spec.hit_tokens // self.block_size
         load = _Load(spec, first, last, own_blocks=last - first, since=time.monotonic())
         try:
-            again = spec.xfer is not None and self._pe_xfer_of.get(spec.req_id) == spec.xfer.xfer_id
             if spec.xfer is not None:
                 load.peer = self.connect_peer(spec.xfer.peer)
+                load.spec = spec = self._paired(spec)  # no transfer where the peer is None
+            again = spec.xfer is not None and self._pe_xfer_of.get(spec.req_id) == spec.xfer.xfer_id
+            if spec.xfer is not None:
                 load.own_blocks = load.own_blocks if again else self._own_blocks(load)
             reads = self._lease_reads(load, load.first, load.own_blocks, defer) if load.own_blocks > 0 else None
             if load.own_blocks > 0 and reads is None:
@@ -740,25 +744,25 @@ class PrefillSide:
             "the DE's pushes may still land there",
         )
 
-    def connect_peer(self, address: str) -> _Peer:
-        """The DE whose rank 0 is at ``address`` (what the scheduler names); the first time, ask the device id of
-        its rank this rank pairs with (the same tensor-parallel rank, at :func:`rank_address`) and make the pair's
-        communicator (``hello``, where the DE refuses another version, digest or tensor-parallel size)."""
+    def connect_peer(self, address: str) -> _Peer | None:
+        """The DE whose rank 0 is at ``address`` (what the scheduler names); the first time, ask rank 0 for the DE's
+        tensor-parallel size, then the rank this rank pairs with (the DE rank whose rows it is a source of,
+        :meth:`~ascend_dualpath.kv.layout.KVShard.targets`, at :func:`rank_address`) for its device id, and make the
+        pair's communicator (``hello``, where the DE refuses another version or digest, or a rank it does not pair
+        with). None where this rank is no DE rank's source (the DE's ranks take the rows it holds, replicated, from
+        other PE ranks): its loads read their hits themselves and it sends the DE nothing."""
         peer = self._peers.get(address)
-        if peer is not None:
+        if peer is not None or address in self._unpaired:
             return peer
         s = self.settings
-        client = PeerClient(rank_address(address, s.tp_rank), s.timeout_s, **s.side_framing)
+        de = self._de_rank(address)
+        if de is None:
+            self._unpaired.add(address)
+            return None
+        client = PeerClient(rank_address(address, de.rank), s.timeout_s, **s.side_framing)
         try:
             dp = self.dataplane
-            try:
-                status = expect(client.request(m.StatusQuery()), m.Status)
-            except WaitTimeout as error:
-                if not s.tp_rank:
-                    raise
-                raise WaitTimeout(f"{error} (DE rank {s.tp_rank} of the DE at {address}: PE rank {s.tp_rank} of "
-                                  f"{s.tp_size} pairs with it, so the DE needs tensor-parallel size {s.tp_size} too)"
-                                  ) from None  # fmt: skip
+            status = expect(client.request(m.StatusQuery()), m.Status)
             link = dp.new_link(client.address, status.device_id)
             hello = m.Hello(
                 pe=self.address,
@@ -770,13 +774,48 @@ class PrefillSide:
                 tp_rank=s.tp_rank,
             )
             reply = expect(client.request(hello), m.Welcome)
-            m.check_tp(self.shard, reply.tp_size, reply.tp_rank, f"PE {s.node}", f"DE {client.address}")
+            m.check_tp(self.shard, reply.tp_size, reply.tp_rank, f"PE {s.node}", f"DE {client.address}", decode=False)
             link.connect(reply.rank_info, reply.host_mem)
         except Exception:
             client.close()
             raise
-        peer = self._peers[address] = _Peer(client, link)
+        peer = self._peers[address] = _Peer(client, link, de)
         return peer
+
+    def _de_rank(self, address: str) -> KVShard | None:
+        """The shard of the rank of the DE at ``address`` (its rank 0) that this rank pairs with, from the DE's
+        tensor-parallel size (rank 0's ``status``); None where there is none; ProtocolError naming both ends' ranks
+        and sizes where there are several."""
+        s = self.settings
+        status = expect(request_once(address, m.StatusQuery(), s.timeout_s, **s.side_framing), m.Status)
+        where = f"tensor-parallel rank {s.tp_rank} of {s.tp_size} at PE {s.node}, size {status.tp_size} at DE {address}"
+        try:
+            targets = self.shard.targets(status.tp_size)
+        except ConfigError as error:
+            raise ProtocolError(f"{where}: {error}") from None
+        if not targets:
+            return None
+        if len(targets) > 1:
+            raise ProtocolError(
+                f"{where}: this PE rank is a source of DE ranks {list(targets)}; a PE rank pairs with exactly one "
+                "(a DE of a larger tensor-parallel size than its PE's is not supported yet)"
+            )
+        return self.shard.full.shard(status.tp_size, targets[0])
+
+    def _paired(self, spec: Any) -> Any:
+        """``spec`` (a LoadSpec or SaveSpec) with its pair's transfer id (:func:`messages.pair_id`) once its DE is
+        connected; without a transfer where this rank pairs with none of the DE's ranks (:meth:`connect_peer`)."""
+        if spec.xfer is not None and spec.xfer.peer in self._unpaired:
+            return dataclasses.replace(spec, xfer=None)
+        peer = self._peers.get(spec.xfer.peer) if spec.xfer is not None else None
+        if peer is None:
+            return spec
+        xfer_id = m.pair_id(spec.xfer.xfer_id, self.shard, peer.de)
+        return (
+            spec
+            if xfer_id == spec.xfer.xfer_id
+            else dataclasses.replace(spec, xfer=dataclasses.replace(spec.xfer, xfer_id=xfer_id))
+        )
 
     @staticmethod
     def _peer_request(peer: _Peer, message: m.Message, timeout_s: float | None = None, reply: type = m.Ok) -> Any:
