@@ -149,6 +149,33 @@ class _PeXfer:
         return LeaseLayout(layout, self.prompt_tokens, 0 if self.full_rows else self.hit_tokens)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Columns:
+    """A paged cache's adapter narrowed to some bytes of each token row: a leg's view of the rank's cache.
+
+    ``segments``: ``(offset in the cache's row, offset in the narrow row, nbytes)``, as
+    :meth:`~ascend_dualpath.kv.layout.KVShard.overlap` gives them; rows in and out are ``uint8 [n, C_leg]``.
+    """
+
+    adapter: Any
+    segments: tuple[tuple[int, int, int], ...]
+    token_bytes: int  # C_leg
+
+    def read_tokens(self, cache: torch.Tensor, block_ids: list[int], start: int, end: int) -> torch.Tensor:
+        rows = self.adapter.read_tokens(cache, block_ids, start, end)
+        narrow = rows.new_empty((end - start, self.token_bytes))
+        for wide, mine, nbytes in self.segments:
+            narrow[:, mine : mine + nbytes] = rows[:, wide : wide + nbytes]
+        return narrow
+
+    def write_tokens(self, cache: torch.Tensor, block_ids: list[int], start: int, rows: torch.Tensor) -> None:
+        """Only the leg's bytes of rows ``[start, start + len(rows))`` change (the other legs write theirs)."""
+        wide = self.adapter.read_tokens(cache, block_ids, start, start + rows.shape[0]).clone()
+        for at, mine, nbytes in self.segments:
+            wide[:, at : at + nbytes] = rows[:, mine : mine + nbytes]
+        self.adapter.write_tokens(cache, block_ids, start, wide)
+
+
 class PrefillSide:
     """The PE's loads and saves (also a standalone instance's loads, which have no peer).
 
@@ -161,6 +188,11 @@ class PrefillSide:
         compatibility digest is over; ``shard.local``: the rank's own rows, :attr:`layout`).
     counters, quarantine :
         The instance's; this half counts its loads, fallbacks, takeovers and failures there.
+    rows : KVShard, optional
+        A *leg*: the rows it moves are DE rank ``rows``'s share of this rank's (its reads take only those bytes, its
+        cache writes only those columns). A rank that is the source of several ranks of a DE (a DE of a larger
+        tensor-parallel size) runs each request to that DE through one leg per DE rank, each a pair as at equal
+        sizes; the rank's layer is loaded once every leg loaded it.
 
     A host calls :meth:`bind` once its caches exist, then per step :meth:`start`, for each layer
     :meth:`wait_for_layer_load` before its attention and :meth:`save_kv_layer` after it, and :meth:`wait_for_save`
@@ -175,8 +207,10 @@ class PrefillSide:
         read_queue: ReadQueue,
         counters: Counters,
         quarantine: Quarantine,
+        rows: KVShard | None = None,
     ) -> None:
-        self.settings, self.shard, self.layout, self.store = settings, shard, shard.local, store
+        self.settings, self.shard, self.store = settings, shard, store
+        self.rows, self.layout = rows, (rows or shard).local
         self.read_queue, self.counters, self.quarantine = read_queue, counters, quarantine
         self.caches: list[torch.Tensor] = []
         self.adapter = None
@@ -196,11 +230,60 @@ class PrefillSide:
         self._lease_writes_lock = threading.Lock()  # the side channel's thread answers writes_ended
         self.layer_waits: list[float] = []  # seconds each wait for a DE push took (the host drains it)
         self.blocks_read: dict[str, int] = {}  # req_id -> hit blocks this PE's storage NIC read for it, until finish
+        self._legs: dict[str, tuple[PrefillSide, ...]] = {}  # DE side channel -> its legs (none: one pair)
+        self._leg_of: dict[KVShard, PrefillSide] = {}  # DE rank -> the leg to it
+        self._leg_reqs: dict[str, tuple[PrefillSide, ...]] = {}  # req_id -> the legs it runs through
+        self._leg_ready: dict[str, dict[int, int]] = {}  # req_id -> what each of its legs' ready() said so far
 
     def bind(self, caches: list[torch.Tensor], adapter: Any, dataplane: Dataplane | None, address: str) -> None:
         """The paged caches (one per layer, in layer order), their adapter (``read_tokens`` / ``write_tokens``), the
         instance's dataplane (None: standalone) and its side-channel address."""
         self.caches, self.adapter, self.dataplane, self.address = caches, adapter, dataplane, address
+        for de, leg in self._leg_of.items():
+            leg.bind(caches, _Columns(adapter, self.shard.overlap(de), de.local.token_bytes), dataplane, address)
+
+    # -- legs: a DE of a larger tensor-parallel size -------------------------------------------------------------
+    def _legs_of(self, spec: Any) -> tuple[PrefillSide, ...]:
+        """The legs a request's transfer runs through: one per rank of its DE this rank is a source of, where there
+        are several; none where this side moves it itself (one DE rank, no DE rank, no transfer, or a leg)."""
+        if spec.xfer is None or self.rows is not None:
+            return ()
+        address = spec.xfer.peer
+        if address not in self._legs:
+            if address in self._peers or address in self._unpaired:
+                return ()
+            try:
+                size, targets = self._targets(address)
+            except Exception:  # connect_peer meets the error again and fails the load with it
+                return ()
+            des = [self.shard.full.shard(size, rank) for rank in targets] if len(targets) > 1 else []
+            self._legs[address] = tuple(self._leg(de) for de in des)
+        return self._legs[address]
+
+    def _leg(self, de: KVShard) -> PrefillSide:
+        leg = self._leg_of.get(de)
+        if leg is None:
+            s = self
+            leg = self._leg_of[de] = PrefillSide(
+                s.settings, s.shard, s.store, s.read_queue, s.counters, s.quarantine, rows=de
+            )
+            if self.caches:
+                columns = _Columns(self.adapter, self.shard.overlap(de), de.local.token_bytes)
+                leg.bind(self.caches, columns, self.dataplane, self.address)
+        return leg
+
+    def _route(self, specs: list) -> tuple[list, dict[PrefillSide, list]]:
+        """``specs`` split into those this side moves and those of each leg (a request through legs goes to each)."""
+        mine, legs = [], {}
+        for spec in specs:
+            through = self._legs_of(spec)
+            if through:
+                self._leg_reqs[spec.req_id] = through
+            for leg in through:
+                legs.setdefault(leg, []).append(spec)
+            if not through:
+                mine.append(spec)
+        return mine, legs
 
     def prefetch(self, loads: list[LoadSpec]) -> None:
         """Read loads ahead of the steps that take them (the read before the batch): their storage reads into host
@@ -208,6 +291,9 @@ class PrefillSide:
         host buffer (or the DE's) has no room for, or beyond ``prefetch_max_mb`` of reads ahead, waits its turn.
         :meth:`ready` says when each load's reads ended and how many hit tokens are good; :meth:`start` takes it by
         request id (its ``block_ids`` may then be empty here); :meth:`finish` drops one no step took."""
+        loads, legs = self._route(loads)
+        for leg, specs in legs.items():
+            leg.prefetch(specs)
         for spec in loads:
             if spec.req_id in self._prefetched or spec.req_id in self._deferred:
                 raise ProtocolError(f"request {spec.req_id} is already prefetched")
@@ -234,9 +320,10 @@ class PrefillSide:
     def ready(self) -> dict[str, int]:
         """Loads read ahead whose reads all ended since the last call: request id -> the hit tokens the step may
         take (the prompt's tokens up to the first block that failed or was corrupt; the load's ``computed`` when
-        none is good). Never waits for a read; drops loads held beyond ``hold_s``."""
+        none is good; through legs: once every leg's ended, the fewest). Never waits for a read; drops loads held
+        beyond ``hold_s``."""
         self._start_deferred()
-        now, ready = time.monotonic(), {}
+        now, ready = time.monotonic(), self._legs_ready()
         for req_id, load in list(self._prefetched.items()):
             if load.usable_last is None and self._read_ahead_end(load, now) is not None:
                 ready[req_id] = max(load.usable_last * self.block_size, load.spec.computed)
@@ -244,6 +331,18 @@ class PrefillSide:
                 log.warning("DualPath: request %s was not taken within hold_s=%s s of its reads", req_id,
                             self.settings.hold_s)  # fmt: skip
                 self._drop(self._prefetched.pop(req_id), f"not taken within hold_s={self.settings.hold_s} s")
+        return ready
+
+    def _legs_ready(self) -> dict[str, int]:
+        """Requests read ahead through legs whose every leg's reads ended: request id -> the fewest good tokens."""
+        for leg in self._leg_of.values():
+            for req_id, tokens in leg.ready().items():
+                self._leg_ready.setdefault(req_id, {})[id(leg)] = tokens
+        ready = {}
+        for req_id, got in list(self._leg_ready.items()):
+            if len(got) == len(self._leg_reqs.get(req_id, ())):
+                ready[req_id] = min(got.values())
+                del self._leg_ready[req_id]
         return ready
 
     def _read_ahead_end(self, load: _Load, now: float) -> int | None:
@@ -317,10 +416,16 @@ class PrefillSide:
 
     def pending_prefetches(self) -> int:
         """Loads read ahead that no step took yet (waiting for room, reading, or read)."""
-        return len(self._deferred) + len(self._prefetched)
+        return (
+            len(self._deferred) + len(self._prefetched) + sum(leg.pending_prefetches() for leg in self._leg_of.values())
+        )
 
     def start(self, loads: list[LoadSpec], saves: list[SaveSpec]) -> None:
         """A step's loads and saves, before its forward: reads and plans start here (or at :meth:`prefetch`)."""
+        loads, leg_loads = self._route(loads)
+        saves, leg_saves = self._route(saves)
+        for leg in self._leg_of.values():  # every leg's step starts, with or without work in it
+            leg.start(leg_loads.get(leg, []), leg_saves.get(leg, []))
         self._invalid_blocks = set()
         self._loads = []
         for spec in loads:
@@ -344,18 +449,31 @@ class PrefillSide:
     def reading(self) -> list[str]:
         """The transfers of the current step whose storage reads through this PE are queued or running."""
         # the engine thread replaces the list, never mutates it, while another thread reads it
-        return [
+        mine = [
             load.spec.xfer.xfer_id
             for load in [*self._loads, *list(self._prefetched.values())]
             if load.spec.xfer is not None and not all(t.done for r in load.reads for t in r.tickets)
         ]
+        return list(dict.fromkeys(mine + [xfer_id for leg in list(self._leg_of.values()) for xfer_id in leg.reading()]))
 
     def unfinished_tokens(self) -> list[int]:
-        """Prompt tokens of each request this PE planned and has not finished."""
-        return [x.prompt_tokens for x in list(self._pe_xfers.values())]
+        """Prompt tokens of each request this PE planned and has not finished (a request through legs once)."""
+        return list(self._unfinished().values())
+
+    def _unfinished(self) -> dict[str, int]:
+        """Transfer id -> prompt tokens of each request this side or its legs planned and has not finished."""
+        found = {xfer_id: x.prompt_tokens for xfer_id, x in list(self._pe_xfers.items())}
+        for leg in list(self._leg_of.values()):
+            found |= leg._unfinished()
+        return found
 
     def finish(self, req_ids: set[str]) -> None:
         """Requests the host finished send nothing more; writes seen ended need no answer any more."""
+        for leg in self._leg_of.values():
+            leg.finish(req_ids)
+        for req_id in req_ids:
+            self._leg_reqs.pop(req_id, None)
+            self._leg_ready.pop(req_id, None)
         for xfer_id in list(self._lease_writes):
             self._writes_pending(xfer_id)
         for req_id in req_ids:
@@ -367,6 +485,8 @@ class PrefillSide:
             self.blocks_read.pop(req_id, None)
 
     def close(self) -> None:
+        for leg in self._leg_of.values():
+            leg.close()
         for peer in self._peers.values():
             peer.client.close()
         self._peers.clear()
@@ -475,7 +595,9 @@ class PrefillSide:
         self.blocks_read[spec.req_id] = self.blocks_read.get(spec.req_id, 0) + count
         for i in range(count):  # appended one by one: a failing submit leaves those queued to _release_load
             reads.tickets.append(
-                self.read_queue.submit(spec.store_ids[first + i], reads.lease.slice(own.block_offset(i), fb).view)
+                self.read_queue.submit(
+                    spec.store_ids[first + i], reads.lease.slice(own.block_offset(i), fb).view, self.rows
+                )
             )
 
     @property
@@ -495,7 +617,12 @@ class PrefillSide:
         return self._private_host
 
     def wait_for_layer_load(self, layer: int) -> None:
-        """Every load's hit rows of ``layer`` into the paged cache (a load that fails is reported, not raised)."""
+        """Every load's hit rows of ``layer`` into the paged cache (a load that fails is reported, not raised); a
+        request through legs once every leg wrote its columns."""
+        for leg in self._leg_of.values():
+            leg.wait_for_layer_load(layer)
+            self.layer_waits += leg.layer_waits
+            leg.layer_waits = []
         for load in self._loads:
             if load.error is None and load.last > load.first:
                 try:
@@ -786,21 +913,24 @@ class PrefillSide:
         """The shard of the rank of the DE at ``address`` (its rank 0) that this rank pairs with, from the DE's
         tensor-parallel size (rank 0's ``status``); None where there is none; ProtocolError naming both ends' ranks
         and sizes where there are several."""
+        size, targets = self._targets(address)
+        if self.rows is not None:  # a leg: its own DE rank
+            targets = tuple(rank for rank in targets if (size, rank) == (self.rows.size, self.rows.rank))
+        if len(targets) > 1:  # _legs_of routes these requests through legs
+            raise ProtocolError(f"PE rank {self.settings.tp_rank} pairs with DE ranks {list(targets)} at {address}")
+        return self.shard.full.shard(size, targets[0]) if targets else None
+
+    def _targets(self, address: str) -> tuple[int, tuple[int, ...]]:
+        """The tensor-parallel size of the DE at ``address`` (rank 0's ``status``) and the ranks there this rank is a
+        source of (:meth:`~ascend_dualpath.kv.layout.KVShard.targets`); ProtocolError naming both ends' ranks and
+        sizes where the DE's size cannot shard the model."""
         s = self.settings
         status = expect(request_once(address, m.StatusQuery(), s.timeout_s, **s.side_framing), m.Status)
-        where = f"tensor-parallel rank {s.tp_rank} of {s.tp_size} at PE {s.node}, size {status.tp_size} at DE {address}"
         try:
-            targets = self.shard.targets(status.tp_size)
+            return status.tp_size, self.shard.targets(status.tp_size)
         except ConfigError as error:
-            raise ProtocolError(f"{where}: {error}") from None
-        if not targets:
-            return None
-        if len(targets) > 1:
-            raise ProtocolError(
-                f"{where}: this PE rank is a source of DE ranks {list(targets)}; a PE rank pairs with exactly one "
-                "(a DE of a larger tensor-parallel size than its PE's is not supported yet)"
-            )
-        return self.shard.full.shard(status.tp_size, targets[0])
+            raise ProtocolError(f"tensor-parallel rank {s.tp_rank} of {s.tp_size} at PE {s.node}, size "
+                                f"{status.tp_size} at DE {address}: {error}") from None  # fmt: skip
 
     def _paired(self, spec: Any) -> Any:
         """``spec`` (a LoadSpec or SaveSpec) with its pair's transfer id (:func:`messages.pair_id`) once its DE is
@@ -881,6 +1011,8 @@ class PrefillSide:
 
     def save_kv_layer(self, layer: int, kv_layer: torch.Tensor) -> None:
         """Queue this step's computed rows of ``layer`` (from ``kv_layer``, the layer's paged cache) to each DE."""
+        for leg in self._leg_of.values():
+            leg.save_kv_layer(layer, kv_layer)
         failed = {load.spec.req_id for load in self._loads if load.error is not None}
         for spec, xfer, sends in self._saves:
             if spec.req_id in failed:
@@ -928,9 +1060,12 @@ class PrefillSide:
         (a request it never wrote for, or whose writes all ended, has none), and none will start: the request that
         planned it is over here (a later chunk of its prefill would write again)."""
         xfer_id = message.xfer_id
-        return m.Ended(ended=xfer_id not in self._pe_xfers and not self._writes_pending(xfer_id))
+        legs = all(leg.on_writes_ended(message).ended for leg in list(self._leg_of.values()))
+        return m.Ended(ended=legs and xfer_id not in self._pe_xfers and not self._writes_pending(xfer_id))
 
     def wait_for_save(self) -> None:
+        for leg in self._leg_of.values():
+            leg.wait_for_save()
         for load in self._loads:
             if load.hits_ticket is not None and load.error is None:
                 self._finish_own_hits(load)
@@ -1004,4 +1139,6 @@ class PrefillSide:
     def block_ids_with_load_errors(self) -> set[int]:
         """The hit blocks of loads that failed since the last call (the host recomputes them)."""
         bad, self._invalid_blocks = self._invalid_blocks, set()
+        for leg in self._leg_of.values():
+            bad |= leg.block_ids_with_load_errors()
         return bad
