@@ -121,6 +121,7 @@ class _Load:
     error: BaseException | None = None
     bad_blocks: list[int] = dataclasses.field(default_factory=list)  # after a failure: what the host recomputes
     slots_settled: bool = False  # after a failure: the DE said none of its pushes into the slots is in flight
+    xfer_id: str = ""  # the request's transfer id (the spec's is its pair's, :meth:`PrefillSide._paired`)
 
     @property
     def full_rows(self) -> bool:
@@ -263,10 +264,8 @@ class PrefillSide:
     def _leg(self, de: KVShard) -> PrefillSide:
         leg = self._leg_of.get(de)
         if leg is None:
-            s = self
-            leg = self._leg_of[de] = PrefillSide(
-                s.settings, s.shard, s.store, s.read_queue, s.counters, s.quarantine, rows=de
-            )
+            parts = (self.settings, self.shard, self.store, self.read_queue, self.counters, self.quarantine)
+            leg = self._leg_of[de] = PrefillSide(*parts, rows=de)
             if self.caches:
                 columns = _Columns(self.adapter, self.shard.overlap(de), de.local.token_bytes)
                 leg.bind(self.caches, columns, self.dataplane, self.address)
@@ -450,9 +449,9 @@ class PrefillSide:
         """The transfers of the current step whose storage reads through this PE are queued or running."""
         # the engine thread replaces the list, never mutates it, while another thread reads it
         mine = [
-            load.spec.xfer.xfer_id
+            load.xfer_id
             for load in [*self._loads, *list(self._prefetched.values())]
-            if load.spec.xfer is not None and not all(t.done for r in load.reads for t in r.tickets)
+            if load.xfer_id and not all(t.done for r in load.reads for t in r.tickets)
         ]
         return list(dict.fromkeys(mine + [xfer_id for leg in list(self._leg_of.values()) for xfer_id in leg.reading()]))
 
@@ -496,6 +495,7 @@ class PrefillSide:
         has no room now. A preempted prefill taken again reads its whole hit here, its transfer's plan unchanged."""
         first, last = spec.computed // self.block_size, spec.hit_tokens // self.block_size
         load = _Load(spec, first, last, own_blocks=last - first, since=time.monotonic())
+        load.xfer_id = spec.xfer.xfer_id if spec.xfer is not None else ""
         try:
             if spec.xfer is not None:
                 load.peer = self.connect_peer(spec.xfer.peer)

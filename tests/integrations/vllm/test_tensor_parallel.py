@@ -86,6 +86,39 @@ def test_every_rank_moves_its_share_on_every_path_bit_exact(tp_deploy, pe_tp, de
         assert status["fallbacks"] == status["failures"] == 0
 
 
+@pytest.mark.parametrize(("pe_tp", "de_tp"), [(2, 1), (1, 2), (4, 2)], ids=["pe2-de1", "pe1-de2", "pe4-de2"])
+def test_a_de_rank_whose_read_fails_leaves_its_pair_to_the_pe_rank_bit_exact(tp_deploy, pe_tp, de_tp):
+    """Different sizes, DE read path: DE rank 0's read of one hit block fails; only the pair that read it falls
+    back (its PE rank, or the PE rank's leg to it, reads that DE half itself), the other pairs go on pushing, and
+    every DE rank's cache is bit-exact with nothing recomputed."""
+    d = tp_deploy(pe_tp, de_tp, "gqa", 8)
+    ids = d.store_prefix(d.true_rows(5, 23, d.model.full), 5, 4242)
+    store = d.instances["de0/0"].worker.store
+    getattr(store, "store", store).faults.fail_next_read(ids[3])  # the first pair to read block 3 fails
+    done = d.run("pe0", "de0", 23, 5, "de", False, seed=5, ids=ids)
+    for rank, written in enumerate(done):
+        expected = expected_de_caches([written], Model("gqa", 8, de_tp, rank))
+        assert_caches_equal(d.instances[f"de0/{rank}"].caches, expected)
+    pe = [d.instances[name].status() for name in d.ranks("pe0")]
+    assert sum(status["takeovers"] for status in pe) == 1
+    assert sum(status["failures"] for status in pe) == 0
+
+
+@pytest.mark.parametrize(("pe_tp", "de_tp"), [(2, 1), (1, 2), (1, 4)], ids=["pe2-de1", "pe1-de2", "pe1-de4"])
+@pytest.mark.parametrize(("path", "split"), PATHS, ids=["pe", "de", "split"])
+def test_reads_ahead_of_the_step_are_ready_once_every_pair_read_them(tp_deploy, pe_tp, de_tp, path, split):
+    """The read before the batch at different sizes: each PE rank reads ahead (through a leg per DE rank where it
+    has several) and reports the request ready with every hit token once all its pairs' reads ended; the step then
+    takes it, bit-exact on every DE rank."""
+    d = tp_deploy(pe_tp, de_tp, "gqa", 8)
+    done = d.run("pe0", "de0", 23, 5, path, split, seed=9, ahead=True)
+    for rank, written in enumerate(done):
+        expected = expected_de_caches([written], Model("gqa", 8, de_tp, rank))
+        assert_caches_equal(d.instances[f"de0/{rank}"].caches, expected)
+    for name in d.ranks("pe0"):
+        assert d.instances[name].worker.prefill.pending_prefetches() == 0
+
+
 @pytest.mark.parametrize(("kind", "kv_heads"), [("gqa", 4), ("mla", 1)], ids=["gqa4", "mla"])
 def test_a_store_written_once_is_read_exact_at_every_size(tp_deploy, tmp_path, kind, kv_heads):
     """One stored prefix (full blocks, every head) read by deployments of sizes 1, 2 and 4 on one store."""
