@@ -4,6 +4,13 @@ A DE serves any number of PEs. Each PE says ``hello`` once (its side-channel add
 that pair's communicator (:class:`~ascend_dualpath.dualpath.dataplane.PairLink`) and every request the
 PE plans afterwards uses it. All PEs' leases come from the DE's one registered host buffer.
 
+Tensor parallelism: a DE rank pairs with each PE rank that is a source of its rows (``KVShard.sources``); a pair
+moves the smaller of the two ranks' shares (its plan's lease, reads and pushes are in that share's layout). Where a
+PE of a larger size gives this rank several source ranks, each sends its own plan (transfer id ``<request>@<PE
+rank>``, :func:`~ascend_dualpath.dualpath.messages.pair_id`), this rank reads only that PE rank's heads for it on the
+DE path, and the request's receive ends once every source's plan received its rows: their columns are merged into
+the cache rows at once.
+
 Per request (``plan``), the lease holds ``L x P x C`` bytes: complete layers ``[L, P, C]`` when the PE sends them
 (PE read path, or after any fallback), else the hit Full Blocks ``[H / T, L, T, C]`` then the PE's new rows
 ``[L, P - H, C]``. The DE reads the hit blocks the PE does not (all of them on the DE read path; on a split the PE
@@ -598,26 +605,31 @@ class DecodeSide:
         with self._lock:  # a step and status both end receives: each looks at what the other left
             recvs = [(xfer_id, spec) for xfer_id, spec in self._recvs.items() if not (drains_only and spec.report)]
         for xfer_id, spec in recvs:
-            with self._lock:
-                if self._recvs.get(xfer_id) is not spec:
-                    continue  # the other thread ended it meanwhile
-                xfers, since = self._group(xfer_id), self._recv_since[xfer_id]
-            if not xfers:
-                if now - since > self.settings.timeout_s:
-                    self._end_recv(xfer_id, spec, [], failed=True)
-                continue
-            for xfer in xfers:
-                if xfer.plan.prompt_tokens != spec.prompt_tokens:
-                    xfer.error = (
-                        f"the plan is for {xfer.plan.prompt_tokens} prompt tokens, the request has {spec.prompt_tokens}"
-                    )
-            if any(xfer.error is not None or self._overdue(xfer, now) for xfer in xfers):
-                self._end_recv(xfer_id, spec, xfers, failed=True)
-            elif len(xfers) == xfers[0].sources and all(xfer.reads_ok and self._rows_ended(xfer) for xfer in xfers):
-                if spec.report:
-                    self._merge(spec, xfers)
-                self._end_recv(xfer_id, spec, xfers, failed=False)
+            self._complete_recv(xfer_id, spec, now)
         self.expire_plans()
+
+    def _complete_recv(self, xfer_id: str, spec: RecvSpec, now: float) -> None:
+        """End one receive if its plans (one per source PE rank) all received their rows (merge), or one failed or
+        timed out, or no plan came within ``timeout_s``."""
+        with self._lock:
+            if self._recvs.get(xfer_id) is not spec:
+                return  # the other thread ended it meanwhile
+            xfers, since = self._group(xfer_id), self._recv_since[xfer_id]
+        if not xfers:
+            if now - since > self.settings.timeout_s:
+                self._end_recv(xfer_id, spec, [], failed=True)
+            return
+        for xfer in xfers:
+            if xfer.plan.prompt_tokens != spec.prompt_tokens:
+                xfer.error = (
+                    f"the plan is for {xfer.plan.prompt_tokens} prompt tokens, the request has {spec.prompt_tokens}"
+                )
+        if any(xfer.error is not None or self._overdue(xfer, now) for xfer in xfers):
+            self._end_recv(xfer_id, spec, xfers, failed=True)
+        elif len(xfers) == xfers[0].sources and all(xfer.reads_ok and self._rows_ended(xfer) for xfer in xfers):
+            if spec.report:
+                self._merge(spec, xfers)
+            self._end_recv(xfer_id, spec, xfers, failed=False)
 
     def _group(self, xfer_id: str) -> list[_DeXfer]:
         """The plans (one per source PE rank) of the request ``xfer_id``; under the lock."""
