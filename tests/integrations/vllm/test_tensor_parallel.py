@@ -48,12 +48,12 @@ def _copies(kind: str, kv_heads: int, pe_tp: int, de_tp: int = 0) -> float:
     whose heads no rank replicates; replicated heads are read once by each pair holding them, MLA's latent once per
     pair (not yet once per instance)."""
     full = Model(kind, kv_heads).full
-    frac = lambda shard: len(shard.units) / full.num_units  # noqa: E731
     copies = 0.0
     for p in range(pe_tp):
         pe = full.shard(pe_tp, p)
         targets = [full.shard(de_tp or pe_tp, d) for d in pe.targets(de_tp or pe_tp)]
-        copies += sum(min(frac(pe), frac(de)) for de in targets) if targets else frac(pe)
+        units = [min(len(pe.units), len(de.units)) for de in targets] if targets else [len(pe.units)]
+        copies += sum(units) / full.num_units
     return copies
 
 
