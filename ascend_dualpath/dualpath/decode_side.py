@@ -4,6 +4,13 @@ A DE serves any number of PEs. Each PE says ``hello`` once (its side-channel add
 that pair's communicator (:class:`~ascend_dualpath.dualpath.dataplane.PairLink`) and every request the
 PE plans afterwards uses it. All PEs' leases come from the DE's one registered host buffer.
 
+Tensor parallelism: a DE rank pairs with each PE rank that is a source of its rows (``KVShard.sources``); a pair
+moves the smaller of the two ranks' shares (its plan's lease, reads and pushes are in that share's layout). Where a
+PE of a larger size gives this rank several source ranks, each sends its own plan (transfer id ``<request>@<PE
+rank>``, :func:`~ascend_dualpath.dualpath.messages.pair_id`), this rank reads only that PE rank's heads for it on the
+DE path, and the request's receive ends once every source's plan received its rows: their columns are merged into
+the cache rows at once.
+
 Per request (``plan``), the lease holds ``L x P x C`` bytes: complete layers ``[L, P, C]`` when the PE sends them
 (PE read path, or after any fallback), else the hit Full Blocks ``[H / T, L, T, C]`` then the PE's new rows
 ``[L, P - H, C]``. The DE reads the hit blocks the PE does not (all of them on the DE read path; on a split the PE
@@ -33,6 +40,8 @@ import queue
 import threading
 import time
 from typing import Any
+
+import torch
 
 from ascend_dualpath.dualpath import messages as m
 from ascend_dualpath.dualpath.dataplane import NOTIFY_SLOTS_PER_XFER, NUM_NOTIFY_SLOTS, PE_RANK, Dataplane, PairLink
@@ -82,6 +91,13 @@ class _DeXfer:
     peer_done: bool | None = None  # under the lock: the request let go of read_lease; whether the PE writes no more
     slots: list[int] = dataclasses.field(default_factory=list)  # the PE's two window slots, from its start
     started: threading.Event = dataclasses.field(default_factory=threading.Event)  # the PE's step took the request
+    shard: KVShard | None = None  # the pair's rows: the smaller of the two ranks' shards (the lease's layout)
+    base: str = ""  # the request's transfer id (the plan's, less ``@<PE rank>`` where this DE rank has several)
+    sources: int = 1  # how many PE ranks' pairs make up the request's receive here
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.shard.local
 
     def __post_init__(self) -> None:
         self.quiet.set()
@@ -167,6 +183,7 @@ class DecodeSide:
         self._recv_since: dict[str, float] = {}
         self.finished_recving: set[str] = set()
         self.failed_recving: set[str] = set()
+        self._pe_shards: dict[str, KVShard] = {}  # PE side channel -> the PE rank's shard, from its hello
 
     def bind(self, caches: list, adapter: Any, dataplane: Dataplane) -> None:
         self.caches, self.adapter, self.dataplane = caches, adapter, dataplane
@@ -189,20 +206,23 @@ class DecodeSide:
             m.PushesEnded: self._on_pushes_ended,
         }
 
-    def _hit_lease(self, plan: m.Plan) -> LeaseLayout:
+    @staticmethod
+    def _hit_lease(xfer: _DeXfer) -> LeaseLayout:
         """The lease of a plan whose hit blocks this DE (or a split's PE half) reads: hit blocks then new rows."""
-        return LeaseLayout(self.layout, plan.prompt_tokens, plan.hit_tokens)
+        return LeaseLayout(xfer.layout, xfer.plan.prompt_tokens, xfer.plan.hit_tokens)
 
     def unfinished_tokens(self) -> list[int]:
         """Prompt tokens of each request planned here and not yet received."""
         with self._lock:
-            return [x.plan.prompt_tokens for x in self._xfers.values()]
+            return list({x.base: x.plan.prompt_tokens for x in self._xfers.values()}.values())
 
     def reading(self) -> list[str]:
         """The transfers whose hit reads through this DE's storage NIC are queued or running."""
         with self._lock:
             # from the plan on (the pusher submits its reads a moment later) until they ended
-            return [xfer_id for xfer_id, x in self._xfers.items() if x.pusher and not (x.reads_ok or x.pusher_done)]
+            return list(
+                dict.fromkeys(x.base for x in self._xfers.values() if x.pusher and not (x.reads_ok or x.pusher_done))
+            )
 
     # -- handlers --------------------------------------------------------------------------------------------------
     def _on_hello(self, message: m.Hello) -> m.Welcome:
@@ -212,9 +232,10 @@ class DecodeSide:
         if dp is None:
             raise ProtocolError("hello before the DE registered its KV caches")
         m.check_peer(dp.compat(self.shard.full), message.speaks, f"DE {s.node}", f"PE {message.pe}")
-        m.check_tp(self.shard, message.tp_size, message.tp_rank, f"DE {s.node}", f"PE {message.pe}")
+        m.check_tp(self.shard, message.tp_size, message.tp_rank, f"DE {s.node}", f"PE {message.pe}", decode=True)
         link = dp.new_link(message.pe, message.device_id)
         link.connect(message.rank_info, message.host_mem)
+        self._pe_shards[message.pe] = self.shard.full.shard(message.tp_size, message.tp_rank)
         return m.Welcome(rank_info=link.local_info(), host_mem=dp.host_mem(), tp_size=s.tp_size, tp_rank=s.tp_rank)
 
     def _xfer(self, message: m.Message) -> _DeXfer | None:
@@ -227,12 +248,15 @@ class DecodeSide:
             raise ProtocolError(f"plan of request {message.xfer_id!r} from {message.pe!r}, which sent no hello")
         P, H, xfer_id = message.prompt_tokens, message.hit_tokens, message.xfer_id
         full = message.path == ReadPath.PE.value or H == message.load_start
-        check_plan(message, self.layout, pushes=not full)
+        pe_shard = self._pe_shards[message.pe]
+        shard = pe_shard if len(pe_shard.units) < len(self.shard.units) else self.shard
+        check_plan(message, shard.local, pushes=not full)
+        base = self._base_id(xfer_id, pe_shard)
         with self._lock:
             in_use = xfer_id in self._xfers
         if in_use:  # refused, never overwritten: the earlier plan's lease may be written into right now
             raise ProtocolError(f"plan of request {xfer_id!r}: that transfer id is already planned here")
-        nbytes = LeaseLayout.complete(self.layout, P).nbytes
+        nbytes = LeaseLayout.complete(shard.local, P).nbytes
         try:
             lease = self.dataplane.host.allocate(xfer_id, nbytes, timeout_s=0 if message.defer else None)
         except AdmissionDeferred:
@@ -248,6 +272,9 @@ class DecodeSide:
             created=time.monotonic(),
             reads_ok=full,
             hits_ok=full or not message.pe_blocks,
+            shard=shard,
+            base=base,
+            sources=len(self.shard.sources(pe_shard.size)),
         )
         with self._lock:
             if xfer_id in self._xfers:  # a second plan of the id won the race: this one takes nothing
@@ -262,6 +289,15 @@ class DecodeSide:
             xfer.pusher.start()
         return m.Planned(lease_addr=int(lease.addr))
 
+    def _base_id(self, xfer_id: str, pe: KVShard) -> str:
+        """The request's transfer id of a plan from PE rank ``pe`` (:func:`messages.pair_id`); ProtocolError if the
+        plan's id does not name that PE rank where it must."""
+        paired = m.pair_id("", pe, self.shard)
+        if not xfer_id.endswith(paired) or len(xfer_id) == len(paired):
+            raise ProtocolError(f"plan of request {xfer_id!r} from PE rank {pe.rank} of {pe.size}: this DE rank takes "
+                                f"rows from several PE ranks, so the transfer id must end in {paired!r}")  # fmt: skip
+        return xfer_id[: len(xfer_id) - len(paired)]
+
     def _on_start(self, message: m.Start) -> m.Ok:
         """The PE's step takes the request: the receive's timeout counts from now, and when this DE pushes hit
         layers they go into ``slots`` (checked against the PE's window; none otherwise)."""
@@ -271,7 +307,7 @@ class DecodeSide:
         if xfer.started.is_set():
             raise ProtocolError(f"start of request {message.xfer_id!r}: it was started already")
         if not xfer.full_rows:  # this DE pushes hit layers (no fallback since the plan)
-            check_start(message, xfer.plan, self.layout, xfer.link.peer_window())
+            check_start(message, xfer.plan, xfer.layout, xfer.link.peer_window())
         elif message.slots:
             raise BoundsError(f"start of request {message.xfer_id!r}: no slots for a plan this DE pushes nothing for, "
                               f"got {len(message.slots)}")  # fmt: skip
@@ -328,7 +364,7 @@ class DecodeSide:
             xfer.stop.set()
         if not xfer.quiet.wait(self.settings.timeout_s):
             raise WaitTimeout(f"pushes of request {message.xfer_id!r} in flight after {self.settings.timeout_s} s")
-        nbytes = LeaseLayout.complete(self.layout, xfer.plan.prompt_tokens).nbytes
+        nbytes = LeaseLayout.complete(xfer.layout, xfer.plan.prompt_tokens).nbytes
         lease = self.dataplane.host.allocate(message.xfer_id, nbytes, timeout_s=self.settings.timeout_s)
         with self._lock:
             old, xfer.lease = xfer.lease, lease
@@ -347,7 +383,7 @@ class DecodeSide:
             return m.Ok()
         self._de_fail(xfer, f"the PE aborted: {message.reason}")
         with self._lock:
-            orphan = message.xfer_id not in self._recvs and self._xfers.pop(message.xfer_id, None) is xfer
+            orphan = xfer.base not in self._recvs and self._xfers.pop(message.xfer_id, None) is xfer
         if orphan:
             with xfer.push_lock:  # once set, no signal of the plan lands in the PE's notify group, which it frees next
                 xfer.stop.set()
@@ -421,13 +457,14 @@ class DecodeSide:
     def _read_hits(self, xfer: _DeXfer, lease: Any) -> None:
         """Read every hit block but the PE's half (``[first, first + pe_blocks)``) into the lease's hit area; a
         corrupted block leaves the store. A read whose wait expired may still be landing (``xfer.reads``)."""
-        plan, fb, hits = xfer.plan, self.layout.full_block_bytes, self._hit_lease(xfer.plan)
+        plan, fb, hits = xfer.plan, xfer.layout.full_block_bytes, self._hit_lease(xfer)
         ids = plan.store_ids
         first = plan.load_start // self.block_size
         mine = [b for b in range(len(ids)) if not first <= b < first + plan.pe_blocks]
         self.store.refresh(ids)
+        shard = None if xfer.shard == self.shard else xfer.shard  # the PE rank's heads only: one copy per instance
         tickets = xfer.reads = [
-            self.read_queue.submit(ids[b], lease.slice(hits.block_offset(b), fb).view) for b in mine
+            self.read_queue.submit(ids[b], lease.slice(hits.block_offset(b), fb).view, shard) for b in mine
         ]
         corrupt, first_error = None, None
         for b, ticket in zip(mine, tickets, strict=True):
@@ -456,7 +493,7 @@ class DecodeSide:
                 )
 
     def _push_layers(self, xfer: _DeXfer, lease: Any, pushes: list) -> None:
-        plan, hits, leg = xfer.plan, self._hit_lease(xfer.plan), xfer.link.leg
+        plan, hits, leg = xfer.plan, self._hit_lease(xfer), xfer.link.leg
         first = plan.load_start // self.block_size + plan.pe_blocks
         last = len(plan.store_ids)
         for layer in range(self.layout.num_layers):
@@ -568,25 +605,35 @@ class DecodeSide:
         with self._lock:  # a step and status both end receives: each looks at what the other left
             recvs = [(xfer_id, spec) for xfer_id, spec in self._recvs.items() if not (drains_only and spec.report)]
         for xfer_id, spec in recvs:
-            with self._lock:
-                if self._recvs.get(xfer_id) is not spec:
-                    continue  # the other thread ended it meanwhile
-                xfer, since = self._xfers.get(xfer_id), self._recv_since[xfer_id]
-            if xfer is None:
-                if now - since > self.settings.timeout_s:
-                    self._end_recv(xfer_id, spec, None, failed=True)
-                continue
+            self._complete_recv(xfer_id, spec, now)
+        self.expire_plans()
+
+    def _complete_recv(self, xfer_id: str, spec: RecvSpec, now: float) -> None:
+        """End one receive if its plans (one per source PE rank) all received their rows (merge), or one failed or
+        timed out, or no plan came within ``timeout_s``."""
+        with self._lock:
+            if self._recvs.get(xfer_id) is not spec:
+                return  # the other thread ended it meanwhile
+            xfers, since = self._group(xfer_id), self._recv_since[xfer_id]
+        if not xfers:
+            if now - since > self.settings.timeout_s:
+                self._end_recv(xfer_id, spec, [], failed=True)
+            return
+        for xfer in xfers:
             if xfer.plan.prompt_tokens != spec.prompt_tokens:
                 xfer.error = (
                     f"the plan is for {xfer.plan.prompt_tokens} prompt tokens, the request has {spec.prompt_tokens}"
                 )
-            if xfer.error is not None or self._overdue(xfer, now):
-                self._end_recv(xfer_id, spec, xfer, failed=True)
-            elif xfer.reads_ok and xfer.hits_ok and xfer.received_end >= xfer.plan.prompt_tokens:
-                if spec.report:
-                    self._merge(spec, xfer)
-                self._end_recv(xfer_id, spec, xfer, failed=False)
-        self.expire_plans()
+        if any(xfer.error is not None or self._overdue(xfer, now) for xfer in xfers):
+            self._end_recv(xfer_id, spec, xfers, failed=True)
+        elif len(xfers) == xfers[0].sources and all(xfer.reads_ok and self._rows_ended(xfer) for xfer in xfers):
+            if spec.report:
+                self._merge(spec, xfers)
+            self._end_recv(xfer_id, spec, xfers, failed=False)
+
+    def _group(self, xfer_id: str) -> list[_DeXfer]:
+        """The plans (one per source PE rank) of the request ``xfer_id``; under the lock."""
+        return [xfer for xfer in self._xfers.values() if xfer.base == xfer_id]
 
     def _overdue(self, xfer: _DeXfer, now: float) -> bool:
         """A plan the PE's step has not taken within ``hold_s`` of its arrival, or a started one not received within
@@ -600,7 +647,7 @@ class DecodeSide:
         gives their leases back too."""
         now = time.monotonic()
         with self._lock:
-            expired = [x for xfer_id, x in self._xfers.items() if xfer_id not in self._recvs and self._overdue(x, now)]
+            expired = [x for x in self._xfers.values() if x.base not in self._recvs and self._overdue(x, now)]
             for xfer in expired:
                 del self._xfers[xfer.plan.xfer_id]
         for xfer in expired:
@@ -615,45 +662,59 @@ class DecodeSide:
         """Every row the PE sends has arrived: it writes nothing more into the lease."""
         return xfer.error is None and xfer.hits_ok and xfer.received_end >= xfer.plan.prompt_tokens
 
-    def _end_recv(self, xfer_id: str, spec: RecvSpec, xfer: _DeXfer | None, *, failed: bool) -> None:
+    def _end_recv(self, xfer_id: str, spec: RecvSpec, xfers: list[_DeXfer], *, failed: bool) -> None:
         with self._lock:
             if self._recvs.get(xfer_id) is not spec:
                 return  # the other thread (a step, or status settling a drain) ended it first
             self._recvs.pop(xfer_id)
             self._recv_since.pop(xfer_id)
-            if xfer is not None:
-                self._xfers.pop(xfer_id, None)
-        if xfer is not None:
+            for xfer in xfers:
+                self._xfers.pop(xfer.plan.xfer_id, None)
+        for xfer in xfers:
             xfer.stop.set()
             self._let_go(xfer, xfer.lease, not failed, "its receive failed: the PE may still write into it")
         if not spec.report:
             return  # vLLM waits for nothing here
         if failed:
-            why = "no plan from the PE" if xfer is None else (xfer.error or "timed out")
+            why = next((x.error for x in xfers if x.error), "timed out") if xfers else "no plan from the PE"
             log.warning("DualPath: receive of request %s failed: %s", spec.req_id, why)
             self.counters.failures += 1
             self.failed_recving.add(spec.req_id)
         self.finished_recving.add(spec.req_id)
 
-    def _merge(self, spec: RecvSpec, xfer: _DeXfer) -> None:
-        """Write the request's rows ``[spec.computed, spec.end)`` into the DE's paged blocks, in token order.
+    def _merge(self, spec: RecvSpec, xfers: list[_DeXfer]) -> None:
+        """Write the request's rows ``[spec.computed, spec.end)`` into the DE's paged blocks, in token order: each
+        source PE rank's pair (``xfers``) brings its heads' bytes of every row (:meth:`KVShard.overlap`), or one
+        brings them all."""
+        start, end = spec.computed, spec.end
+        if start >= end:
+            return
+        for layer, cache in enumerate(self.caches):
+            parts = [(xfer, self._lease_rows(xfer, layer, start, end)) for xfer in xfers]
+            if len(parts) == 1 and parts[0][0].shard == self.shard:
+                rows = parts[0][1]
+            else:
+                rows = parts[0][1].new_empty((end - start, self.layout.token_bytes))
+                for xfer, got in parts:
+                    for mine, theirs, nbytes in self.shard.overlap(xfer.shard):
+                        rows[:, mine : mine + nbytes] = got[:, theirs : theirs + nbytes]
+            self.adapter.write_tokens(cache, spec.block_ids, start, rows)
+
+    def _lease_rows(self, xfer: _DeXfer, layer: int, start: int, end: int) -> torch.Tensor:
+        """Rows ``[start, end)`` of ``layer`` in a pair's lease, ``uint8 [end - start, C_pair]``.
 
         The lease holds the rows of all ``P`` prompt tokens: ``[L, P, C]`` (complete layers from the PE), or the
         hit Full Blocks ``[H / T, L, T, C]`` (read by the DE, or on a split partly by the PE) then the PE's new
         rows ``[L, P - H, C]``.
         """
         data = xfer.lease.tensor
-        lease = (
-            LeaseLayout.complete(self.layout, xfer.plan.prompt_tokens) if xfer.full_rows else self._hit_lease(xfer.plan)
-        )
-        H, start, end = lease.hit_tokens, spec.computed, spec.end
-        for layer, cache in enumerate(self.caches):
-            if start < min(H, end):
-                hit = lease.hit_rows(data, layer)[start : min(H, end)]
-                self.adapter.write_tokens(cache, spec.block_ids, start, hit)
-            new_from = max(start, H)
-            if new_from < end:
-                self.adapter.write_tokens(cache, spec.block_ids, new_from, lease.new_rows(data, layer, new_from, end))
+        lease = LeaseLayout.complete(xfer.layout, xfer.plan.prompt_tokens) if xfer.full_rows else self._hit_lease(xfer)
+        H, parts = lease.hit_tokens, []
+        if start < min(H, end):
+            parts.append(lease.hit_rows(data, layer)[start : min(H, end)])
+        if max(start, H) < end:
+            parts.append(lease.new_rows(data, layer, max(start, H), end))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def close(self) -> None:
         with self._lock:

@@ -39,7 +39,10 @@ from ascend_dualpath.transport.mooncake import MooncakePeer
 # now carry a CudaRank too.
 # 5: tensor parallelism: Hello and Welcome carry the sender's tp_size and tp_rank, and the Compat digest is over the
 # model's full layout (every head), the same at every tensor-parallel size.
-PROTOCOL_VERSION = 5
+# 6: the two sides' tensor-parallel sizes may differ: a PE rank pairs with each DE rank it is a source of
+# (``KVShard.sources``), Status carries the instance's tp_size (the PE learns how the DE is sharded before its hello),
+# and where a DE rank has several source PE ranks each pair's transfer id is the request's plus ``@<PE rank>``.
+PROTOCOL_VERSION = 6
 
 
 class Compat(msgspec.Struct, frozen=True):
@@ -110,7 +113,7 @@ class Hello(Message, tag="hello"):
     """A PE's first message to a DE: who it is (``pe``: its side channel), its ``device_id`` on the fabric, its
     link's ``rank_info`` (the emulated communicator's serialized rank info, a :class:`MooncakeRank` or a :class:`CudaRank`), its host
     region ``host_mem`` ``(addr, size, rkey)``, what it speaks (over the model's full layout), and which
-    tensor-parallel rank ``tp_rank`` of ``tp_size`` it is (the DE checks that the two ranks share heads)."""
+    tensor-parallel rank ``tp_rank`` of ``tp_size`` it is (the DE checks that the two ranks pair: :func:`check_tp`)."""
 
     pe: str
     device_id: int
@@ -254,6 +257,7 @@ class Status(Message, tag="status"):
     requests it has not finished (``unfinished_requests`` / ``_tokens``), and what it holds now: ``host_leases``
     and ``quarantined_bytes`` (0 once every request ended and late writes are ruled out). The counters (loads per
     path, fallbacks, takeovers, failures, ...) go through vLLM's metrics (``integrations/vllm/stats.py``).
+    ``tp_size``: the instance's tensor-parallel size (a PE asks rank 0 which of its ranks to pair with).
     """
 
     role: str
@@ -269,6 +273,7 @@ class Status(Message, tag="status"):
     quarantined_bytes: int = 0
     host_leases: int = 0
     reading: list[str] = []
+    tp_size: int = 1
 
 
 # -- the demo engines: the DE drives, the PE prefills -----------------------------------------------------------
@@ -384,15 +389,27 @@ def check_peer(mine: Compat, theirs: Speaks, here: str, there: str) -> None:
         )
 
 
-def check_tp(mine: KVShard, size: int, rank: int, here: str, there: str) -> None:
-    """Refuse a peer rank (``rank`` of tensor-parallel ``size``) this rank cannot pair with: one ProtocolError
-    naming both ends' ranks and sizes (``here`` / ``there`` name the two ends) and why: the model's rows cannot be
-    sharded that way, or the sizes differ (each PE rank pairs with the DE rank of its own number, so both sides need
-    the same size)."""
+def pair_id(xfer_id: str, pe: KVShard, de: KVShard) -> str:
+    """The transfer id of PE rank ``pe``'s pair with DE rank ``de`` for the request ``xfer_id``: the request's own,
+    or, where the DE rank takes rows from several PE ranks (a PE of a larger tensor-parallel size), the request's
+    plus ``@<PE rank>``, so that the DE rank keeps each pair's plan, lease and messages apart."""
+    return xfer_id if len(de.sources(pe.size)) == 1 else f"{xfer_id}@{pe.rank}"
+
+
+def check_tp(mine: KVShard, size: int, rank: int, here: str, there: str, *, decode: bool) -> None:
+    """Refuse a peer rank (``rank`` of tensor-parallel ``size``) this rank (``decode``: a DE rank, else a PE rank)
+    cannot pair with: one ProtocolError naming both ends' ranks and sizes (``here`` / ``there`` name the two ends)
+    and why: the model's rows cannot be sharded that way, or the PE rank is not a source of the DE rank's rows
+    (:meth:`~ascend_dualpath.kv.layout.KVShard.sources`: each DE row comes from exactly one PE rank)."""
     where = f"tensor-parallel rank {mine.rank} of {mine.size} at {here}, rank {rank} of {size} at {there}"
     try:
-        mine.full.shard(size, rank)
+        theirs = mine.full.shard(size, rank)
     except ConfigError as error:
         raise ProtocolError(f"{where}: {error}") from None
-    if size != mine.size or rank != mine.rank:
-        raise ProtocolError(f"{where}: a pair needs equal tensor-parallel sizes and the same rank on both sides")
+    pe, de = (theirs, mine) if decode else (mine, theirs)
+    sources = [source for source, _ in de.sources(pe.size)]
+    if pe.rank not in sources:
+        raise ProtocolError(
+            f"{where}: DE rank {de.rank} of {de.size} takes its rows from PE ranks {sources} of {pe.size}, not from "
+            f"PE rank {pe.rank}"
+        )

@@ -63,7 +63,7 @@ from ascend_dualpath.dualpath.settings import ConnectorSettings, rank_address
 from ascend_dualpath.dualpath.side_channel import PeerClient, XferParams, expect, request_once
 from ascend_dualpath.dualpath.specs import LoadSpec, SaveSpec
 from ascend_dualpath.dualpath.transfer_leg import Segment, wait_notify
-from ascend_dualpath.errors import AdmissionDeferred, ChecksumMismatch, ProtocolError, WaitTimeout
+from ascend_dualpath.errors import AdmissionDeferred, ChecksumMismatch, ConfigError, ProtocolError
 from ascend_dualpath.kv.buffers import HostBuffer
 from ascend_dualpath.kv.layout import KVLayout, KVShard
 from ascend_dualpath.kv.read_queue import ReadQueue
@@ -75,10 +75,11 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class _Peer:
-    """A PE's connection to one DE: the side-channel client and the pair's link."""
+    """A PE's connection to one DE: the side-channel client, the pair's link and the DE rank's shard."""
 
     client: PeerClient
     link: PairLink
+    de: KVShard
 
 
 @dataclasses.dataclass
@@ -120,6 +121,7 @@ class _Load:
     error: BaseException | None = None
     bad_blocks: list[int] = dataclasses.field(default_factory=list)  # after a failure: what the host recomputes
     slots_settled: bool = False  # after a failure: the DE said none of its pushes into the slots is in flight
+    xfer_id: str = ""  # the request's transfer id (the spec's is its pair's, :meth:`PrefillSide._paired`)
 
     @property
     def full_rows(self) -> bool:
@@ -148,6 +150,33 @@ class _PeXfer:
         return LeaseLayout(layout, self.prompt_tokens, 0 if self.full_rows else self.hit_tokens)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Columns:
+    """A paged cache's adapter narrowed to some bytes of each token row: a leg's view of the rank's cache.
+
+    ``segments``: ``(offset in the cache's row, offset in the narrow row, nbytes)``, as
+    :meth:`~ascend_dualpath.kv.layout.KVShard.overlap` gives them; rows in and out are ``uint8 [n, C_leg]``.
+    """
+
+    adapter: Any
+    segments: tuple[tuple[int, int, int], ...]
+    token_bytes: int  # C_leg
+
+    def read_tokens(self, cache: torch.Tensor, block_ids: list[int], start: int, end: int) -> torch.Tensor:
+        rows = self.adapter.read_tokens(cache, block_ids, start, end)
+        narrow = rows.new_empty((end - start, self.token_bytes))
+        for wide, mine, nbytes in self.segments:
+            narrow[:, mine : mine + nbytes] = rows[:, wide : wide + nbytes]
+        return narrow
+
+    def write_tokens(self, cache: torch.Tensor, block_ids: list[int], start: int, rows: torch.Tensor) -> None:
+        """Only the leg's bytes of rows ``[start, start + len(rows))`` change (the other legs write theirs)."""
+        wide = self.adapter.read_tokens(cache, block_ids, start, start + rows.shape[0]).clone()
+        for at, mine, nbytes in self.segments:
+            wide[:, at : at + nbytes] = rows[:, mine : mine + nbytes]
+        self.adapter.write_tokens(cache, block_ids, start, wide)
+
+
 class PrefillSide:
     """The PE's loads and saves (also a standalone instance's loads, which have no peer).
 
@@ -160,6 +189,11 @@ class PrefillSide:
         compatibility digest is over; ``shard.local``: the rank's own rows, :attr:`layout`).
     counters, quarantine :
         The instance's; this half counts its loads, fallbacks, takeovers and failures there.
+    rows : KVShard, optional
+        A *leg*: the rows it moves are DE rank ``rows``'s share of this rank's (its reads take only those bytes, its
+        cache writes only those columns). A rank that is the source of several ranks of a DE (a DE of a larger
+        tensor-parallel size) runs each request to that DE through one leg per DE rank, each a pair as at equal
+        sizes; the rank's layer is loaded once every leg loaded it.
 
     A host calls :meth:`bind` once its caches exist, then per step :meth:`start`, for each layer
     :meth:`wait_for_layer_load` before its attention and :meth:`save_kv_layer` after it, and :meth:`wait_for_save`
@@ -174,8 +208,10 @@ class PrefillSide:
         read_queue: ReadQueue,
         counters: Counters,
         quarantine: Quarantine,
+        rows: KVShard | None = None,
     ) -> None:
-        self.settings, self.shard, self.layout, self.store = settings, shard, shard.local, store
+        self.settings, self.shard, self.store = settings, shard, store
+        self.rows, self.layout = rows, (rows or shard).local
         self.read_queue, self.counters, self.quarantine = read_queue, counters, quarantine
         self.caches: list[torch.Tensor] = []
         self.adapter = None
@@ -183,6 +219,7 @@ class PrefillSide:
         self.address = ""  # this instance's side channel, which the DE answers writes_ended on
         self._private_host: HostBuffer | None = None
         self._peers: dict[str, _Peer] = {}  # DE side channel -> its peer
+        self._unpaired: set[str] = set()  # DEs none of whose ranks takes rows from this rank
         self._loads: list[_Load] = []
         self._prefetched: dict[str, _Load] = {}  # req_id -> a load started ahead of its step
         self._deferred: dict[str, LoadSpec] = {}  # req_id -> a load to read ahead once there is room (in order)
@@ -194,11 +231,58 @@ class PrefillSide:
         self._lease_writes_lock = threading.Lock()  # the side channel's thread answers writes_ended
         self.layer_waits: list[float] = []  # seconds each wait for a DE push took (the host drains it)
         self.blocks_read: dict[str, int] = {}  # req_id -> hit blocks this PE's storage NIC read for it, until finish
+        self._legs: dict[str, tuple[PrefillSide, ...]] = {}  # DE side channel -> its legs (none: one pair)
+        self._leg_of: dict[KVShard, PrefillSide] = {}  # DE rank -> the leg to it
+        self._leg_reqs: dict[str, tuple[PrefillSide, ...]] = {}  # req_id -> the legs it runs through
+        self._leg_ready: dict[str, dict[int, int]] = {}  # req_id -> what each of its legs' ready() said so far
 
     def bind(self, caches: list[torch.Tensor], adapter: Any, dataplane: Dataplane | None, address: str) -> None:
         """The paged caches (one per layer, in layer order), their adapter (``read_tokens`` / ``write_tokens``), the
         instance's dataplane (None: standalone) and its side-channel address."""
         self.caches, self.adapter, self.dataplane, self.address = caches, adapter, dataplane, address
+        for de, leg in self._leg_of.items():
+            leg.bind(caches, _Columns(adapter, self.shard.overlap(de), de.local.token_bytes), dataplane, address)
+
+    # -- legs: a DE of a larger tensor-parallel size -------------------------------------------------------------
+    def _legs_of(self, spec: Any) -> tuple[PrefillSide, ...]:
+        """The legs a request's transfer runs through: one per rank of its DE this rank is a source of, where there
+        are several; none where this side moves it itself (one DE rank, no DE rank, no transfer, or a leg)."""
+        if spec.xfer is None or self.rows is not None:
+            return ()
+        address = spec.xfer.peer
+        if address not in self._legs:
+            if address in self._peers or address in self._unpaired:
+                return ()
+            try:
+                size, targets = self._targets(address)
+            except Exception:  # connect_peer meets the error again and fails the load with it
+                return ()
+            des = [self.shard.full.shard(size, rank) for rank in targets] if len(targets) > 1 else []
+            self._legs[address] = tuple(self._leg(de) for de in des)
+        return self._legs[address]
+
+    def _leg(self, de: KVShard) -> PrefillSide:
+        leg = self._leg_of.get(de)
+        if leg is None:
+            parts = (self.settings, self.shard, self.store, self.read_queue, self.counters, self.quarantine)
+            leg = self._leg_of[de] = PrefillSide(*parts, rows=de)
+            if self.caches:
+                columns = _Columns(self.adapter, self.shard.overlap(de), de.local.token_bytes)
+                leg.bind(self.caches, columns, self.dataplane, self.address)
+        return leg
+
+    def _route(self, specs: list) -> tuple[list, dict[PrefillSide, list]]:
+        """``specs`` split into those this side moves and those of each leg (a request through legs goes to each)."""
+        mine, legs = [], {}
+        for spec in specs:
+            through = self._legs_of(spec)
+            if through:
+                self._leg_reqs[spec.req_id] = through
+            for leg in through:
+                legs.setdefault(leg, []).append(spec)
+            if not through:
+                mine.append(spec)
+        return mine, legs
 
     def prefetch(self, loads: list[LoadSpec]) -> None:
         """Read loads ahead of the steps that take them (the read before the batch): their storage reads into host
@@ -206,6 +290,9 @@ class PrefillSide:
         host buffer (or the DE's) has no room for, or beyond ``prefetch_max_mb`` of reads ahead, waits its turn.
         :meth:`ready` says when each load's reads ended and how many hit tokens are good; :meth:`start` takes it by
         request id (its ``block_ids`` may then be empty here); :meth:`finish` drops one no step took."""
+        loads, legs = self._route(loads)
+        for leg, specs in legs.items():
+            leg.prefetch(specs)
         for spec in loads:
             if spec.req_id in self._prefetched or spec.req_id in self._deferred:
                 raise ProtocolError(f"request {spec.req_id} is already prefetched")
@@ -232,9 +319,10 @@ class PrefillSide:
     def ready(self) -> dict[str, int]:
         """Loads read ahead whose reads all ended since the last call: request id -> the hit tokens the step may
         take (the prompt's tokens up to the first block that failed or was corrupt; the load's ``computed`` when
-        none is good). Never waits for a read; drops loads held beyond ``hold_s``."""
+        none is good; through legs: once every leg's ended, the fewest). Never waits for a read; drops loads held
+        beyond ``hold_s``."""
         self._start_deferred()
-        now, ready = time.monotonic(), {}
+        now, ready = time.monotonic(), self._legs_ready()
         for req_id, load in list(self._prefetched.items()):
             if load.usable_last is None and self._read_ahead_end(load, now) is not None:
                 ready[req_id] = max(load.usable_last * self.block_size, load.spec.computed)
@@ -242,6 +330,18 @@ class PrefillSide:
                 log.warning("DualPath: request %s was not taken within hold_s=%s s of its reads", req_id,
                             self.settings.hold_s)  # fmt: skip
                 self._drop(self._prefetched.pop(req_id), f"not taken within hold_s={self.settings.hold_s} s")
+        return ready
+
+    def _legs_ready(self) -> dict[str, int]:
+        """Requests read ahead through legs whose every leg's reads ended: request id -> the fewest good tokens."""
+        for leg in self._leg_of.values():
+            for req_id, tokens in leg.ready().items():
+                self._leg_ready.setdefault(req_id, {})[id(leg)] = tokens
+        ready = {}
+        for req_id, got in list(self._leg_ready.items()):
+            if len(got) == len(self._leg_reqs.get(req_id, ())):
+                ready[req_id] = min(got.values())
+                del self._leg_ready[req_id]
         return ready
 
     def _read_ahead_end(self, load: _Load, now: float) -> int | None:
@@ -315,10 +415,16 @@ class PrefillSide:
 
     def pending_prefetches(self) -> int:
         """Loads read ahead that no step took yet (waiting for room, reading, or read)."""
-        return len(self._deferred) + len(self._prefetched)
+        return (
+            len(self._deferred) + len(self._prefetched) + sum(leg.pending_prefetches() for leg in self._leg_of.values())
+        )
 
     def start(self, loads: list[LoadSpec], saves: list[SaveSpec]) -> None:
         """A step's loads and saves, before its forward: reads and plans start here (or at :meth:`prefetch`)."""
+        loads, leg_loads = self._route(loads)
+        saves, leg_saves = self._route(saves)
+        for leg in self._leg_of.values():  # every leg's step starts, with or without work in it
+            leg.start(leg_loads.get(leg, []), leg_saves.get(leg, []))
         self._invalid_blocks = set()
         self._loads = []
         for spec in loads:
@@ -326,7 +432,7 @@ class PrefillSide:
             load = self._prefetched.pop(spec.req_id, None)
             if load is None:
                 load = self._start_load(spec)
-            load.spec = spec  # the step's block table; the hit it takes may be shorter than what was read ahead
+            load.spec = self._paired(spec)  # the step's block table; the hit it takes may be shorter than read ahead
             if load.error is None:
                 self._begin(load)
             else:  # failed before its step: the hit the step takes is recomputed (none once ready() said so)
@@ -337,23 +443,36 @@ class PrefillSide:
         for spec in saves:
             xfer = self._pe_xfer(spec.req_id)
             if xfer is not None:
-                self._saves.append((spec, xfer, []))
+                self._saves.append((self._paired(spec), xfer, []))
 
     def reading(self) -> list[str]:
         """The transfers of the current step whose storage reads through this PE are queued or running."""
         # the engine thread replaces the list, never mutates it, while another thread reads it
-        return [
-            load.spec.xfer.xfer_id
+        mine = [
+            load.xfer_id
             for load in [*self._loads, *list(self._prefetched.values())]
-            if load.spec.xfer is not None and not all(t.done for r in load.reads for t in r.tickets)
+            if load.xfer_id and not all(t.done for r in load.reads for t in r.tickets)
         ]
+        return list(dict.fromkeys(mine + [xfer_id for leg in list(self._leg_of.values()) for xfer_id in leg.reading()]))
 
     def unfinished_tokens(self) -> list[int]:
-        """Prompt tokens of each request this PE planned and has not finished."""
-        return [x.prompt_tokens for x in list(self._pe_xfers.values())]
+        """Prompt tokens of each request this PE planned and has not finished (a request through legs once)."""
+        return list(self._unfinished().values())
+
+    def _unfinished(self) -> dict[str, int]:
+        """Transfer id -> prompt tokens of each request this side or its legs planned and has not finished."""
+        found = {xfer_id: x.prompt_tokens for xfer_id, x in list(self._pe_xfers.items())}
+        for leg in list(self._leg_of.values()):
+            found |= leg._unfinished()
+        return found
 
     def finish(self, req_ids: set[str]) -> None:
         """Requests the host finished send nothing more; writes seen ended need no answer any more."""
+        for leg in self._leg_of.values():
+            leg.finish(req_ids)
+        for req_id in req_ids:
+            self._leg_reqs.pop(req_id, None)
+            self._leg_ready.pop(req_id, None)
         for xfer_id in list(self._lease_writes):
             self._writes_pending(xfer_id)
         for req_id in req_ids:
@@ -365,6 +484,8 @@ class PrefillSide:
             self.blocks_read.pop(req_id, None)
 
     def close(self) -> None:
+        for leg in self._leg_of.values():
+            leg.close()
         for peer in self._peers.values():
             peer.client.close()
         self._peers.clear()
@@ -374,10 +495,13 @@ class PrefillSide:
         has no room now. A preempted prefill taken again reads its whole hit here, its transfer's plan unchanged."""
         first, last = spec.computed // self.block_size, spec.hit_tokens // self.block_size
         load = _Load(spec, first, last, own_blocks=last - first, since=time.monotonic())
+        load.xfer_id = spec.xfer.xfer_id if spec.xfer is not None else ""
         try:
-            again = spec.xfer is not None and self._pe_xfer_of.get(spec.req_id) == spec.xfer.xfer_id
             if spec.xfer is not None:
                 load.peer = self.connect_peer(spec.xfer.peer)
+                load.spec = spec = self._paired(spec)  # no transfer where the peer is None
+            again = spec.xfer is not None and self._pe_xfer_of.get(spec.req_id) == spec.xfer.xfer_id
+            if spec.xfer is not None:
                 load.own_blocks = load.own_blocks if again else self._own_blocks(load)
             reads = self._lease_reads(load, load.first, load.own_blocks, defer) if load.own_blocks > 0 else None
             if load.own_blocks > 0 and reads is None:
@@ -471,7 +595,9 @@ class PrefillSide:
         self.blocks_read[spec.req_id] = self.blocks_read.get(spec.req_id, 0) + count
         for i in range(count):  # appended one by one: a failing submit leaves those queued to _release_load
             reads.tickets.append(
-                self.read_queue.submit(spec.store_ids[first + i], reads.lease.slice(own.block_offset(i), fb).view)
+                self.read_queue.submit(
+                    spec.store_ids[first + i], reads.lease.slice(own.block_offset(i), fb).view, self.rows
+                )
             )
 
     @property
@@ -491,7 +617,12 @@ class PrefillSide:
         return self._private_host
 
     def wait_for_layer_load(self, layer: int) -> None:
-        """Every load's hit rows of ``layer`` into the paged cache (a load that fails is reported, not raised)."""
+        """Every load's hit rows of ``layer`` into the paged cache (a load that fails is reported, not raised); a
+        request through legs once every leg wrote its columns."""
+        for leg in self._leg_of.values():
+            leg.wait_for_layer_load(layer)
+            self.layer_waits += leg.layer_waits
+            leg.layer_waits = []
         for load in self._loads:
             if load.error is None and load.last > load.first:
                 try:
@@ -740,25 +871,25 @@ class PrefillSide:
             "the DE's pushes may still land there",
         )
 
-    def connect_peer(self, address: str) -> _Peer:
-        """The DE whose rank 0 is at ``address`` (what the scheduler names); the first time, ask the device id of
-        its rank this rank pairs with (the same tensor-parallel rank, at :func:`rank_address`) and make the pair's
-        communicator (``hello``, where the DE refuses another version, digest or tensor-parallel size)."""
+    def connect_peer(self, address: str) -> _Peer | None:
+        """The DE whose rank 0 is at ``address`` (what the scheduler names); the first time, ask rank 0 for the DE's
+        tensor-parallel size, then the rank this rank pairs with (the DE rank whose rows it is a source of,
+        :meth:`~ascend_dualpath.kv.layout.KVShard.targets`, at :func:`rank_address`) for its device id, and make the
+        pair's communicator (``hello``, where the DE refuses another version or digest, or a rank it does not pair
+        with). None where this rank is no DE rank's source (the DE's ranks take the rows it holds, replicated, from
+        other PE ranks): its loads read their hits themselves and it sends the DE nothing."""
         peer = self._peers.get(address)
-        if peer is not None:
+        if peer is not None or address in self._unpaired:
             return peer
         s = self.settings
-        client = PeerClient(rank_address(address, s.tp_rank), s.timeout_s, **s.side_framing)
+        de = self._de_rank(address)
+        if de is None:
+            self._unpaired.add(address)
+            return None
+        client = PeerClient(rank_address(address, de.rank), s.timeout_s, **s.side_framing)
         try:
             dp = self.dataplane
-            try:
-                status = expect(client.request(m.StatusQuery()), m.Status)
-            except WaitTimeout as error:
-                if not s.tp_rank:
-                    raise
-                raise WaitTimeout(f"{error} (DE rank {s.tp_rank} of the DE at {address}: PE rank {s.tp_rank} of "
-                                  f"{s.tp_size} pairs with it, so the DE needs tensor-parallel size {s.tp_size} too)"
-                                  ) from None  # fmt: skip
+            status = expect(client.request(m.StatusQuery()), m.Status)
             link = dp.new_link(client.address, status.device_id)
             hello = m.Hello(
                 pe=self.address,
@@ -770,13 +901,51 @@ class PrefillSide:
                 tp_rank=s.tp_rank,
             )
             reply = expect(client.request(hello), m.Welcome)
-            m.check_tp(self.shard, reply.tp_size, reply.tp_rank, f"PE {s.node}", f"DE {client.address}")
+            m.check_tp(self.shard, reply.tp_size, reply.tp_rank, f"PE {s.node}", f"DE {client.address}", decode=False)
             link.connect(reply.rank_info, reply.host_mem)
         except Exception:
             client.close()
             raise
-        peer = self._peers[address] = _Peer(client, link)
+        peer = self._peers[address] = _Peer(client, link, de)
         return peer
+
+    def _de_rank(self, address: str) -> KVShard | None:
+        """The shard of the rank of the DE at ``address`` (its rank 0) that this rank pairs with, from the DE's
+        tensor-parallel size (rank 0's ``status``); None where there is none; ProtocolError naming both ends' ranks
+        and sizes where there are several."""
+        size, targets = self._targets(address)
+        if self.rows is not None:  # a leg: its own DE rank
+            targets = tuple(rank for rank in targets if (size, rank) == (self.rows.size, self.rows.rank))
+        if len(targets) > 1:  # _legs_of routes these requests through legs
+            raise ProtocolError(f"PE rank {self.settings.tp_rank} pairs with DE ranks {list(targets)} at {address}")
+        return self.shard.full.shard(size, targets[0]) if targets else None
+
+    def _targets(self, address: str) -> tuple[int, tuple[int, ...]]:
+        """The tensor-parallel size of the DE at ``address`` (rank 0's ``status``) and the ranks there this rank is a
+        source of (:meth:`~ascend_dualpath.kv.layout.KVShard.targets`); ProtocolError naming both ends' ranks and
+        sizes where the DE's size cannot shard the model."""
+        s = self.settings
+        status = expect(request_once(address, m.StatusQuery(), s.timeout_s, **s.side_framing), m.Status)
+        try:
+            return status.tp_size, self.shard.targets(status.tp_size)
+        except ConfigError as error:
+            raise ProtocolError(f"tensor-parallel rank {s.tp_rank} of {s.tp_size} at PE {s.node}, size "
+                                f"{status.tp_size} at DE {address}: {error}") from None  # fmt: skip
+
+    def _paired(self, spec: Any) -> Any:
+        """``spec`` (a LoadSpec or SaveSpec) with its pair's transfer id (:func:`messages.pair_id`) once its DE is
+        connected; without a transfer where this rank pairs with none of the DE's ranks (:meth:`connect_peer`)."""
+        if spec.xfer is not None and spec.xfer.peer in self._unpaired:
+            return dataclasses.replace(spec, xfer=None)
+        peer = self._peers.get(spec.xfer.peer) if spec.xfer is not None else None
+        if peer is None:
+            return spec
+        xfer_id = m.pair_id(spec.xfer.xfer_id, self.shard, peer.de)
+        return (
+            spec
+            if xfer_id == spec.xfer.xfer_id
+            else dataclasses.replace(spec, xfer=dataclasses.replace(spec.xfer, xfer_id=xfer_id))
+        )
 
     @staticmethod
     def _peer_request(peer: _Peer, message: m.Message, timeout_s: float | None = None, reply: type = m.Ok) -> Any:
@@ -842,6 +1011,8 @@ class PrefillSide:
 
     def save_kv_layer(self, layer: int, kv_layer: torch.Tensor) -> None:
         """Queue this step's computed rows of ``layer`` (from ``kv_layer``, the layer's paged cache) to each DE."""
+        for leg in self._leg_of.values():
+            leg.save_kv_layer(layer, kv_layer)
         failed = {load.spec.req_id for load in self._loads if load.error is not None}
         for spec, xfer, sends in self._saves:
             if spec.req_id in failed:
@@ -889,9 +1060,12 @@ class PrefillSide:
         (a request it never wrote for, or whose writes all ended, has none), and none will start: the request that
         planned it is over here (a later chunk of its prefill would write again)."""
         xfer_id = message.xfer_id
-        return m.Ended(ended=xfer_id not in self._pe_xfers and not self._writes_pending(xfer_id))
+        legs = all(leg.on_writes_ended(message).ended for leg in list(self._leg_of.values()))
+        return m.Ended(ended=legs and xfer_id not in self._pe_xfers and not self._writes_pending(xfer_id))
 
     def wait_for_save(self) -> None:
+        for leg in self._leg_of.values():
+            leg.wait_for_save()
         for load in self._loads:
             if load.hits_ticket is not None and load.error is None:
                 self._finish_own_hits(load)
@@ -965,4 +1139,6 @@ class PrefillSide:
     def block_ids_with_load_errors(self) -> set[int]:
         """The hit blocks of loads that failed since the last call (the host recomputes them)."""
         bad, self._invalid_blocks = self._invalid_blocks, set()
+        for leg in self._leg_of.values():
+            bad |= leg.block_ids_with_load_errors()
         return bad

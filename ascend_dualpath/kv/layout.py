@@ -419,17 +419,25 @@ class KVShard:
 
     def sources(self, size: int) -> tuple[tuple[int, tuple[tuple[int, int, int], ...]], ...]:
         """Where this rank's units come from on a side of tensor-parallel size ``size``: ``(rank there, overlap
-        segments as :meth:`overlap` gives them from this side)``, each unit from exactly one rank (the lowest that
-        holds it, where that side replicates heads)."""
-        taken: set[int] = set()
-        found = []
-        for rank in range(size):
-            there = self.full.shard(size, rank)
-            fresh = set(there.units) & set(self.units) - taken
-            if fresh:
-                found.append((rank, self.overlap(there)))
-                taken |= fresh
-        return tuple(found)
+        segments as :meth:`overlap` gives them from this side)``, by rank, each unit from exactly one rank. Where that
+        side holds a unit on several ranks (replicated GQA heads, MLA) it comes from the holder at this rank's
+        position ``rank * size // self.size``, else the holder nearest to it: equal sizes pair rank ``r`` with rank
+        ``r``, and the receiving ranks of a smaller size spread over the sending ranks of a larger one."""
+        position = self.rank * size // self.size
+        chosen = set()
+        for unit in self.units:
+            holders = [rank for rank in range(size) if unit in self.full.shard(size, rank).units]
+            chosen.add(min(max(position, holders[0]), holders[-1]))
+        return tuple((rank, self.overlap(self.full.shard(size, rank))) for rank in sorted(chosen))
+
+    def targets(self, size: int) -> tuple[int, ...]:
+        """The ranks of a side of tensor-parallel size ``size`` whose :meth:`sources` over this rank's size name this
+        rank: those it sends its rows to (a PE rank's DE ranks; they send it the hit rows they read on the DE path)."""
+        return tuple(
+            rank
+            for rank in range(size)
+            if self.rank in (source for source, _ in self.full.shard(size, rank).sources(self.size))
+        )
 
     def take(self, full_blocks: torch.Tensor) -> torch.Tensor:
         """The rank's bytes of Full Blocks: ``uint8 [..., L, T, C] -> [..., L, T, C_r]`` (a copy)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +15,7 @@ from ascend_dualpath import _env
 from ascend_dualpath._checks import check_bound, check_type
 from ascend_dualpath.errors import BoundsError, CapacityError, QueueError, WaitTimeout
 from ascend_dualpath.kv.clocks import Clock, MonotonicClock, TokenBucket
+from ascend_dualpath.kv.layout import KVShard
 from ascend_dualpath.kv.memory import as_memoryview
 from ascend_dualpath.kv.store import BlockStore
 
@@ -144,14 +146,15 @@ class ReadQueue:
         self._dispatcher = threading.Thread(target=self._dispatch, name=f"adp-readq-{node}", daemon=True)
         self._dispatcher.start()
 
-    def submit(self, block_id: bytes, dest: Any) -> ReadTicket:
-        """Queue a read of one Full Block into ``dest`` (``full_block_bytes`` bytes); returns its ticket."""
+    def submit(self, block_id: bytes, dest: Any, shard: KVShard | None = None) -> ReadTicket:
+        """Queue a read of one Full Block into ``dest`` (the store layout's ``full_block_bytes`` bytes); returns its
+        ticket. ``shard``: read only that tensor-parallel rank's bytes (``shard.local.full_block_bytes``; a DE rank
+        reading for a PE rank of a larger size reads that rank's heads only)."""
         nbytes = as_memoryview(dest, writable=True).nbytes
-        if nbytes != self.store.layout.full_block_bytes:
-            raise BoundsError(
-                f"block {block_id.hex()}: destination is {nbytes} bytes, a Full Block is "
-                f"{self.store.layout.full_block_bytes}"
-            )
+        expected = (shard.local if shard is not None else self.store.layout).full_block_bytes
+        if nbytes != expected:
+            raise BoundsError(f"block {block_id.hex()}: destination is {nbytes} bytes, a Full Block is {expected}")
+        read = functools.partial(self.store.read_into, block_id, dest, **({"shard": shard} if shard else {}))
         with self._cond:
             if self._closed:
                 raise QueueError(f"read queue of {self.node} is closed")
@@ -161,7 +164,7 @@ class ReadQueue:
                     f"exceeds max_queued_bytes={self.max_queued_bytes}"
                 )
             ticket = ReadTicket(block_id, nbytes, self.clock.now())
-            self._queue.append((ticket, lambda: self.store.read_into(block_id, dest)))
+            self._queue.append((ticket, read))
             self._queued_bytes += nbytes
             self._cond.notify_all()
         return ticket

@@ -902,9 +902,13 @@ class ShardStore:
             f"full blocks of the store at {self.store.root}"
         )
 
-    def read_into(self, block_id: bytes, dest: Any, *, preserve_on_error: bool = True) -> int:
-        """The rank's ``[L, T, C_r]`` bytes of block ``block_id`` into ``dest``; returns the payload bytes read."""
-        return self.store.read_into(block_id, dest, preserve_on_error=preserve_on_error, shard=self.shard)
+    def read_into(
+        self, block_id: bytes, dest: Any, *, preserve_on_error: bool = True, shard: KVShard | None = None
+    ) -> int:
+        """The rank's ``[L, T, C_r]`` bytes of block ``block_id`` into ``dest`` (``shard``: that rank's instead, e.g.
+        a PE rank of a larger tensor-parallel size a DE rank reads for); returns the payload bytes read."""
+        shard = shard or self.shard
+        return self.store.read_into(block_id, dest, preserve_on_error=preserve_on_error, shard=shard)
 
     def close(self) -> None:
         self.store.close()

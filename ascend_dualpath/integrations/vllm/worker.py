@@ -198,6 +198,7 @@ class DualPathWorker:
             quarantined_bytes=self.quarantine.held_bytes,
             host_leases=self.dataplane.host.stats().live_leases if self.dataplane is not None else 0,
             reading=self.prefill.reading() + self.decode.reading(),
+            tp_size=self.settings.tp_size,
         )
 
     def stats_since_last(self) -> tuple[dict[str, int], list[float], int] | None:

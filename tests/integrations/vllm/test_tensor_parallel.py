@@ -1,27 +1,31 @@
-"""Tensor parallelism on the real connector workers (no vLLM), equal sizes on both sides.
+"""Tensor parallelism on the real connector workers (no vLLM), of equal or different sizes on the two sides.
 
-:class:`~tests.integrations.vllm.worker_harness.TpDeployment`: one PE and one DE of ``tp`` ranks each, every rank of an
-instance given the same step metadata (the peer named by its rank-0 side address), PE rank ``r`` finding DE rank ``r``
-at the DE's base port + ``r``; every worker holds its rank's heads (GQA) or the whole latent (MLA) and reads only its
-byte ranges of the stored full blocks. The DE caches are checked bit for bit per rank (poisoned bytes nobody may write
-stay), and the storage NICs' accounting against one copy of the hit KV.
+:class:`~tests.integrations.vllm.worker_harness.TpDeployment`: one PE of ``pe_tp`` ranks and one DE of ``de_tp`` ranks,
+every rank of an instance given the same step metadata (the peer named by its rank-0 side address); a PE rank asks the
+DE's rank 0 for its size and pairs with each DE rank it is a source of (``KVShard.sources``: equal sizes pair rank
+``r`` with rank ``r``), at the DE's base port + that rank; every worker holds its rank's heads (GQA) or the whole latent
+(MLA) and reads only its byte ranges of the stored full blocks. The DE caches are checked bit for bit per rank
+(poisoned bytes nobody may write stay), the PE caches' hit rows after each layer's load, and the storage NICs'
+accounting against the copies of the hit KV the pairs move (one per instance for GQA whose heads no rank replicates).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import pytest
 
 from ascend_dualpath.dualpath import messages as m
 from ascend_dualpath.dualpath.dataplane import SHM_DIR
-from ascend_dualpath.dualpath.side_channel import PeerClient
-from ascend_dualpath.errors import ProtocolError, WaitTimeout
+from ascend_dualpath.dualpath.scheduler import ReadPath
+from ascend_dualpath.dualpath.side_channel import PeerClient, XferParams
+from ascend_dualpath.dualpath.specs import LoadSpec
+from ascend_dualpath.errors import ProtocolError
 from tests.integrations.vllm.worker_harness import Model, TpDeployment, assert_caches_equal, expected_de_caches
 
 PATHS = [("pe", False), ("de", False), ("de", True)]
 MODELS = [("gqa", 4), ("gqa", 8), ("gqa", 2), ("mla", 1)]
+SIZES = [(pe, de) for pe in (1, 2, 4) for de in (1, 2, 4)]
 
 
 @pytest.fixture
@@ -38,35 +42,81 @@ def tp_deploy(tmp_path):
         assert not [n for n in os.listdir(SHM_DIR) if n.startswith(f"adp.{deployment.fabric}")]
 
 
-def _copies(kind: str, kv_heads: int, tp: int) -> int:
-    """Copies of the hit KV an instance pair reads: a GQA head once (by each rank holding it when heads are
-    replicated); MLA's latent, which every rank holds, once per rank (not yet once per instance)."""
-    return tp if kind == "mla" else max(1, tp // kv_heads)
+def _copies(kind: str, kv_heads: int, pe_tp: int, de_tp: int = 0) -> float:
+    """Copies of the hit KV an instance pair reads on any path: each pair's rows (the smaller of its two ranks'
+    shares) once, and the whole share of a PE rank no DE rank pairs with (it reads its hits itself). One copy for GQA
+    whose heads no rank replicates; replicated heads are read once by each pair holding them, MLA's latent once per
+    pair (not yet once per instance)."""
+    full = Model(kind, kv_heads).full
+    copies = 0.0
+    for p in range(pe_tp):
+        pe = full.shard(pe_tp, p)
+        targets = [full.shard(de_tp or pe_tp, d) for d in pe.targets(de_tp or pe_tp)]
+        units = [min(len(pe.units), len(de.units)) for de in targets] if targets else [len(pe.units)]
+        copies += sum(units) / full.num_units
+    return copies
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize(("pe_tp", "de_tp"), SIZES, ids=[f"pe{p}-de{d}" for p, d in SIZES])
 @pytest.mark.parametrize(("kind", "kv_heads"), MODELS, ids=[f"{k}{h}" for k, h in MODELS])
-def test_every_rank_moves_its_share_on_every_path_bit_exact(tp_deploy, tp, kind, kv_heads):
-    if kind == "gqa" and kv_heads < tp and tp != 4:
-        pytest.skip("replicated heads: one case (2 heads over 4 ranks) is enough")
-    d = tp_deploy(tp, tp, kind, kv_heads)
-    written = [[] for _ in range(tp)]
+def test_every_rank_moves_its_share_on_every_path_bit_exact(tp_deploy, pe_tp, de_tp, kind, kv_heads):
+    d = tp_deploy(pe_tp, de_tp, kind, kv_heads)
+    written = [[] for _ in range(de_tp)]
     hit_blocks, full = 5, d.model.full.full_block_bytes
-    copies = _copies(kind, kv_heads, tp)
+    copies = _copies(kind, kv_heads, pe_tp, de_tp)
+    if kind == "gqa" and kv_heads >= max(pe_tp, de_tp):
+        assert copies == 1  # one copy of the hit KV per instance pair
     for i, (path, split) in enumerate(PATHS):
         before = {name: d.bytes_read(name) for name in ("pe0", "de0")}
         for rank, (de_req, rows) in enumerate(d.run("pe0", "de0", 23 + i, hit_blocks, path, split, seed=7 * i)):
             written[rank].append((de_req, rows))
         read = {name: d.bytes_read(name) - before[name] for name in before}
         assert read["pe0"] + read["de0"] == copies * hit_blocks * full, (path, split, read)
-        if not split:  # the path's side alone reads
-            assert read["de0" if path == "pe" else "pe0"] == 0, (path, read)
+        if path == "pe":  # the path's side alone reads
+            assert read["de0"] == 0, (path, read)
     for rank, rank_written in enumerate(written):
-        expected = expected_de_caches(rank_written, Model(kind, kv_heads, tp, rank))
+        expected = expected_de_caches(rank_written, Model(kind, kv_heads, de_tp, rank))
         assert_caches_equal(d.instances[f"de0/{rank}"].caches, expected)
+    for rank in range(pe_tp):
         status = d.instances[f"pe0/{rank}"].status()
-        assert (status["loads_pe"], status["loads_de"], status["loads_split"]) == (1, 1, 1)
+        pairs = len(d.shard("pe0", rank).targets(de_tp))  # a load per pair (a leg each), else one of its own
+        assert (status["loads_pe"], status["loads_de"], status["loads_split"]) == (
+            (pairs, pairs, pairs) if pairs else (3, 0, 0)
+        )
         assert status["fallbacks"] == status["failures"] == 0
+
+
+@pytest.mark.parametrize(("pe_tp", "de_tp"), [(2, 1), (1, 2), (4, 2)], ids=["pe2-de1", "pe1-de2", "pe4-de2"])
+def test_a_de_rank_whose_read_fails_leaves_its_pair_to_the_pe_rank_bit_exact(tp_deploy, pe_tp, de_tp):
+    """Different sizes, DE read path: DE rank 0's read of one hit block fails; only the pair that read it falls
+    back (its PE rank, or the PE rank's leg to it, reads that DE half itself), the other pairs go on pushing, and
+    every DE rank's cache is bit-exact with nothing recomputed."""
+    d = tp_deploy(pe_tp, de_tp, "gqa", 8)
+    ids = d.store_prefix(d.true_rows(5, 23, d.model.full), 5, 4242)
+    store = d.instances["de0/0"].worker.store
+    getattr(store, "store", store).faults.fail_next_read(ids[3])  # the first pair to read block 3 fails
+    done = d.run("pe0", "de0", 23, 5, "de", False, seed=5, ids=ids)
+    for rank, written in enumerate(done):
+        expected = expected_de_caches([written], Model("gqa", 8, de_tp, rank))
+        assert_caches_equal(d.instances[f"de0/{rank}"].caches, expected)
+    pe = [d.instances[name].status() for name in d.ranks("pe0")]
+    assert sum(status["takeovers"] for status in pe) == 1
+    assert sum(status["failures"] for status in pe) == 0
+
+
+@pytest.mark.parametrize(("pe_tp", "de_tp"), [(2, 1), (1, 2), (1, 4)], ids=["pe2-de1", "pe1-de2", "pe1-de4"])
+@pytest.mark.parametrize(("path", "split"), PATHS, ids=["pe", "de", "split"])
+def test_reads_ahead_of_the_step_are_ready_once_every_pair_read_them(tp_deploy, pe_tp, de_tp, path, split):
+    """The read before the batch at different sizes: each PE rank reads ahead (through a leg per DE rank where it
+    has several) and reports the request ready with every hit token once all its pairs' reads ended; the step then
+    takes it, bit-exact on every DE rank."""
+    d = tp_deploy(pe_tp, de_tp, "gqa", 8)
+    done = d.run("pe0", "de0", 23, 5, path, split, seed=9, ahead=True)
+    for rank, written in enumerate(done):
+        expected = expected_de_caches([written], Model("gqa", 8, de_tp, rank))
+        assert_caches_equal(d.instances[f"de0/{rank}"].caches, expected)
+    for name in d.ranks("pe0"):
+        assert d.instances[name].worker.prefill.pending_prefetches() == 0
 
 
 @pytest.mark.parametrize(("kind", "kv_heads"), [("gqa", 4), ("mla", 1)], ids=["gqa4", "mla"])
@@ -96,22 +146,37 @@ def test_the_compatibility_digest_is_the_same_at_every_size(tp_deploy):
     assert d2.instances["pe0/1"].worker.layout != d1.instances["pe0/0"].worker.layout  # yet the ranks' rows differ
 
 
-def test_a_pe_of_another_size_is_refused_at_hello_naming_both(tp_deploy):
-    d = tp_deploy(2, 1, "gqa", 4)
-    pe, de = d.instances["pe0/0"].worker, d.instances["de0/0"]
-    both = r"rank 0 of 1 at DE de0, rank 0 of 2 at PE tcp://.*: a pair needs equal tensor-parallel sizes"
-    with pytest.raises(ProtocolError, match=both):
-        pe.prefill.connect_peer(de.address)
-    assert not pe.prefill._peers and not de.worker.dataplane.links
-
-
-def test_a_pe_rank_the_de_has_no_rank_for_says_which_size_it_needs(tp_deploy):
-    d = tp_deploy(2, 1, "gqa", 4)
+def test_a_pe_rank_that_is_no_source_of_the_de_rank_is_refused_at_hello_naming_both(tp_deploy):
+    """MLA, a PE of size 2 and a DE of size 1: DE rank 0 takes its latent from PE rank 0; PE rank 1 (which holds the
+    same latent, and reads its hits itself) saying hello to it is refused before any link is made."""
+    d = tp_deploy(2, 1, "mla", 1)
     pe, de = d.instances["pe0/1"].worker, d.instances["de0/0"]
-    pe.prefill.settings = dataclasses.replace(pe.settings, timeout_s=0.3)  # nothing listens at the DE's port + 1
-    with pytest.raises(WaitTimeout, match=r"DE rank 1 of the DE at tcp://.*needs tensor-parallel size 2 too"):
-        pe.prefill.connect_peer(de.address)
-    assert not pe.prefill._peers
+    assert pe.prefill.connect_peer(de.address) is None and not pe.prefill._peers  # it pairs with no DE rank
+    speaks = m.Speaks.of(pe.dataplane.compat(pe.shard.full))
+    hello = m.Hello(pe=pe.side.address, device_id=0, rank_info=b"", host_mem=(0, 0, 0), speaks=speaks,
+                    tp_size=2, tp_rank=1)  # fmt: skip
+    both = r"rank 0 of 1 at DE de0, rank 1 of 2 at PE tcp://.*: DE rank 0 of 1 takes its rows from PE ranks \[0\] of 2"
+    client = PeerClient(de.address, 5.0)
+    try:
+        with pytest.raises(ProtocolError, match=both):
+            client.request(hello)
+    finally:
+        client.close()
+    assert not de.worker.dataplane.links
+
+
+def test_a_pe_rank_pairs_with_each_de_rank_it_is_a_source_of(tp_deploy):
+    """GQA 8: PE rank 1 of 2 pairs with DE rank 0 of 1 (one peer), PE rank 0 of 1 with DE ranks 0 and 1 of 2 (a leg
+    each, over that DE rank's 4 heads)."""
+    down = tp_deploy(2, 1, "gqa", 8)
+    peer = down.instances["pe0/1"].worker.prefill.connect_peer(down.instances["de0/0"].address)
+    assert (peer.de.size, peer.de.rank) == (1, 0)
+    assert m.pair_id("x", down.shard("pe0", 1), peer.de) == "x@1"  # DE rank 0 has two sources
+    up = tp_deploy(1, 2, "gqa", 8)
+    prefill = up.instances["pe0/0"].worker.prefill
+    xfer = XferParams("x", "prefill", ReadPath.PE, up.instances["de0/0"].address, False)
+    legs = prefill._legs_of(LoadSpec("p", xfer, 0, 0, 1, [], []))
+    assert [(leg.rows.size, leg.rows.rank, leg.layout.num_units) for leg in legs] == [(2, 0, 4), (2, 1, 4)]
 
 
 @pytest.mark.parametrize(("size", "rank", "why"), [(3, 0, "4 KV heads cannot be sharded over tensor-parallel size 3"),

@@ -431,10 +431,13 @@ class TpDeployment(Deployment):
     def ranks(self, name: str) -> list[str]:
         return [f"{name}/{rank}" for rank in range(self.tp[name])]
 
-    def run(self, pe: str, de: str, prompt: int, hit_blocks: int, path: str, split: bool, seed: int, ids=None):
+    def run(
+        self, pe: str, de: str, prompt: int, hit_blocks: int, path: str, split: bool, seed: int, ids=None, ahead=False
+    ):
         """One request PE -> DE, its prefix stored once (whole; ``ids``: the store ids of one stored already):
         every rank of an instance gets the same step metadata (the peer named by its rank-0 address) and computes
-        its own share of the rows. Returns ``[(de_request, the DE rank's rows)]`` by DE rank once every rank's
+        its own share of the rows (``ahead``: each PE rank reads the hits ahead of its step first, and the step
+        takes what it reported ready). Returns ``[(de_request, the DE rank's rows)]`` by DE rank once every rank's
         receive ended."""
         rows = Deployment.true_rows(seed, prompt, self.model.full)
         n = next(self._ids)
@@ -451,6 +454,9 @@ class TpDeployment(Deployment):
         for rank, name in enumerate(self.ranks(pe)):
             rank_rows = self.shard(pe, rank).take(rows)
             req = PeRequest(f"p{n}", pe_xfer, prompt, hit_blocks * BLOCK, ids, pe_blocks, rank_rows)
+            if ahead:
+                self.read_ahead(name, [req])
+                assert self.await_ready(name, {req.req_id}) == {req.req_id: req.hit_tokens}, f"{name}: not all ready"
             assert self.prefill(name, req) == set(), f"{name}: hit blocks failed to load"
         for name in self.ranks(de):
             if de_req.report:
