@@ -1,5 +1,5 @@
 """End to end on a real vLLM (CPU) with tensor parallelism inside vLLM: ``serve`` with a PE and a DE of
-tensor-parallel size 2 against a plain vLLM server of the same size.
+tensor-parallel sizes 2 and 2, 2 and 1, 1 and 2, against a plain vLLM server of the DE's size.
 
 Multi-turn conversations whose prompts extend the previous turn: every turn's greedy text equals the plain
 server's, and after the first turn the prefix comes from storage (each rank reads its heads of the blocks the DE's
@@ -20,14 +20,17 @@ pytestmark = pytest.mark.slow
 from tests.integrations.vllm import test_serve_e2e as e2e  # noqa: E402
 from tests.integrations.vllm.test_serve_e2e import model  # noqa: E402, F401 (the fixture)
 
-TP = 2
 PERSIST_WAIT_S = 30.0  # the last turn's persist runs behind its answer; a rank waits up to PARENT_WAIT_S (10 s)
 STARTUP_S = 900  # three vLLM processes and two workers per instance start in minutes on two shared cores
 # a fresh instance's first forward builds torch's CPU-ISA probe (a C++ compile of tens of seconds on this VM), past
 # the proxy's default request timeout
 REQUEST_TIMEOUT_S = 120
-# one core list per rank (vLLM's CPU worker); the automatic binding wants a NUMA node per rank
-TP_BIND = "|".join(str(sorted(os.sched_getaffinity(0))[r % len(os.sched_getaffinity(0))]) for r in range(TP))
+
+
+def _bind(size: int) -> str:
+    """One core list per rank (vLLM's CPU worker); the automatic binding wants a NUMA node per rank."""
+    cores = sorted(os.sched_getaffinity(0))
+    return "|".join(str(cores[r % len(cores)]) for r in range(size))
 
 
 def _wait_persisted(store) -> None:
@@ -41,18 +44,29 @@ def _wait_persisted(store) -> None:
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize("policy", ["de", "pe"])
-def test_serve_at_tensor_parallel_size_two_matches_plain_vllm_and_loads_from_storage(
+@pytest.mark.parametrize(
+    ("pe_tp", "de_tp", "policy"),
+    [(2, 2, "de"), (2, 2, "pe"), (2, 1, "de"), (1, 2, "de")],
+    ids=["pe2-de2-de", "pe2-de2-pe", "pe2-de1-de", "pe1-de2-de"],
+)
+def test_serve_at_tensor_parallel_sizes_matches_plain_vllm_and_loads_from_storage(
     model,  # noqa: F811 (the fixture)
     tmp_path,
+    pe_tp,
+    de_tp,
     policy,
     monkeypatch,
 ):
     """serve first, the plain server after it (not both at once: six vLLM workers on this machine's cores start too
-    slowly), each turn's text compared."""
+    slowly), each turn's text compared with a plain server of the DE's size (the DE decodes every answer)."""
     monkeypatch.setattr(e2e, "STARTUP_S", STARTUP_S)
+    sizes = [f"prefill0=--tensor-parallel-size {pe_tp}", f"decode0=--tensor-parallel-size {de_tp}"]
+    # different sizes sum a layer's partial products in another order, so a bf16 prompt's KV computed at the PE's
+    # size can differ in its last bits from the plain server's at the DE's size; float32 keeps the greedy text equal
+    dtype = ("--dtype", "float32") if pe_tp != de_tp else ()
     proc, url, log = e2e._serve(model, tmp_path, "--policy", policy, "--startup-timeout", str(STARTUP_S),
-                            "--timeout", str(REQUEST_TIMEOUT_S), "--", "--tensor-parallel-size", str(TP))  # fmt: skip
+                                "--timeout", str(REQUEST_TIMEOUT_S),
+                                *(arg for size in sizes for arg in ("--instance-args", size)), *(("--", *dtype) if dtype else ()))  # fmt: skip
     try:
         turns = e2e.conversation_turns(url, model)
         metrics = e2e._get(f"{url}/metrics")
@@ -65,8 +79,8 @@ def test_serve_at_tensor_parallel_size_two_matches_plain_vllm_and_loads_from_sto
         code = e2e._stop(proc)
     assert code == 128 + signal.SIGTERM, log.read_text()[-3000:]
     e2e._assert_nothing_left()
-    env = {"VLLM_CPU_OMP_THREADS_BIND": TP_BIND}
-    for plain in e2e.plain_server(model, tmp_path / "plain.log", "--tensor-parallel-size", str(TP), env=env):
+    env = {"VLLM_CPU_OMP_THREADS_BIND": _bind(de_tp)}
+    for plain in e2e.plain_server(model, tmp_path / "plain.log", "--tensor-parallel-size", str(de_tp), *dtype, env=env):
         for turn, (prompt, ours) in enumerate(turns):
             reference = e2e._complete(plain, model, prompt)
             assert ours == reference, f"turn {turn}: {ours!r} != plain vLLM's {reference!r}"
