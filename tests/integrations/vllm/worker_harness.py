@@ -22,10 +22,12 @@ import dataclasses
 import glob
 import itertools
 import os
+import random
 import secrets
 import socket
 import threading
 import time
+from pathlib import Path
 
 import msgspec
 import torch
@@ -52,10 +54,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _ephemeral_start() -> int:
+    """The first port the kernel hands out for an unbound socket (a client's connect)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_ports(count: int, attempts: int = 200) -> int:
-    """A base port with ``count`` consecutive ports free now (a tensor-parallel instance's side channels)."""
+    """A base port with ``count`` consecutive ports free now (a tensor-parallel instance's side channels), below
+    the ephemeral range: the ranks bind them one after another, and a port from that range could meanwhile become a
+    client socket's (the first ranks' connections)."""
+    top = _ephemeral_start() - count
     for _ in range(attempts):
-        base = free_port()
+        base = random.randint(max(1024, top - 10_000), top)
         socks = []
         try:
             for port in range(base, base + count):
