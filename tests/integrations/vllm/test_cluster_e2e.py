@@ -31,11 +31,21 @@ from tests.integrations.vllm.test_serve_e2e import (  # noqa: E402
     _serve,
     _stop,
     _vocab,
-    model,  # noqa: F401  (module fixtures of this module too)
-    plain,  # noqa: F401
+    model,  # noqa: F401  (a module fixture of this module too)
+    plain_server,
 )
 
 ALPHA, BETA = 50, 600
+# float32 on both sides: a P/D pair computes a prompt's last token as a one-token step over the received KV, a plain
+# server in one prefill, and on a CPU without AMX vLLM's bf16 attention kernels for the two shapes round differently
+# (a fresh prompt's greedy text diverged after a few tokens); the bytes the connector moves are exact either way
+DTYPE = ("--dtype", "float32")
+
+
+@pytest.fixture(scope="module")
+def plain(model, tmp_path_factory):  # noqa: F811
+    """A plain vLLM server of the same model and dtype: the reference text."""
+    yield from plain_server(model, tmp_path_factory.mktemp("plain") / "plain.log", *DTYPE)
 
 
 def _ready_line(log, timeout_s: float = 30.0) -> str:
@@ -58,6 +68,8 @@ def cluster(model, tmp_path_factory):  # noqa: F811
         "--prefill", "2", "--decode", "2", "--nodes", "n0,n1,n0,n1", "--decode-groups", "0,0",
         "--node-snic-mbps", "n0=0.1", "--alpha-tokens", str(ALPHA), "--beta-tokens", str(BETA),
         "--instance-args", "decode1=--num-gpu-blocks-override 5 --max-model-len 128",
+        "--timeout", "60",  # float32's KV is twice bf16's: a 700-word hit through n0's 0.1 MB/s NIC reads for longer
+        "--", *DTYPE,
         env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
     )  # fmt: skip
     ready = _ready_line(log)
