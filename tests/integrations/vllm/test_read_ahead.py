@@ -267,23 +267,30 @@ def test_a_preempted_prefill_read_ahead_again_reads_its_hit_itself(deploy):
     _idle(d)
 
 
+def _assert_idle_steps_sleep(worker) -> None:
+    """Half a second of steps with nothing to compute, back to back as vLLM runs them: each waits about
+    ``IDLE_STEP_S``, and together they use less than half a core."""
+    from ascend_dualpath.integrations.vllm.worker import IDLE_STEP_S
+
+    steps, cpu, end = 0, time.process_time(), time.monotonic() + 0.5
+    while time.monotonic() < end:
+        worker.start_step(DualPathMetadata())
+        assert worker.build_worker_meta() is None
+        steps += 1
+    assert steps <= 0.5 / IDLE_STEP_S + 5, f"{steps} idle steps in 0.5 s"
+    assert time.process_time() - cpu < 0.25, "idle steps used more than half a core"
+
+
 def test_steps_with_only_reads_ahead_pending_do_not_spin(deploy, store_faults):
     """While only reads ahead are pending, vLLM runs steps with nothing to compute back to back: each waits
     ``IDLE_STEP_S`` in ``build_worker_meta``, so the engine loop does not spin a core; a step with work does not."""
-    from ascend_dualpath.integrations.vllm.worker import IDLE_STEP_S
 
     d = deploy(1, 1)
     _slow_reads(d, 4 * SLOW_BLOCK_S)
     pe = d.instances["pe0"].worker
     pe_req, _ = d.request("pe0", "de0", Deployment.true_rows(80, 4 * BLOCK + 1), 4, "pe")
     d.read_ahead("pe0", [pe_req])
-    steps, cpu, end = 0, time.process_time(), time.monotonic() + 0.5
-    while time.monotonic() < end:
-        pe.start_step(DualPathMetadata())
-        assert pe.build_worker_meta() is None
-        steps += 1
-    assert steps <= 0.5 / IDLE_STEP_S + 5, f"{steps} idle steps in 0.5 s"
-    assert time.process_time() - cpu < 0.25, "idle steps used more than half a core"
+    _assert_idle_steps_sleep(pe)
     pe.get_finished({pe_req.req_id})
     _idle(d)
 
@@ -293,7 +300,6 @@ def test_steps_with_only_persists_pending_do_not_spin(deploy, monkeypatch):
     until ``finished_sending``): each step waits up to ``IDLE_STEP_S`` for the write, so the loop does not spin a
     core, and the write's end cuts the wait short."""
     from ascend_dualpath.integrations.vllm.metadata import PersistSpec
-    from ascend_dualpath.integrations.vllm.worker import IDLE_STEP_S
 
     d = deploy(1, 1)
     de = d.instances["de0"].worker
@@ -301,13 +307,7 @@ def test_steps_with_only_persists_pending_do_not_spin(deploy, monkeypatch):
     monkeypatch.setattr(de.persister.store, "write_blocks", lambda chain: release.wait(10) and [True] * len(chain))
     spec = PersistSpec("r-persist", 0, [bytes(16)], [0])
     de.persister.persist(spec, lambda i: bytes(4))
-    steps, cpu, end = 0, time.process_time(), time.monotonic() + 0.5
-    while time.monotonic() < end:
-        de.start_step(DualPathMetadata())
-        assert de.build_worker_meta() is None
-        steps += 1
-    assert steps <= 0.5 / IDLE_STEP_S + 5, f"{steps} idle steps in 0.5 s"
-    assert time.process_time() - cpu < 0.25, "idle steps used more than half a core"
+    _assert_idle_steps_sleep(de)
     threading.Timer(0.001, release.set).start()
     start = time.monotonic()
     while not de.get_finished(set())[0]:
