@@ -219,7 +219,6 @@ class PrefillSide:
         self.address = ""  # this instance's side channel, which the DE answers writes_ended on
         self._private_host: HostBuffer | None = None
         self._peers: dict[str, _Peer] = {}  # DE side channel -> its peer
-        self._unpaired: set[str] = set()  # DEs none of whose ranks takes rows from this rank
         self._loads: list[_Load] = []
         self._prefetched: dict[str, _Load] = {}  # req_id -> a load started ahead of its step
         self._deferred: dict[str, LoadSpec] = {}  # req_id -> a load to read ahead once there is room (in order)
@@ -231,6 +230,7 @@ class PrefillSide:
         self._lease_writes_lock = threading.Lock()  # the side channel's thread answers writes_ended
         self.layer_waits: list[float] = []  # seconds each wait for a DE push took (the host drains it)
         self.blocks_read: dict[str, int] = {}  # req_id -> hit blocks this PE's storage NIC read for it, until finish
+        self._peer_sizes: dict[str, int] = {}  # DE side channel -> its tensor-parallel size
         self._legs: dict[str, tuple[PrefillSide, ...]] = {}  # DE side channel -> its legs (none: one pair)
         self._leg_of: dict[KVShard, PrefillSide] = {}  # DE rank -> the leg to it
         self._leg_reqs: dict[str, tuple[PrefillSide, ...]] = {}  # req_id -> the legs it runs through
@@ -251,7 +251,7 @@ class PrefillSide:
             return ()
         address = spec.xfer.peer
         if address not in self._legs:
-            if address in self._peers or address in self._unpaired:
+            if address in self._peers:
                 return ()
             try:
                 size, targets = self._targets(address)
@@ -259,7 +259,11 @@ class PrefillSide:
                 return ()
             des = [self.shard.full.shard(size, rank) for rank in targets] if len(targets) > 1 else []
             self._legs[address] = tuple(self._leg(de) for de in des)
-        return self._legs[address]
+        legs = self._legs[address]
+        if legs:  # only to the DE ranks that lead the request's replicas (replicas.py)
+            active = self.shard.targets(legs[0].rows.size, spec.xfer.xfer_id)
+            legs = tuple(leg for leg in legs if leg.rows.rank in active)
+        return legs
 
     def _leg(self, de: KVShard) -> PrefillSide:
         leg = self._leg_of.get(de)
@@ -499,7 +503,7 @@ class PrefillSide:
         try:
             if spec.xfer is not None:
                 load.peer = self.connect_peer(spec.xfer.peer)
-                load.spec = spec = self._paired(spec)  # no transfer where the peer is None
+                load.spec = spec = self._paired(spec)
             again = spec.xfer is not None and self._pe_xfer_of.get(spec.req_id) == spec.xfer.xfer_id
             if spec.xfer is not None:
                 load.own_blocks = load.own_blocks if again else self._own_blocks(load)
@@ -871,21 +875,18 @@ class PrefillSide:
             "the DE's pushes may still land there",
         )
 
-    def connect_peer(self, address: str) -> _Peer | None:
+    def connect_peer(self, address: str) -> _Peer:
         """The DE whose rank 0 is at ``address`` (what the scheduler names); the first time, ask rank 0 for the DE's
         tensor-parallel size, then the rank this rank pairs with (the DE rank whose rows it is a source of,
         :meth:`~ascend_dualpath.kv.layout.KVShard.targets`, at :func:`rank_address`) for its device id, and make the
         pair's communicator (``hello``, where the DE refuses another version or digest, or a rank it does not pair
-        with). None where this rank is no DE rank's source (the DE's ranks take the rows it holds, replicated, from
-        other PE ranks): its loads read their hits themselves and it sends the DE nothing."""
+        with). ProtocolError where this rank is no DE rank's source (the DE's ranks take the rows it holds,
+        replicated, from other PE ranks: the replica that leads a request moves them, :mod:`.replicas`)."""
         peer = self._peers.get(address)
-        if peer is not None or address in self._unpaired:
+        if peer is not None:
             return peer
         s = self.settings
         de = self._de_rank(address)
-        if de is None:
-            self._unpaired.add(address)
-            return None
         client = PeerClient(rank_address(address, de.rank), s.timeout_s, **s.side_framing)
         try:
             dp = self.dataplane
@@ -911,32 +912,41 @@ class PrefillSide:
 
     def _de_rank(self, address: str) -> KVShard | None:
         """The shard of the rank of the DE at ``address`` (its rank 0) that this rank pairs with, from the DE's
-        tensor-parallel size (rank 0's ``status``); None where there is none; ProtocolError naming both ends' ranks
-        and sizes where there are several."""
+        tensor-parallel size (rank 0's ``status``); ProtocolError naming both ends' ranks and sizes where there is
+        none or there are several."""
         size, targets = self._targets(address)
         if self.rows is not None:  # a leg: its own DE rank
             targets = tuple(rank for rank in targets if (size, rank) == (self.rows.size, self.rows.rank))
-        if len(targets) > 1:  # _legs_of routes these requests through legs
-            raise ProtocolError(f"PE rank {self.settings.tp_rank} pairs with DE ranks {list(targets)} at {address}")
-        return self.shard.full.shard(size, targets[0]) if targets else None
+        if len(targets) != 1:  # several: _legs_of routes these requests through legs
+            raise ProtocolError(
+                f"PE rank {self.settings.tp_rank} of {self.settings.tp_size} pairs with DE ranks {list(targets)} of "
+                f"{size} at {address}, not with one"
+            )
+        return self.shard.full.shard(size, targets[0])
+
+    def peer_size(self, address: str) -> int:
+        """The tensor-parallel size of the DE at ``address`` (its rank 0's ``status``, asked once)."""
+        size = self._peer_sizes.get(address)
+        if size is None:
+            s = self.settings
+            status = expect(request_once(address, m.StatusQuery(), s.timeout_s, **s.side_framing), m.Status)
+            size = self._peer_sizes[address] = status.tp_size
+        return size
 
     def _targets(self, address: str) -> tuple[int, tuple[int, ...]]:
-        """The tensor-parallel size of the DE at ``address`` (rank 0's ``status``) and the ranks there this rank is a
-        source of (:meth:`~ascend_dualpath.kv.layout.KVShard.targets`); ProtocolError naming both ends' ranks and
-        sizes where the DE's size cannot shard the model."""
-        s = self.settings
-        status = expect(request_once(address, m.StatusQuery(), s.timeout_s, **s.side_framing), m.Status)
+        """The tensor-parallel size of the DE at ``address`` and the ranks there this rank is a source of
+        (:meth:`~ascend_dualpath.kv.layout.KVShard.targets`); ProtocolError naming both ends' ranks and sizes where
+        the DE's size cannot shard the model."""
+        s, size = self.settings, self.peer_size(address)
         try:
-            return status.tp_size, self.shard.targets(status.tp_size)
+            return size, self.shard.targets(size)
         except ConfigError as error:
             raise ProtocolError(f"tensor-parallel rank {s.tp_rank} of {s.tp_size} at PE {s.node}, size "
-                                f"{status.tp_size} at DE {address}: {error}") from None  # fmt: skip
+                                f"{size} at DE {address}: {error}") from None  # fmt: skip
 
     def _paired(self, spec: Any) -> Any:
         """``spec`` (a LoadSpec or SaveSpec) with its pair's transfer id (:func:`messages.pair_id`) once its DE is
-        connected; without a transfer where this rank pairs with none of the DE's ranks (:meth:`connect_peer`)."""
-        if spec.xfer is not None and spec.xfer.peer in self._unpaired:
-            return dataclasses.replace(spec, xfer=None)
+        connected."""
         peer = self._peers.get(spec.xfer.peer) if spec.xfer is not None else None
         if peer is None:
             return spec

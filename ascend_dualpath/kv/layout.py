@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -430,14 +431,36 @@ class KVShard:
             chosen.add(min(max(position, holders[0]), holders[-1]))
         return tuple((rank, self.overlap(self.full.shard(size, rank))) for rank in sorted(chosen))
 
-    def targets(self, size: int) -> tuple[int, ...]:
+    def targets(self, size: int, key: str | None = None) -> tuple[int, ...]:
         """The ranks of a side of tensor-parallel size ``size`` whose :meth:`sources` over this rank's size name this
-        rank: those it sends its rows to (a PE rank's DE ranks; they send it the hit rows they read on the DE path)."""
+        rank: those it sends its rows to (a PE rank's DE ranks; they send it the hit rows they read on the DE path).
+        With a request's ``key``, only those that :meth:`lead` their replicas for it: the ranks this rank moves that
+        request's rows with (none: a replica of this rank moves them, and this rank takes them from it)."""
         return tuple(
             rank
             for rank in range(size)
             if self.rank in (source for source, _ in self.full.shard(size, rank).sources(self.size))
+            and (key is None or self.full.shard(size, rank).lead(key) == rank)
         )
+
+    @property
+    def replicas(self) -> tuple[int, ...]:
+        """The ranks of this size that hold exactly this rank's units, itself included: every rank for MLA's latent,
+        the ranks sharing its head where vLLM replicates GQA heads (``kv_heads < size``), else this rank alone."""
+        return tuple(rank for rank in range(self.size) if self.full.shard(self.size, rank).units == self.units)
+
+    def lead(self, key: str, peer_size: int | None = None) -> int:
+        """The one rank of :attr:`replicas` that reads and moves request ``key``'s rows; the others take them from it
+        inside the instance, so a replicated unit is read from storage and sent between instances once.
+
+        Without ``peer_size`` (a DE rank, or an instance with no peer) the replica at the key's CRC-32 modulo their
+        number (requests spread over the ranks). A PE rank whose DE has tensor-parallel size ``peer_size``: the
+        replica that is a source of the DE's lead rank for these units (each DE lead takes a unit from exactly one
+        PE rank, :meth:`sources`), so the PE's and the DE's leads are a pair."""
+        replicas = self.replicas
+        if peer_size is None:
+            return replicas[zlib.crc32(key.encode()) % len(replicas)]
+        return next(rank for rank in replicas if self.full.shard(self.size, rank).targets(peer_size, key))
 
     def take(self, full_blocks: torch.Tensor) -> torch.Tensor:
         """The rank's bytes of Full Blocks: ``uint8 [..., L, T, C] -> [..., L, T, C_r]`` (a copy)."""

@@ -89,6 +89,18 @@ def worker_settings(settings: ConnectorSettings, parallel: Any) -> ConnectorSett
     )
 
 
+def _rank_group(settings: ConnectorSettings) -> Any:
+    """The worker's tensor-parallel ranks for the copies between replicas (:mod:`~ascend_dualpath.dualpath.replicas`):
+    vLLM's tensor-parallel group's gloo ``cpu_group``, whose ranks are the engine's workers; None at size 1."""
+    if settings.tp_size == 1:
+        return None
+    from vllm.distributed.parallel_state import get_tp_group
+
+    from ascend_dualpath.dualpath.replicas import RankGroup
+
+    return RankGroup(get_tp_group().cpu_group, settings.timeout_s)
+
+
 class DualPathConnector(KVConnectorBase_V1):
     """DualPath's PE and DE read paths inside vLLM (``kv_producer`` = PE, ``kv_consumer`` = DE).
 
@@ -146,7 +158,7 @@ class DualPathConnector(KVConnectorBase_V1):
                 options = {"isa": layer.isa} if backend == "CPU_ATTN" else {}
                 return adapter_for(backend, cache, **options)
 
-            self._worker = DualPathWorker(self.settings, self.layout, store, adapter)
+            self._worker = DualPathWorker(self.settings, self.layout, store, adapter, group=_rank_group(self.settings))
 
     # -- scheduler side -------------------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:

@@ -27,6 +27,7 @@ from ascend_dualpath.dualpath.dataplane import DE_RANK, PE_RANK, Dataplane, open
 from ascend_dualpath.dualpath.decode_side import DecodeSide
 from ascend_dualpath.dualpath.prefill_side import PrefillSide
 from ascend_dualpath.dualpath.quarantine import Quarantine
+from ascend_dualpath.dualpath.replicas import RankGroup, Replicas
 from ascend_dualpath.dualpath.settings import ConnectorSettings
 from ascend_dualpath.dualpath.side_channel import SideChannel
 from ascend_dualpath.errors import ProtocolError
@@ -59,10 +60,22 @@ class DualPathWorker:
     adapter_factory : callable
         ``(layer_name, cache) -> adapter``: the paged-layout adapter of the model's attention backend
         (``write_tokens(cache, block_ids, start, rows)``, ``read_tokens(cache, block_ids, start, end)``).
+    group : RankGroup, optional
+        The instance's tensor-parallel ranks (vLLM's tensor-parallel group); required where ranks share units (MLA,
+        replicated GQA heads): one of them reads and moves each request's rows, the others take them from it
+        (:mod:`~ascend_dualpath.dualpath.replicas`).
     """
 
-    def __init__(self, settings: ConnectorSettings, layout: KVLayout, store: LocalBlockStore, adapter_factory):
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        layout: KVLayout,
+        store: LocalBlockStore,
+        adapter_factory,
+        group: RankGroup | None = None,
+    ) -> None:
         self.shard = layout.shard(settings.tp_size, settings.tp_rank)
+        self.replicas = Replicas(self.shard, group)
         # a rank persists its part of each block (the units it is the lowest holder of); the last part publishes it
         writer = PartStore(store, self.shard) if settings.tp_size > 1 else store
         if not self.shard.whole:
@@ -125,10 +138,12 @@ class DualPathWorker:
         when no request of the step loads synchronously, but binds the metadata before it. Reads ahead start here
         and are not waited for."""
         self._step_idle = not (meta.loads or meta.saves or meta.recvs or meta.persists)
-        self.prefill.prefetch(meta.prefetches)
-        self.prefill.start(meta.loads, meta.saves)
+        peer_size = self._peer_size
+        self.prefill.prefetch(self.replicas.read_ahead(meta.prefetches, peer_size))
+        self.prefill.start(self.replicas.start(meta.loads, peer_size), self.replicas.mine(meta.saves, peer_size))
         for spec in meta.recvs:
-            self.decode.add_recv(spec)
+            if self.replicas.add_recv(spec):
+                self.decode.add_recv(spec)
         for spec in meta.persists:
             self._persist(spec)
         self.decode.complete_recvs()
@@ -137,6 +152,7 @@ class DualPathWorker:
         layer = self._layer_of.get(layer_name)
         if layer is not None:
             self.prefill.wait_for_layer_load(layer)
+            self.replicas.copy_layer(layer, self.caches[layer], self.adapter)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
         layer = self._layer_of.get(layer_name)
@@ -157,7 +173,7 @@ class DualPathWorker:
         The spin is not only waste: with tensor parallelism, vLLM's workers wait for each step in a ``sched_yield``
         loop, and two of them spinning on one core were seen to starve the kernel's block-I/O worker there, leaving a
         persist's fsync unanswered for minutes."""
-        ready = self.prefill.ready()
+        ready = self.prefill.ready() | self.replicas.ready()
         if not ready and self._step_idle:
             if self.persister.writing():
                 self.persister.wait(IDLE_STEP_S)
@@ -243,4 +259,14 @@ class DualPathWorker:
         de = self.decode
         recving, de.finished_recving = de.finished_recving, set()
         failed, de.failed_recving = de.failed_recving, set()
+        self.replicas.end_recvs(recving, failed, self.caches, self.adapter)
         return sending, recving, failed
+
+    def _peer_size(self, address: str) -> int:
+        """The tensor-parallel size of the DE at ``address``; 0 where it cannot be asked (the load then fails on
+        its own rank, as any load whose DE is unreachable)."""
+        try:
+            return self.prefill.peer_size(address)
+        except Exception as error:
+            log.warning("DualPath: the DE at %s did not tell its tensor-parallel size: %s", address, error)
+            return 0

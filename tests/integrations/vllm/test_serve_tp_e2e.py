@@ -18,7 +18,7 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
 
 from tests.integrations.vllm import test_serve_e2e as e2e  # noqa: E402
-from tests.integrations.vllm.test_serve_e2e import model  # noqa: E402, F401 (the fixture)
+from tests.integrations.vllm.test_serve_e2e import model  # noqa: E402, F401 (the fixture, by name)
 
 PERSIST_WAIT_S = 30.0  # the last turn's persist runs behind its answer; a rank waits up to PARENT_WAIT_S (10 s)
 STARTUP_S = 900  # three vLLM processes and two workers per instance start in minutes on two shared cores
@@ -44,34 +44,50 @@ def _wait_persisted(store) -> None:
         time.sleep(0.1)
 
 
+@pytest.fixture(scope="module")
+def one_kv_head_model(tmp_path_factory) -> str:
+    """The tiny model with one KV head: at tensor-parallel size 2 vLLM replicates it on both ranks."""
+    from ascend_dualpath.models.tiny_hf import TinyHFConfig, make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny-model-kv1"), TinyHFConfig(num_kv_heads=1)))
+
+
 @pytest.mark.parametrize(
-    ("pe_tp", "de_tp", "policy"),
-    [(2, 2, "de"), (2, 2, "pe"), (2, 1, "de"), (1, 2, "de")],
-    ids=["pe2-de2-de", "pe2-de2-pe", "pe2-de1-de", "pe1-de2-de"],
+    ("pe_tp", "de_tp", "policy", "kv_heads"),
+    [(2, 2, "de", 2), (2, 2, "pe", 2), (2, 1, "de", 2), (1, 2, "de", 2), (2, 2, "de", 1), (2, 2, "pe", 1)],
+    ids=["pe2-de2-de", "pe2-de2-pe", "pe2-de1-de", "pe1-de2-de", "pe2-de2-de-kv1", "pe2-de2-pe-kv1"],
 )
 def test_serve_at_tensor_parallel_sizes_matches_plain_vllm_and_loads_from_storage(
-    model,  # noqa: F811 (the fixture)
+    request,
     tmp_path,
     pe_tp,
     de_tp,
     policy,
+    kv_heads,
     monkeypatch,
 ):
     """serve first, the plain server after it (not both at once: six vLLM workers on this machine's cores start too
-    slowly), each turn's text compared with a plain server of the DE's size (the DE decodes every answer)."""
+    slowly), each turn's text compared with a plain server of the DE's size (the DE decodes every answer).
+
+    ``kv_heads`` 1: both ranks of each instance hold the one head (vLLM replicates it); each request's lead rank reads
+    and moves it, and the other rank takes its rows through vLLM's tensor-parallel group (dualpath/replicas.py) on
+    the PE before each layer's attention and on the DE before the request decodes: a rank without them would attend
+    over garbage and the text would differ."""
+    served = request.getfixturevalue("model" if kv_heads == 2 else "one_kv_head_model")
     monkeypatch.setattr(e2e, "STARTUP_S", STARTUP_S)
     sizes = [f"prefill0=--tensor-parallel-size {pe_tp}", f"decode0=--tensor-parallel-size {de_tp}"]
     # different sizes sum a layer's partial products in another order, so a bf16 prompt's KV computed at the PE's
     # size can differ in its last bits from the plain server's at the DE's size; float32 keeps the greedy text equal
     dtype = ("--dtype", "float32") if pe_tp != de_tp else ()
-    proc, url, log = e2e._serve(model, tmp_path, "--policy", policy, "--startup-timeout", str(STARTUP_S),
+    proc, url, log = e2e._serve(served, tmp_path, "--policy", policy, "--startup-timeout", str(STARTUP_S),
                                 "--timeout", str(REQUEST_TIMEOUT_S),
                                 *(arg for size in sizes for arg in ("--instance-args", size)), *(("--", *dtype) if dtype else ()))  # fmt: skip
     try:
-        turns = e2e.conversation_turns(url, model)
+        turns = e2e.conversation_turns(url, served)
         metrics = e2e._get(f"{url}/metrics")
         loads = sum(e2e._metric(metrics, "vllm:dualpath_loads_total", path=p) for p in ("pe", "de", "split"))
-        assert loads >= 2 * (e2e.TURNS - 1), metrics
+        per_turn = 1 if kv_heads == 1 else 2  # a load per rank pair moving rows: both, or the request's lead pair
+        assert loads >= per_turn * (e2e.TURNS - 1), metrics
         assert e2e._metric(metrics, "vllm:dualpath_failures_total") == 0, metrics
         _wait_persisted(tmp_path / "store")
         assert list((tmp_path / "store" / "blocks").rglob("*.kvb"))
@@ -80,7 +96,9 @@ def test_serve_at_tensor_parallel_sizes_matches_plain_vllm_and_loads_from_storag
     assert code == 128 + signal.SIGTERM, log.read_text()[-3000:]
     e2e._assert_nothing_left()
     env = {"VLLM_CPU_OMP_THREADS_BIND": _bind(de_tp)}
-    for plain in e2e.plain_server(model, tmp_path / "plain.log", "--tensor-parallel-size", str(de_tp), *dtype, env=env):
+    for plain in e2e.plain_server(
+        served, tmp_path / "plain.log", "--tensor-parallel-size", str(de_tp), *dtype, env=env
+    ):
         for turn, (prompt, ours) in enumerate(turns):
-            reference = e2e._complete(plain, model, prompt)
+            reference = e2e._complete(plain, served, prompt)
             assert ours == reference, f"turn {turn}: {ours!r} != plain vLLM's {reference!r}"

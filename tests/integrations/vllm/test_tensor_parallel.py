@@ -19,9 +19,15 @@ from ascend_dualpath.dualpath import messages as m
 from ascend_dualpath.dualpath.dataplane import SHM_DIR
 from ascend_dualpath.dualpath.scheduler import ReadPath
 from ascend_dualpath.dualpath.side_channel import PeerClient, XferParams
-from ascend_dualpath.dualpath.specs import LoadSpec
+from ascend_dualpath.dualpath.specs import LoadSpec, RecvSpec
 from ascend_dualpath.errors import ProtocolError
-from tests.integrations.vllm.worker_harness import Model, TpDeployment, assert_caches_equal, expected_de_caches
+from tests.integrations.vllm.worker_harness import (
+    Model,
+    TpDeployment,
+    assert_caches_equal,
+    expected_de_caches,
+    on_ranks,
+)
 
 PATHS = [("pe", False), ("de", False), ("de", True)]
 MODELS = [("gqa", 4), ("gqa", 8), ("gqa", 2), ("mla", 1)]
@@ -42,48 +48,33 @@ def tp_deploy(tmp_path):
         assert not [n for n in os.listdir(SHM_DIR) if n.startswith(f"adp.{deployment.fabric}")]
 
 
-def _copies(kind: str, kv_heads: int, pe_tp: int, de_tp: int = 0) -> float:
-    """Copies of the hit KV an instance pair reads on any path: each pair's rows (the smaller of its two ranks'
-    shares) once, and the whole share of a PE rank no DE rank pairs with (it reads its hits itself). One copy for GQA
-    whose heads no rank replicates; replicated heads are read once by each pair holding them, MLA's latent once per
-    pair (not yet once per instance)."""
-    full = Model(kind, kv_heads).full
-    copies = 0.0
-    for p in range(pe_tp):
-        pe = full.shard(pe_tp, p)
-        targets = [full.shard(de_tp or pe_tp, d) for d in pe.targets(de_tp or pe_tp)]
-        units = [min(len(pe.units), len(de.units)) for de in targets] if targets else [len(pe.units)]
-        copies += sum(units) / full.num_units
-    return copies
-
-
 @pytest.mark.parametrize(("pe_tp", "de_tp"), SIZES, ids=[f"pe{p}-de{d}" for p, d in SIZES])
 @pytest.mark.parametrize(("kind", "kv_heads"), MODELS, ids=[f"{k}{h}" for k, h in MODELS])
 def test_every_rank_moves_its_share_on_every_path_bit_exact(tp_deploy, pe_tp, de_tp, kind, kv_heads):
+    """Every path: each DE rank's cache bit-exact (poison kept), the PE ranks' hit rows there before each layer's
+    attention (the harness checks), and one copy of the hit KV read from storage per request whatever the sizes:
+    heads no rank replicates are each read by the one rank pair holding them, MLA's latent and replicated heads by
+    the request's lead pair only, whose replicas take them from it inside the instance."""
     d = tp_deploy(pe_tp, de_tp, kind, kv_heads)
     written = [[] for _ in range(de_tp)]
     hit_blocks, full = 5, d.model.full.full_block_bytes
-    copies = _copies(kind, kv_heads, pe_tp, de_tp)
-    if kind == "gqa" and kv_heads >= max(pe_tp, de_tp):
-        assert copies == 1  # one copy of the hit KV per instance pair
     for i, (path, split) in enumerate(PATHS):
         before = {name: d.bytes_read(name) for name in ("pe0", "de0")}
         for rank, (de_req, rows) in enumerate(d.run("pe0", "de0", 23 + i, hit_blocks, path, split, seed=7 * i)):
             written[rank].append((de_req, rows))
         read = {name: d.bytes_read(name) - before[name] for name in before}
-        assert read["pe0"] + read["de0"] == copies * hit_blocks * full, (path, split, read)
+        assert read["pe0"] + read["de0"] == hit_blocks * full, (path, split, read)
         if path == "pe":  # the path's side alone reads
             assert read["de0"] == 0, (path, read)
     for rank, rank_written in enumerate(written):
         expected = expected_de_caches(rank_written, Model(kind, kv_heads, de_tp, rank))
         assert_caches_equal(d.instances[f"de0/{rank}"].caches, expected)
-    for rank in range(pe_tp):
-        status = d.instances[f"pe0/{rank}"].status()
-        pairs = len(d.shard("pe0", rank).targets(de_tp))  # a load per pair (a leg each), else one of its own
-        assert (status["loads_pe"], status["loads_de"], status["loads_split"]) == (
-            (pairs, pairs, pairs) if pairs else (3, 0, 0)
-        )
-        assert status["fallbacks"] == status["failures"] == 0
+    pe = [d.instances[name].status() for name in d.ranks("pe0")]
+    # a load per moving pair (a leg each); the requests' transfer ids are x0, x1, x2 (pe, de, split)
+    pairs = [sum(len(d.shard("pe0", rank).targets(de_tp, f"x{i}")) for rank in range(pe_tp)) for i in range(3)]
+    assert sum(status["loads_pe"] + status["loads_de"] + status["loads_split"] for status in pe) == sum(pairs)
+    assert sum(status["loads_de"] for status in pe) >= pairs[1]  # a split may size the PE's share at 0 or all
+    assert sum(status["fallbacks"] + status["failures"] for status in pe) == 0
 
 
 @pytest.mark.parametrize(("pe_tp", "de_tp"), [(2, 1), (1, 2), (4, 2)], ids=["pe2-de1", "pe1-de2", "pe4-de2"])
@@ -104,16 +95,20 @@ def test_a_de_rank_whose_read_fails_leaves_its_pair_to_the_pe_rank_bit_exact(tp_
     assert sum(status["failures"] for status in pe) == 0
 
 
-@pytest.mark.parametrize(("pe_tp", "de_tp"), [(2, 1), (1, 2), (1, 4)], ids=["pe2-de1", "pe1-de2", "pe1-de4"])
+@pytest.mark.parametrize(
+    ("pe_tp", "de_tp"), [(2, 1), (1, 2), (1, 4), (2, 2)], ids=["pe2-de1", "pe1-de2", "pe1-de4", "pe2-de2"]
+)
 @pytest.mark.parametrize(("path", "split"), PATHS, ids=["pe", "de", "split"])
-def test_reads_ahead_of_the_step_are_ready_once_every_pair_read_them(tp_deploy, pe_tp, de_tp, path, split):
+@pytest.mark.parametrize(("kind", "heads"), [("gqa", 8), ("mla", 1)], ids=["gqa8", "mla"])
+def test_reads_ahead_of_the_step_are_ready_once_every_pair_read_them(tp_deploy, pe_tp, de_tp, path, split, kind, heads):
     """The read before the batch at different sizes: each PE rank reads ahead (through a leg per DE rank where it
-    has several) and reports the request ready with every hit token once all its pairs' reads ended; the step then
-    takes it, bit-exact on every DE rank."""
-    d = tp_deploy(pe_tp, de_tp, "gqa", 8)
+    has several) and reports the request ready with every hit token once all its pairs' reads ended (MLA: the
+    request's lead reads, its replicas report at once: vLLM waits for every rank's report); the step then takes it,
+    bit-exact on every DE rank."""
+    d = tp_deploy(pe_tp, de_tp, kind, heads)
     done = d.run("pe0", "de0", 23, 5, path, split, seed=9, ahead=True)
     for rank, written in enumerate(done):
-        expected = expected_de_caches([written], Model("gqa", 8, de_tp, rank))
+        expected = expected_de_caches([written], Model(kind, heads, de_tp, rank))
         assert_caches_equal(d.instances[f"de0/{rank}"].caches, expected)
     for name in d.ranks("pe0"):
         assert d.instances[name].worker.prefill.pending_prefetches() == 0
@@ -130,7 +125,7 @@ def test_a_store_written_once_is_read_exact_at_every_size(tp_deploy, tmp_path, k
         tp = d.tp["de0"]
         before = d.bytes_read("de0")
         done = d.run("pe0", "de0", 4 * 4 + 3, 4, "de", False, seed=11, ids=ids)
-        assert d.bytes_read("de0") - before == _copies(kind, kv_heads, tp) * 4 * d.model.full.full_block_bytes
+        assert d.bytes_read("de0") - before == 4 * d.model.full.full_block_bytes  # one copy at every size
         for rank, written in enumerate(done):
             assert_caches_equal(
                 d.instances[f"de0/{rank}"].caches, expected_de_caches([written], Model(kind, kv_heads, tp, rank))
@@ -148,10 +143,13 @@ def test_the_compatibility_digest_is_the_same_at_every_size(tp_deploy):
 
 def test_a_pe_rank_that_is_no_source_of_the_de_rank_is_refused_at_hello_naming_both(tp_deploy):
     """MLA, a PE of size 2 and a DE of size 1: DE rank 0 takes its latent from PE rank 0; PE rank 1 (which holds the
-    same latent, and reads its hits itself) saying hello to it is refused before any link is made."""
+    same latent, and takes a request's hit rows from PE rank 0) pairs with no DE rank, and its hello to DE rank 0 is
+    refused before any link is made."""
     d = tp_deploy(2, 1, "mla", 1)
     pe, de = d.instances["pe0/1"].worker, d.instances["de0/0"]
-    assert pe.prefill.connect_peer(de.address) is None and not pe.prefill._peers  # it pairs with no DE rank
+    with pytest.raises(ProtocolError, match=r"PE rank 1 of 2 pairs with DE ranks \[\] of 1 at .*, not with one"):
+        pe.prefill.connect_peer(de.address)
+    assert not pe.prefill._peers
     speaks = m.Speaks.of(pe.dataplane.compat(pe.shard.full))
     hello = m.Hello(pe=pe.side.address, device_id=0, rank_info=b"", host_mem=(0, 0, 0), speaks=speaks,
                     tp_size=2, tp_rank=1)  # fmt: skip
@@ -194,3 +192,20 @@ def test_a_peer_rank_whose_shard_cannot_be_matched_is_refused_at_hello_naming_bo
     finally:
         client.close()
     assert not de.worker.dataplane.links  # refused before any link was made
+
+
+@pytest.mark.parametrize(("kind", "heads", "pe_tp", "de_tp"), [("mla", 1, 1, 2), ("gqa", 2, 1, 4)], ids=["mla", "gqa2"])
+def test_a_receive_its_lead_fails_is_reported_failed_by_every_replica(tp_deploy, kind, heads, pe_tp, de_tp):
+    """Replicas on the DE: only a request's lead takes its receive; a second request on a transfer id already in use
+    fails on that lead at once, and every rank of its replicas reports it received and failed in the same step (the
+    other replica groups, with their own lead, too), nothing written into any cache."""
+    d = tp_deploy(pe_tp, de_tp, kind, heads)
+    xfer = XferParams("dup", "decode", ReadPath.DE, d.instances["pe0/0"].address, False)
+    first, second = (RecvSpec(req, xfer, 0, 8, d.instances["de0/0"].take_blocks(3), 11) for req in ("a", "b"))
+    for name in d.ranks("de0"):
+        d.expect_recv(name, first)
+        d.expect_recv(name, second)
+    ends = on_ranks([lambda name=name: d.finish(name, {"b"}) for name in d.ranks("de0")])
+    assert ends == [({"b"}, {"b"})] * de_tp
+    for rank in range(de_tp):
+        assert_caches_equal(d.instances[f"de0/{rank}"].caches, expected_de_caches([], Model(kind, heads, de_tp, rank)))

@@ -19,6 +19,7 @@ worker holds its rank's heads and reads only its byte ranges of the stored full 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import glob
 import itertools
 import os
@@ -31,7 +32,9 @@ from pathlib import Path
 
 import msgspec
 import torch
+import torch.distributed as dist
 
+from ascend_dualpath.dualpath.replicas import RankGroup
 from ascend_dualpath.dualpath.scheduler import ReadPath
 from ascend_dualpath.dualpath.settings import UNCAPPED_BYTES_PER_S, ConnectorSettings, rank_port
 from ascend_dualpath.dualpath.side_channel import XferParams
@@ -82,6 +85,40 @@ def free_ports(count: int, attempts: int = 200) -> int:
             for sock in socks:
                 sock.close()
     raise AssertionError(f"no {count} consecutive free ports in {attempts} attempts")
+
+
+def on_ranks(calls: list, timeout_s: float = 3 * TIMEOUT_S) -> list:
+    """Run ``calls`` (one per tensor-parallel rank) at once, as vLLM's workers run a step, each in its own thread:
+    their results by rank; the first error any raised (AssertionError naming the ranks that did not end in time)."""
+    results, errors = [None] * len(calls), [None] * len(calls)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = calls[i]()
+        except BaseException as error:  # re-raised below, in the test's thread
+            errors[i] = error
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout_s)
+    stuck = [i for i, thread in enumerate(threads) if thread.is_alive()]
+    assert not stuck, f"ranks {stuck} did not end within {timeout_s} s"
+    for error in errors:
+        if error is not None:
+            raise error
+    return results
+
+
+def rank_groups(size: int) -> list[RankGroup | None]:
+    """One instance's ranks as ``size`` gloo process groups of this process, by rank (as vLLM's tensor-parallel
+    group; made together: they meet through one in-memory store); None at size 1."""
+    if size == 1:
+        return [None]
+    store, limit = dist.HashStore(), datetime.timedelta(seconds=TIMEOUT_S)
+    groups = on_ranks([lambda rank=rank: dist.ProcessGroupGloo(store, rank, size, limit) for rank in range(size)])
+    return [RankGroup(group, TIMEOUT_S) for group in groups]
 
 
 def remove_fabric_shm(fabric: str) -> None:
@@ -209,10 +246,17 @@ class Deployment:
         self.store = LocalBlockStore(self.root, self.model.full)
 
     def _start(
-        self, name: str, role: str, device_id: int, snic: float, model: Model | None = None, port: int | None = None
+        self,
+        name: str,
+        role: str,
+        device_id: int,
+        snic: float,
+        model: Model | None = None,
+        port: int | None = None,
+        group: RankGroup | None = None,
     ) -> Instance:
         """Instance ``name``'s worker of ``model``'s rank (default: the deployment's), its side channel at ``port``
-        (default: a free one)."""
+        (default: a free one), ``group`` its instance's ranks."""
         model = model or self.model
         settings = ConnectorSettings(
             role=role,
@@ -231,7 +275,7 @@ class Deployment:
         )
         store = LocalBlockStore(self.root, model.full)
         adapter = model.adapter
-        worker = DualPathWorker(settings, model.full, store, lambda _n, c: adapter)
+        worker = DualPathWorker(settings, model.full, store, lambda _n, c: adapter, group=group)
         caches = [model.new_cache(POISON if role == "decode" else 0, self.device) for _ in range(LAYERS)]
         names = [f"layers.{i}.attn" for i in range(LAYERS)]
         worker.register_kv_caches(dict(zip(names, caches, strict=True)), lambda n: int(n.split(".")[1]))
@@ -429,10 +473,11 @@ class TpDeployment(Deployment):
         devices = itertools.count()
         try:
             for name, tp in self.tp.items():
-                base = free_ports(tp)
+                base, groups = free_ports(tp), rank_groups(tp)
                 for rank in range(tp):
                     model, role = Model(kind, kv_heads, tp, rank), "prefill" if name == "pe0" else "decode"
-                    inst = self._start(name, role, next(devices), UNCAPPED_BYTES_PER_S, model, rank_port(base, rank))
+                    port = rank_port(base, rank)
+                    inst = self._start(name, role, next(devices), UNCAPPED_BYTES_PER_S, model, port, groups[rank])
                     self.instances[f"{name}/{rank}"] = inst
         except BaseException:
             self.close()
@@ -464,18 +509,24 @@ class TpDeployment(Deployment):
         de_req = RecvSpec(f"d{n}", de_xfer, 0, de_end, de0.take_blocks(blocks), prompt, de_end > 0)
         for name in self.ranks(de):
             self.expect_recv(name, de_req)
-        for rank, name in enumerate(self.ranks(pe)):
-            rank_rows = self.shard(pe, rank).take(rows)
-            req = PeRequest(f"p{n}", pe_xfer, prompt, hit_blocks * BLOCK, ids, pe_blocks, rank_rows)
+
+        def prefill(rank: int, name: str) -> None:
+            req = PeRequest(
+                f"p{n}", pe_xfer, prompt, hit_blocks * BLOCK, ids, pe_blocks, self.shard(pe, rank).take(rows)
+            )
             if ahead:
                 self.read_ahead(name, [req])
                 assert self.await_ready(name, {req.req_id}) == {req.req_id: req.hit_tokens}, f"{name}: not all ready"
             assert self.prefill(name, req) == set(), f"{name}: hit blocks failed to load"
-        for name in self.ranks(de):
+
+        def finish(name: str) -> None:
             if de_req.report:
                 assert self.finish(name, {de_req.req_id})[1] == set(), f"the receive of {name} failed"
             else:
                 self.drain(name, de_req)
+
+        on_ranks([lambda r=rank, x=name: prefill(r, x) for rank, name in enumerate(self.ranks(pe))])
+        on_ranks([lambda x=name: finish(x) for name in self.ranks(de)])
         for name in self.ranks(pe):
             self.instances[name].worker.get_finished({f"p{n}"})
         return [(de_req, self.shard(de, rank).take(rows)) for rank in range(self.tp[de])]
