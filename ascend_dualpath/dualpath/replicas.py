@@ -36,6 +36,9 @@ from ascend_dualpath.errors import ConfigError, ProtocolError, WaitTimeout
 from ascend_dualpath.kv.layout import KVShard
 
 TAG = 0x44504C  # one tag for every message of this module: the ranks post them in one order
+# a replica waits for its lead's rows up to this many timeout_s: the lead's layer may wait timeout_s for the DE's
+# push, then take the DE's half over with reads of its own (timeout_s more) before it sends
+LEAD_WAITS = 3
 
 
 class RecvsEnded(msgspec.Struct, frozen=True):
@@ -69,7 +72,8 @@ class RankGroup:
         self._wait([self.group.allgather([sizes], [torch.tensor([len(payload)])])], what)
         longest = max(int(s) for s in sizes)
         mine = torch.zeros(longest, dtype=torch.uint8)
-        mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else mine[:0]
+        if payload:
+            mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.size)]
         self._wait([self.group.allgather([out], [mine])], what)
         return [bytes(t[: int(n)].numpy()) for t, n in zip(out, sizes, strict=True)]
@@ -194,10 +198,17 @@ class Replicas:
         failed.difference_update(self._recvs)
         gathered = self.group.gather(msgspec.msgpack.encode(mine), f"the ends of receives {sorted(self._recvs)}")
         done = self._take_ends([msgspec.msgpack.decode(answer, type=RecvsEnded) for answer in gathered])
+        self._copy_recvs([(spec, lead) for spec, lead, ok in done if ok and spec.end > spec.computed], caches, adapter)
+        for spec, _, ok in done:
+            recving.add(spec.req_id)
+            if not ok:
+                failed.add(spec.req_id)
+
+    def _copy_recvs(self, ended: list[tuple[RecvSpec, int]], caches: list[torch.Tensor], adapter: Any) -> None:
+        """The rows ``[computed, end)`` of every layer of each ``(spec, lead)`` from the lead to its replicas
+        (``uint8 [L, end - computed, C]`` per request and replica)."""
         sends, recvs = [], []
-        for spec, lead, ok in done:
-            if not ok or spec.end <= spec.computed:
-                continue
+        for spec, lead in ended:
             if lead == self.shard.rank:
                 rows = [adapter.read_tokens(cache, spec.block_ids, spec.computed, spec.end) for cache in caches]
                 stacked = _cpu(torch.stack(rows))
@@ -205,15 +216,11 @@ class Replicas:
             else:
                 shape = (len(caches), spec.end - spec.computed, self.shard.local.token_bytes)
                 recvs.append((torch.empty(shape, dtype=torch.uint8), lead, spec))
-        what = f"the rows of receives {[spec.req_id for spec, _, _ in done]}"
+        what = f"the rows of receives {[spec.req_id for spec, _ in ended]}"
         self.group.exchange(sends, [(rows, lead) for rows, lead, _ in recvs], what)
         for rows, _, spec in recvs:
             for layer, cache in enumerate(caches):
                 adapter.write_tokens(cache, spec.block_ids, spec.computed, rows[layer].to(cache.device))
-        for spec, _, ok in done:
-            recving.add(spec.req_id)
-            if not ok:
-                failed.add(spec.req_id)
 
     def _take_ends(self, answers: list[RecvsEnded]) -> list[tuple[RecvSpec, int, bool]]:
         """``(spec, lead, ok)`` of each receive the lead of this rank's group ended (in the gathered ``answers``, by

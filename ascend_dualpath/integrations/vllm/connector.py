@@ -96,9 +96,9 @@ def _rank_group(settings: ConnectorSettings) -> Any:
         return None
     from vllm.distributed.parallel_state import get_tp_group
 
-    from ascend_dualpath.dualpath.replicas import RankGroup
+    from ascend_dualpath.dualpath.replicas import LEAD_WAITS, RankGroup
 
-    return RankGroup(get_tp_group().cpu_group, settings.timeout_s)
+    return RankGroup(get_tp_group().cpu_group, LEAD_WAITS * settings.timeout_s)
 
 
 class DualPathConnector(KVConnectorBase_V1):

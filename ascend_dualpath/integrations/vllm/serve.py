@@ -13,8 +13,8 @@ the log directory (``--log-dir``, default :func:`default_log_dir`), which serve 
 when it stops and never removes; a part that dies is named with its log's last error line. On the way out it
 stops every child (SIGTERM to its process group, a bounded wait, then SIGKILL), removes the block store when
 it made a temporary one, its children's temporary directory (:func:`new_run_dir`) and what the emulated
-fabric may have left in ``/dev/shm`` (``adp.<fabric>*``); the
-command then exits with 128 + the signal number (130 / 143) after one line naming the log directory.
+fabric may have left in ``/dev/shm`` (``adp.<fabric>*``) and the shared memory its vLLM instances' CPU workers
+leave there (:func:`remove_vllm_shm`); the command then exits with 128 + the signal number (130 / 143) after one line naming the log directory.
 
 Children die with the launcher even when it is killed with SIGKILL, by the rules of
 :mod:`ascend_dualpath._process` for programs that are not the library's: each child runs in a process group of
@@ -442,6 +442,31 @@ def remove_fabric_shm(fabric: str, shm_dir: str = SHM_DIR) -> int:
     return removed
 
 
+VLLM_DIST_PREFIX = "vllm_dist_"  # vLLM's init file in its TMPDIR, and its CPU workers' shared memory's names
+
+
+def vllm_dist_idents(run_dir: str) -> list[str]:
+    """The identities of the vLLM instances whose ``TMPDIR`` is ``run_dir`` (serve's children): vLLM initialises a
+    worker group through the file ``<TMPDIR>/vllm_dist_<uuid>``, and its CPU workers of tensor-parallel size above 1
+    name their shared memory after it (``/dev/shm/vllm_dist_<uuid>-...-cpushm_<rank>``), never removing it."""
+    with contextlib.suppress(FileNotFoundError):
+        return sorted(name for name in os.listdir(run_dir) if name.startswith(VLLM_DIST_PREFIX))
+    return []
+
+
+def remove_vllm_shm(idents: list[str], shm_dir: str = SHM_DIR) -> int:
+    """Unlink ``<shm_dir>/<ident>-*`` of each of ``idents`` (:func:`vllm_dist_idents`, once the instances stopped);
+    returns how many went. Another vLLM's shared memory (another identity) stays."""
+    removed = 0
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(shm_dir):
+            if any(name.startswith(f"{ident}-") for ident in idents):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(shm_dir, name))
+                    removed += 1
+    return removed
+
+
 @dataclasses.dataclass
 class ServeOptions:
     """What ``python -m ascend_dualpath serve`` was asked for (see ``ascend_dualpath.cli.serve``).
@@ -759,10 +784,12 @@ def serve(opts: ServeOptions) -> int:
         raise
     finally:
         with signals_deferred():  # a second signal must not cut the clean-up short
+            idents = vllm_dist_idents(run_dir)  # while the instances run (the init file may go as they stop)
             stop([(c.process, True) for c in children], grace_s=STOP_GRACE_S)
             if watcher is not None:
                 stop([(watcher, True)])
             remove_fabric_shm(plan.fabric)
+            remove_vllm_shm(idents)
             shutil.rmtree(run_dir, ignore_errors=True)  # the children's temporary files and a temporary store
     kept = f"store kept at {store}" if opts.store else "temporary store removed"
     print(f"serve: stopped after a failure; {len(children)} children stopped, {kept}; logs kept in {log_dir}",

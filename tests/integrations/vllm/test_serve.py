@@ -330,6 +330,25 @@ def test_remove_fabric_shm_takes_only_that_fabric(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["adp.fab2.0", "other"]
 
 
+def test_remove_vllm_shm_takes_only_the_instances_of_that_run(tmp_path):
+    """vLLM's CPU workers at tensor-parallel size 2 name their shared memory after the init file in their TMPDIR
+    (serve's run directory): only those of this run's instances go."""
+    run, shm = tmp_path / "run", tmp_path / "shm"
+    run.mkdir()
+    shm.mkdir()
+    for name in ("vllm_dist_aa", "vllm_dist_bb", "side_token"):
+        (run / name).write_text("")
+    mine = ["vllm_dist_aa-tp:0-[0-1]-cpushm_0", "vllm_dist_aa-tp:0-[0-1]-cpushm_1", "vllm_dist_bb-tp:0-[0-1]-cpushm_0"]
+    others = ["vllm_dist_cc-tp:0-[0-1]-cpushm_0", "vllm_dist_aab-tp:0-[0-1]-cpushm_0", "adp.fab1"]
+    for name in mine + others:
+        (shm / name).write_text("")
+    idents = serve_mod.vllm_dist_idents(str(run))
+    assert idents == ["vllm_dist_aa", "vllm_dist_bb"]
+    assert serve_mod.remove_vllm_shm(idents, shm_dir=str(shm)) == 3
+    assert sorted(os.listdir(shm)) == sorted(others)
+    assert serve_mod.vllm_dist_idents(str(tmp_path / "gone")) == []
+
+
 class FakeDeployment:
     """``python -m ascend_dualpath serve`` with the fake vllm serve, in a subprocess."""
 

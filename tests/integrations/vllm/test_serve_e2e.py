@@ -92,7 +92,7 @@ def plain(model, tmp_path_factory):
 def plain_server(model: str, log: Path, *args: str, env: dict | None = None):
     """Yields the URL of a plain vLLM server of ``model`` (more ``args`` and ``env`` for it), stopped after."""
     port = _free_port()
-    from ascend_dualpath.integrations.vllm.serve import server_argv
+    from ascend_dualpath.integrations.vllm.serve import remove_vllm_shm, server_argv, vllm_dist_idents
 
     tmp = tempfile.mkdtemp(prefix="adp-plain-", dir="/tmp")  # vLLM's IPC sockets: a short path, removed after
     proc = subprocess.Popen(
@@ -107,7 +107,9 @@ def plain_server(model: str, log: Path, *args: str, env: dict | None = None):
         _wait_http(f"http://127.0.0.1:{port}/health", proc, log)
         yield f"http://127.0.0.1:{port}"
     finally:
+        idents = vllm_dist_idents(tmp)  # at tensor-parallel size 2 its CPU workers leave shared memory, as serve's
         _stop(proc)
+        remove_vllm_shm(idents)
         shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -79,6 +79,7 @@ def test_serve_at_tensor_parallel_sizes_matches_plain_vllm_and_loads_from_storag
     # different sizes sum a layer's partial products in another order, so a bf16 prompt's KV computed at the PE's
     # size can differ in its last bits from the plain server's at the DE's size; float32 keeps the greedy text equal
     dtype = ("--dtype", "float32") if pe_tp != de_tp else ()
+    vllm_shm = {name for name in os.listdir("/dev/shm") if name.startswith("vllm_dist_")}
     proc, url, log = e2e._serve(served, tmp_path, "--policy", policy, "--startup-timeout", str(STARTUP_S),
                                 "--timeout", str(REQUEST_TIMEOUT_S),
                                 *(arg for size in sizes for arg in ("--instance-args", size)), *(("--", *dtype) if dtype else ()))  # fmt: skip
@@ -95,6 +96,8 @@ def test_serve_at_tensor_parallel_sizes_matches_plain_vllm_and_loads_from_storag
         code = e2e._stop(proc)
     assert code == 128 + signal.SIGTERM, log.read_text()[-3000:]
     e2e._assert_nothing_left()
+    left = {name for name in os.listdir("/dev/shm") if name.startswith("vllm_dist_")} - vllm_shm
+    assert not left, f"serve left its vLLM workers' shared memory: {sorted(left)}"
     env = {"VLLM_CPU_OMP_THREADS_BIND": _bind(de_tp)}
     for plain in e2e.plain_server(
         served, tmp_path / "plain.log", "--tensor-parallel-size", str(de_tp), *dtype, env=env

@@ -34,7 +34,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from ascend_dualpath.dualpath.replicas import RankGroup
+from ascend_dualpath.dualpath.replicas import LEAD_WAITS, RankGroup
 from ascend_dualpath.dualpath.scheduler import ReadPath
 from ascend_dualpath.dualpath.settings import UNCAPPED_BYTES_PER_S, ConnectorSettings, rank_port
 from ascend_dualpath.dualpath.side_channel import XferParams
@@ -116,9 +116,9 @@ def rank_groups(size: int) -> list[RankGroup | None]:
     group; made together: they meet through one in-memory store); None at size 1."""
     if size == 1:
         return [None]
-    store, limit = dist.HashStore(), datetime.timedelta(seconds=TIMEOUT_S)
+    store, limit = dist.HashStore(), datetime.timedelta(seconds=LEAD_WAITS * TIMEOUT_S)
     groups = on_ranks([lambda rank=rank: dist.ProcessGroupGloo(store, rank, size, limit) for rank in range(size)])
-    return [RankGroup(group, TIMEOUT_S) for group in groups]
+    return [RankGroup(group, LEAD_WAITS * TIMEOUT_S) for group in groups]
 
 
 def remove_fabric_shm(fabric: str) -> None:
