@@ -172,10 +172,11 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def reap_dead_owners(directory: str, prefix: str, sep: str) -> list[str]:
+def reap_dead_owners(directory: str, prefix: str, sep: str, before: Callable[[str], Any] | None = None) -> list[str]:
     """Remove the entries of ``directory`` named ``<prefix><pid>`` or ``<prefix><pid><sep>...`` whose process
     ``pid`` is dead (files and directory trees); returns their paths. Entries of live processes, and names whose
-    part after ``prefix`` is not a pid, stay."""
+    part after ``prefix`` is not a pid, stay. ``before(path)`` runs first for each entry removed (what the entry
+    names outside it goes too)."""
     import shutil
 
     removed = []
@@ -185,6 +186,8 @@ def reap_dead_owners(directory: str, prefix: str, sep: str) -> list[str]:
         if not pid.isdigit() or pid_alive(int(pid)):
             continue
         path = os.path.join(directory, name)
+        if before is not None:
+            before(path)
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path, ignore_errors=True)
         else:

@@ -717,8 +717,9 @@ def _short_tmp() -> str:
 
 def new_run_dir() -> str:
     """``<tmp>/adp-serve-<pid>-XXXX``: the children's ``TMPDIR`` (vLLM's IPC sockets, torch's compile caches) and
-    a temporary store, removed at exit; those of serves that died (SIGKILL) are removed first."""
-    reap_dead_owners(_short_tmp(), RUN_PREFIX, "-")
+    a temporary store, removed at exit; those of serves that died (SIGKILL) are removed first, with the shared
+    memory their vLLM instances left (:func:`remove_vllm_shm`)."""
+    reap_dead_owners(_short_tmp(), RUN_PREFIX, "-", before=lambda path: remove_vllm_shm(vllm_dist_idents(path)))
     return tempfile.mkdtemp(prefix=f"{RUN_PREFIX}{os.getpid()}-", dir=_short_tmp())
 
 

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -311,11 +312,21 @@ def test_a_new_run_directory_is_short_and_removes_those_of_dead_serves(tmp_path,
     short.mkdir()
     monkeypatch.setattr(serve_mod, "MAX_TMP_PATH", len(str(short)))
     monkeypatch.setattr(serve_mod.tempfile, "tempdir", str(short))
+    shm = []  # what a dead serve's vLLM CPU workers left in /dev/shm goes with its run directory; a live one's stays
     for pid in (int(dead.stdout), os.getpid()):
         (short / f"adp-serve-{pid}-abc").mkdir()
         (short / f"adp-serve-{pid}-abc" / "socket").write_text("")
+        ident = f"vllm_dist_test{os.getpid()}x{pid}"
+        (short / f"adp-serve-{pid}-abc" / ident).write_text("")
+        shm.append(Path(serve_mod.SHM_DIR) / f"{ident}-tp:0-[0-1]-cpushm_0")
+        shm[-1].write_text("")
     (short / "adp-serve-store-x").mkdir()  # not a pid: not the reaper's
-    run_dir = serve_mod.new_run_dir()
+    try:
+        run_dir = serve_mod.new_run_dir()
+        assert [path.exists() for path in shm] == [False, True]
+    finally:
+        for path in shm:
+            path.unlink(missing_ok=True)
     assert os.path.dirname(run_dir) == str(short) and os.path.basename(run_dir).startswith(f"adp-serve-{os.getpid()}-")
     assert sorted(os.listdir(short)) == sorted([f"adp-serve-{os.getpid()}-abc", "adp-serve-store-x",
                                                 os.path.basename(run_dir)])  # fmt: skip

@@ -1,5 +1,6 @@
 """End to end on a real vLLM (CPU) with tensor parallelism inside vLLM: ``serve`` with a PE and a DE of
-tensor-parallel sizes 2 and 2, 2 and 1, 1 and 2, against a plain vLLM server of the DE's size.
+tensor-parallel sizes 2 and 2, 2 and 1, 1 and 2, against a plain vLLM server of the DE's size; at 2 and 2 also a model
+of one KV head, which vLLM replicates on both ranks of each instance (the replicas' copies, dualpath/replicas.py).
 
 Multi-turn conversations whose prompts extend the previous turn: every turn's greedy text equals the plain
 server's, and after the first turn the prefix comes from storage (each rank reads its heads of the blocks the DE's
@@ -54,8 +55,16 @@ def one_kv_head_model(tmp_path_factory) -> str:
 
 @pytest.mark.parametrize(
     ("pe_tp", "de_tp", "policy", "kv_heads"),
-    [(2, 2, "de", 2), (2, 2, "pe", 2), (2, 1, "de", 2), (1, 2, "de", 2), (2, 2, "de", 1), (2, 2, "pe", 1)],
-    ids=["pe2-de2-de", "pe2-de2-pe", "pe2-de1-de", "pe1-de2-de", "pe2-de2-de-kv1", "pe2-de2-pe-kv1"],
+    [
+        (2, 2, "de", 2),
+        (2, 2, "pe", 2),
+        (2, 1, "de", 2),
+        (2, 1, "pe", 2),
+        (1, 2, "de", 2),
+        (2, 2, "de", 1),
+        (2, 2, "pe", 1),
+    ],  # fmt: skip
+    ids=["pe2-de2-de", "pe2-de2-pe", "pe2-de1-de", "pe2-de1-pe", "pe1-de2-de", "pe2-de2-de-kv1", "pe2-de2-pe-kv1"],
 )
 def test_serve_at_tensor_parallel_sizes_matches_plain_vllm_and_loads_from_storage(
     request,
