@@ -19,9 +19,11 @@ from ascend_dualpath.dualpath import messages as m
 from ascend_dualpath.dualpath.dataplane import SHM_DIR
 from ascend_dualpath.dualpath.scheduler import ReadPath
 from ascend_dualpath.dualpath.side_channel import PeerClient, XferParams
-from ascend_dualpath.dualpath.specs import LoadSpec, RecvSpec
+from ascend_dualpath.dualpath.specs import LoadSpec, RecvSpec, SaveSpec
 from ascend_dualpath.errors import ProtocolError
+from ascend_dualpath.integrations.vllm.metadata import DualPathMetadata
 from tests.integrations.vllm.worker_harness import (
+    BLOCK,
     Model,
     TpDeployment,
     assert_caches_equal,
@@ -209,3 +211,51 @@ def test_a_receive_its_lead_fails_is_reported_failed_by_every_replica(tp_deploy,
     assert ends == [({"b"}, {"b"})] * de_tp
     for rank in range(de_tp):
         assert_caches_equal(d.instances[f"de0/{rank}"].caches, expected_de_caches([], Model(kind, heads, de_tp, rank)))
+
+
+@pytest.mark.parametrize("key", ["xa", "xd"])  # lead PE rank 1, then 0
+def test_a_load_its_lead_fails_is_recomputed_on_every_replica_bit_exact(tp_deploy, key):
+    """MLA, PE 2 / DE 2, PE read path: the request's lead PE rank reads hit block 3 corrupt (blocks 0-2 load, 3 and 4
+    are reported); its replica took the lead's rows (what its cache holds) and reported nothing. vLLM recomputes from the first block any rank reported
+    (the union over ranks) on every rank: then every PE rank's cache holds the prompt's true rows and every DE rank's
+    receive is bit-exact (the lead sends complete layers; the DE's lead copies them to its replica)."""
+    d = tp_deploy(2, 2, "mla", 1)
+    rows = d.true_rows(3, 23, d.model.full)
+    ids = d.store_prefix(rows, 5, 99)
+    pe0, de0 = d.instances["pe0/0"], d.instances["de0/0"]
+    pe_blocks, de_blocks = pe0.take_blocks(6), de0.take_blocks(6)
+    de_req = RecvSpec("d", XferParams(key, "decode", ReadPath.PE, pe0.address, False), 0, 20, de_blocks, 23)
+    for name in d.ranks("de0"):
+        d.expect_recv(name, de_req)
+    xfer = XferParams(key, "prefill", ReadPath.PE, de0.address, False)
+    lead = d.shard("pe0", 0).lead(key, 2)
+    store = d.instances[f"pe0/{lead}"].worker.store
+    getattr(store, "store", store).faults.corrupt_next_read(ids[3])
+
+    def step(name: str, meta: DualPathMetadata, start: int) -> set[int]:
+        """One forward of the request on PE rank ``name``: rows from ``start`` computed (written) and saved."""
+        inst = d.instances[name]
+        inst.worker.start_step(meta)
+        for layer, layer_name in enumerate(inst.layer_names()):
+            inst.worker.wait_for_layer_load(layer_name)
+            inst.adapter.write_tokens(inst.caches[layer], pe_blocks, start, rows[layer, start:])
+            inst.worker.save_kv_layer(layer_name, inst.caches[layer])
+        inst.worker.wait_for_save()
+        return inst.worker.get_block_ids_with_load_errors()
+
+    first = DualPathMetadata(loads=[LoadSpec("p", xfer, 0, 20, 23, ids, pe_blocks)],
+                             saves=[SaveSpec("p", xfer, 20, 23, pe_blocks)])  # fmt: skip
+    bad = on_ranks([lambda name=name: step(name, first, 20) for name in d.ranks("pe0")])
+    assert bad[lead] == set(pe_blocks[3:5]) and bad[1 - lead] == set()  # blocks 0-2 loaded, copied to the replica
+    start = min(pe_blocks.index(block) for block in set().union(*bad)) * BLOCK
+    again = DualPathMetadata(saves=[SaveSpec("p", xfer, start, 23, pe_blocks)])
+    on_ranks([lambda name=name: step(name, again, start) for name in d.ranks("pe0")])
+    ends = on_ranks([lambda name=name: d.finish(name, {"d"}) for name in d.ranks("de0")])
+    assert ends == [({"d"}, set())] * 2
+    for name in d.ranks("pe0"):
+        inst = d.instances[name]
+        for layer, cache in enumerate(inst.caches):
+            assert inst.adapter.read_tokens(cache, pe_blocks, 0, 23).equal(rows[layer]), (name, layer)
+    for rank in range(2):
+        expected = expected_de_caches([(de_req, rows)], Model("mla", 1, 2, rank))
+        assert_caches_equal(d.instances[f"de0/{rank}"].caches, expected)
