@@ -34,6 +34,8 @@ from ascend_dualpath.errors import AdpError
 log = logging.getLogger(__name__)
 
 DIR_NAME = "persisting"
+PARENT_WAIT_S = 10.0  # how long a chain waits for its parent another instance is still writing
+PARENT_POLL_S = 0.05
 
 
 class PersistAnnouncements:
@@ -64,6 +66,10 @@ class PersistAnnouncements:
         """The blocks are written (or will not be): lookups stop waiting for them."""
         for block_id in block_ids:
             self._path(block_id).unlink(missing_ok=True)
+
+    def announced(self, block_id: bytes) -> bool:
+        """True while ``block_id`` is announced, however old the announcement (its writer has not ended)."""
+        return self._path(block_id).exists()
 
     def pending(self, block_id: bytes) -> bool:
         """True while ``block_id`` is announced and the announcement is younger than ``wait_s``."""
@@ -100,6 +106,8 @@ class Persister:
         chain = [(spec.store_ids[i], spec.store_ids[i - 1] if i > 0 else None, payload) for i, payload in payloads]
         announced = spec.store_ids[spec.first_block :]
         try:
+            if payloads:
+                self._await_parent(spec.store_ids[: payloads[0][0]])
             self.counters.persisted_blocks += sum(self.store.write_blocks(chain))
             # a tensor-parallel rank's part leaves its block invisible until the last rank's part is there: that
             # rank withdraws the announcement (a rank that died leaves it to go stale)
@@ -109,6 +117,22 @@ class Persister:
             log.warning("DualPath: persisting request %s failed: %s: %s", spec.req_id, type(error).__name__, error)
         finally:
             self.announcements.withdraw(announced)  # none is awaited any longer
+
+    def _await_parent(self, prefix: list[bytes]) -> None:
+        """Until the chain's parent (``prefix[-1]``) is stored here, bounded by ``PARENT_WAIT_S``: another instance
+        (a data-parallel engine, another DE) may have written it after this store last looked (adopted from disk), or
+        still be writing it (announced: its request's next turn came here after the announcement went stale). A
+        parent still missing then makes the write refuse the chain, as before."""
+        deadline = time.monotonic() + PARENT_WAIT_S
+        while prefix and not self.store.contains(prefix[-1]):
+            self.store.refresh(prefix)
+            if self.store.contains(prefix[-1]) or not self.announcements.announced(prefix[-1]):
+                return
+            if time.monotonic() > deadline:
+                log.warning("DualPath: block %s is still being written by another instance after %s s",
+                            prefix[-1].hex(), PARENT_WAIT_S)  # fmt: skip
+                return
+            time.sleep(PARENT_POLL_S)
 
     def writing(self) -> bool:
         """Whether a write is queued or running."""

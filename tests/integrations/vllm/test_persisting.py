@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 from types import SimpleNamespace
 
@@ -56,6 +57,9 @@ class _Store:
 
     def contains(self, block_id: bytes) -> bool:
         return block_id in self.written
+
+    def refresh(self, block_ids: list) -> int:
+        return 0
 
 
 @pytest.mark.parametrize(("failing", "error"), [(None, AdpError), (IDS[2], AdpError), (IDS[2], OSError)])
@@ -144,3 +148,41 @@ def test_a_crash_between_writing_and_syncing_a_request_leaves_none_of_its_blocks
     assert not any(store.path_of(block_id).exists() for block_id in ids)
     assert LocalBlockStore(tmp_path, layout).longest_prefix(ids) == 0
     assert len(list((tmp_path / "blocks").rglob(".*.tmp"))) == 3
+
+
+@pytest.mark.parametrize("parent", ["written", "being written", "missing"])
+def test_a_chain_whose_parent_another_instance_writes_waits_for_it(tmp_path, parent):
+    """Two instances on one store (data-parallel engines, two DEs): a conversation's turn persisted by instance A,
+    its next turn by instance B, whose store opened before A wrote. B adopts a parent A wrote meanwhile, waits
+    (bounded) for one A has announced and is still writing, and refuses a chain whose parent nobody writes at once
+    (counted, nothing stored)."""
+    layout = KVLayout.mla_fp8(num_layers=2, block_tokens=4)
+    ids = block_hashes(list(range(12)), 4, namespace=layout.fingerprint())
+    payloads = torch.randint(0, 256, (3, layout.full_block_bytes), dtype=torch.uint8)
+    a, b = LocalBlockStore(tmp_path, layout), LocalBlockStore(tmp_path, layout)
+    announcements = PersistAnnouncements(tmp_path, 60.0)
+    announcements.announce(ids)
+    if parent == "written":
+        a.write_blocks([(ids[0], None, payloads[0]), (ids[1], ids[0], payloads[1])])
+    elif parent == "being written":
+        a.write_blocks([(ids[0], None, payloads[0])])
+        writer = threading.Timer(0.5, lambda: a.write_blocks([(ids[1], ids[0], payloads[1])]))
+        writer.start()
+    else:
+        announcements.withdraw(ids[:2])
+    persister = Persister(b, announcements, SimpleNamespace(persisted_blocks=0, failures=0))
+    start = time.monotonic()
+    try:
+        _persist_and_wait(persister, PersistSpec("r", 2, ids, [0, 1, 2]), lambda i: payloads[i].clone())
+    finally:
+        persister.close()
+        if parent == "being written":
+            writer.join()
+    counters = persister.counters
+    if parent == "missing":
+        assert (counters.persisted_blocks, counters.failures) == (0, 1) and not b.contains(ids[2])
+        assert time.monotonic() - start < 5  # not announced: nothing to wait for
+    else:
+        assert (counters.persisted_blocks, counters.failures) == (1, 0) and b.longest_prefix(ids) == 3
+    a.close()
+    b.close()
