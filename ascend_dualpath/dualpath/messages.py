@@ -42,7 +42,9 @@ from ascend_dualpath.transport.mooncake import MooncakePeer
 # 6: the two sides' tensor-parallel sizes may differ: a PE rank pairs with each DE rank it is a source of
 # (``KVShard.sources``), Status carries the instance's tp_size (the PE learns how the DE is sharded before its hello),
 # and where a DE rank has several source PE ranks each pair's transfer id is the request's plus ``@<PE rank>``.
-PROTOCOL_VERSION = 6
+# 7: Status is one rank's share of its instance (it names its tp_rank; only the ranks of rank 0's replicas count
+# requests and blocks), merged over the ranks by instance_status.
+PROTOCOL_VERSION = 7
 
 
 class Compat(msgspec.Struct, frozen=True):
@@ -248,16 +250,20 @@ class Ended(Message, tag="ended"):
 
 
 class Status(Message, tag="status"):
-    """An instance's live state, what the proxy schedules on and what it must see come back to zero.
+    """One tensor-parallel rank's share of its instance's live state, what the proxy schedules on and what it must
+    see come back to zero; :func:`instance_status` merges the ranks' shares into the instance's.
 
-    Its storage-NIC cap ``snic_bytes_per_s`` (None: uncapped), its read queue (``read_queue_tokens`` / ``_bytes``),
-    what its storage NIC has read so far (``snic_read_bytes`` / ``_blocks``: the read-path rule's tie-break), the
-    transfers whose storage reads are queued or running now (``reading``: xfer ids, whose tokens the read queue
-    counts; the proxy then drops its own estimate of them; a peer without the field reports none), the
-    requests it has not finished (``unfinished_requests`` / ``_tokens``), and what it holds now: ``host_leases``
-    and ``quarantined_bytes`` (0 once every request ended and late writes are ruled out). The counters (loads per
-    path, fallbacks, takeovers, failures, ...) go through vLLM's metrics (``integrations/vllm/stats.py``).
-    ``tp_size``: the instance's tensor-parallel size (a PE asks rank 0 which of its ranks to pair with).
+    The rank's storage-NIC cap ``snic_bytes_per_s`` (None: uncapped; the ranks of an instance share its cap), its read
+    queue (``read_queue_bytes``, and ``read_queue_tokens``: those bytes in tokens of the whole model's KV, so that the
+    ranks' figures add up), what it has read so far (``snic_read_bytes`` / ``_blocks``: the read-path rule's
+    tie-break), the transfers whose storage reads are queued or running now (``reading``: xfer ids, whose tokens the
+    read queue counts; the proxy then drops its own estimate of them), the requests it has not finished
+    (``unfinished_requests`` / ``_tokens``), and what it holds now: ``host_leases`` and ``quarantined_bytes`` (0 once
+    every request ended and late writes are ruled out). Requests and blocks are counted once per instance: by the
+    ranks of rank 0's replicas, each for the requests it leads (every rank moves its own heads of every request,
+    so the other ranks count none). The counters (loads per path, fallbacks, takeovers, failures, ...) go through
+    vLLM's metrics (``integrations/vllm/stats.py``). ``tp_size`` / ``tp_rank``: the instance's tensor-parallel size
+    (a PE asks rank 0 which of its ranks to pair with) and this rank.
     """
 
     role: str
@@ -274,6 +280,7 @@ class Status(Message, tag="status"):
     host_leases: int = 0
     reading: list[str] = []
     tp_size: int = 1
+    tp_rank: int = 0
 
 
 # -- the demo engines: the DE drives, the PE prefills -----------------------------------------------------------
@@ -413,3 +420,49 @@ def check_tp(mine: KVShard, size: int, rank: int, here: str, there: str, *, deco
             f"{where}: DE rank {de.rank} of {de.size} takes its rows from PE ranks {sources} of {pe.size}, not from "
             f"PE rank {pe.rank}"
         )
+
+
+# Status fields an instance's figure is the sum of its ranks' (the cap apart: None when any rank is uncapped).
+_SUMMED = (
+    "read_queue_tokens",
+    "read_queue_bytes",
+    "snic_read_bytes",
+    "snic_read_blocks",
+    "unfinished_requests",
+    "unfinished_tokens",
+    "quarantined_bytes",
+    "host_leases",
+)
+
+
+def instance_status(ranks: list[Status]) -> Status:
+    """The instance's :class:`Status` from each of its tensor-parallel ranks' (``ranks[r]``: rank ``r``'s): the caps
+    and the figures of :data:`_SUMMED` summed, the transfers being read joined (in rank order), role, node and
+    device id rank 0's. Raises :class:`ProtocolError` unless the replies are ranks ``0 .. tp_size - 1`` of one
+    instance of one role, naming the first that is not.
+
+    Examples
+    --------
+    >>> a = Status("decode", "n.tp0", 0, 1e9, read_queue_bytes=4, unfinished_requests=1, reading=["x"], tp_size=2)
+    >>> b = Status("decode", "n.tp1", 1, 1e9, read_queue_bytes=4, reading=["x", "y"], tp_size=2, tp_rank=1)
+    >>> merged = instance_status([a, b])
+    >>> merged.snic_bytes_per_s, merged.read_queue_bytes, merged.unfinished_requests, merged.reading
+    (2000000000.0, 8, 1, ['x', 'y'])
+    """
+    if not ranks:
+        raise ProtocolError("an instance's status needs its rank 0's reply, got none")
+    first = ranks[0]
+    for index, status in enumerate(ranks):
+        if (status.role, status.tp_size, status.tp_rank) != (first.role, len(ranks), index):
+            raise ProtocolError(
+                f"status reply {index} of {len(ranks)} is from {status.role} rank {status.tp_rank} of "
+                f"tensor-parallel size {status.tp_size} ({status.node}), not {first.role} rank {index} of {len(ranks)}"
+            )
+    caps = [status.snic_bytes_per_s for status in ranks]
+    summed = {name: sum(getattr(status, name) for status in ranks) for name in _SUMMED}
+    return msgspec.structs.replace(
+        first,
+        snic_bytes_per_s=None if None in caps else sum(caps),
+        reading=list(dict.fromkeys(xfer_id for status in ranks for xfer_id in status.reading)),
+        **summed,
+    )

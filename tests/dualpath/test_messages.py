@@ -194,3 +194,58 @@ def test_a_malformed_demo_engine_message_is_refused_on_receipt(raw, match):
     pe_end.inbox.put(msgspec.msgpack.encode(raw))
     with pytest.raises(ProtocolError, match=match):
         pe_end.recv(1.0, "a message")
+
+
+STATUS_FIGURES = st.fixed_dictionaries({name: st.integers(0, 2**40) for name in m._SUMMED})
+
+
+@given(
+    st.lists(
+        st.tuples(STATUS_FIGURES, st.one_of(st.none(), st.floats(1.0, 1e12)), st.lists(ids, max_size=3)),
+        min_size=1,
+        max_size=8,
+    )
+)
+def test_an_instances_status_sums_its_ranks_shares(ranks):
+    size = len(ranks)
+    replies = [
+        m.Status("decode", f"de0.tp{rank}", 7 + rank, cap, tp_size=size, tp_rank=rank, reading=reading, **figures)
+        for rank, (figures, cap, reading) in enumerate(ranks)
+    ]
+    merged = m.instance_status(replies)
+    for name in m._SUMMED:
+        assert getattr(merged, name) == sum(figures[name] for figures, _, _ in ranks), name
+    caps = [cap for _, cap, _ in ranks]
+    assert merged.snic_bytes_per_s == (None if None in caps else pytest.approx(sum(caps)))
+    assert merged.reading == list(dict.fromkeys(x for _, _, reading in ranks for x in reading))
+    assert (merged.role, merged.node, merged.device_id, merged.tp_size, merged.tp_rank) == (
+        "decode",
+        "de0.tp0",
+        7,
+        size,
+        0,
+    )
+
+
+@pytest.mark.parametrize(
+    ("replies", "why"),
+    [
+        ([], "needs its rank 0's reply, got none"),
+        (
+            [m.Status("decode", "a", 0, tp_size=2)],
+            "status reply 0 of 1 is from decode rank 0 of tensor-parallel size 2",
+        ),
+        (
+            [m.Status("decode", "a", 0, tp_size=2), m.Status("decode", "b", 1, tp_size=2)],
+            r"status reply 1 of 2 is from decode rank 0 of tensor-parallel size 2 \(b\), not decode rank 1 of 2",
+        ),
+        (
+            [m.Status("decode", "a", 0, tp_size=2), m.Status("prefill", "b", 1, tp_size=2, tp_rank=1)],
+            "is from prefill rank 1",
+        ),
+    ],
+    ids=["none", "a rank missing", "a rank twice", "another role"],
+)
+def test_replies_that_are_not_one_instances_ranks_are_refused_naming_the_first(replies, why):
+    with pytest.raises(ProtocolError, match=why):
+        m.instance_status(replies)

@@ -219,8 +219,9 @@ class DualPathConnector(KVConnectorBase_V1):
     # -- vLLM's metrics (stats.py) ----------------------------------------------------------------------------------
     def get_kv_connector_stats(self) -> DualPathKVConnectorStats | None:
         """Worker: what was counted since the last call (None when nothing changed); the scheduler side counts none."""
-        changed = self._worker.stats_since_last() if self._worker is not None else None
-        return DualPathKVConnectorStats.from_counters(*changed) if changed is not None else None
+        if self._worker is None or (changed := self._worker.stats_since_last()) is None:
+            return None
+        return DualPathKVConnectorStats.from_counters(*changed, rank=self._worker.settings.tp_rank)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> DualPathKVConnectorStats:

@@ -67,6 +67,7 @@ from ascend_dualpath import _env
 from ascend_dualpath._checks import check_bound
 from ascend_dualpath.dualpath import messages as m
 from ascend_dualpath.dualpath import side_channel as side
+from ascend_dualpath.dualpath.settings import rank_address
 from ascend_dualpath.errors import ConfigError, ProtocolError, WaitTimeout
 from ascend_dualpath.integrations.vllm import fanout
 from ascend_dualpath.integrations.vllm.cached_prefixes import DEFAULT_CAPACITY_BLOCKS
@@ -245,9 +246,23 @@ def prefill_body(body: dict, decision: Decision, de_side_channel: str, chat: boo
 
 
 async def query_status(ctx: zmq.asyncio.Context, address: str, timeout_s: float, token: bytes | None = None) -> dict:
-    """One :class:`~ascend_dualpath.dualpath.messages.StatusQuery` on a side channel through a fresh DEALER, sealed
-    with the deployment ``token`` (:func:`~ascend_dualpath.dualpath.side_channel.seal`); the typed
-    :class:`~ascend_dualpath.dualpath.messages.Status` reply as a dict.
+    """The live state of the instance whose rank 0's side channel is ``address``, as a dict: rank 0's
+    :class:`~ascend_dualpath.dualpath.messages.Status` names the tensor-parallel size, then every other rank is asked
+    at once (at :func:`~ascend_dualpath.dualpath.settings.rank_address`) and the shares are merged
+    (:func:`~ascend_dualpath.dualpath.messages.instance_status`). Waits at most ``2 * timeout_s``; any rank's
+    silence or malformed reply fails the whole query (:class:`WaitTimeout`, :class:`ProtocolError`)."""
+    first = await _query_rank(ctx, address, timeout_s, token)
+    if not 0 < first.tp_size <= 65536 - int(address.rpartition(":")[2]):  # a side port per rank
+        raise ProtocolError(
+            f"side channel {address} reports tensor-parallel size {first.tp_size}: no side ports for it"
+        )
+    rest = [_query_rank(ctx, rank_address(address, rank), timeout_s, token) for rank in range(1, first.tp_size)]
+    return msgspec.to_builtins(m.instance_status([first, *await asyncio.gather(*rest)]))
+
+
+async def _query_rank(ctx: zmq.asyncio.Context, address: str, timeout_s: float, token: bytes | None) -> m.Status:
+    """One :class:`~ascend_dualpath.dualpath.messages.StatusQuery` on one rank's side channel through a fresh
+    DEALER, sealed with the deployment ``token`` (:func:`~ascend_dualpath.dualpath.side_channel.seal`).
 
     A fresh socket per query keeps a late reply to an earlier, timed-out query from being read as this
     one's. Raises :class:`WaitTimeout` when no reply comes within ``timeout_s`` (ZMQ connects lazily, so a
@@ -269,7 +284,7 @@ async def query_status(ctx: zmq.asyncio.Context, address: str, timeout_s: float,
     reply = side.open_reply(token, frames[-1], stamp, f"side channel {address}", "status", side.DEFAULT_MAX_FRAME_BYTES)
     if not isinstance(reply, m.Status):
         raise ProtocolError(f"side channel {address} answered {type(reply).__name__} to a status query")
-    return msgspec.to_builtins(reply)
+    return reply
 
 
 class _Metrics:

@@ -42,25 +42,29 @@ COUNTERS: dict[str, tuple[str, str, str | None]] = {
     "side_refused": ("side_refused", "side-channel frames refused before decoding (token, replay, size, format)", None),
 }
 LAYER_WAIT = "layer_wait_s"  # seconds the PE waited for each pushed layer's notify, one sample per wait
-QUARANTINED_BYTES = "quarantined_bytes"  # held now, not a count: the latest value wins
+QUARANTINED_BYTES = "quarantined_bytes"  # held now, not a count: by rank, each rank's latest value wins
 # Layer waits range from a poll period (a pushed layer already there) to the connector's timeout.
 LAYER_WAIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 @dataclasses.dataclass
 class DualPathKVConnectorStats(KVConnectorStats):
-    """What one worker counted in an interval: ``data`` holds each :data:`COUNTERS` key's increment (int), the
-    layer waits (list of float seconds) and the quarantined bytes held at its end (int, or None when unknown).
+    """What the workers counted in an interval: ``data`` holds each :data:`COUNTERS` key's increment (int), the
+    layer waits (list of float seconds) and the quarantined bytes each tensor-parallel rank held at its end
+    (``{str(rank): bytes}``; a rank that reported no change is absent). vLLM sums the workers' stats of a step
+    (``aggregate``), so a count is the instance's total, and the bytes held stay apart per rank until observed.
 
-    Only plain ints, floats and lists, as vLLM sends ``data`` between processes with msgspec.
+    Only plain ints, floats, lists and dicts, as vLLM sends ``data`` between processes with msgspec.
 
     Examples
     --------
     >>> a = DualPathKVConnectorStats.from_counters({"loads_de": 1, "snic_read_bytes": 4096}, [0.002], 0)
-    >>> b = DualPathKVConnectorStats.from_counters({"loads_de": 2}, [], 8192)
+    >>> b = DualPathKVConnectorStats.from_counters({"loads_de": 2}, [], 8192, rank=1)
     >>> merged = a.aggregate(b)
     >>> merged.data["loads_de"], merged.data["snic_read_bytes"], merged.data["quarantined_bytes"]
-    (3, 4096, 8192)
+    (3, 4096, {'0': 0, '1': 8192})
+    >>> merged.reduce()["quarantined_bytes"]
+    8192
     """
 
     def __post_init__(self) -> None:
@@ -69,9 +73,10 @@ class DualPathKVConnectorStats(KVConnectorStats):
 
     @classmethod
     def from_counters(
-        cls, increments: dict[str, int], layer_waits: list[float], quarantined_bytes: int | None
+        cls, increments: dict[str, int], layer_waits: list[float], quarantined_bytes: int | None, rank: int = 0
     ) -> DualPathKVConnectorStats:
-        """Stats of increments (keys of :data:`COUNTERS`), layer-wait samples and the quarantined bytes now."""
+        """Stats of tensor-parallel rank ``rank``'s increments (keys of :data:`COUNTERS`), layer-wait samples and
+        the quarantined bytes it holds now (None: unknown)."""
         unknown = set(increments) - set(COUNTERS)
         if unknown:
             raise ValueError(f"unknown DualPath counters {sorted(unknown)}; known: {sorted(COUNTERS)}")
@@ -81,20 +86,22 @@ class DualPathKVConnectorStats(KVConnectorStats):
         stats = cls()
         stats.data.update(increments)
         stats.data[LAYER_WAIT] = list(layer_waits)
-        stats.data[QUARANTINED_BYTES] = quarantined_bytes
+        stats.data[QUARANTINED_BYTES] = {} if quarantined_bytes is None else {str(rank): quarantined_bytes}
         return stats
 
     def reset(self) -> None:
-        self.data = {**dict.fromkeys(COUNTERS, 0), LAYER_WAIT: [], QUARANTINED_BYTES: None}
+        self.data = {**dict.fromkeys(COUNTERS, 0), LAYER_WAIT: [], QUARANTINED_BYTES: {}}
 
     def aggregate(self, other: KVConnectorStats) -> DualPathKVConnectorStats:
-        """Sums the counters, joins the layer waits; the quarantined bytes are ``other``'s when it knows them (a
-        later interval: the connector runs one worker per engine, tensor parallel size 1)."""
+        """Sums the counters, joins the layer waits; a rank's quarantined bytes are ``other``'s where it knows them
+        (another rank's of the same step, or a later interval's)."""
         for key in COUNTERS:
             self.data[key] = self.data.get(key, 0) + other.data.get(key, 0)
         self.data[LAYER_WAIT] = [*self.data.get(LAYER_WAIT, []), *other.data.get(LAYER_WAIT, [])]
-        if other.data.get(QUARANTINED_BYTES) is not None:
-            self.data[QUARANTINED_BYTES] = other.data[QUARANTINED_BYTES]
+        self.data[QUARANTINED_BYTES] = {
+            **(self.data.get(QUARANTINED_BYTES) or {}),
+            **(other.data.get(QUARANTINED_BYTES) or {}),
+        }
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -104,8 +111,8 @@ class DualPathKVConnectorStats(KVConnectorStats):
         out["layer waits"] = len(waits)
         out["avg layer wait (ms)"] = round(1e3 * sum(waits) / len(waits), 3) if waits else 0.0
         out["max layer wait (ms)"] = round(1e3 * max(waits), 3) if waits else 0.0
-        if self.data.get(QUARANTINED_BYTES) is not None:
-            out[QUARANTINED_BYTES] = self.data[QUARANTINED_BYTES]
+        if held := self.data.get(QUARANTINED_BYTES):
+            out[QUARANTINED_BYTES] = sum(held.values())  # of the ranks that reported one in this interval
         return out
 
     def is_empty(self) -> bool:
@@ -115,8 +122,8 @@ class DualPathKVConnectorStats(KVConnectorStats):
 
 class DualPathPromMetrics(KVConnectorPromMetrics):
     """``vllm:dualpath_*`` metrics: a counter per :data:`COUNTERS` name (``_total``; loads and split blocks by
-    ``path``), the gauge ``vllm:dualpath_quarantined_bytes`` and the histogram ``vllm:dualpath_layer_wait_seconds``,
-    each with vLLM's per-engine labels."""
+    ``path``), the gauge ``vllm:dualpath_quarantined_bytes`` (the sum of what each rank of the engine last reported)
+    and the histogram ``vllm:dualpath_layer_wait_seconds``, each with vLLM's per-engine labels."""
 
     def __init__(
         self,
@@ -145,6 +152,7 @@ class DualPathPromMetrics(KVConnectorPromMetrics):
             multiprocess_mode="mostrecent",
         )
         self.quarantined_bytes = create_metric_per_engine(quarantined, per_engine_labelvalues)
+        self._held: dict[int, dict[str, int]] = {idx: {} for idx in per_engine_labelvalues}  # engine -> rank -> bytes
         layer_wait = self._histogram_cls(
             name="vllm:dualpath_layer_wait_seconds",
             documentation="DualPath: seconds the prefill engine waited for a layer the decode engine pushed.",
@@ -160,5 +168,6 @@ class DualPathPromMetrics(KVConnectorPromMetrics):
                 children[engine_idx].inc(increment)
         for seconds in transfer_stats_data.get(LAYER_WAIT, []):
             self.layer_wait[engine_idx].observe(seconds)
-        if (held := transfer_stats_data.get(QUARANTINED_BYTES)) is not None:
-            self.quarantined_bytes[engine_idx].set(held)
+        if held := transfer_stats_data.get(QUARANTINED_BYTES):
+            self._held[engine_idx].update(held)
+            self.quarantined_bytes[engine_idx].set(sum(self._held[engine_idx].values()))

@@ -87,6 +87,8 @@ class DualPathWorker:
         self.counters = Counters()
         self.persister = Persister(writer, self.announcements, self.counters)
         self.quarantine = Quarantine(self.counters)
+        # this rank counts requests and blocks for its instance (messages.Status): rank 0 and its replicas
+        self._counts = 0 in self.shard.replicas
         self.caches: list[torch.Tensor] = []
         self._layer_of: dict[str, int] = {}
         self.adapter = None
@@ -194,12 +196,13 @@ class DualPathWorker:
         return handler(message)
 
     def status(self) -> m.Status:
-        """The instance's live state: its read queue and storage NIC, what it holds unfinished and now (the
-        counters go to vLLM's metrics: :meth:`stats_since_last`)."""
+        """This rank's share of its instance's live state (:class:`~ascend_dualpath.dualpath.messages.Status`): its
+        read queue and storage NIC, what it holds unfinished and now (the counters go to vLLM's metrics:
+        :meth:`stats_since_last`)."""
         self.decode.complete_recvs(drains_only=True)  # also expires orphan plans, even on an idle engine
         stats = self.read_queue.stats()
-        token_bytes = self.layout.kv_bytes(1)
-        unfinished = self.decode.unfinished_tokens() + self.prefill.unfinished_tokens()
+        token_bytes = self.shard.full.kv_bytes(1)  # the whole model's, so that the ranks' queues in tokens add up
+        unfinished = self.decode.unfinished_tokens() + self.prefill.unfinished_tokens() if self._counts else []
         return m.Status(
             role=self.settings.role,
             node=self.settings.node,
@@ -208,13 +211,14 @@ class DualPathWorker:
             read_queue_tokens=stats.bytes // token_bytes,
             read_queue_bytes=stats.bytes,
             snic_read_bytes=stats.completed_bytes,
-            snic_read_blocks=stats.completed_requests,
+            snic_read_blocks=stats.completed_requests if self._counts else 0,
             unfinished_requests=len(unfinished),
             unfinished_tokens=sum(unfinished),
             quarantined_bytes=self.quarantine.held_bytes,
             host_leases=self.dataplane.host.stats().live_leases if self.dataplane is not None else 0,
             reading=self.prefill.reading() + self.decode.reading(),
             tp_size=self.settings.tp_size,
+            tp_rank=self.settings.tp_rank,
         )
 
     def stats_since_last(self) -> tuple[dict[str, int], list[float], int] | None:
@@ -225,7 +229,7 @@ class DualPathWorker:
         now = {
             **dataclasses.asdict(self.counters),
             "snic_read_bytes": queue.completed_bytes,
-            "snic_read_blocks": queue.completed_requests,
+            "snic_read_blocks": queue.completed_requests if self._counts else 0,
         }
         increments = {k: v - self._reported.get(k, 0) for k, v in now.items() if v != self._reported.get(k, 0)}
         waits, self.prefill.layer_waits = self.prefill.layer_waits, []  # the forward's thread, the only one appending

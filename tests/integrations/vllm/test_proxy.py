@@ -417,3 +417,40 @@ def test_the_proxy_asks_a_real_side_channel_with_the_deployment_token():
     finally:
         side.close()
     assert counters.side_refused == 1
+
+
+def test_an_instances_status_is_merged_from_every_ranks_side_channel():
+    """A tensor-parallel instance of 3 ranks: rank 0 names the size, the proxy asks ranks 1 and 2 at the base port
+    + 1 and + 2 and sums their shares; a rank that stays silent fails the whole query, naming its address."""
+    import zmq.asyncio
+
+    from ascend_dualpath.dualpath import messages as m
+    from ascend_dualpath.dualpath.side_channel import SideChannel
+    from ascend_dualpath.errors import WaitTimeout
+    from tests.integrations.vllm.worker_harness import free_ports
+
+    base, sides = free_ports(3), []
+
+    def share(rank: int) -> m.Status:  # MLA-like: the ranks lead different requests, each reads its own
+        return m.Status("decode", f"de0.tp{rank}", rank, 1e9, read_queue_bytes=100 * (rank + 1), tp_size=3,
+                        tp_rank=rank, unfinished_requests=rank, reading=[f"x{rank}"])  # fmt: skip
+
+    async def body():
+        ctx = zmq.asyncio.Context()
+        try:
+            status = await proxy_mod.query_status(ctx, sides[0].address, 5.0)
+            assert status["read_queue_bytes"] == 600 and status["unfinished_requests"] == 3
+            assert status["snic_bytes_per_s"] == 3e9 and status["reading"] == ["x0", "x1", "x2"]
+            sides.pop().close()  # rank 2 goes silent
+            with pytest.raises(WaitTimeout, match=f"side channel tcp://127.0.0.1:{base + 2} sent no status reply"):
+                await proxy_mod.query_status(ctx, sides[0].address, 0.5)
+        finally:
+            ctx.term()
+
+    try:
+        for rank in range(3):
+            sides.append(SideChannel(base + rank, lambda r, rank=rank: share(rank)))
+        run(body())
+    finally:
+        for side in sides:
+            side.close()

@@ -35,6 +35,7 @@ intervals = st.lists(
         increments,
         st.lists(st.floats(0, 30, allow_nan=False), max_size=5),
         st.one_of(st.none(), st.integers(0, 2**40)),
+        st.integers(0, 3),
     ),
     min_size=1,
     max_size=6,
@@ -49,21 +50,26 @@ def test_every_worker_counter_has_a_metric():
 @given(intervals)
 def test_aggregated_intervals_sum_their_parts(parts):
     # through the payload vLLM sends between processes (to_dict, then build_kv_connector_stats)
-    built = [DualPathKVConnectorStats(data=DualPathKVConnectorStats.from_counters(*p).to_dict()) for p in parts]
+    # parts: the workers' (ranks') stats of the steps of one interval, in the order vLLM aggregates them
+    built = [
+        DualPathKVConnectorStats(data=DualPathKVConnectorStats.from_counters(*p[:3], rank=p[3]).to_dict())
+        for p in parts
+    ]
     total = built[0]
     for other in built[1:]:
         total = total.aggregate(other)
     for key in COUNTERS:
-        assert total.data[key] == sum(inc.get(key, 0) for inc, _, _ in parts), key
-    assert total.data["layer_wait_s"] == [w for _, waits, _ in parts for w in waits]
-    known = [held for _, _, held in parts if held is not None]
-    assert total.data["quarantined_bytes"] == (known[-1] if known else None)
+        assert total.data[key] == sum(inc.get(key, 0) for inc, *_ in parts), key
+    assert total.data["layer_wait_s"] == [w for _, waits, *_ in parts for w in waits]
+    latest = {str(rank): held for _, _, held, rank in parts if held is not None}  # each rank's last known
+    assert total.data["quarantined_bytes"] == latest
     reduced = total.reduce()
+    assert reduced.get("quarantined_bytes") == (sum(latest.values()) if latest else None)
     assert {k: reduced[k] for k in COUNTERS} == {k: total.data[k] for k in COUNTERS}
     assert reduced["layer waits"] == len(total.data["layer_wait_s"])
     assert total.is_empty() == (not any(total.data[k] for k in COUNTERS) and not total.data["layer_wait_s"])
     total.reset()
-    assert total.is_empty() and total.data["quarantined_bytes"] is None and total.reduce()["loads_pe"] == 0
+    assert total.is_empty() and total.data["quarantined_bytes"] == {} and total.reduce()["loads_pe"] == 0
 
 
 def test_bad_counters_are_refused_with_their_names():
@@ -125,6 +131,28 @@ def test_vllms_prometheus_logger_path_registers_and_observes_the_metrics():
     logging.observe(second.to_dict())
     logging.log(lambda fmt, text: logged.append(text))
     assert re.search(r"loads_de=2, loads_split=1, .*snic_read_bytes=8192", logged[0]), logged
+
+
+def test_the_quarantined_bytes_gauge_is_the_sum_of_each_ranks_latest_figure():
+    """Tensor parallelism: each rank's worker reports its own held bytes when they change; the engine's gauge is
+    the sum of every rank's latest figure, whichever ranks reported in an interval (a rank's old figure stays)."""
+    registry = CollectorRegistry()
+    config = types.SimpleNamespace(kv_transfer_config=KV_TRANSFER)
+    prom = _private_prom(registry)(config, ["model_name", "engine"], {0: ["m", "0"], 1: ["m", "1"]})
+    gauge = ("vllm:dualpath_quarantined_bytes", (("engine", "0"), ("model_name", "m")))
+
+    def interval(*reports: tuple[int, int]) -> float:  # (rank, held) reports, as vLLM aggregates one step's
+        stats = DualPathKVConnectorStats()
+        for rank, held in reports:
+            stats = stats.aggregate(DualPathKVConnectorStats.from_counters({}, [], held, rank=rank))
+        prom.observe(stats.to_dict(), engine_idx=0)
+        return _samples(generate_latest(registry).decode())[gauge]
+
+    assert interval((0, 4096), (1, 8192)) == 12288
+    assert interval((1, 0)) == 4096  # rank 0 reported nothing new: it still holds 4096
+    assert interval((0, 0), (0, 1024)) == 1024  # a later report of the same rank replaces its earlier one
+    prom.observe(DualPathKVConnectorStats.from_counters({}, [], 512, rank=0).to_dict(), engine_idx=1)
+    assert _samples(generate_latest(registry).decode())[gauge] == 1024  # another engine's ranks are its own
 
 
 def test_the_worker_hands_over_what_changed_since_its_last_call(tmp_path):

@@ -259,3 +259,35 @@ def test_a_load_its_lead_fails_is_recomputed_on_every_replica_bit_exact(tp_deplo
     for rank in range(2):
         expected = expected_de_caches([(de_req, rows)], Model("mla", 1, 2, rank))
         assert_caches_equal(d.instances[f"de0/{rank}"].caches, expected)
+
+
+STATUS_SIZES = [(2, 2), (2, 1), (1, 2), (4, 2), (1, 4)]
+
+
+@pytest.mark.parametrize(("pe_tp", "de_tp"), STATUS_SIZES, ids=[f"pe{p}-de{d}" for p, d in STATUS_SIZES])
+@pytest.mark.parametrize(("kind", "heads"), [("gqa", 8), ("gqa", 2), ("mla", 1)], ids=["gqa8", "gqa2", "mla"])
+@pytest.mark.parametrize("path", ["pe", "de"])
+def test_an_instances_status_counts_each_request_once_whatever_its_ranks(tp_deploy, pe_tp, de_tp, kind, heads, path):
+    """The proxy's view of an instance, its ranks' statuses merged (``messages.instance_status``): a request read
+    ahead and not yet stepped is one unfinished request of its prompt's tokens on each instance, whether every rank
+    moves its heads of it (GQA) or only its lead (MLA, replicated heads); once it ended, nothing is unfinished or
+    held, the instance read one copy of the hit KV, and at equal sizes each hit block counts once."""
+    d = tp_deploy(pe_tp, de_tp, kind, heads)
+    seen = {}
+
+    def merged(name: str) -> m.Status:
+        return m.instance_status([d.instances[rank].worker.status() for rank in d.ranks(name)])
+
+    def before_step() -> None:
+        seen.update({name: merged(name) for name in ("pe0", "de0")})
+
+    d.run("pe0", "de0", 23, 5, path, False, seed=3, ahead=True, before_step=before_step)
+    for name, status in seen.items():
+        assert (status.unfinished_requests, status.unfinished_tokens) == (1, 23), (name, status)
+        assert status.tp_size == d.tp[name]
+    after = {name: merged(name) for name in ("pe0", "de0")}
+    assert [(s.unfinished_requests, s.host_leases, s.read_queue_tokens) for s in after.values()] == [(0, 0, 0)] * 2
+    reader = after["pe0" if path == "pe" else "de0"]
+    assert reader.snic_read_bytes == 5 * d.model.full.full_block_bytes
+    if pe_tp == de_tp:  # else a rank reads each pair's share of a block apart, and counts each (docs/vllm.md)
+        assert reader.snic_read_blocks == 5

@@ -490,13 +490,23 @@ class TpDeployment(Deployment):
         return [f"{name}/{rank}" for rank in range(self.tp[name])]
 
     def run(
-        self, pe: str, de: str, prompt: int, hit_blocks: int, path: str, split: bool, seed: int, ids=None, ahead=False
+        self,
+        pe: str,
+        de: str,
+        prompt: int,
+        hit_blocks: int,
+        path: str,
+        split: bool,
+        seed: int,
+        ids=None,
+        ahead=False,
+        before_step=None,
     ):
         """One request PE -> DE, its prefix stored once (whole; ``ids``: the store ids of one stored already):
         every rank of an instance gets the same step metadata (the peer named by its rank-0 address) and computes
-        its own share of the rows (``ahead``: each PE rank reads the hits ahead of its step first, and the step
-        takes what it reported ready). Returns ``[(de_request, the DE rank's rows)]`` by DE rank once every rank's
-        receive ended."""
+        its own share of the rows (``ahead``: every PE rank reads the hits ahead of its step first, then
+        ``before_step()`` is called, and the steps take what the ranks reported ready). Returns
+        ``[(de_request, the DE rank's rows)]`` by DE rank once every rank's receive ended."""
         rows = Deployment.true_rows(seed, prompt, self.model.full)
         n = next(self._ids)
         ids = self.store_prefix(rows, hit_blocks, 1000 + n) if ids is None else ids
@@ -510,13 +520,16 @@ class TpDeployment(Deployment):
         for name in self.ranks(de):
             self.expect_recv(name, de_req)
 
-        def prefill(rank: int, name: str) -> None:
-            req = PeRequest(
-                f"p{n}", pe_xfer, prompt, hit_blocks * BLOCK, ids, pe_blocks, self.shard(pe, rank).take(rows)
-            )
-            if ahead:
-                self.read_ahead(name, [req])
-                assert self.await_ready(name, {req.req_id}) == {req.req_id: req.hit_tokens}, f"{name}: not all ready"
+        reqs = [
+            PeRequest(f"p{n}", pe_xfer, prompt, hit_blocks * BLOCK, ids, pe_blocks, self.shard(pe, rank).take(rows))
+            for rank in range(self.tp[pe])
+        ]
+
+        def read_ahead(req: PeRequest, name: str) -> None:
+            self.read_ahead(name, [req])
+            assert self.await_ready(name, {req.req_id}) == {req.req_id: req.hit_tokens}, f"{name}: not all ready"
+
+        def prefill(req: PeRequest, name: str) -> None:
             assert self.prefill(name, req) == set(), f"{name}: hit blocks failed to load"
 
         def finish(name: str) -> None:
@@ -525,7 +538,11 @@ class TpDeployment(Deployment):
             else:
                 self.drain(name, de_req)
 
-        on_ranks([lambda r=rank, x=name: prefill(r, x) for rank, name in enumerate(self.ranks(pe))])
+        if ahead:
+            on_ranks([lambda r=req, x=name: read_ahead(r, x) for req, name in zip(reqs, self.ranks(pe), strict=True)])
+            if before_step is not None:
+                before_step()
+        on_ranks([lambda r=req, x=name: prefill(r, x) for req, name in zip(reqs, self.ranks(pe), strict=True)])
         on_ranks([lambda x=name: finish(x) for name in self.ranks(de)])
         for name in self.ranks(pe):
             self.instances[name].worker.get_finished({f"p{n}"})
