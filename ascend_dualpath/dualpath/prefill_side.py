@@ -558,8 +558,12 @@ class PrefillSide:
         )
 
     def _count(self, load: _Load) -> None:
+        """Count a started load once per instance (``KVShard.counts_requests``), on its first leg where it runs
+        through legs (their blocks are the same, each leg moves other columns of them)."""
         n, c = load.last - load.first, self.counters
-        if n == 0:
+        if n == 0 or not self.shard.counts_requests:
+            return
+        if self.rows is not None and self.rows.rank != min(self.shard.targets(self.rows.size, load.xfer_id)):
             return
         if load.spec.xfer is not None and load.spec.xfer.split:
             c.split_blocks_pe += load.own_blocks

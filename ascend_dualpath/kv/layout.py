@@ -449,6 +449,13 @@ class KVShard:
         the ranks sharing its head where vLLM replicates GQA heads (``kv_heads < size``), else this rank alone."""
         return tuple(rank for rank in range(self.size) if self.full.shard(self.size, rank).units == self.units)
 
+    @property
+    def counts_requests(self) -> bool:
+        """Whether this rank counts its instance's requests (loads, unfinished requests, blocks read): rank 0 and
+        its :attr:`replicas`, each for the requests it :meth:`lead` s. Every rank moves its own units of every
+        request, so counting on one replica group counts each request once per instance."""
+        return 0 in self.replicas
+
     def lead(self, key: str, peer_size: int | None = None) -> int:
         """The one rank of :attr:`replicas` that reads and moves request ``key``'s rows; the others take them from it
         inside the instance, so a replicated unit is read from storage and sent between instances once.

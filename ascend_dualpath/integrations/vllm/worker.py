@@ -87,8 +87,6 @@ class DualPathWorker:
         self.counters = Counters()
         self.persister = Persister(writer, self.announcements, self.counters)
         self.quarantine = Quarantine(self.counters)
-        # this rank counts requests and blocks for its instance (messages.Status): rank 0 and its replicas
-        self._counts = 0 in self.shard.replicas
         self.caches: list[torch.Tensor] = []
         self._layer_of: dict[str, int] = {}
         self.adapter = None
@@ -202,7 +200,9 @@ class DualPathWorker:
         self.decode.complete_recvs(drains_only=True)  # also expires orphan plans, even on an idle engine
         stats = self.read_queue.stats()
         token_bytes = self.shard.full.kv_bytes(1)  # the whole model's, so that the ranks' queues in tokens add up
-        unfinished = self.decode.unfinished_tokens() + self.prefill.unfinished_tokens() if self._counts else []
+        unfinished = (
+            self.decode.unfinished_tokens() + self.prefill.unfinished_tokens() if self.shard.counts_requests else []
+        )
         return m.Status(
             role=self.settings.role,
             node=self.settings.node,
@@ -211,7 +211,7 @@ class DualPathWorker:
             read_queue_tokens=stats.bytes // token_bytes,
             read_queue_bytes=stats.bytes,
             snic_read_bytes=stats.completed_bytes,
-            snic_read_blocks=stats.completed_requests if self._counts else 0,
+            snic_read_blocks=stats.completed_requests if self.shard.counts_requests else 0,
             unfinished_requests=len(unfinished),
             unfinished_tokens=sum(unfinished),
             quarantined_bytes=self.quarantine.held_bytes,
@@ -229,7 +229,7 @@ class DualPathWorker:
         now = {
             **dataclasses.asdict(self.counters),
             "snic_read_bytes": queue.completed_bytes,
-            "snic_read_blocks": queue.completed_requests if self._counts else 0,
+            "snic_read_blocks": queue.completed_requests if self.shard.counts_requests else 0,
         }
         increments = {k: v - self._reported.get(k, 0) for k, v in now.items() if v != self._reported.get(k, 0)}
         waits, self.prefill.layer_waits = self.prefill.layer_waits, []  # the forward's thread, the only one appending

@@ -10,6 +10,7 @@ ranks persisted as parts, published whole). Slow: three servers of two workers e
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -18,7 +19,12 @@ import pytest
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
 
+from ascend_dualpath.dualpath.settings import rank_address  # noqa: E402
+from ascend_dualpath.dualpath.side_channel import TOKEN_ENV, query_status  # noqa: E402
+from ascend_dualpath.integrations.vllm import proxy as proxy_mod  # noqa: E402
+from ascend_dualpath.integrations.vllm.cluster import SIDE_PORT_OFFSET  # noqa: E402
 from tests.integrations.vllm import test_serve_e2e as e2e  # noqa: E402
+from tests.integrations.vllm.fakes import run  # noqa: E402
 from tests.integrations.vllm.test_serve_e2e import model  # noqa: E402, F401 (the fixture, by name)
 
 PERSIST_WAIT_S = 30.0  # the last turn's persist runs behind its answer; a rank waits up to PARENT_WAIT_S (10 s)
@@ -32,6 +38,36 @@ def _bind(size: int) -> str:
     """One core list per rank (vLLM's CPU worker); the automatic binding wants a NUMA node per rank."""
     cores = sorted(os.sched_getaffinity(0))
     return "|".join(str(cores[r % len(cores)]) for r in range(size))
+
+
+TOKEN = b"tp-e2e-deployment-token-01234567"  # serve's token (ADP_SIDE_TOKEN), so the test may ask the side channels
+
+
+def _check_instance_status(log, sizes: dict[str, int], reader: str) -> None:
+    """The proxy's view of each instance (its ranks' statuses merged, ``proxy.query_status``) against each rank's
+    own reply: the instance's size, its storage reads the sum of its ranks' (the reading instance's nonzero), and
+    nothing unfinished or held once the requests ended."""
+    import zmq.asyncio
+
+    ready = next(line for line in log.read_text().splitlines() if line.startswith("serve: ready at"))
+    ports = dict(re.findall(r"(\w+) :(\d+)", ready))
+
+    async def merged(side: str) -> dict:
+        ctx = zmq.asyncio.Context()
+        try:
+            return await proxy_mod.query_status(ctx, side, 10.0, TOKEN)
+        finally:
+            ctx.term()
+
+    for name, size in sizes.items():
+        side = f"tcp://127.0.0.1:{int(ports[name]) + SIDE_PORT_OFFSET}"
+        ranks = [query_status(rank_address(side, rank), 10.0, token=TOKEN) for rank in range(size)]
+        status = run(merged(side))
+        assert status["tp_size"] == size and [r.tp_rank for r in ranks] == list(range(size)), (name, status)
+        assert status["snic_read_bytes"] == sum(r.snic_read_bytes for r in ranks), (name, status, ranks)
+        assert status["snic_read_bytes"] > 0 or name != reader, (name, status)
+        held = {key: status[key] for key in ("unfinished_requests", "host_leases", "quarantined_bytes")}
+        assert held == dict.fromkeys(held, 0), (name, status)
 
 
 def _wait_persisted(store) -> None:
@@ -91,16 +127,19 @@ def test_serve_at_tensor_parallel_sizes_matches_plain_vllm_and_loads_from_storag
     vllm_shm = {name for name in os.listdir("/dev/shm") if name.startswith("vllm_dist_")}
     proc, url, log = e2e._serve(served, tmp_path, "--policy", policy, "--startup-timeout", str(STARTUP_S),
                                 "--timeout", str(REQUEST_TIMEOUT_S),
-                                *(arg for size in sizes for arg in ("--instance-args", size)), *(("--", *dtype) if dtype else ()))  # fmt: skip
+                                *(arg for size in sizes for arg in ("--instance-args", size)), *(("--", *dtype) if dtype else ()),
+                                env={TOKEN_ENV: TOKEN.decode()})  # fmt: skip
     try:
         turns = e2e.conversation_turns(url, served)
         metrics = e2e._get(f"{url}/metrics")
         loads = sum(e2e._metric(metrics, "vllm:dualpath_loads_total", path=p) for p in ("pe", "de", "split"))
-        per_turn = 1 if kv_heads == 1 else 2  # a load per rank pair moving rows: both, or the request's lead pair
-        assert loads >= per_turn * (e2e.TURNS - 1), metrics
+        # one load per request with storage hits, counted once per instance whatever the sizes (each conversation's
+        # turns after its first find their prefix stored)
+        assert len(turns) - len(turns) // e2e.TURNS <= loads <= len(turns), metrics
         assert e2e._metric(metrics, "vllm:dualpath_failures_total") == 0, metrics
         _wait_persisted(tmp_path / "store")
         assert list((tmp_path / "store" / "blocks").rglob("*.kvb"))
+        _check_instance_status(log, {"prefill0": pe_tp, "decode0": de_tp}, "prefill0" if policy == "pe" else "decode0")
     finally:
         code = e2e._stop(proc)
     assert code == 128 + signal.SIGTERM, log.read_text()[-3000:]
