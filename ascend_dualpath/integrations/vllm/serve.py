@@ -38,6 +38,7 @@ import dataclasses
 import itertools
 import json
 import os
+import random
 import re
 import secrets
 import shlex
@@ -67,6 +68,7 @@ from ascend_dualpath.errors import ConfigError, WaitTimeout
 from ascend_dualpath.integrations.vllm.cluster import NODE_PREFIX, SIDE_PORT_OFFSET
 
 SHM_DIR = "/dev/shm"
+_RANDOM = random.SystemRandom()  # not the random module's: tests seed it, and two serves would pick alike
 RUN_PREFIX = "adp-serve-"
 MAX_TMP_PATH = 48
 # How long vLLM gets to shut its engine core down after SIGTERM.
@@ -152,22 +154,43 @@ def _port_is_free(port: int) -> bool:
     return True
 
 
+def ephemeral_port_start() -> int:
+    """The lowest port the kernel hands an unbound socket that connects (Linux's ``ip_local_port_range``; 32768,
+    its default, where that cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _candidate_port(span: int) -> int:
+    """A port to try: drawn below the ephemeral range with room for its side ports above it, where the kernel never
+    puts a connecting socket (vLLM's start-up opens many connections; one took a side port drawn from that range);
+    the kernel's own pick where the range starts too low for that."""
+    top = ephemeral_port_start() - SIDE_PORT_OFFSET - span
+    if top > 2048:
+        return _RANDOM.randint(max(1024, top - 10_000), top)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def pick_instance_ports(
     count: int, taken: set[int] | frozenset = frozenset(), attempts: int = 200, spans: list[int] | None = None
 ) -> list[int]:
     """``count`` ports ``p`` with ``p`` and the side ports ``p + 100`` .. ``p + 100 + span - 1`` (``spans``: one
     per instance, its workers; default 1) free on 127.0.0.1 and no clash with ``taken`` or each other (HTTP
-    ports and side ports together). A port is free when checked; a race with another program remains possible
-    and shows as a start-up failure naming the port."""
+    ports and side ports together), below the kernel's ephemeral range (:func:`_candidate_port`). A port is free
+    when checked; a race with another program binding it remains possible and shows as a start-up failure naming
+    the port."""
     used = set(taken)
     chosen: list[int] = []
     spans = spans or [1] * count
     for _ in range(attempts):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port = _candidate_port(spans[len(chosen)])
         sides = set(range(port + SIDE_PORT_OFFSET, port + SIDE_PORT_OFFSET + spans[len(chosen)]))
-        if max(sides) > 65535 or ({port} | sides) & used or not all(map(_port_is_free, sides)):
+        if max(sides) > 65535 or ({port} | sides) & used or not all(map(_port_is_free, {port} | sides)):
             continue
         chosen.append(port)
         used |= {port} | sides

@@ -216,6 +216,8 @@ def test_picked_ports_and_their_side_ports_are_free_and_distinct():
     everything = ports + [p + serve_mod.SIDE_PORT_OFFSET for p in ports]
     assert len(set(everything)) == 6 and 8000 not in everything
     assert all(serve_mod._port_is_free(p) for p in everything)
+    # below the ephemeral range: no connecting socket (vLLM's start-up opens many) takes one meanwhile
+    assert max(everything) < serve_mod.ephemeral_port_start(), everything
 
 
 def test_options_name_the_bad_value(tmp_path):

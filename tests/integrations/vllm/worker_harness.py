@@ -28,7 +28,6 @@ import secrets
 import socket
 import threading
 import time
-from pathlib import Path
 
 import msgspec
 import torch
@@ -41,6 +40,7 @@ from ascend_dualpath.dualpath.side_channel import XferParams
 from ascend_dualpath.dualpath.specs import LoadSpec, RecvSpec, SaveSpec
 from ascend_dualpath.integrations.vllm.layouts import FlashAttnAdapter, MlaAdapter, PagedKVAdapter
 from ascend_dualpath.integrations.vllm.metadata import DualPathMetadata
+from ascend_dualpath.integrations.vllm.serve import ephemeral_port_start
 from ascend_dualpath.integrations.vllm.worker import DualPathWorker
 from ascend_dualpath.kv.layout import KVLayout, KVShard
 from ascend_dualpath.kv.store import LocalBlockStore
@@ -57,19 +57,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _ephemeral_start() -> int:
-    """The first port the kernel hands out for an unbound socket (a client's connect)."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
 def free_ports(count: int, attempts: int = 200) -> int:
     """A base port with ``count`` consecutive ports free now (a tensor-parallel instance's side channels), below
     the ephemeral range: the ranks bind them one after another, and a port from that range could meanwhile become a
     client socket's (the first ranks' connections)."""
-    top = _ephemeral_start() - count
+    top = ephemeral_port_start() - count
     for _ in range(attempts):
         base = random.randint(max(1024, top - 10_000), top)
         socks = []
