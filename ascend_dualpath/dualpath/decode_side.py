@@ -463,8 +463,10 @@ class DecodeSide:
         mine = [b for b in range(len(ids)) if not first <= b < first + plan.pe_blocks]
         self.store.refresh(ids)
         shard = None if xfer.shard == self.shard else xfer.shard  # the PE rank's heads only: one copy per instance
+        # with several source PE ranks, the pair of the first counts the blocks; the others read other heads of them
+        block = shard is None or shard.rank == min(source for source, _ in self.shard.sources(shard.size))
         tickets = xfer.reads = [
-            self.read_queue.submit(ids[b], lease.slice(hits.block_offset(b), fb).view, shard) for b in mine
+            self.read_queue.submit(ids[b], lease.slice(hits.block_offset(b), fb).view, shard, block) for b in mine
         ]
         corrupt, first_error = None, None
         for b, ticket in zip(mine, tickets, strict=True):

@@ -222,7 +222,7 @@ class _Engine:
             read_queue_tokens=stats.bytes // self.layout.kv_bytes(1),
             read_queue_bytes=stats.bytes,
             snic_read_bytes=stats.completed_bytes,
-            snic_read_blocks=stats.completed_requests,
+            snic_read_blocks=stats.completed_blocks,
         )
 
     def rows(self, block_ids: Sequence[int], end: int) -> torch.Tensor:

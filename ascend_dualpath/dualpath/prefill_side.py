@@ -561,9 +561,7 @@ class PrefillSide:
         """Count a started load once per instance (``KVShard.counts_requests``), on its first leg where it runs
         through legs (their blocks are the same, each leg moves other columns of them)."""
         n, c = load.last - load.first, self.counters
-        if n == 0 or not self.shard.counts_requests:
-            return
-        if self.rows is not None and self.rows.rank != min(self.shard.targets(self.rows.size, load.xfer_id)):
+        if n == 0 or not self.shard.counts_requests or not self._first_leg(load):
             return
         if load.spec.xfer is not None and load.spec.xfer.split:
             c.split_blocks_pe += load.own_blocks
@@ -574,6 +572,11 @@ class PrefillSide:
             c.loads_de += 1
         else:
             c.loads_split += 1
+
+    def _first_leg(self, load: _Load) -> bool:
+        """Whether this side counts the load's blocks and the load itself: a request through legs counts them on
+        its first leg (to the lowest DE rank), the others move other columns of the same blocks."""
+        return self.rows is None or self.rows.rank == min(self.shard.targets(self.rows.size, load.xfer_id))
 
     def _queue_reads(self, load: _Load, first: int, count: int) -> _Reads:
         """Queue hit blocks ``[first, first + count)`` on this PE's storage read queue into a fresh host lease."""
@@ -601,12 +604,10 @@ class PrefillSide:
         self.store.refresh(spec.store_ids[: first + count])  # the scheduler half's store saw them; this may not
         own = LeaseLayout.blocks(self.layout, count)
         self.blocks_read[spec.req_id] = self.blocks_read.get(spec.req_id, 0) + count
+        block = self._first_leg(load)
         for i in range(count):  # appended one by one: a failing submit leaves those queued to _release_load
-            reads.tickets.append(
-                self.read_queue.submit(
-                    spec.store_ids[first + i], reads.lease.slice(own.block_offset(i), fb).view, self.rows
-                )
-            )
+            dest = reads.lease.slice(own.block_offset(i), fb).view
+            reads.tickets.append(self.read_queue.submit(spec.store_ids[first + i], dest, self.rows, block))
 
     @property
     def block_size(self) -> int:

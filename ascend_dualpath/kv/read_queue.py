@@ -27,6 +27,7 @@ class ReadTicket:
     block_id: bytes
     nbytes: int
     submitted_at: float
+    block: bool = True  # counts as a block read (completed_blocks); a further share of a block counted already not
     started_at: float | None = None
     finished_at: float | None = None
     _done: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
@@ -64,7 +65,8 @@ class ReadTicket:
 
 @dataclasses.dataclass(frozen=True)
 class ReadQueueStats:
-    """Queue length of one node's storage reads: waiting (paced, not started) and in flight."""
+    """Queue length of one node's storage reads: waiting (paced, not started) and in flight; what completed (reads,
+    bytes, and blocks: reads submitted as one, not as a further share of a block another read counts)."""
 
     queued_requests: int
     queued_bytes: int
@@ -73,6 +75,7 @@ class ReadQueueStats:
     completed_requests: int
     completed_bytes: int
     failed_requests: int
+    completed_blocks: int = 0
 
     @property
     def requests(self) -> int:
@@ -139,6 +142,7 @@ class ReadQueue:
         self._inflight_requests = 0
         self._inflight_bytes = 0
         self._completed_requests = 0
+        self._completed_blocks = 0
         self._completed_bytes = 0
         self._failed_requests = 0
         self._closed = False
@@ -146,10 +150,11 @@ class ReadQueue:
         self._dispatcher = threading.Thread(target=self._dispatch, name=f"adp-readq-{node}", daemon=True)
         self._dispatcher.start()
 
-    def submit(self, block_id: bytes, dest: Any, shard: KVShard | None = None) -> ReadTicket:
+    def submit(self, block_id: bytes, dest: Any, shard: KVShard | None = None, block: bool = True) -> ReadTicket:
         """Queue a read of one Full Block into ``dest`` (the store layout's ``full_block_bytes`` bytes); returns its
         ticket. ``shard``: read only that tensor-parallel rank's bytes (``shard.local.full_block_bytes``; a DE rank
-        reading for a PE rank of a larger size reads that rank's heads only)."""
+        reading for a PE rank of a larger size reads that rank's heads only). ``block``: False for a further share
+        of a block another read of the same request counts (``completed_blocks``)."""
         nbytes = as_memoryview(dest, writable=True).nbytes
         expected = (shard.local if shard is not None else self.store.layout).full_block_bytes
         if nbytes != expected:
@@ -163,7 +168,7 @@ class ReadQueue:
                     f"read queue of {self.node}: {self._queued_bytes} bytes queued + {nbytes} "
                     f"exceeds max_queued_bytes={self.max_queued_bytes}"
                 )
-            ticket = ReadTicket(block_id, nbytes, self.clock.now())
+            ticket = ReadTicket(block_id, nbytes, self.clock.now(), block)
             self._queue.append((ticket, read))
             self._queued_bytes += nbytes
             self._cond.notify_all()
@@ -197,6 +202,7 @@ class ReadQueue:
                 self._completed_requests,
                 self._completed_bytes,
                 self._failed_requests,
+                self._completed_blocks,
             )
 
     def _dispatch(self) -> None:
@@ -251,6 +257,7 @@ class ReadQueue:
                 self.bucket.take(carried - ticket.nbytes, self.clock.now())
             if error is None:
                 self._completed_requests += 1
+                self._completed_blocks += ticket.block
                 self._completed_bytes += carried
             else:
                 self._failed_requests += 1

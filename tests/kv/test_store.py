@@ -555,8 +555,21 @@ def test_read_queue_paces_to_the_bandwidth_cap(tmp_path_factory, count, burst_bl
     assert starts == pytest.approx(reference_start_times([nbytes] * count, rate, burst), rel=1e-12, abs=1e-12)
     for index, start in enumerate(starts):  # the cap: bytes started by t <= burst + rate * t (+ one oversized read)
         assert (index + 1) * nbytes <= burst + rate * start + max(0, nbytes - burst) + 1e-6
-    assert (stats.completed_requests, stats.completed_bytes) == (count, count * nbytes)
+    assert (stats.completed_requests, stats.completed_bytes, stats.completed_blocks) == (count, count * nbytes, count)
     assert (stats.requests, stats.bytes) == (0, 0)
+
+
+def test_a_further_share_of_a_block_is_a_read_but_not_a_block(tmp_path):
+    store = LocalBlockStore(tmp_path, FP8_LAYOUT)
+    ids = write_chain(store, make_blocks(FP8_LAYOUT, 2))
+    dests = torch.empty((3, FP8_LAYOUT.full_block_bytes), dtype=torch.uint8)
+    with ReadQueue(store, 1e12) as queue:
+        tickets = [queue.submit(ids[0], dests[0]), queue.submit(ids[0], dests[1], block=False)]
+        tickets.append(queue.submit(ids[1], dests[2]))
+        for ticket in tickets:
+            ticket.wait(10)
+        stats = queue.stats()
+    assert (stats.completed_requests, stats.completed_blocks) == (3, 2)
 
 
 def test_token_bucket_rules():

@@ -211,7 +211,7 @@ class DualPathWorker:
             read_queue_tokens=stats.bytes // token_bytes,
             read_queue_bytes=stats.bytes,
             snic_read_bytes=stats.completed_bytes,
-            snic_read_blocks=stats.completed_requests if self.shard.counts_requests else 0,
+            snic_read_blocks=stats.completed_blocks if self.shard.counts_requests else 0,
             unfinished_requests=len(unfinished),
             unfinished_tokens=sum(unfinished),
             quarantined_bytes=self.quarantine.held_bytes,
@@ -229,7 +229,7 @@ class DualPathWorker:
         now = {
             **dataclasses.asdict(self.counters),
             "snic_read_bytes": queue.completed_bytes,
-            "snic_read_blocks": queue.completed_requests if self.shard.counts_requests else 0,
+            "snic_read_blocks": queue.completed_blocks if self.shard.counts_requests else 0,
         }
         increments = {k: v - self._reported.get(k, 0) for k, v in now.items() if v != self._reported.get(k, 0)}
         waits, self.prefill.layer_waits = self.prefill.layer_waits, []  # the forward's thread, the only one appending

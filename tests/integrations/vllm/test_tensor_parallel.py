@@ -270,7 +270,8 @@ def test_an_instances_status_counts_each_request_once_whatever_its_ranks(tp_depl
     """The proxy's view of an instance, its ranks' statuses merged (``messages.instance_status``): a request read
     ahead and not yet stepped is one unfinished request of its prompt's tokens on each instance, whether every rank
     moves its heads of it (GQA) or only its lead (MLA, replicated heads); once it ended, nothing is unfinished or
-    held, the instance read one copy of the hit KV, and at equal sizes each hit block counts once."""
+    held, and the instance read one copy of the hit KV and counts each hit block once (a PE rank reading through
+    legs, or a DE rank for several PE ranks, reads each pair's share of a block apart: one of them counts it)."""
     d = tp_deploy(pe_tp, de_tp, kind, heads)
     seen = {}
 
@@ -287,6 +288,4 @@ def test_an_instances_status_counts_each_request_once_whatever_its_ranks(tp_depl
     after = {name: merged(name) for name in ("pe0", "de0")}
     assert [(s.unfinished_requests, s.host_leases, s.read_queue_tokens) for s in after.values()] == [(0, 0, 0)] * 2
     reader = after["pe0" if path == "pe" else "de0"]
-    assert reader.snic_read_bytes == 5 * d.model.full.full_block_bytes
-    if pe_tp == de_tp:  # else a rank reads each pair's share of a block apart, and counts each (docs/vllm.md)
-        assert reader.snic_read_blocks == 5
+    assert (reader.snic_read_bytes, reader.snic_read_blocks) == (5 * d.model.full.full_block_bytes, 5)
