@@ -261,9 +261,9 @@ class Status(Message, tag="status"):
     (``unfinished_requests`` / ``_tokens``), and what it holds now: ``host_leases`` and ``quarantined_bytes`` (0 once
     every request ended and late writes are ruled out). Requests and blocks are counted once per instance: by the
     ranks of rank 0's replicas (``KVShard.counts_requests``), each for the requests it leads; every rank moves its
-    own heads of every request, so the other ranks count none. The counters (loads per path, fallbacks, takeovers, failures, ...) go through
-    vLLM's metrics (``integrations/vllm/stats.py``). ``tp_size`` / ``tp_rank``: the instance's tensor-parallel size
-    (a PE asks rank 0 which of its ranks to pair with) and this rank.
+    own heads of every request, so the other ranks count none. The counters (loads per path, fallbacks, takeovers,
+    failures, ...) go through vLLM's metrics (``integrations/vllm/stats.py``). ``tp_size`` / ``tp_rank``: the
+    instance's tensor-parallel size (a PE asks rank 0 which of its ranks to pair with) and this rank.
     """
 
     role: str

@@ -443,7 +443,7 @@ class KVShard:
             and (key is None or self.full.shard(size, rank).lead(key) == rank)
         )
 
-    @property
+    @functools.cached_property  # asked per request and per step; the shard never changes
     def replicas(self) -> tuple[int, ...]:
         """The ranks of this size that hold exactly this rank's units, itself included: every rank for MLA's latent,
         the ranks sharing its head where vLLM replicates GQA heads (``kv_heads < size``), else this rank alone."""

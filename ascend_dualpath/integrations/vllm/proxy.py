@@ -93,6 +93,7 @@ from ascend_dualpath.integrations.vllm.upstream import (
     pass_through,
     transport_error,
 )
+from ascend_dualpath.kv.layout import TP_SIZE_MAX
 
 POLICIES = ("dual", "pe", "de")
 __all__ = ["DualPathProxy", "ProxyConfig", "decide", "default_side_channel", "run_proxy"]
@@ -252,9 +253,9 @@ async def query_status(ctx: zmq.asyncio.Context, address: str, timeout_s: float,
     (:func:`~ascend_dualpath.dualpath.messages.instance_status`). Waits at most ``2 * timeout_s``; any rank's
     silence or malformed reply fails the whole query (:class:`WaitTimeout`, :class:`ProtocolError`)."""
     first = await _query_rank(ctx, address, timeout_s, token)
-    if not 0 < first.tp_size <= 65536 - int(address.rpartition(":")[2]):  # a side port per rank
+    if not 0 < first.tp_size <= TP_SIZE_MAX:  # bounds the sockets opened for the other ranks
         raise ProtocolError(
-            f"side channel {address} reports tensor-parallel size {first.tp_size}: no side ports for it"
+            f"side channel {address} reports tensor-parallel size {first.tp_size}, not in [1, {TP_SIZE_MAX}]"
         )
     rest = [_query_rank(ctx, rank_address(address, rank), timeout_s, token) for rank in range(1, first.tp_size)]
     return msgspec.to_builtins(m.instance_status([first, *await asyncio.gather(*rest)]))

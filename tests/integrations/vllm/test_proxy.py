@@ -454,3 +454,27 @@ def test_an_instances_status_is_merged_from_every_ranks_side_channel():
     finally:
         for side in sides:
             side.close()
+
+
+@pytest.mark.parametrize("size", [0, -1, 1025])
+def test_a_rank_0_naming_an_impossible_size_is_refused_before_any_other_rank_is_asked(size):
+    import zmq.asyncio
+
+    from ascend_dualpath.dualpath import messages as m
+    from ascend_dualpath.dualpath.side_channel import SideChannel
+    from ascend_dualpath.errors import ProtocolError
+
+    side = SideChannel(0, lambda r: m.Status("decode", "de0.tp0", 0, tp_size=size))
+
+    async def body():
+        ctx = zmq.asyncio.Context()
+        try:
+            with pytest.raises(ProtocolError, match=rf"reports tensor-parallel size {size}, not in \[1, 1024\]"):
+                await proxy_mod.query_status(ctx, side.address, 5.0)
+        finally:
+            ctx.term()
+
+    try:
+        run(body())
+    finally:
+        side.close()

@@ -127,8 +127,8 @@ def test_serve_at_tensor_parallel_sizes_matches_plain_vllm_and_loads_from_storag
     vllm_shm = {name for name in os.listdir("/dev/shm") if name.startswith("vllm_dist_")}
     proc, url, log = e2e._serve(served, tmp_path, "--policy", policy, "--startup-timeout", str(STARTUP_S),
                                 "--timeout", str(REQUEST_TIMEOUT_S),
-                                *(arg for size in sizes for arg in ("--instance-args", size)), *(("--", *dtype) if dtype else ()),
-                                env={TOKEN_ENV: TOKEN.decode()})  # fmt: skip
+                                *(arg for size in sizes for arg in ("--instance-args", size)),
+                                *(("--", *dtype) if dtype else ()), env={TOKEN_ENV: TOKEN.decode()})  # fmt: skip
     try:
         turns = e2e.conversation_turns(url, served)
         metrics = e2e._get(f"{url}/metrics")
